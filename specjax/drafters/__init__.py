@@ -1,0 +1,1 @@
+"""Drafters: each proposes a block of draft tokens with the exact distributions they came from."""

@@ -1,0 +1,1 @@
+"""Target models: Qwen3 dense decoder and its KV cache."""

@@ -1,0 +1,79 @@
+"""The KV cache as an explicit pytree.
+
+Per layer k and v are [slots, max_len, kv_heads, head_dim]; `lengths[slots]` is the number of
+committed tokens of each slot. New tokens are written at each row's own length (scatter, writes past
+`max_len` dropped) and attention masks come from lengths alone, so rejecting draft tokens is just
+setting a smaller length: stale entries past it are masked and overwritten later (write, then mask;
+no copies).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+CACHE_AXES = ("cache_batch", "cache_seq", "kv_heads", "head_dim")
+LENGTHS_AXES = ("cache_batch",)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+    lengths: Array  # [slots] int32
+
+    @classmethod
+    def init(cls, *, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
+             dtype="float32") -> "KVCache":
+        shape = (slots, max_len, kv_heads, head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   lengths=jnp.zeros((slots,), jnp.int32))
+
+    @property
+    def slots(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    def with_lengths(self, lengths: Array) -> "KVCache":
+        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+
+    def replace_layer(self, layer: int, k: Array, v: Array) -> "KVCache":
+        ks, vs = list(self.k), list(self.v)
+        ks[layer], vs[layer] = k, v
+        return dataclasses.replace(self, k=tuple(ks), v=tuple(vs))
+
+
+def write_indices(lengths_s: Array, t: int) -> Array:
+    """Cache rows [S, T] that T new tokens occupy: each row's own length + 0..T-1."""
+    return lengths_s[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+def write(buf_smkd: Array, new_stkd: Array, lengths_s: Array) -> Array:
+    """Scatter T new entries per row at that row's length; entries past max_len are dropped."""
+    s, t = new_stkd.shape[:2]
+    idx = write_indices(lengths_s, t)
+    rows = jnp.arange(s, dtype=jnp.int32)[:, None]
+    return buf_smkd.at[rows, idx].set(new_stkd.astype(buf_smkd.dtype), mode="drop")
+
+
+def cached_mask(lengths_s: Array, t: int, max_len: int) -> Array:
+    """[S, T, max_len]: query t of row s (at cache row lengths[s] + t) sees keys j <= lengths[s] + t."""
+    q_idx = write_indices(lengths_s, t)
+    return jnp.arange(max_len, dtype=jnp.int32)[None, None, :] <= q_idx[:, :, None]
+
+
+def causal_mask(t: int, valid_b: Array | None = None) -> Array:
+    """[B, T, T] causal mask without a cache; keys at or past a row's valid length are hidden."""
+    ar = jnp.arange(t, dtype=jnp.int32)
+    m = ar[None, :, None] >= ar[None, None, :]
+    if valid_b is None:
+        return m
+    return m & (ar[None, None, :] < valid_b[:, None, None])
