@@ -56,12 +56,20 @@ def write_indices(lengths_s: Array, t: int) -> Array:
     return lengths_s[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
-def write(buf_smkd: Array, new_stkd: Array, lengths_s: Array) -> Array:
-    """Scatter T new entries per row at that row's length; entries past max_len are dropped."""
-    s, t = new_stkd.shape[:2]
-    idx = write_indices(lengths_s, t)
-    rows = jnp.arange(s, dtype=jnp.int32)[:, None]
-    return buf_smkd.at[rows, idx].set(new_stkd.astype(buf_smkd.dtype), mode="drop")
+def write(buf_smkd: Array, new_btkd: Array, lengths_b: Array, rows_b: Array | None = None) -> Array:
+    """Scatter T new entries per row at that row's length; entries past max_len are dropped.
+
+    Row b of `new` goes to cache slot `rows_b[b]` (default: slot b).
+    """
+    b, t = new_btkd.shape[:2]
+    idx = write_indices(lengths_b, t)
+    rows = jnp.arange(b, dtype=jnp.int32) if rows_b is None else rows_b.astype(jnp.int32)
+    return buf_smkd.at[rows[:, None], idx].set(new_btkd.astype(buf_smkd.dtype), mode="drop")
+
+
+def read_rows(buf_smkd: Array, b: int, rows_b: Array | None = None) -> Array:
+    """The cache rows a call of B rows attends to: slots [0:B] (a slice) or the given slot ids."""
+    return buf_smkd[:b] if rows_b is None else jnp.take(buf_smkd, rows_b, axis=0)
 
 
 def cached_mask(lengths_s: Array, t: int, max_len: int) -> Array:

@@ -66,16 +66,17 @@ class Attention(nnx.Module):
         return self.o_proj(attn_bthd.reshape(b, t, -1))
 
     def __call__(self, x_bth: Array, positions_bt: Array, mask: Array,
-                 kv_cache: tuple[Array, Array] | None, lengths_s: Array | None):
+                 kv_cache: tuple[Array, Array] | None, lengths_b: Array | None,
+                 rows_b: Array | None = None):
         q = self.queries(x_bth, positions_bt)
         k, v = self.keys_values(x_bth, positions_bt)
         new_kv = None
         if kv_cache is not None:
             b = x_bth.shape[0]
-            k_all = kvc.write(kv_cache[0], k, lengths_s)
-            v_all = kvc.write(kv_cache[1], v, lengths_s)
+            k_all = kvc.write(kv_cache[0], k, lengths_b, rows_b)
+            v_all = kvc.write(kv_cache[1], v, lengths_b, rows_b)
             new_kv = (k_all, v_all)
-            k, v = k_all[:b], v_all[:b]
+            k, v = kvc.read_rows(k_all, b, rows_b), kvc.read_rows(v_all, b, rows_b)
         return self.output(gqa_attention(q, k, v, mask)), new_kv
 
 
@@ -87,8 +88,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, **kw)
 
-    def __call__(self, x, positions, mask, kv_cache=None, lengths=None):
-        a, new_kv = self.self_attn(self.input_layernorm(x), positions, mask, kv_cache, lengths)
+    def __call__(self, x, positions, mask, kv_cache=None, lengths=None, rows=None):
+        a, new_kv = self.self_attn(self.input_layernorm(x), positions, mask, kv_cache, lengths, rows)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_kv
@@ -124,13 +125,13 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.model.embed_tokens(tokens)
 
     def forward(self, tokens_bt: Array, positions_bt: Array, cache: kvc.KVCache | None = None,
-                valid_b: Array | None = None, *, tap_layers: Sequence[int] = (),
-                logits: str = "all") -> ForwardOut:
+                valid_b: Array | None = None, *, rows_b: Array | None = None,
+                tap_layers: Sequence[int] = (), logits: str = "all") -> ForwardOut:
         """Run the decoder. `valid_b` [B] is each row's count of real tokens (default T).
 
         With a cache, token t of row b is written at cache row lengths[b] + t and sees cache rows
         <= lengths[b] + t; the returned cache has lengths + valid. The cache may hold more slots than
-        B: rows [0:B] take part and the others are untouched. `logits` is "all", "last" (at the
+        B: rows [0:B] take part (or the slots `rows_b` [B], distinct) and the others are untouched. `logits` is "all", "last" (at the
         last valid token of each row) or "none".
         """
         cfg = self.config
@@ -143,8 +144,8 @@ class Qwen3ForCausalLM(nnx.Module):
         if cache is None:
             mask = kvc.causal_mask(t, valid_b)
             lengths = None
-        else:  # rows [0:B] of a cache with >= B slots take part
-            lengths = cache.lengths[:b]
+        else:  # rows [0:B] (or rows_b) of a cache with >= B slots take part
+            lengths = cache.lengths[:b] if rows_b is None else cache.lengths[rows_b]
             mask = kvc.cached_mask(lengths, t, cache.max_len)
         x = self.model.embed_tokens(tokens_bt)
         taps: dict[int, Array] = {}
@@ -153,7 +154,7 @@ class Qwen3ForCausalLM(nnx.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.model.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, new_kv = layer(x, positions_bt, mask, kv, lengths)
+            x, new_kv = layer(x, positions_bt, mask, kv, lengths, rows_b)
             if new_kv is not None:
                 new_k.append(new_kv[0])
                 new_v.append(new_kv[1])
@@ -172,8 +173,9 @@ class Qwen3ForCausalLM(nnx.Module):
             raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
         new_cache = None
         if cache is not None:
+            rows = jnp.arange(b) if rows_b is None else rows_b
             new_cache = kvc.KVCache(k=tuple(new_k), v=tuple(new_v),
-                                    lengths=cache.lengths.at[:b].add(valid_b.astype(jnp.int32)))
+                                    lengths=cache.lengths.at[rows].add(valid_b.astype(jnp.int32)))
         return ForwardOut(out_logits, tuple(taps[i] for i in tap_layers), hidden, new_cache)
 
     def __call__(self, tokens_bt: Array, positions_bt: Array | None = None) -> Array:

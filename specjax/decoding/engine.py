@@ -1,0 +1,587 @@
+"""The batched serving engine: cache slots, bucketed prefill, speculative rounds, plain decoding.
+
+This is the only module that calls compiled executables. Device state (target params, KV cache,
+drafter params and per-slot drafter state, per-slot anchor tokens) is threaded through
+ahead-of-time compiled functions; the host keeps per-request bookkeeping (tokens, stop conditions,
+metrics) and decides each round's per-request verification lengths.
+
+A round, for the rows [0:sb] of the slots (sb = slots bucket covering every active slot):
+  draft   -> DraftBlock (tokens, q, confidence) for every row, from its anchor;
+  lengths -> ell_r in 0..gamma per row (policy; 0 for idle rows);
+  verify  -> one target pass over [anchor, d_1..d_{tb-1}] (tb = tokens bucket >= 1 + max ell),
+             exact chain rejection sampling, commit: cache lengths += accepted + 1, drafter context
+             appended with the anchor and accepted drafts, new anchor = the corrected/bonus token.
+When the lengths do not depend on this round's confidences, draft and verify are one executable.
+Plain decoding is the verify executable with ell = 0 everywhere at the smallest tokens bucket.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import sharding as shd
+from specjax.decoding import buckets as bk
+from specjax.decoding.sampling import SamplingArrays, probs_from_logits, request_key, round_key, sample
+from specjax.decoding.verify import VerifyResult, verify_chain
+from specjax.drafters.base import ContextUpdate
+from specjax.models import cache as kvc
+from specjax.models.qwen3 import Qwen3ForCausalLM
+
+Array = jax.Array
+
+FIXED_POLICIES = ("plain", "fixed", "mtp1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static engine shape and policy. `gamma` defaults to the drafter's."""
+
+    max_slots: int = 8
+    max_len: int = 1024
+    gamma: int | None = None
+    policy: str = "fixed"  # plain | fixed | mtp1 (more in specjax.scheduling)
+    max_prefill: int = 256
+    seed: int = 0
+    cache_dtype: str | None = None
+    slots_buckets: tuple[int, ...] | None = None
+    tokens_buckets: tuple[int, ...] | None = None
+    prefill_buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
+        if self.max_len < 2:
+            raise ValueError(f"max_len must be >= 2, got {self.max_len}")
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Per-request speculative metrics with vLLM's definitions."""
+
+    num_drafts: int = 0  # rounds that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_rounds: int = 0  # target passes after prefill (incl. plain ones)
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    first_token_time: float | None = None
+    start_time: float = 0.0
+    finish_time: float | None = None
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Accepted tokens per drafting round including the bonus token (vLLM's definition)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mean_acceptance_length": self.mean_acceptance_length, "num_drafts": self.num_drafts,
+                "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "num_rounds": self.num_rounds}
+
+
+@dataclasses.dataclass
+class EngineRequest:
+    """One request as the engine sees it (validated by the API layer)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop_check: Callable[[list[int]], int | None] | None = None  # -> tokens to keep, if a stop hit
+    max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
+    # filled by the engine
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
+    slot: int = -1
+    rounds: int = 0
+
+
+class Engine:
+    """Speculative decoding over a fixed set of cache slots (see module docstring)."""
+
+    def __init__(self, target: Qwen3ForCausalLM, drafter: nnx.Module | None = None,
+                 config: EngineConfig = EngineConfig(), *, mesh: jax.sharding.Mesh | None = None,
+                 eos_token_ids: Sequence[int] = (), schedule_fn: Callable[..., np.ndarray] | None = None,
+                 progress: bool = True):
+        self.cfg = config
+        self.target_config = target.config
+        self.mesh = mesh
+        self.progress = progress
+        self.drafter = drafter
+        self.gamma = 0 if drafter is None else int(config.gamma or drafter.gamma)
+        if drafter is not None and self.gamma > drafter.gamma:
+            raise ValueError(f"gamma {self.gamma} exceeds the drafter's block size {drafter.gamma}")
+        if config.policy not in FIXED_POLICIES and schedule_fn is None:
+            raise ValueError(f"policy {config.policy!r} needs a scheduler (schedule_fn); "
+                             f"built-in fixed policies: {FIXED_POLICIES}")
+        if drafter is None and config.policy != "plain":
+            config = dataclasses.replace(config, policy="plain")
+            self.cfg = config
+        self.schedule_fn = schedule_fn
+        self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
+        self.tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
+        self.needs_hidden = bool(getattr(drafter, "needs_hidden", False)) if drafter is not None else False
+        max_len, slots = config.max_len, config.max_slots
+        self.buckets = bk.BucketSet(
+            slots=tuple(config.slots_buckets or bk.pow2_buckets(1, slots)),
+            tokens=tuple(config.tokens_buckets or bk.pow2_buckets(1, self.gamma + 1)),
+            prefill=tuple(config.prefill_buckets or bk.pow2_buckets(min(16, config.max_prefill),
+                                                                    min(config.max_prefill, max_len))))
+        if self.buckets.slots[-1] != slots:
+            raise ValueError(f"largest slots bucket {self.buckets.slots[-1]} must equal max_slots {slots}")
+        # device state
+        self.t_graph, t_params = nnx.split(target)
+        cache = target.init_cache(slots, max_len, dtype=config.cache_dtype)
+        if drafter is not None:
+            self.d_graph, d_params = nnx.split(drafter)
+            dstate = drafter.init_state(slots, max_len)
+        else:
+            self.d_graph, d_params, dstate = None, nnx.State({}), ()
+        anchors = jnp.zeros((slots,), jnp.int32)
+        if mesh is not None:
+            t_params = shd.shard_state(t_params, mesh, "serve")
+            d_params = shd.shard_state(d_params, mesh, "serve")
+            cache = shd.shard_tree(cache, self._cache_axes(cache), mesh, "serve")
+            dstate = shd.shard_tree(dstate, self._slot_axes(dstate), mesh, "serve")
+            anchors = jax.device_put(anchors, shd.replicated(mesh))
+        self.t_params, self.d_params = t_params, d_params
+        self.cache, self.dstate, self.anchors = cache, dstate, anchors
+        self._cache_shardings = None if mesh is None else shd.tree_shardings(
+            cache, self._cache_axes(cache), mesh, "serve")
+        self._dstate_shardings = None if mesh is None else shd.tree_shardings(
+            dstate, self._slot_axes(dstate), mesh, "serve")
+        stop = np.asarray(self.eos_token_ids or (-1,), np.int32)
+        self._stop_ids = self._put(stop)
+        # host state
+        self.lengths = np.zeros((slots,), np.int64)
+        self.slot_req: list[EngineRequest | None] = [None] * slots
+        self.queue: list[EngineRequest] = []
+        self._key_data = np.zeros((slots, 2), np.uint32)
+        self._seed_counter = 0
+        self.last_confidence: np.ndarray | None = None
+        self.stats = {"rounds": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0}
+        self.on_round: Callable[[dict[str, Any]], None] | None = None
+        self._build_executables()
+
+    # ------------------------------------------------------------------ sharding helpers
+    @staticmethod
+    def _cache_axes(cache: kvc.KVCache) -> kvc.KVCache:
+        return kvc.KVCache(k=tuple(kvc.CACHE_AXES for _ in cache.k), v=tuple(kvc.CACHE_AXES for _ in cache.v),
+                           lengths=kvc.LENGTHS_AXES)
+
+    @staticmethod
+    def _slot_axes(tree: Any) -> Any:
+        return jax.tree.map(lambda x: ("cache_batch",) + (None,) * (x.ndim - 1), tree)
+
+    def _put(self, x: np.ndarray) -> Any:
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, shd.replicated(self.mesh))
+
+    def _constrain(self, cache: kvc.KVCache, dstate: Any) -> tuple[kvc.KVCache, Any]:
+        if self.mesh is None:
+            return cache, dstate
+        cache = jax.lax.with_sharding_constraint(cache, self._cache_shardings)
+        dstate = jax.lax.with_sharding_constraint(dstate, self._dstate_shardings)
+        return cache, dstate
+
+    # ------------------------------------------------------------------ device functions
+    def _target(self, t_params: Any) -> Qwen3ForCausalLM:
+        return nnx.merge(self.t_graph, t_params)
+
+    def _drafter(self, d_params: Any) -> Any:
+        return nnx.merge(self.d_graph, d_params)
+
+    @staticmethod
+    def _keys(key_data_b2: Array, counter_b: Array) -> Array:
+        return round_key(jax.random.wrap_key_data(key_data_b2), counter_b)
+
+    def _verify_commit(self, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv, ell_b, active_b,
+                       sa, keys_b, stop_ids, tb: int):
+        """Target pass over [anchor, drafts[:tb-1]], exact acceptance, commit. Returns new state + outputs."""
+        target = self._target(t_params)
+        sb = ell_b.shape[0]
+        anchor_b = anchors[:sb]
+        start_b = cache.lengths[:sb]
+        toks = anchor_b[:, None] if tb == 1 else jnp.concatenate([anchor_b[:, None], draft_bg[:, :tb - 1]], 1)
+        positions = start_b[:, None] + jnp.arange(tb, dtype=jnp.int32)[None, :]
+        ell_b = jnp.where(active_b, jnp.minimum(ell_b, tb - 1), 0)
+        out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=self.tap_layers, logits="all")
+        p = probs_from_logits(out.logits, sa)  # [sb, tb, V]
+        if tb == 1:  # plain decoding: the next token straight from the target
+            nxt = sample(round_key(keys_b, 1), p[:, 0])
+            res = VerifyResult(num_accepted=jnp.zeros((sb,), jnp.int32), next_token=nxt, tokens=nxt[:, None],
+                               num_emitted=jnp.ones((sb,), jnp.int32), stopped_on_draft=jnp.zeros((sb,), bool))
+        else:
+            res = verify_chain(keys_b, p, q_bgv[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_ids)
+        n_commit = jnp.where(active_b, res.num_accepted + 1, 0)
+        new_lengths = cache.lengths.at[:sb].set(start_b + n_commit)
+        cache = out.cache.with_lengths(new_lengths)
+        if self.d_graph is not None:
+            taps = jnp.concatenate(out.taps, axis=-1) if out.taps else None
+            upd = ContextUpdate(tokens=toks, positions=positions, taps=taps,
+                                hidden=out.hidden if self.needs_hidden else None, n_valid=n_commit)
+            dstate = self._drafter(d_params).commit(dstate, upd)
+        new_anchor = jnp.where(active_b & (res.next_token >= 0), res.next_token, anchor_b)
+        anchors = anchors.at[:sb].set(new_anchor)
+        cache, dstate = self._constrain(cache, dstate)
+        outs = {"tokens": res.tokens, "num_emitted": res.num_emitted, "num_accepted": res.num_accepted,
+                "stopped": res.stopped_on_draft}
+        return cache, dstate, anchors, outs
+
+    def _split_keys(self, key_data, counters):
+        keys = self._keys(key_data, counters)
+        return round_key(keys, 0), round_key(keys, 1)
+
+    def _fn_fused(self, tb: int):
+        def fn(t_params, d_params, cache, dstate, anchors, ell_b, active_b, sa, key_data, counters, stop_ids):
+            kd, kv = self._split_keys(key_data, counters)
+            sb = ell_b.shape[0]
+            conf = jnp.zeros((sb, max(self.gamma, 1)), jnp.float32)
+            if tb > 1:
+                block = self._drafter(d_params).propose(dstate, anchors[:sb], cache.lengths[:sb], sa, kd)
+                draft, q = block.tokens, block.q
+                if block.confidence is not None:
+                    conf = block.confidence
+            else:
+                draft, q = None, None
+            cache, dstate, anchors, outs = self._verify_commit(
+                t_params, d_params, cache, dstate, anchors, draft, q, ell_b, active_b, sa, kv, stop_ids, tb)
+            outs["confidence"] = conf
+            return cache, dstate, anchors, outs
+        return fn
+
+    def _fn_draft(self):
+        def fn(d_params, dstate, cache_lengths, anchors, sa, key_data, counters):
+            kd, _ = self._split_keys(key_data, counters)
+            sb = key_data.shape[0]
+            block = self._drafter(d_params).propose(dstate, anchors[:sb], cache_lengths[:sb], sa, kd)
+            conf = block.confidence if block.confidence is not None else jnp.ones(block.tokens.shape, jnp.float32)
+            return block.tokens, block.q, conf
+        return fn
+
+    def _fn_verify(self, tb: int):
+        def fn(t_params, d_params, cache, dstate, anchors, draft, q, ell_b, active_b, sa, key_data, counters,
+               stop_ids):
+            _, kv = self._split_keys(key_data, counters)
+            return self._verify_commit(t_params, d_params, cache, dstate, anchors, draft, q, ell_b, active_b,
+                                       sa, kv, stop_ids, tb)
+        return fn
+
+    def _fn_prefill(self, plen: int):
+        max_len = self.cfg.max_len
+
+        def fn(t_params, d_params, cache, dstate, anchors, tokens_1t, n_valid_1, slot_1, start_1, sa, key_data):
+            target = self._target(t_params)
+            cache = cache.with_lengths(cache.lengths.at[slot_1].set(start_1))
+            positions = start_1[:, None] + jnp.arange(plen, dtype=jnp.int32)[None, :]
+            out = target.forward(tokens_1t, positions, cache, n_valid_1, rows_b=slot_1,
+                                 tap_layers=self.tap_layers, logits="last")
+            cache = out.cache
+            if self.d_graph is not None:
+                drafter = self._drafter(d_params)
+                fresh = drafter.init_state(1, max_len)
+                old = jax.tree.map(lambda x: x[slot_1], dstate)
+                sub = jax.tree.map(lambda f, o: jnp.where(start_1[0] == 0, f, o), fresh, old)
+                taps = jnp.concatenate(out.taps, axis=-1) if out.taps else None
+                sub = drafter.commit(sub, ContextUpdate(tokens=tokens_1t, positions=positions, taps=taps,
+                                                        hidden=out.hidden if self.needs_hidden else None,
+                                                        n_valid=n_valid_1))
+                dstate = jax.tree.map(lambda x, s: x.at[slot_1].set(s), dstate, sub)
+            p = probs_from_logits(out.logits[:, 0], sa)  # [1, V]
+            keys = self._keys(key_data, jnp.zeros((1,), jnp.int32))
+            tok = sample(keys, p)
+            anchors = anchors.at[slot_1].set(tok)
+            cache, dstate = self._constrain(cache, dstate)
+            return cache, dstate, anchors, tok
+        return fn
+
+    def _build_executables(self) -> None:
+        self.exe_prefill = bk.Executables("prefill", self._dispatch_prefill, donate_argnums=(2, 3, 4))
+        self.exe_fused = bk.Executables("round", self._dispatch_fused, donate_argnums=(2, 3, 4))
+        self.exe_draft = bk.Executables("draft", self._dispatch_draft)
+        self.exe_verify = bk.Executables("verify", self._dispatch_verify, donate_argnums=(2, 3, 4))
+
+    # jax.jit needs one Python function per executable family; the bucket picks the static size.
+    def _dispatch_prefill(self, *args):
+        return self._fn_prefill(args[5].shape[1])(*args)
+
+    def _dispatch_fused(self, *args):
+        return self._fn_fused(self._tb_from_args(args))(*args[:-1])
+
+    def _dispatch_draft(self, *args):
+        return self._fn_draft()(*args)
+
+    def _dispatch_verify(self, *args):
+        return self._fn_verify(self._tb_from_args(args))(*args[:-1])
+
+    @staticmethod
+    def _tb_from_args(args) -> int:
+        return int(args[-1].shape[0])  # a dummy [tb] array carries the static tokens bucket
+
+    # ------------------------------------------------------------------ warm-up
+    def _abstract_round_inputs(self, sb: int):
+        f = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=None if self.mesh is None
+                                                    else shd.replicated(self.mesh))
+        sa = SamplingArrays(f((sb,), jnp.float32), f((sb,), jnp.int32), f((sb,), jnp.float32))
+        return dict(ell=f((sb,), jnp.int32), active=f((sb,), jnp.bool_), sa=sa, key=f((sb, 2), jnp.uint32),
+                    counters=f((sb,), jnp.int32), f=f)
+
+    def warm_keys(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every (family, bucket) this engine may execute under its policy."""
+        keys: list[tuple[str, tuple[int, ...]]] = [("prefill", (p,)) for p in self.buckets.prefill]
+        fixed = self.cfg.policy in FIXED_POLICIES
+        for sb in self.buckets.slots:
+            if fixed:
+                tbs = {1} if self.cfg.policy == "plain" else {1, bk.pick(self.buckets.tokens,
+                                                                          self._policy_ell() + 1)}
+                tbs |= {t for t in self.buckets.tokens if t <= self._policy_ell() + 1}
+                keys += [("round", (sb, tb)) for tb in sorted(tbs)]
+            else:
+                keys.append(("draft", (sb,)))
+                keys += [("verify", (sb, tb)) for tb in self.buckets.tokens]
+                keys.append(("round", (sb, 1)))
+        return keys
+
+    def warmup(self) -> float:
+        """Compile every bucket ahead (with progress). Returns seconds spent."""
+        from tqdm.auto import tqdm
+        t0 = time.perf_counter()
+        A = bk.abstract
+        state = (A(self.t_params), A(self.d_params), A(self.cache), A(self.dstate), A(self.anchors))
+        stop = A(self._stop_ids)
+        keys = self.warm_keys()
+        for fam, key in tqdm(keys, desc="compiling buckets", disable=not self.progress, leave=False):
+            if fam == "prefill":
+                r = self._abstract_round_inputs(1)
+                f = r["f"]
+                self.exe_prefill.warm(key, *state, f((1, key[0]), jnp.int32), f((1,), jnp.int32),
+                                      f((1,), jnp.int32), f((1,), jnp.int32), r["sa"], r["key"])
+            elif fam == "round":
+                sb, tb = key
+                r = self._abstract_round_inputs(sb)
+                self.exe_fused.warm(key, *state, r["ell"], r["active"], r["sa"], r["key"], r["counters"], stop,
+                                    r["f"]((tb,), jnp.int32))
+            elif fam == "draft":
+                (sb,) = key
+                r = self._abstract_round_inputs(sb)
+                self.exe_draft.warm(key, state[1], state[3], A(self.cache.lengths), state[4], r["sa"], r["key"],
+                                    r["counters"])
+            else:
+                sb, tb = key
+                r = self._abstract_round_inputs(sb)
+                f = r["f"]
+                g = max(self.gamma, 1)
+                v = self.target_config.vocab_size
+                self.exe_verify.warm(key, *state, f((sb, g), jnp.int32), f((sb, g, v), jnp.float32), r["ell"],
+                                     r["active"], r["sa"], r["key"], r["counters"], stop, f((tb,), jnp.int32))
+        return time.perf_counter() - t0
+
+    def compile_counts(self) -> dict[str, int]:
+        return {e.name: e.jit_cache_size() for e in (self.exe_prefill, self.exe_fused, self.exe_draft,
+                                                      self.exe_verify)}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: EngineRequest) -> None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise ValueError(f"request {req.request_id}: prompt is empty")
+        if n + 1 > self.cfg.max_len:
+            raise ValueError(f"request {req.request_id}: prompt of {n} tokens does not fit the context "
+                             f"(max_len {self.cfg.max_len} must hold the prompt plus one generated token)")
+        vocab = self.target_config.vocab_size
+        bad = [t for t in req.prompt_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"request {req.request_id}: prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if req.max_tokens <= 0:
+            raise ValueError(f"request {req.request_id}: max_tokens must be > 0, got {req.max_tokens}")
+        req.metrics.start_time = time.perf_counter()
+        self.queue.append(req)
+
+    @property
+    def num_active(self) -> int:
+        return sum(r is not None for r in self.slot_req)
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or self.num_active > 0
+
+    def _free_slot(self) -> int:
+        for i, r in enumerate(self.slot_req):
+            if r is None:
+                return i
+        return -1
+
+    def _seed_key(self, req: EngineRequest) -> np.ndarray:
+        seed = req.seed
+        if seed is None:
+            self._seed_counter += 1
+            seed = (self.cfg.seed * 1_000_003 + self._seed_counter) & 0xFFFFFFFF
+            seed |= 1 << 40  # unseeded requests never collide with small explicit seeds
+        return np.asarray(jax.random.key_data(request_key(seed)), np.uint32)
+
+    def _admit(self, req: EngineRequest) -> list[EngineRequest]:
+        slot = self._free_slot()
+        req.slot = slot
+        self.slot_req[slot] = req
+        self._key_data[slot] = self._seed_key(req)
+        sa = SamplingArrays(self._put(np.asarray([req.temperature], np.float32)),
+                            self._put(np.asarray([req.top_k], np.int32)),
+                            self._put(np.asarray([req.top_p], np.float32)))
+        ids = np.asarray(req.prompt_ids, np.int32)
+        biggest = self.buckets.prefill[-1]
+        start, tok = 0, None
+        while start < len(ids):
+            chunk = ids[start:start + biggest]
+            plen = bk.pick(self.buckets.prefill, len(chunk), what="prompt chunk length")
+            buf = np.zeros((1, plen), np.int32)
+            buf[0, :len(chunk)] = chunk
+            self.cache, self.dstate, self.anchors, tok = self.exe_prefill(
+                (plen,), self.t_params, self.d_params, self.cache, self.dstate, self.anchors,
+                self._put(buf), self._put(np.asarray([len(chunk)], np.int32)),
+                self._put(np.asarray([slot], np.int32)), self._put(np.asarray([start], np.int32)),
+                sa, self._put(self._key_data[slot:slot + 1]))
+            start += len(chunk)
+        self.lengths[slot] = len(ids)
+        self.stats["prefills"] += 1
+        first = int(np.asarray(tok)[0])
+        req.metrics.first_token_time = time.perf_counter()
+        self._append(req, [first])
+        return [req] if req.finish_reason else []
+
+    def _append(self, req: EngineRequest, toks: Sequence[int]) -> None:
+        """Append emitted tokens and apply stop conditions (eos, stop ids, max_tokens, stop strings, length)."""
+        stops = set(self.eos_token_ids) | set(req.stop_token_ids)
+        for t in toks:
+            req.output_ids.append(int(t))
+            if int(t) in stops:
+                req.finish_reason = "stop"
+                break
+            if len(req.output_ids) >= req.max_tokens:
+                req.finish_reason = "length"
+                break
+        if req.finish_reason is None and req.stop_check is not None:
+            keep = req.stop_check(req.output_ids)
+            if keep is not None:
+                del req.output_ids[keep:]
+                req.finish_reason = "stop"
+        if req.finish_reason is None and self.lengths[req.slot] + 1 > self.cfg.max_len:
+            req.finish_reason = "length"  # no room left for the anchor: the cache is full
+        if req.finish_reason is not None:
+            req.metrics.finish_time = time.perf_counter()
+            self.slot_req[req.slot] = None
+
+    # ------------------------------------------------------------------ rounds
+    def _policy_ell(self) -> int:
+        p = self.cfg.policy
+        return 0 if p == "plain" else (min(1, self.gamma) if p == "mtp1" else self.gamma)
+
+    def _caps(self, sb: int) -> np.ndarray:
+        """Largest ell each row may verify: gamma, its own cap, room in the cache, tokens still wanted."""
+        caps = np.zeros((sb,), np.int64)
+        for i in range(sb):
+            r = self.slot_req[i]
+            if r is None:
+                continue
+            cap = self.gamma if r.max_draft_tokens is None else min(self.gamma, r.max_draft_tokens)
+            cap = min(cap, self.cfg.max_len - 1 - int(self.lengths[i]), r.max_tokens - len(r.output_ids) - 1)
+            caps[i] = max(cap, 0)
+        return caps
+
+    def step(self) -> list[EngineRequest]:
+        """Admit waiting requests into free slots, then run one round. Returns requests finished now."""
+        finished: list[EngineRequest] = []
+        while self.queue and self._free_slot() >= 0:
+            finished += self._admit(self.queue.pop(0))
+        active_idx = [i for i, r in enumerate(self.slot_req) if r is not None]
+        if not active_idx:
+            return finished
+        t0 = time.perf_counter()
+        sb = bk.pick(self.buckets.slots, max(active_idx) + 1, what="active slot count")
+        active = np.array([self.slot_req[i] is not None for i in range(sb)])
+        caps = self._caps(sb)
+        reqs = [self.slot_req[i] for i in range(sb)]
+        sa = SamplingArrays(
+            self._put(np.array([r.temperature if r else 1.0 for r in reqs], np.float32)),
+            self._put(np.array([r.top_k if r else 0 for r in reqs], np.int32)),
+            self._put(np.array([r.top_p if r else 1.0 for r in reqs], np.float32)))
+        counters = np.array([r.rounds + 1 if r else 0 for r in reqs], np.int32)
+        key_data = self._put(self._key_data[:sb])
+        conf = None
+        if self.cfg.policy in FIXED_POLICIES:
+            ell = np.minimum(np.full((sb,), self._policy_ell()), caps) * active
+            tb = bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
+            self.cache, self.dstate, self.anchors, outs = self.exe_fused(
+                (sb, tb), self.t_params, self.d_params, self.cache, self.dstate, self.anchors,
+                self._put(ell.astype(np.int32)), self._put(active), sa, key_data, self._put(counters),
+                self._stop_ids, self._put(np.zeros((tb,), np.int32)))
+        else:
+            draft, q, conf_dev = self.exe_draft((sb,), self.d_params, self.dstate, self.cache.lengths, self.anchors,
+                                                sa, key_data, self._put(counters))
+            conf = np.asarray(conf_dev)
+            ell = np.asarray(self.schedule_fn(conf[active], caps[active]), np.int64)
+            full = np.zeros((sb,), np.int64)
+            full[active] = np.minimum(ell, caps[active])
+            ell = full
+            tb = bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
+            self.cache, self.dstate, self.anchors, outs = self.exe_verify(
+                (sb, tb), self.t_params, self.d_params, self.cache, self.dstate, self.anchors, draft, q,
+                self._put(ell.astype(np.int32)), self._put(active), sa, key_data, self._put(counters),
+                self._stop_ids, self._put(np.zeros((tb,), np.int32)))
+        outs = jax.device_get(outs)
+        if conf is None and self.gamma > 0:
+            conf = np.asarray(outs["confidence"])
+        self.last_confidence = conf
+        n_acc = outs["num_accepted"]
+        for i in active_idx:
+            r = self.slot_req[i]
+            r.rounds += 1
+            m = r.metrics
+            m.num_rounds += 1
+            e = int(ell[i])
+            if e > 0:
+                m.num_drafts += 1
+                m.num_draft_tokens += e
+                m.num_accepted_tokens += int(n_acc[i])
+                if len(m.accepted_per_pos) < self.gamma:
+                    m.accepted_per_pos += [0] * (self.gamma - len(m.accepted_per_pos))
+                for k in range(int(n_acc[i])):
+                    m.accepted_per_pos[k] += 1
+            self.lengths[i] += int(n_acc[i]) + 1
+            emitted = outs["tokens"][i, : int(outs["num_emitted"][i])]
+            self._append(r, emitted.tolist())
+            if r.finish_reason:
+                finished.append(r)
+        dt = time.perf_counter() - t0
+        self.stats["rounds"] += 1
+        self.stats["verify_tokens"] += int(sb * tb)
+        self.stats["round_seconds"] += dt
+        if self.on_round is not None:
+            self.on_round({"slots_bucket": sb, "tokens_bucket": tb, "ell": ell[active].tolist(),
+                           "accepted": [int(n_acc[i]) for i in active_idx], "seconds": dt})
+        return finished
+
+    def run(self, requests: Sequence[EngineRequest], *, progress: bool | None = None) -> list[EngineRequest]:
+        """Serve requests to completion (continuous batching over the slots)."""
+        from tqdm.auto import tqdm
+        for r in requests:
+            self.add_request(r)
+        show = self.progress if progress is None else progress
+        done: list[EngineRequest] = []
+        with tqdm(total=len(requests), desc="decoding", disable=not show, leave=False) as bar:
+            while self.has_work():
+                fin = self.step()
+                done += fin
+                bar.update(len(fin))
+        return done

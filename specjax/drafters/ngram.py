@@ -1,0 +1,73 @@
+"""Prompt-lookup (n-gram) drafter: no parameters, no training.
+
+It keeps each slot's token history and proposes the gamma tokens that followed the most recent
+earlier occurrence of the current suffix (longest n-gram first, n from `max_ngram` down to
+`min_ngram`). Its q is one-hot on the proposed token, so verification stays exact.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.drafters.base import ContextUpdate, DraftBlock
+from specjax.models import cache as kvc
+
+Array = jax.Array
+
+
+class NGramState(NamedTuple):
+    history: Array  # [slots, max_len] int32
+    lengths: Array  # [slots] int32
+
+
+class NGramDrafter(nnx.Module):
+    """Prompt-lookup decoding (the n-gram proposer of vLLM / HF `prompt_lookup_num_tokens`)."""
+
+    tap_layers: tuple[int, ...] = ()
+    needs_hidden: bool = False
+
+    def __init__(self, vocab_size: int, *, gamma: int = 4, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"ngram sizes must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.vocab_size = vocab_size
+        self.gamma = gamma
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def init_state(self, slots: int, max_len: int) -> NGramState:
+        return NGramState(jnp.zeros((slots, max_len), jnp.int32), jnp.zeros((slots,), jnp.int32))
+
+    def commit(self, state: NGramState, update: ContextUpdate) -> NGramState:
+        b = update.tokens.shape[0]
+        lengths = state.lengths[:b]
+        hist = kvc.write(state.history[:, :, None, None], update.tokens[:, :, None, None], lengths)[:, :, 0, 0]
+        return NGramState(hist, state.lengths.at[:b].add(update.n_valid.astype(jnp.int32)))
+
+    def propose(self, state: NGramState, anchor_b: Array, position_b: Array, sampling, key_b: Array) -> DraftBlock:
+        b = anchor_b.shape[0]
+        m = state.history.shape[1]
+        length = state.lengths[:b]  # the anchor sits at index `length`
+        seq = jnp.concatenate([state.history[:b], jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, M+1]
+        seq = seq.at[jnp.arange(b), length].set(anchor_b.astype(jnp.int32))
+        idx = jnp.arange(m + 1)
+        best_end = jnp.full((b,), -1, jnp.int32)
+        for n in range(self.min_ngram, self.max_ngram + 1):  # larger n overrides smaller on a match
+            match = (idx[None, :] < length[:, None]) & (idx[None, :] >= n - 1)
+            for i in range(n):
+                shifted = jnp.roll(seq, i, axis=1)  # shifted[:, e] = seq[:, e - i]
+                suffix_tok = jnp.take_along_axis(seq, jnp.maximum(length - i, 0)[:, None], axis=1)
+                match = match & (shifted == suffix_tok)
+            enough = length >= n  # the suffix of n tokens exists (anchor + n-1 history tokens)
+            last = jnp.max(jnp.where(match, idx[None, :], -1), axis=1)
+            best_end = jnp.where(enough & (last >= 0), last, best_end)
+        offs = jnp.arange(1, self.gamma + 1)
+        src = jnp.where(best_end[:, None] >= 0, best_end[:, None] + offs[None, :], length[:, None])
+        src = jnp.minimum(src, length[:, None])
+        tokens = jnp.take_along_axis(seq, src, axis=1)
+        q = jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
+        return DraftBlock(tokens.astype(jnp.int32), q, None)
