@@ -1,0 +1,22 @@
+"""specjax: speculative decoding for JAX with DSpark-style drafters and confidence-scheduled verification."""
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+def load_target(path: str, *, dtype: str = "float32", mesh: Any = None):
+    """Load a Hugging Face Qwen3 checkpoint directory -> (model, TargetConfig). `model(tokens, positions)` gives logits."""
+    from specjax.hf import load_target as _load
+    return _load(path, dtype=dtype, mesh=mesh)
+
+
+def __getattr__(name: str) -> Any:  # lazy: `import specjax` stays cheap and jax-free
+    if name in ("LLM", "SamplingParams", "Output"):
+        from specjax import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'specjax' has no attribute {name!r}")
+
+
+__all__ = ["load_target", "LLM", "SamplingParams", "Output", "__version__"]

@@ -27,7 +27,7 @@ from flax import nnx
 
 from specjax import sharding as shd
 from specjax.decoding import buckets as bk
-from specjax.decoding.sampling import SamplingArrays, probs_from_logits, request_key, round_key, sample
+from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.drafters.base import ContextUpdate
 from specjax.models import cache as kvc
@@ -52,6 +52,7 @@ class EngineConfig:
     slots_buckets: tuple[int, ...] | None = None
     tokens_buckets: tuple[int, ...] | None = None
     prefill_buckets: tuple[int, ...] | None = None
+    prefill_batch_buckets: tuple[int, ...] | None = None  # prompts per prefill call
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -114,8 +115,9 @@ class Engine:
     def __init__(self, target: Qwen3ForCausalLM, drafter: nnx.Module | None = None,
                  config: EngineConfig = EngineConfig(), *, mesh: jax.sharding.Mesh | None = None,
                  eos_token_ids: Sequence[int] = (), schedule_fn: Callable[..., np.ndarray] | None = None,
-                 progress: bool = True):
+                 progress: bool = True, verifier: Callable[..., VerifyResult] = verify_chain):
         self.cfg = config
+        self.verifier = verifier  # tests swap in a deliberately biased one to prove the checks have teeth
         self.target_config = target.config
         self.mesh = mesh
         self.progress = progress
@@ -139,6 +141,7 @@ class Engine:
             tokens=tuple(config.tokens_buckets or bk.pow2_buckets(1, self.gamma + 1)),
             prefill=tuple(config.prefill_buckets or bk.pow2_buckets(min(16, config.max_prefill),
                                                                     min(config.max_prefill, max_len))))
+        self.prefill_batches = tuple(config.prefill_batch_buckets or sorted({1, min(8, slots)}))
         if self.buckets.slots[-1] != slots:
             raise ValueError(f"largest slots bucket {self.buckets.slots[-1]} must equal max_slots {slots}")
         # device state
@@ -187,7 +190,7 @@ class Engine:
 
     def _put(self, x: np.ndarray) -> Any:
         if self.mesh is None:
-            return jnp.asarray(x)
+            return jax.device_put(x)
         return jax.device_put(x, shd.replicated(self.mesh))
 
     def _constrain(self, cache: kvc.KVCache, dstate: Any) -> tuple[kvc.KVCache, Any]:
@@ -225,7 +228,7 @@ class Engine:
             res = VerifyResult(num_accepted=jnp.zeros((sb,), jnp.int32), next_token=nxt, tokens=nxt[:, None],
                                num_emitted=jnp.ones((sb,), jnp.int32), stopped_on_draft=jnp.zeros((sb,), bool))
         else:
-            res = verify_chain(keys_b, p, q_bgv[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_ids)
+            res = self.verifier(keys_b, p, q_bgv[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_ids)
         n_commit = jnp.where(active_b, res.num_accepted + 1, 0)
         new_lengths = cache.lengths.at[:sb].set(start_b + n_commit)
         cache = out.cache.with_lengths(new_lengths)
@@ -281,31 +284,36 @@ class Engine:
         return fn
 
     def _fn_prefill(self, plen: int):
-        max_len = self.cfg.max_len
+        max_len, slots = self.cfg.max_len, self.cfg.max_slots
 
-        def fn(t_params, d_params, cache, dstate, anchors, tokens_1t, n_valid_1, slot_1, start_1, sa, key_data):
+        def fn(t_params, d_params, cache, dstate, anchors, tokens_pt, n_valid_p, slot_p, start_p, sa, key_data):
+            """Prefill P prompt chunks into slots `slot_p` (an id >= slots marks a padding row)."""
             target = self._target(t_params)
-            cache = cache.with_lengths(cache.lengths.at[slot_1].set(start_1))
-            positions = start_1[:, None] + jnp.arange(plen, dtype=jnp.int32)[None, :]
-            out = target.forward(tokens_1t, positions, cache, n_valid_1, rows_b=slot_1,
+            pb = tokens_pt.shape[0]
+            cache = cache.with_lengths(cache.lengths.at[slot_p].set(start_p, mode="drop"))
+            positions = start_p[:, None] + jnp.arange(plen, dtype=jnp.int32)[None, :]
+            out = target.forward(tokens_pt, positions, cache, n_valid_p, rows_b=slot_p,
                                  tap_layers=self.tap_layers, logits="last")
             cache = out.cache
             if self.d_graph is not None:
                 drafter = self._drafter(d_params)
-                fresh = drafter.init_state(1, max_len)
-                old = jax.tree.map(lambda x: x[slot_1], dstate)
-                sub = jax.tree.map(lambda f, o: jnp.where(start_1[0] == 0, f, o), fresh, old)
+                fresh = drafter.init_state(pb, max_len)
+                old = jax.tree.map(lambda x: jnp.take(x, slot_p, axis=0, mode="clip"), dstate)
+                first = start_p == 0
+                sub = jax.tree.map(
+                    lambda f, o: jnp.where(first.reshape((pb,) + (1,) * (f.ndim - 1)), f, o), fresh, old)
                 taps = jnp.concatenate(out.taps, axis=-1) if out.taps else None
-                sub = drafter.commit(sub, ContextUpdate(tokens=tokens_1t, positions=positions, taps=taps,
+                sub = drafter.commit(sub, ContextUpdate(tokens=tokens_pt, positions=positions, taps=taps,
                                                         hidden=out.hidden if self.needs_hidden else None,
-                                                        n_valid=n_valid_1))
-                dstate = jax.tree.map(lambda x, s: x.at[slot_1].set(s), dstate, sub)
-            p = probs_from_logits(out.logits[:, 0], sa)  # [1, V]
-            keys = self._keys(key_data, jnp.zeros((1,), jnp.int32))
+                                                        n_valid=n_valid_p))
+                dstate = jax.tree.map(lambda x, s_: x.at[slot_p].set(s_, mode="drop"), dstate, sub)
+            p = probs_from_logits(out.logits[:, 0], sa)  # [P, V]
+            keys = self._keys(key_data, jnp.zeros((pb,), jnp.int32))
             tok = sample(keys, p)
-            anchors = anchors.at[slot_1].set(tok)
+            anchors = anchors.at[slot_p].set(tok, mode="drop")
             cache, dstate = self._constrain(cache, dstate)
             return cache, dstate, anchors, tok
+        del slots
         return fn
 
     def _build_executables(self) -> None:
@@ -316,7 +324,7 @@ class Engine:
 
     # jax.jit needs one Python function per executable family; the bucket picks the static size.
     def _dispatch_prefill(self, *args):
-        return self._fn_prefill(args[5].shape[1])(*args)
+        return self._fn_prefill(args[5].shape[1])(*args)  # tokens_pt [P, plen]
 
     def _dispatch_fused(self, *args):
         return self._fn_fused(self._tb_from_args(args))(*args[:-1])
@@ -341,7 +349,8 @@ class Engine:
 
     def warm_keys(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every (family, bucket) this engine may execute under its policy."""
-        keys: list[tuple[str, tuple[int, ...]]] = [("prefill", (p,)) for p in self.buckets.prefill]
+        keys: list[tuple[str, tuple[int, ...]]] = [("prefill", (pb, p)) for pb in self.prefill_batches
+                                                    for p in self.buckets.prefill]
         fixed = self.cfg.policy in FIXED_POLICIES
         for sb in self.buckets.slots:
             if fixed:
@@ -365,10 +374,11 @@ class Engine:
         keys = self.warm_keys()
         for fam, key in tqdm(keys, desc="compiling buckets", disable=not self.progress, leave=False):
             if fam == "prefill":
-                r = self._abstract_round_inputs(1)
+                pb, plen = key
+                r = self._abstract_round_inputs(pb)
                 f = r["f"]
-                self.exe_prefill.warm(key, *state, f((1, key[0]), jnp.int32), f((1,), jnp.int32),
-                                      f((1,), jnp.int32), f((1,), jnp.int32), r["sa"], r["key"])
+                self.exe_prefill.warm(key, *state, f((pb, plen), jnp.int32), f((pb,), jnp.int32),
+                                      f((pb,), jnp.int32), f((pb,), jnp.int32), r["sa"], r["key"])
             elif fam == "round":
                 sb, tb = key
                 r = self._abstract_round_inputs(sb)
@@ -424,41 +434,75 @@ class Engine:
         return -1
 
     def _seed_key(self, req: EngineRequest) -> np.ndarray:
+        """Raw threefry key data of a request's base key, computed on the host (no device call).
+
+        For seeds below 2**32 this equals `jax.random.key_data(jax.random.key(seed))`; larger seeds
+        use their high word as the key's first word, so distinct 64-bit seeds give distinct streams.
+        """
         seed = req.seed
         if seed is None:
             self._seed_counter += 1
-            seed = (self.cfg.seed * 1_000_003 + self._seed_counter) & 0xFFFFFFFF
-            seed |= 1 << 40  # unseeded requests never collide with small explicit seeds
-        return np.asarray(jax.random.key_data(request_key(seed)), np.uint32)
+            seed = ((self.cfg.seed & 0xFFFFFF) << 40) | (1 << 39) | self._seed_counter  # never a small explicit seed
+        return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
 
-    def _admit(self, req: EngineRequest) -> list[EngineRequest]:
-        slot = self._free_slot()
-        req.slot = slot
-        self.slot_req[slot] = req
-        self._key_data[slot] = self._seed_key(req)
-        sa = SamplingArrays(self._put(np.asarray([req.temperature], np.float32)),
-                            self._put(np.asarray([req.top_k], np.int32)),
-                            self._put(np.asarray([req.top_p], np.float32)))
-        ids = np.asarray(req.prompt_ids, np.int32)
+    def _admit_waiting(self) -> list[EngineRequest]:
+        """Move queued requests into free slots and prefill them (batched; long prompts chunked)."""
+        finished: list[EngineRequest] = []
+        while self.queue and self._free_slot() >= 0:
+            batch: list[EngineRequest] = []
+            while self.queue and len(batch) < self.prefill_batches[-1] and self._free_slot() >= 0:
+                req = self.queue.pop(0)
+                req.slot = self._free_slot()
+                self.slot_req[req.slot] = req
+                self._key_data[req.slot] = self._seed_key(req)
+                batch.append(req)
+            self._prefill(batch)
+            for req in batch:
+                self.stats["prefills"] += 1
+                self.lengths[req.slot] = len(req.prompt_ids)
+                req.metrics.first_token_time = time.perf_counter()
+                self._append(req, [req.output_ids.pop()])  # the sampled first token, checked for stops
+                if req.finish_reason:
+                    finished.append(req)
+        return finished
+
+    def _prefill(self, batch: list[EngineRequest]) -> None:
+        """Run prompt chunks of up to `prefill_batches[-1]` requests per call; the first token is sampled."""
         biggest = self.buckets.prefill[-1]
-        start, tok = 0, None
-        while start < len(ids):
-            chunk = ids[start:start + biggest]
-            plen = bk.pick(self.buckets.prefill, len(chunk), what="prompt chunk length")
-            buf = np.zeros((1, plen), np.int32)
-            buf[0, :len(chunk)] = chunk
+        slots = self.cfg.max_slots
+        offsets = [0] * len(batch)
+        first = [0] * len(batch)
+        while True:
+            todo = [i for i, r in enumerate(batch) if offsets[i] < len(r.prompt_ids)]
+            if not todo:
+                break
+            pb = bk.pick(self.prefill_batches, len(todo), what="prefill batch")
+            chunk_lens = [min(biggest, len(batch[i].prompt_ids) - offsets[i]) for i in todo]
+            plen = bk.pick(self.buckets.prefill, max(chunk_lens), what="prompt chunk length")
+            toks = np.zeros((pb, plen), np.int32)
+            n_valid = np.zeros((pb,), np.int32)
+            slot = np.full((pb,), slots, np.int32)  # padding rows point past the last slot: dropped
+            start = np.zeros((pb,), np.int32)
+            temp = np.ones((pb,), np.float32)
+            top_k = np.zeros((pb,), np.int32)
+            top_p = np.ones((pb,), np.float32)
+            key_data = np.zeros((pb, 2), np.uint32)
+            for row, (i, n) in enumerate(zip(todo, chunk_lens)):
+                r = batch[i]
+                toks[row, :n] = r.prompt_ids[offsets[i]:offsets[i] + n]
+                n_valid[row], slot[row], start[row] = n, r.slot, offsets[i]
+                temp[row], top_k[row], top_p[row] = r.temperature, r.top_k, r.top_p
+                key_data[row] = self._key_data[r.slot]
+            sa = SamplingArrays(self._put(temp), self._put(top_k), self._put(top_p))
             self.cache, self.dstate, self.anchors, tok = self.exe_prefill(
-                (plen,), self.t_params, self.d_params, self.cache, self.dstate, self.anchors,
-                self._put(buf), self._put(np.asarray([len(chunk)], np.int32)),
-                self._put(np.asarray([slot], np.int32)), self._put(np.asarray([start], np.int32)),
-                sa, self._put(self._key_data[slot:slot + 1]))
-            start += len(chunk)
-        self.lengths[slot] = len(ids)
-        self.stats["prefills"] += 1
-        first = int(np.asarray(tok)[0])
-        req.metrics.first_token_time = time.perf_counter()
-        self._append(req, [first])
-        return [req] if req.finish_reason else []
+                (pb, plen), self.t_params, self.d_params, self.cache, self.dstate, self.anchors,
+                self._put(toks), self._put(n_valid), self._put(slot), self._put(start), sa, self._put(key_data))
+            tok = np.asarray(tok)
+            for row, (i, n) in enumerate(zip(todo, chunk_lens)):
+                offsets[i] += n
+                first[i] = int(tok[row])
+        for i, r in enumerate(batch):
+            r.output_ids.append(first[i])
 
     def _append(self, req: EngineRequest, toks: Sequence[int]) -> None:
         """Append emitted tokens and apply stop conditions (eos, stop ids, max_tokens, stop strings, length)."""
@@ -501,9 +545,7 @@ class Engine:
 
     def step(self) -> list[EngineRequest]:
         """Admit waiting requests into free slots, then run one round. Returns requests finished now."""
-        finished: list[EngineRequest] = []
-        while self.queue and self._free_slot() >= 0:
-            finished += self._admit(self.queue.pop(0))
+        finished = self._admit_waiting()
         active_idx = [i for i, r in enumerate(self.slot_req) if r is not None]
         if not active_idx:
             return finished

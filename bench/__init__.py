@@ -1,0 +1,1 @@
+"""Benchmark programs (python -m bench.<name>); results land in bench/results/."""

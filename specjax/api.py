@@ -1,0 +1,262 @@
+"""The Python API: `LLM`, `SamplingParams`, `Output` (shaped like vLLM's offline API).
+
+    llm = specjax.LLM(target="path/to/qwen3", drafter="ngram")
+    outs = llm.generate(["def fib(n):"], specjax.SamplingParams(temperature=0, max_tokens=64))
+    print(outs[0].text, outs[0].metrics["mean_acceptance_length"])
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
+from specjax.decoding.sampling import validate_sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters (vLLM names). temperature 0 = greedy; top_k 0 = off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop: tuple[str, ...] | str | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    num_speculative_tokens: int | None = None  # per-request cap on verified draft tokens
+
+    def __post_init__(self) -> None:
+        validate_sampling(self.temperature, self.top_k, self.top_p)
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)) \
+                or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        stop = self.stop
+        if isinstance(stop, str):
+            object.__setattr__(self, "stop", (stop,))
+        elif stop is not None:
+            object.__setattr__(self, "stop", tuple(stop))
+        if any(not s for s in (self.stop or ())):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclasses.dataclass
+class Output:
+    """One finished request: generated tokens and text, why it ended, speculative metrics."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    metrics: dict[str, Any]
+
+
+def _make_stop_check(tokenizer: Any, stops: Sequence[str]):
+    def check(ids: list[int]) -> int | None:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s in text]
+        if not hits:
+            return None
+        cut = min(hits)
+        keep = 0
+        for k in range(len(ids) + 1):  # longest token prefix whose text stays before the stop string
+            if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) <= cut:
+                keep = k
+            else:
+                break
+        return keep
+    return check
+
+
+class LLM:
+    """A target model, an optional drafter and a serving engine behind one `generate` call.
+
+    target: a Hugging Face Qwen3 directory, or a `(Qwen3ForCausalLM, TargetConfig)` pair, or None for
+        the embedded default.
+    drafter: None (plain decoding), "ngram", a shipped drafter name, a drafter checkpoint directory,
+        or a drafter module.
+    """
+
+    def __init__(self, target: Any = None, drafter: Any = None, *, tokenizer: str | None = None,
+                 max_num_seqs: int = 8, max_model_len: int = 1024, num_speculative_tokens: int | None = None,
+                 policy: str | None = None, dtype: str = "float32", mesh: Any = None, seed: int = 0,
+                 max_prefill: int = 256, engine_config: EngineConfig | None = None, progress: bool = False,
+                 schedule_fn: Any = None):
+        from specjax import hf
+        self.tokenizer = None
+        target_dir = None
+        if target is None:
+            from specjax import embedded
+            target_dir = embedded.target_dir()
+            target = target_dir
+            if isinstance(drafter, str) and drafter in embedded.DRAFTER_NAMES:
+                drafter = embedded.drafter_dir(drafter)
+        if isinstance(target, (str, os.PathLike)):
+            target_dir = os.fspath(target)
+            model, config = hf.load_target(target_dir, dtype=dtype, mesh=mesh)
+        elif isinstance(target, tuple):
+            model, config = target
+        else:
+            raise ValueError(f"target must be a checkpoint directory or a (model, config) pair, got {type(target).__name__}")
+        tok_dir = tokenizer or target_dir
+        if tok_dir is not None:
+            self.tokenizer = hf.load_tokenizer(tok_dir)
+        self.model, self.config = model, config
+        self.drafter = self._make_drafter(drafter, num_speculative_tokens)
+        if engine_config is None:
+            engine_config = EngineConfig(
+                max_slots=max_num_seqs, max_len=max_model_len, gamma=num_speculative_tokens,
+                policy=policy or ("plain" if self.drafter is None else "fixed"), seed=seed,
+                max_prefill=max_prefill)
+        eos = list(config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.append(int(self.tokenizer.eos_token_id))
+        self.engine = Engine(model, self.drafter, engine_config, mesh=mesh, eos_token_ids=sorted(set(eos)),
+                             schedule_fn=schedule_fn, progress=progress)
+        self.engine.warmup()
+        self._next_id = 0
+
+    def _make_drafter(self, drafter: Any, gamma: int | None):
+        if drafter is None:
+            return None
+        if isinstance(drafter, str) and drafter == "ngram":
+            from specjax.drafters.ngram import NGramDrafter
+            return NGramDrafter(self.config.vocab_size, gamma=gamma or 4)
+        if isinstance(drafter, (str, os.PathLike)):
+            from specjax.drafters import registry
+            return registry.load_drafter(os.fspath(drafter), target=self.model)
+        return drafter
+
+    def _encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this target has no tokenizer files: pass prompts as lists of token ids")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty (no token ids)")
+        return None, ids
+
+    def _request(self, prompt_ids: list[int], sp: SamplingParams) -> EngineRequest:
+        rid = str(self._next_id)
+        self._next_id += 1
+        stop_check = None
+        if sp.stop:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer; this target has none")
+            stop_check = _make_stop_check(self.tokenizer, sp.stop)
+        return EngineRequest(request_id=rid, prompt_ids=prompt_ids, max_tokens=sp.max_tokens,
+                             temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
+                             stop_token_ids=tuple(sp.stop_token_ids), stop_check=stop_check,
+                             max_draft_tokens=sp.num_speculative_tokens)
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
+        """Generate for each prompt (strings or token-id lists). Outputs come back in prompt order."""
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]  # a single prompt
+        sampling_params = sampling_params or SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sps = [sampling_params] * len(prompts)
+        else:
+            sps = list(sampling_params)
+            if len(sps) != len(prompts):
+                raise ValueError(f"got {len(sps)} sampling_params for {len(prompts)} prompts")
+        encoded = [self._encode(p) for p in prompts]
+        reqs = [self._request(ids, sp) for (_, ids), sp in zip(encoded, sps)]
+        self.engine.run(reqs)
+        outs = []
+        for (text, ids), req in zip(encoded, reqs):
+            out_text = None
+            if self.tokenizer is not None:
+                out_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            outs.append(Output(request_id=req.request_id, prompt=text, prompt_token_ids=ids,
+                               token_ids=list(req.output_ids), text=out_text,
+                               finish_reason=req.finish_reason or "length", metrics=req.metrics.as_dict()))
+        return outs
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             enable_thinking: bool | None = False) -> list[Output]:
+        """Apply the tokenizer's chat template (generation prompt added) and generate."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this target has none")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in convs:
+            kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, **kw)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append(list(ids))
+        return self.generate(prompts, sampling_params)
+
+    # ---------------------------------------------------------------- building blocks (servers, batch jobs)
+    def make_request(self, prompt_ids: Sequence[int], sampling_params: SamplingParams, *,
+                     request_id: str | None = None) -> EngineRequest:
+        """An `EngineRequest` for token ids, ready for `self.engine.add_request` (stop strings use
+        this LLM's tokenizer). `request_id` defaults to the next counter value."""
+        req = build_engine_request(prompt_ids, sampling_params, request_id=request_id or "",
+                                   tokenizer=self.tokenizer)
+        if request_id is None:
+            req.request_id = str(self._next_id)
+            self._next_id += 1
+        return req
+
+
+def encode_text(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of a prompt string (no special tokens added); ValueError without a tokenizer."""
+    if tokenizer is None:
+        raise ValueError("this target has no tokenizer files: pass prompts as lists of token ids")
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError("prompt must be a non-empty string")
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
+                enable_thinking: bool | None = False) -> list[int]:
+    """Token ids of one conversation through the tokenizer's chat template (generation prompt added).
+
+    Raises ValueError without a tokenizer, without a chat template, or for malformed messages."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer; this target has none")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f"messages[{i}] must be an object with a string 'role' and a 'content'")
+    kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **kw)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, request_id: str,
+                         tokenizer: Any = None) -> EngineRequest:
+    """An `EngineRequest` from token ids and sampling params; stop strings need `tokenizer`."""
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise ValueError("prompt is empty (no token ids)")
+    stop_check = None
+    if sp.stop:
+        if tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this target has none")
+        stop_check = _make_stop_check(tokenizer, sp.stop)
+    return EngineRequest(request_id=request_id, prompt_ids=ids, max_tokens=sp.max_tokens,
+                         temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
+                         stop_token_ids=tuple(sp.stop_token_ids), stop_check=stop_check,
+                         max_draft_tokens=sp.num_speculative_tokens)

@@ -1,0 +1,1 @@
+"""Decoding: the sampling transform, lossless chain verification, shape buckets and device steps."""

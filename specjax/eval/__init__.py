@@ -1,0 +1,1 @@
+"""Evaluation: acceptance metrics (DeepSpec and vLLM definitions) and confidence calibration metrics."""

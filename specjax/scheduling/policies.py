@@ -1,0 +1,391 @@
+"""Prefix scheduling policies: choose each request's verification length ell_r in 0..gamma.
+
+Inputs are per-position confidences `c[r, k]` ~ P(draft position k+1 of request r is accepted |
+all earlier positions accepted), already calibrated. The prefix survival of position j (1-based) is
+`a[r, j] = prod_{i <= j} c[r, i]`. A verify step in which request r checks ell_r draft tokens
+executes the bucket (slots >= R, tokens per slot >= 1 + max_r ell_r) of the cost table, and its
+expected accepted tokens per second is
+
+    Theta(ell) = (R + sum_r sum_{j <= ell_r} a[r, j]) / seconds(bucket(R, 1 + max_r ell_r))
+
+(every row always gets one bonus/corrected token). Policies:
+
+* `plain` (0), `fixed` (gamma), `mtp1` (min(1, gamma)), `threshold` (leading c >= theta): rules that
+  ignore cost.
+* `confidence`: the paper's Algorithm 1 — admit candidates (r, j) in order of decreasing a (ties
+  toward earlier j, then lower r) while Theta strictly improves, and stop at the first
+  non-improvement. The early stop makes admission non-anticipating: whether (r, k) is verified
+  depends only on values ordered before it, never on c[r, k+1:], which depend on the token sampled
+  at position k; so verification stays lossless.
+* `confidence_async`: the capacity K and a per-row cap come from confidences two rounds old (global
+  argmax of Theta over the sorted prefix sets, no early stop); the K slots are filled by a top-K over
+  the current a. K and the cap never depend on current draft tokens, and a top-K with ties toward
+  earlier positions ranks (r, k) before every later position of the same row, so this is lossless
+  too, and the executed bucket is known before the round starts.
+* `anticipating_global_search_LOSSY`: the global argmax on the *current* confidences. It is biased
+  (it looks at c[r, k+1], which depends on the token at k) and exists to demonstrate that bias.
+
+Cost-aware policies never admit a position whose row would need a tokens-per-slot bucket beyond the
+table's largest; rule-based policies raise ValueError if their lengths cannot execute. numpy only.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from specjax.scheduling.cost_table import CostTable
+
+LOSSY_POLICY = "anticipating_global_search_LOSSY"
+LOSSLESS_POLICIES: tuple[str, ...] = (
+    "plain",
+    "fixed",
+    "mtp1",
+    "threshold",
+    "confidence",
+    "confidence_async",
+)
+POLICIES: tuple[str, ...] = LOSSLESS_POLICIES + (LOSSY_POLICY,)
+COST_AWARE_POLICIES: tuple[str, ...] = ("confidence", "confidence_async", LOSSY_POLICY)
+
+LENGTH_DTYPE = np.int32
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+
+def _validate_confidences(x: Any, name: str, gamma: int | None = None) -> np.ndarray:
+    """float64 [R, gamma] view of `x`, checked 2-D, finite and within [0, 1]."""
+    try:
+        arr = np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a numeric array [R, gamma]") from None
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D [R, gamma], got shape {arr.shape}")
+    if gamma is not None:
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)):
+            raise ValueError(f"gamma must be an integer, got {gamma!r}")
+        if not 0 <= gamma <= arr.shape[1]:
+            raise ValueError(
+                f"gamma={gamma} must be within 0..{arr.shape[1]} (the number of columns of {name})"
+            )
+        arr = arr[:, :gamma]
+    if arr.size:
+        lo, hi = arr.min(), arr.max()  # NaN propagates and fails both tests below
+        if not (lo >= 0.0 and hi <= 1.0):
+            if not np.isfinite(arr).all():
+                raise ValueError(f"{name} must be finite (found NaN or inf)")
+            raise ValueError(f"{name} must lie in [0, 1], found values in [{lo}, {hi}]")
+    return arr
+
+
+def _require_table(cost_table: Any, policy: str) -> CostTable:
+    if not isinstance(cost_table, CostTable):
+        raise ValueError(
+            f"policy {policy!r} needs a CostTable, got {type(cost_table).__name__}"
+        )
+    return cost_table
+
+
+def _check_executable(lengths: np.ndarray, cost_table: CostTable | None, policy: str) -> None:
+    """Rule-based policies: the executed bucket must exist in the table (when one is given)."""
+    if cost_table is None or lengths.size == 0:
+        return
+    try:
+        cost_table.bucket_for(lengths.size, 1 + int(lengths.max()))
+    except ValueError as e:
+        raise ValueError(f"policy {policy!r}: {e}") from None
+
+
+# ---- shared kernels (inputs already validated) --------------------------------------------------
+
+
+def _usable_positions(gamma: int, cost_table: CostTable) -> int:
+    """Largest ell a row may get: gamma, limited by the largest tokens-per-slot bucket."""
+    return min(gamma, cost_table.max_tokens_per_slot - 1)
+
+
+def _sorted_candidates(c_rg: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Candidates (r, j) sorted by prefix survival a descending, ties toward earlier j, then lower r.
+
+    Returns order (flat index j0 * R + r into the position-major layout, j0 = j - 1), the sorted
+    survivals s and the 1-based positions pos, each [R * gamma].
+    """
+    R, G = c_rg.shape
+    a_gr = np.array(c_rg.T, dtype=np.float64, order="C")  # [gamma, R], position-major
+    for j in range(1, G):  # running product; a short Python loop beats np.cumprod on axis 1 here
+        a_gr[j] *= a_gr[j - 1]
+    a_gr = a_gr.ravel()  # flat index j0 * R + r
+    # A stable sort of -a keeps the position-major order on ties: earlier j, then lower r.
+    order = np.argsort(-a_gr, kind="stable")
+    return order, a_gr[order], order // R + 1
+
+
+def _objective_curve(
+    R: int, s: np.ndarray, pos: np.ndarray, stair_t: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Theta after admitting the first n sorted candidates, for n = 0..N, and max ell at each n.
+
+    The running sum starts from R and adds survivals one at a time (the same association as the
+    sequential greedy loop), so the vector pass and the loop agree bit for bit.
+    """
+    n = s.size
+    num = np.empty(n + 1)
+    num[0] = R
+    num[1:] = s
+    np.cumsum(num, out=num)
+    maxpos = np.zeros(n + 1, dtype=np.intp)
+    if n:
+        np.maximum.accumulate(pos, out=maxpos[1:])
+    return num / stair_t[1 + maxpos], maxpos
+
+
+def _lengths_from_admitted(admitted: np.ndarray, R: int, g_used: int) -> np.ndarray:
+    """ell_r = length of the leading run of admitted positions of row r (enforces prefixes).
+
+    `admitted` holds flat position-major indices j0 * R + r with j0 < g_used."""
+    mask_gr = np.zeros(g_used * R, dtype=bool)
+    mask_gr[admitted] = True
+    mask_gr = mask_gr.reshape(g_used, R)
+    return np.logical_and.accumulate(mask_gr, axis=0).sum(axis=0, dtype=LENGTH_DTYPE)
+
+
+def _confidence(c_rg: np.ndarray, cost_table: CostTable) -> np.ndarray:
+    R, G = c_rg.shape
+    g = _usable_positions(G, cost_table)
+    if R == 0 or g == 0:
+        return np.zeros(R, dtype=LENGTH_DTYPE)
+    order, s, pos = _sorted_candidates(c_rg[:, :g])
+    obj, _ = _objective_curve(R, s, pos, cost_table.staircase(R))
+    stop = obj[1:] <= obj[:-1]  # non-improvement when admitting candidate n
+    n = int(np.argmax(stop))
+    if not stop[n]:
+        n = s.size  # every admission improved
+    return _lengths_from_admitted(order[:n], R, g)
+
+
+def _global_argmax(c_rg: np.ndarray, cost_table: CostTable) -> tuple[np.ndarray, int, int, int]:
+    """Best prefix of the sorted candidates under Theta, no early stop (first maximum on ties).
+
+    Returns (order, n_best, max ell of that solution, usable positions g)."""
+    R, G = c_rg.shape
+    g = _usable_positions(G, cost_table)
+    if R == 0 or g == 0:
+        return np.zeros(0, dtype=np.intp), 0, 0, g
+    order, s, pos = _sorted_candidates(c_rg[:, :g])
+    obj, maxpos = _objective_curve(R, s, pos, cost_table.staircase(R))
+    n = int(np.argmax(obj))
+    return order, n, int(maxpos[n]), g
+
+
+def _anticipating(c_rg: np.ndarray, cost_table: CostTable) -> np.ndarray:
+    R, G = c_rg.shape
+    order, n, _, g = _global_argmax(c_rg, cost_table)
+    if R == 0 or g == 0:
+        return np.zeros(R, dtype=LENGTH_DTYPE)
+    return _lengths_from_admitted(order[:n], R, g)
+
+
+def _async_capacity(old_rg: np.ndarray, cost_table: CostTable) -> tuple[int, int]:
+    R, G = old_rg.shape
+    if R == 0:
+        return 0, 0
+    _, n, max_ell, g = _global_argmax(old_rg, cost_table)
+    _, tb = cost_table.bucket_for(R, 1 + max_ell)
+    return n, min(g, tb - 1)
+
+
+def _confidence_async(c_rg: np.ndarray, old_rg: np.ndarray, cost_table: CostTable) -> np.ndarray:
+    R, G = c_rg.shape
+    k, cap = _async_capacity(old_rg, cost_table)
+    if R == 0 or cap == 0 or k == 0:
+        return np.zeros(R, dtype=LENGTH_DTYPE)
+    order, _, _ = _sorted_candidates(c_rg[:, :cap])
+    return _lengths_from_admitted(order[:k], R, cap)
+
+
+# ---- public policies ----------------------------------------------------------------------------
+
+
+def prefix_survival(confidences: Any) -> np.ndarray:
+    """a[r, j] = prod_{i <= j} c[r, i]: float64 [R, gamma]."""
+    return np.cumprod(_validate_confidences(confidences, "confidences"), axis=1)
+
+
+def plain(confidences: Any) -> np.ndarray:
+    """No speculation: ell_r = 0 for every request. int32 [R]."""
+    c = _validate_confidences(confidences, "confidences")
+    return np.zeros(c.shape[0], dtype=LENGTH_DTYPE)
+
+
+def fixed(confidences: Any, gamma: int | None = None) -> np.ndarray:
+    """Verify the whole block: ell_r = gamma (default: number of columns). int32 [R]."""
+    c = _validate_confidences(confidences, "confidences", gamma)
+    return np.full(c.shape[0], c.shape[1], dtype=LENGTH_DTYPE)
+
+
+def mtp1(confidences: Any, gamma: int | None = None) -> np.ndarray:
+    """One draft token per request (MTP-1 style): ell_r = min(1, gamma). int32 [R]."""
+    c = _validate_confidences(confidences, "confidences", gamma)
+    return np.full(c.shape[0], min(1, c.shape[1]), dtype=LENGTH_DTYPE)
+
+
+def _validate_threshold(theta: Any) -> float:
+    if theta is None or isinstance(theta, bool):
+        raise ValueError(f"policy 'threshold' needs threshold= in [0, 1], got {theta!r}")
+    try:
+        t = float(theta)
+    except (TypeError, ValueError):
+        raise ValueError(f"threshold must be a number in [0, 1], got {theta!r}") from None
+    if not (math.isfinite(t) and 0.0 <= t <= 1.0):
+        raise ValueError(f"threshold must be a number in [0, 1], got {theta!r}")
+    return t
+
+
+def _threshold(c_rg: np.ndarray, theta: float) -> np.ndarray:
+    return np.logical_and.accumulate(c_rg >= theta, axis=1).sum(axis=1, dtype=LENGTH_DTYPE)
+
+
+def threshold(confidences: Any, theta: float, gamma: int | None = None) -> np.ndarray:
+    """Static per-step threshold: ell_r = number of leading positions with c[r, k] >= theta."""
+    c = _validate_confidences(confidences, "confidences", gamma)
+    return _threshold(c, _validate_threshold(theta))
+
+
+def confidence(confidences: Any, cost_table: CostTable, gamma: int | None = None) -> np.ndarray:
+    """Paper Algorithm 1 (greedy admission by prefix survival, stop at first non-improvement)."""
+    c = _validate_confidences(confidences, "confidences", gamma)
+    table = _require_table(cost_table, "confidence")
+    table.staircase(max(c.shape[0], 1))  # R beyond the largest slots bucket -> ValueError
+    return _confidence(c, table)
+
+
+def async_capacity(
+    old_confidences: Any, cost_table: CostTable, gamma: int | None = None
+) -> tuple[int, int]:
+    """Capacity and per-row cap of `confidence_async`, from confidences two rounds old.
+
+    K = size of the best prefix of the sorted candidates under Theta (global argmax, no early
+    stop, the smallest K on ties). cap = (tokens-per-slot bucket of that solution) - 1, limited to
+    gamma: every row may use the padding that bucket executes anyway, and no row can push the step
+    into a larger bucket — so the executed bucket is at most bucket(R, 1 + cap), known from old
+    information before the round starts. Returns (K, cap).
+    """
+    old = _validate_confidences(old_confidences, "old_confidences", gamma)
+    table = _require_table(cost_table, "confidence_async")
+    table.staircase(max(old.shape[0], 1))
+    return _async_capacity(old, table)
+
+
+def confidence_async(
+    confidences: Any,
+    old_confidences: Any,
+    cost_table: CostTable,
+    gamma: int | None = None,
+) -> np.ndarray:
+    """Asynchronous top-K: (K, cap) = `async_capacity(old_confidences)`; then admit the K candidates
+    with the largest *current* prefix survival among positions j <= cap (ties toward earlier j,
+    then lower r). Rows of `old_confidences` must correspond to rows of `confidences` (the caller
+    fills rows without history, e.g. with a prior)."""
+    c = _validate_confidences(confidences, "confidences", gamma)
+    old = _validate_confidences(old_confidences, "old_confidences", gamma)
+    if old.shape != c.shape:
+        raise ValueError(
+            f"old_confidences shape {old.shape} must equal confidences shape {c.shape}"
+        )
+    table = _require_table(cost_table, "confidence_async")
+    table.staircase(max(c.shape[0], 1))
+    return _confidence_async(c, old, table)
+
+
+def anticipating_global_search_LOSSY(
+    confidences: Any, cost_table: CostTable, gamma: int | None = None
+) -> np.ndarray:
+    """LOSSY, for tests only: global argmax of Theta over all prefix sizes on the current
+    confidences, without the early stop. Its decision to verify position k can depend on
+    c[r, k+1], which depends on the token sampled at k, so the output distribution is biased."""
+    c = _validate_confidences(confidences, "confidences", gamma)
+    table = _require_table(cost_table, LOSSY_POLICY)
+    table.staircase(max(c.shape[0], 1))
+    return _anticipating(c, table)
+
+
+def expected_tokens_per_second(confidences: Any, lengths: Any, cost_table: CostTable) -> float:
+    """Theta(lengths) = (R + sum_r sum_{j <= ell_r} a[r, j]) / seconds(bucket(R, 1 + max ell))."""
+    c = _validate_confidences(confidences, "confidences")
+    table = _require_table(cost_table, "expected_tokens_per_second")
+    R, G = c.shape
+    ell = np.asarray(lengths)
+    if ell.shape != (R,) or not np.issubdtype(ell.dtype, np.integer):
+        raise ValueError(f"lengths must be an integer array of shape ({R},), got {ell.dtype} {ell.shape}")
+    if R == 0:
+        raise ValueError("expected_tokens_per_second needs at least one request")
+    if ell.min() < 0 or ell.max() > G:
+        raise ValueError(f"lengths must lie in 0..{G}, found [{ell.min()}, {ell.max()}]")
+    a = np.cumprod(c, axis=1)
+    admitted = np.arange(G)[None, :] < ell[:, None]
+    return float((R + a[admitted].sum()) / table.seconds(R, 1 + int(ell.max())))
+
+
+# ---- entry point --------------------------------------------------------------------------------
+
+
+def prefix_schedule(
+    confidences: Any,
+    cost_table: CostTable | None,
+    policy: str = "confidence",
+    *,
+    gamma: int | None = None,
+    threshold: float | None = None,
+    old_confidences: Any = None,
+) -> np.ndarray:
+    """Verification lengths int32 [R] (0 <= ell_r <= gamma) for confidences [R, gamma_max].
+
+    `gamma` (default: the number of columns) limits the block; `threshold` is required by the
+    'threshold' policy; `old_confidences` [R, gamma_max] (two rounds old) by 'confidence_async'.
+    `cost_table` may be None only for the rule-based policies (plain, fixed, mtp1, threshold); when
+    given, R must fit its largest slots bucket.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {policy!r}; valid policies: {', '.join(POLICIES)}")
+    c = _validate_confidences(confidences, "confidences", gamma)
+    R, G = c.shape
+    if cost_table is not None:
+        if not isinstance(cost_table, CostTable):
+            raise ValueError(f"cost_table must be a CostTable or None, got {type(cost_table).__name__}")
+        cost_table.staircase(max(R, 1))  # R beyond the largest slots bucket -> ValueError
+    elif policy in COST_AWARE_POLICIES:
+        raise ValueError(f"policy {policy!r} needs a cost_table")
+    if policy == "threshold":
+        theta = _validate_threshold(threshold)
+    elif threshold is not None:
+        raise ValueError(f"threshold= is only used by policy 'threshold', not {policy!r}")
+    if policy == "confidence_async":
+        if old_confidences is None:
+            raise ValueError("policy 'confidence_async' needs old_confidences [R, gamma]")
+        old = _validate_confidences(old_confidences, "old_confidences", gamma)
+        if old.shape != c.shape:
+            raise ValueError(
+                f"old_confidences shape {old.shape} must equal confidences shape {c.shape}"
+            )
+    elif old_confidences is not None:
+        raise ValueError(f"old_confidences= is only used by policy 'confidence_async', not {policy!r}")
+
+    if policy == "confidence":
+        return _confidence(c, cost_table)  # type: ignore[arg-type]
+    if policy == "confidence_async":
+        return _confidence_async(c, old, cost_table)  # type: ignore[arg-type]
+    if policy == LOSSY_POLICY:
+        return _anticipating(c, cost_table)  # type: ignore[arg-type]
+    if policy == "plain":
+        out = np.zeros(R, dtype=LENGTH_DTYPE)
+    elif policy == "fixed":
+        out = np.full(R, G, dtype=LENGTH_DTYPE)
+    elif policy == "mtp1":
+        out = np.full(R, min(1, G), dtype=LENGTH_DTYPE)
+    else:  # threshold
+        out = _threshold(c, theta)
+    _check_executable(out, cost_table, policy)
+    return out
+

@@ -1,0 +1,1 @@
+"""Drafter training: data preparation (chat loss masks, anchors, block layout), losses, trainer."""

@@ -1,0 +1,314 @@
+"""Training data: chat loss masks, anchor sampling and the block layout of DSpark/DFlash training.
+
+Host side (numpy, tokenizers): `assistant_loss_mask`, `completion_loss_mask`, `bucket_length`,
+`pad_batch`. Device side (jittable jax.numpy, reference §2.4, §3.1, §5.1, §6.2): `anchor_candidates`,
+`sample_anchors`, `block_labels`, `eval_mask`, `block_positions`, `block_attention_mask`.
+
+Block layout: the A blocks of a sequence lie back to back, so block slot j of anchor i is query
+index i*K + j; slot j of the block at anchor a has position a + j and predicts input_ids[a + j + 1].
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+# ------------------------------------------------------------------------------------------------
+# chat / completion loss masks (host side)
+
+
+def _check_conversation(conversation: Any) -> list[dict[str, str]]:
+    if not isinstance(conversation, Sequence) or isinstance(conversation, (str, bytes)):
+        raise ValueError("conversation must be a list of {'role', 'content'} messages")
+    out = []
+    for i, m in enumerate(conversation):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"conversation[{i}] must be a mapping with 'role' and 'content'")
+        for field in ("role", "content"):
+            if not isinstance(m.get(field), str):
+                raise ValueError(f"conversation[{i}].{field} must be a string, got {m.get(field)!r}")
+        out.append(dict(m))
+    return out
+
+
+def _check_tokenizer(tokenizer: Any) -> None:
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("tokenizer must be a fast (Rust-backed) tokenizer: offsets are needed")
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+            enable_thinking: bool | None) -> str:
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    if not isinstance(text, str):
+        raise ValueError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
+    return text
+
+
+def _try_render(tokenizer: Any, messages: list[dict[str, str]], **kw: Any) -> str | None:
+    try:
+        return _render(tokenizer, messages, **kw)
+    except Exception:  # a template may reject a partial conversation (e.g. empty or assistant-first)
+        return None
+
+
+def assistant_char_spans(tokenizer: Any, conversation: list[dict[str, str]], *,
+                         enable_thinking: bool | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """Render a conversation; return (text, [(start, end)) character spans of the assistant turns]).
+
+    A span starts right after the assistant header (the end of the rendered generation prompt for
+    the preceding messages) and ends after the end-of-turn marker (what the template writes after
+    the content). Found by rendering message prefixes; when the template renders a turn differently
+    once later messages follow (e.g. Qwen3 drops earlier think blocks), the turn's content is
+    located in the full text instead and the marker is taken from the prefix rendering.
+    """
+    full = _render(tokenizer, conversation, add_generation_prompt=False,
+                   enable_thinking=enable_thinking)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for i, msg in enumerate(conversation):
+        if msg["role"] != "assistant":
+            continue
+        before = _try_render(tokenizer, conversation[:i], add_generation_prompt=True,
+                             enable_thinking=enable_thinking)
+        through = _try_render(tokenizer, conversation[:i + 1], add_generation_prompt=False,
+                              enable_thinking=enable_thinking)
+        start = len(before) if before is not None and full.startswith(before) and \
+            len(before) >= cursor else None
+        if start is not None and through is not None and full.startswith(through) and \
+                len(through) > start:
+            end = len(through)
+        else:
+            content = msg["content"]
+            pos, key = -1, content
+            for key in (content, content.strip()):
+                pos = full.find(key, start if start is not None else cursor)
+                if pos >= 0:
+                    break
+            if pos < 0:
+                raise ValueError(f"conversation[{i}]: assistant content not found in the text "
+                                 "rendered by the chat template")
+            if start is None:
+                start = pos
+            content_end = pos + len(key)
+            suffix = ""
+            if through is not None and key:
+                j = through.rfind(key)
+                if j >= 0:
+                    suffix = through[j + len(key):]
+            end = content_end + len(suffix) if suffix and full.startswith(suffix, content_end) \
+                else content_end
+        spans.append((start, end))
+        cursor = end
+    return full, spans
+
+
+def _mask_from_spans(offsets_t2: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for tokens whose character range overlaps a span (empty tokens: start inside a span)."""
+    a = offsets_t2[:, 0][:, None]
+    b = offsets_t2[:, 1][:, None]
+    if not spans:
+        return np.zeros(len(offsets_t2), np.uint8)
+    s = np.asarray([sp[0] for sp in spans])[None, :]
+    e = np.asarray([sp[1] for sp in spans])[None, :]
+    hit = ((a < e) & (b > s)) | ((a == b) & (a >= s) & (a < e))
+    return hit.any(axis=1).astype(np.uint8)
+
+
+def _tokenize_with_mask(tokenizer: Any, text: str, spans: list[tuple[int, int]], max_length: int,
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], np.int32)
+    offsets = np.asarray(enc["offset_mapping"], np.int64).reshape(-1, 2)
+    mask = _mask_from_spans(offsets, spans)
+    return ids[:max_length], mask[:max_length]
+
+
+def assistant_loss_mask(tokenizer: Any, conversation: list[dict[str, str]], *,
+                        enable_thinking: bool | None = None, max_length: int = 4096,
+                        system_prompt: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenise a chat with the tokenizer's own template; mask the assistant turns.
+
+    Returns (input_ids int32 [S], loss_mask uint8 [S]), S <= max_length (truncated). The mask is 1
+    on every token of an assistant turn after its header, through the end-of-turn marker inclusive.
+    `enable_thinking` is passed to the template only when not None. `system_prompt` is prepended as
+    a system message when the conversation has none (DeepSpec's Qwen recipe uses
+    "You are a helpful assistant.").
+    """
+    _check_tokenizer(tokenizer)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("tokenizer has no chat_template; use completion_loss_mask for plain text")
+    conv = _check_conversation(conversation)
+    if system_prompt is not None and not any(m["role"] == "system" for m in conv):
+        conv = [{"role": "system", "content": system_prompt}] + conv
+    text, spans = assistant_char_spans(tokenizer, conv, enable_thinking=enable_thinking)
+    return _tokenize_with_mask(tokenizer, text, spans, max_length)
+
+
+def completion_loss_mask(tokenizer: Any, prompt: str, completion: str, *, max_length: int = 4096,
+                         add_eos: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenise prompt + completion (+ EOS); the mask covers the completion and the EOS token.
+
+    Returns (input_ids int32 [S], loss_mask uint8 [S]).
+    """
+    _check_tokenizer(tokenizer)
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise ValueError("prompt and completion must be strings")
+    eos = ""
+    if add_eos:
+        eos = getattr(tokenizer, "eos_token", None) or ""
+        if not eos:
+            raise ValueError("tokenizer has no eos_token; pass add_eos=False")
+    text = prompt + completion + eos
+    return _tokenize_with_mask(tokenizer, text, [(len(prompt), len(text))], max_length)
+
+
+# ------------------------------------------------------------------------------------------------
+# fixed-shape batches (host side)
+
+
+def bucket_length(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= n."""
+    if not buckets:
+        raise ValueError("buckets must be a non-empty list of lengths")
+    for b in sorted(int(x) for x in buckets):
+        if b >= n:
+            return b
+    raise ValueError(f"length {n} exceeds the largest bucket {max(buckets)}")
+
+
+def pad_batch(seqs: Sequence[Any], bucket: int, *, pad_value: int = 0, rows: int | None = None,
+              dtype: Any = None) -> np.ndarray:
+    """Right-pad 1-D sequences to `bucket` columns (and to `rows` rows if given) -> [rows, bucket]."""
+    arrs = [np.asarray(s) for s in seqs]
+    for i, a in enumerate(arrs):
+        if a.ndim != 1:
+            raise ValueError(f"seqs[{i}] must be 1-D, got shape {a.shape}")
+        if len(a) > bucket:
+            raise ValueError(f"seqs[{i}] has length {len(a)} > bucket {bucket}")
+    n_rows = len(arrs) if rows is None else rows
+    if n_rows < len(arrs):
+        raise ValueError(f"rows={rows} is smaller than the number of sequences {len(arrs)}")
+    if dtype is None:
+        dtype = np.result_type(*arrs) if arrs else np.int32
+    out = np.full((n_rows, bucket), pad_value, dtype=dtype)
+    for i, a in enumerate(arrs):
+        out[i, :len(a)] = a
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# anchors and the block layout (jittable)
+
+
+def anchor_candidates(loss_mask_bs: Any) -> Array:
+    """bool [B, S]: a is a candidate iff a <= S-2 and loss_mask[a] = loss_mask[a+1] = 1."""
+    m = jnp.asarray(loss_mask_bs) > 0
+    if m.ndim != 2:
+        raise ValueError(f"loss_mask_bs must be [B, S], got shape {m.shape}")
+    nxt = jnp.concatenate([m[:, 1:], jnp.zeros_like(m[:, :1])], axis=1)
+    return m & nxt
+
+
+def _finish_anchors(cand_idx_ba: Array, is_cand_ba: Array, seq_len: int, num_anchors: int,
+                    ) -> tuple[Array, Array]:
+    """Sort chosen candidates ascending (kept first), dummies -> anchor 0, keep False; pad to A."""
+    key = jnp.where(is_cand_ba, cand_idx_ba, seq_len)
+    key = jnp.sort(key, axis=1)
+    pad = num_anchors - key.shape[1]
+    if pad > 0:
+        key = jnp.pad(key, ((0, 0), (0, pad)), constant_values=seq_len)
+    keep = key < seq_len
+    return jnp.where(keep, key, 0).astype(jnp.int32), keep
+
+
+def sample_anchors(key: Any, loss_mask_bs: Any, num_anchors: int) -> tuple[Any, Any]:
+    """Up to `num_anchors` anchors per row, uniform without replacement among the candidates.
+
+    `key` is a jax PRNG key (jittable; what training uses) or a numpy Generator (host side).
+    Returns (anchors int32 [B, A], keep bool [B, A]): the kept anchors sorted ascending, then the
+    dummies (anchor 0, keep False) when a row has fewer than A candidates. Numpy in, numpy out for
+    the Generator path.
+    """
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    if isinstance(key, np.random.Generator):
+        m = np.asarray(loss_mask_bs) > 0
+        if m.ndim != 2:
+            raise ValueError(f"loss_mask_bs must be [B, S], got shape {m.shape}")
+        cand = m & np.concatenate([m[:, 1:], np.zeros_like(m[:, :1])], axis=1)
+        b, s = cand.shape
+        scores = np.where(cand, key.random((b, s)), -1.0)
+        k = min(num_anchors, s)
+        idx = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        chosen = np.take_along_axis(cand, idx, axis=1)
+        order = np.sort(np.where(chosen, idx, s), axis=1)
+        order = np.pad(order, ((0, 0), (0, num_anchors - k)), constant_values=s)
+        keep = order < s
+        return np.where(keep, order, 0).astype(np.int32), keep
+    cand = anchor_candidates(loss_mask_bs)
+    b, s = cand.shape
+    scores = jnp.where(cand, jax.random.uniform(key, (b, s)), -1.0)
+    k = min(num_anchors, s)
+    top, idx = jax.lax.top_k(scores, k)
+    return _finish_anchors(idx, top >= 0.0, s, num_anchors)
+
+
+def _label_index(anchors_ba: Array, gamma: int) -> Array:
+    return jnp.asarray(anchors_ba, jnp.int32)[..., None] + jnp.arange(1, gamma + 1, dtype=jnp.int32)
+
+
+def block_labels(input_ids_bs: Any, anchors_ba: Any, keep_ba: Any, gamma: int) -> Array:
+    """int32 [B, A, K]: slot j of anchor a is labelled input_ids[a + j + 1] (index clamped to S-1);
+    dummy blocks get 0."""
+    ids = jnp.asarray(input_ids_bs)
+    b, s = ids.shape
+    a = jnp.asarray(anchors_ba)
+    idx = jnp.minimum(_label_index(a, gamma), s - 1)
+    labels = jnp.take_along_axis(ids, idx.reshape(b, -1), axis=1).reshape(idx.shape)
+    return jnp.where(jnp.asarray(keep_ba)[..., None], labels, 0).astype(jnp.int32)
+
+
+def eval_mask(loss_mask_bs: Any, anchors_ba: Any, keep_ba: Any, gamma: int) -> Array:
+    """bool [B, A, K]: slot j valid iff a+j+1 < S, loss_mask[a+j+1] = 1 and the block is kept, then
+    cumulative-product along j (only the contiguous valid prefix of each block counts)."""
+    m = jnp.asarray(loss_mask_bs) > 0
+    b, s = m.shape
+    raw = _label_index(jnp.asarray(anchors_ba), gamma)
+    idx = jnp.minimum(raw, s - 1)
+    lm = jnp.take_along_axis(m, idx.reshape(b, -1), axis=1).reshape(idx.shape)
+    valid = (raw < s) & lm & jnp.asarray(keep_ba, bool)[..., None]
+    return jnp.cumprod(valid.astype(jnp.int32), axis=-1) > 0
+
+
+def block_positions(anchors_ba: Any, gamma: int) -> Array:
+    """int32 [B, A*K]: RoPE position a + j of block slot j (query i*K + j)."""
+    a = jnp.asarray(anchors_ba, jnp.int32)
+    pos = a[..., None] + jnp.arange(gamma, dtype=jnp.int32)
+    return pos.reshape(a.shape[0], -1)
+
+
+def block_attention_mask(anchors_ba: Any, keep_ba: Any, seq_len: int, gamma: int) -> Array:
+    """bool [B, A*K, S + A*K]: which keys each block query may see (reference §2.4).
+
+    Keys 0..S-1 are the context (query of block b sees t < anchor_b), keys S.. are the blocks (a
+    query sees all slots of its own block). Rows of dummy blocks are all False: an attention kernel
+    must guard them (their outputs are masked by the loss).
+    """
+    a = jnp.asarray(anchors_ba, jnp.int32)
+    keep = jnp.asarray(keep_ba, bool)
+    n_blocks = a.shape[1]
+    q_block = jnp.arange(n_blocks * gamma) // gamma  # [Q]
+    a_q = a[:, q_block]  # [B, Q]
+    keep_q = keep[:, q_block]
+    ctx = jnp.arange(seq_len)[None, None, :] < a_q[..., None]  # [B, Q, S]
+    same = q_block[:, None] == q_block[None, :]  # [Q, Q]
+    blk = jnp.broadcast_to(same[None], (a.shape[0],) + same.shape)
+    return jnp.concatenate([ctx, blk], axis=-1) & keep_q[..., None]

@@ -1,0 +1,131 @@
+"""Shared test helpers: tiny random targets, a bigram test drafter, exact continuation distributions."""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from scipy import stats
+
+from specjax.config import TargetConfig
+from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
+from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.drafters.base import ContextUpdate, DraftBlock
+from specjax.models.qwen3 import Qwen3ForCausalLM
+
+
+def tiny_target(vocab: int = 16, *, seed: int = 0, layers: int = 2, hidden: int = 32,
+                init_scale: float = 1.0) -> Qwen3ForCausalLM:
+    cfg = TargetConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=48, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    m = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed))
+    if init_scale != 1.0:  # sharper distributions: more structure for the samplers to get right
+        g, st = nnx.split(m)
+        st = jax.tree.map(lambda x: x * init_scale if x.ndim == 2 else x, st)
+        m = nnx.merge(g, st)
+    return m
+
+
+class BigramDrafter(nnx.Module):
+    """A real (untrained) drafter for tests: q_k = f(previous sampled token) from a fixed random table.
+
+    With `confidence=True` it also reports a confidence that depends on the previous sampled token (the
+    structure of the paper's Appendix A counterexample).
+    """
+
+    tap_layers: tuple[int, ...] = ()
+    needs_hidden = False
+
+    def __init__(self, vocab: int, gamma: int, *, seed: int = 1, scale: float = 2.0, confidence: bool = False):
+        self.gamma = gamma
+        self.vocab = vocab
+        key = jax.random.key(seed)
+        self.table = nnx.Param(scale * jax.random.normal(key, (vocab, vocab)))
+        self.conf_table = nnx.Param(jax.random.uniform(jax.random.fold_in(key, 1), (vocab,), minval=0.05,
+                                                       maxval=0.95)) if confidence else None
+
+    def init_state(self, slots: int, max_len: int):
+        return jnp.zeros((slots,), jnp.int32)
+
+    def commit(self, state, update: ContextUpdate):
+        return state
+
+    def propose(self, state, anchor_b, position_b, sampling: SamplingArrays, key_b) -> DraftBlock:
+        def step(prev, k):
+            logits = self.table[...][prev]
+            q = probs_from_logits(logits, sampling)
+            tok = sample(round_key(key_b, k), q)
+            conf = self.conf_table[...][prev] if self.conf_table is not None else jnp.ones_like(prev, jnp.float32)
+            return tok, (tok, q, conf)
+        _, (toks, qs, confs) = jax.lax.scan(step, anchor_b.astype(jnp.int32), jnp.arange(self.gamma))
+        conf = jnp.moveaxis(confs, 0, 1) if self.conf_table is not None else None
+        return DraftBlock(jnp.moveaxis(toks, 0, 1), jnp.moveaxis(qs, 0, 1), conf)
+
+
+def exact_continuations(model: Qwen3ForCausalLM, prompt: list[int], n: int, temperature: float = 1.0,
+                        top_k: int = 0, top_p: float = 1.0) -> dict[tuple[int, ...], float]:
+    """P(x_1..x_n | prompt) for every n-token continuation, by enumeration with full forwards."""
+    v = model.config.vocab_size
+    sa = lambda b: SamplingArrays(jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k, jnp.int32),
+                                  jnp.full((b,), top_p, jnp.float32))
+    probs = {(): 1.0}
+    for depth in range(n):
+        prefixes = [p for p in probs if len(p) == depth]
+        toks = jnp.array([prompt + list(p) for p in prefixes], jnp.int32)
+        logits = model(toks)[:, -1]
+        pr = np.asarray(probs_from_logits(logits, sa(len(prefixes))), np.float64)
+        for i, p in enumerate(prefixes):
+            for x in range(v):
+                probs[p + (x,)] = probs[p] * pr[i, x]
+    return {k: val for k, val in probs.items() if len(k) == n}
+
+
+def chi_square_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float],
+                      min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit; cells with small expected counts are pooled into one."""
+    n = len(samples)
+    counts: dict[tuple[int, ...], int] = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    obs, exp = [], []
+    pool_o, pool_e = 0.0, 0.0
+    for k, p in exact.items():
+        e = p * n
+        if e >= min_expected:
+            obs.append(counts.get(k, 0))
+            exp.append(e)
+        else:
+            pool_o += counts.get(k, 0)
+            pool_e += e
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    obs, exp = np.asarray(obs, float), np.asarray(exp, float)
+    exp *= obs.sum() / exp.sum()
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def sample_continuations(engine: Engine, prompt: list[int], n_samples: int, n_tokens: int, *,
+                         temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                         caps: list[int | None] | None = None, seed0: int = 0) -> list[tuple[int, ...]]:
+    """Run n_samples seeded requests of n_tokens each; per-request draft caps cycle through `caps`."""
+    caps = caps or [None]
+    reqs = [EngineRequest(str(i), list(prompt), max_tokens=n_tokens, temperature=temperature, top_k=top_k,
+                          top_p=top_p, seed=seed0 + i, max_draft_tokens=caps[i % len(caps)])
+            for i in range(n_samples)]
+    done = engine.run(reqs, progress=False)
+    assert len(done) == n_samples
+    return [tuple(r.output_ids[:n_tokens]) for r in reqs]
+
+
+def small_engine(model, drafter=None, *, slots: int = 4, max_len: int = 64, policy: str = "fixed",
+                 gamma: int | None = None, tokens_buckets=None, prefill: int = 16, mesh=None,
+                 prefill_batch: int | None = None, **kw) -> Engine:
+    cfg = EngineConfig(max_slots=slots, max_len=max_len, policy=policy, gamma=gamma,
+                       slots_buckets=(slots,), tokens_buckets=tokens_buckets, prefill_buckets=(prefill,),
+                       max_prefill=prefill, prefill_batch_buckets=(prefill_batch or min(slots, 8),))
+    eng = Engine(model, drafter, cfg, mesh=mesh, progress=False, **kw)
+    eng.warmup()
+    return eng
