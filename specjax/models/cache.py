@@ -69,7 +69,7 @@ def write(buf_smkd: Array, new_btkd: Array, lengths_b: Array, rows_b: Array | No
 
 def read_rows(buf_smkd: Array, b: int, rows_b: Array | None = None) -> Array:
     """The cache rows a call of B rows attends to: slots [0:B] (a slice) or the given slot ids."""
-    return buf_smkd[:b] if rows_b is None else jnp.take(buf_smkd, rows_b, axis=0)
+    return buf_smkd[:b] if rows_b is None else jnp.take(buf_smkd, rows_b, axis=0, mode="clip")
 
 
 def cached_mask(lengths_s: Array, t: int, max_len: int) -> Array:

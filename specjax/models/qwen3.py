@@ -131,7 +131,8 @@ class Qwen3ForCausalLM(nnx.Module):
 
         With a cache, token t of row b is written at cache row lengths[b] + t and sees cache rows
         <= lengths[b] + t; the returned cache has lengths + valid. The cache may hold more slots than
-        B: rows [0:B] take part (or the slots `rows_b` [B], distinct) and the others are untouched. `logits` is "all", "last" (at the
+        B: rows [0:B] take part (or the slots `rows_b` [B], distinct; an id >= slots marks a padding row
+        whose writes are dropped) and the others are untouched. `logits` is "all", "last" (at the
         last valid token of each row) or "none".
         """
         cfg = self.config
@@ -145,7 +146,7 @@ class Qwen3ForCausalLM(nnx.Module):
             mask = kvc.causal_mask(t, valid_b)
             lengths = None
         else:  # rows [0:B] (or rows_b) of a cache with >= B slots take part
-            lengths = cache.lengths[:b] if rows_b is None else cache.lengths[rows_b]
+            lengths = cache.lengths[:b] if rows_b is None else jnp.take(cache.lengths, rows_b, mode="clip")
             mask = kvc.cached_mask(lengths, t, cache.max_len)
         x = self.model.embed_tokens(tokens_bt)
         taps: dict[int, Array] = {}
@@ -175,7 +176,7 @@ class Qwen3ForCausalLM(nnx.Module):
         if cache is not None:
             rows = jnp.arange(b) if rows_b is None else rows_b
             new_cache = kvc.KVCache(k=tuple(new_k), v=tuple(new_v),
-                                    lengths=cache.lengths.at[rows].add(valid_b.astype(jnp.int32)))
+                                    lengths=cache.lengths.at[rows].add(valid_b.astype(jnp.int32), mode="drop"))
         return ForwardOut(out_logits, tuple(taps[i] for i in tap_layers), hidden, new_cache)
 
     def __call__(self, tokens_bt: Array, positions_bt: Array | None = None) -> Array:
