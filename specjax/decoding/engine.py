@@ -193,12 +193,14 @@ class Engine:
             return jax.device_put(x)
         return jax.device_put(x, shd.replicated(self.mesh))
 
-    def _constrain(self, cache: kvc.KVCache, dstate: Any) -> tuple[kvc.KVCache, Any]:
+    def _constrain(self, cache: kvc.KVCache, dstate: Any, anchors: Array) -> tuple[kvc.KVCache, Any, Array]:
+        """Keep the state's shardings fixed across calls (the compiled executables require them)."""
         if self.mesh is None:
-            return cache, dstate
+            return cache, dstate, anchors
         cache = jax.lax.with_sharding_constraint(cache, self._cache_shardings)
         dstate = jax.lax.with_sharding_constraint(dstate, self._dstate_shardings)
-        return cache, dstate
+        anchors = jax.lax.with_sharding_constraint(anchors, shd.replicated(self.mesh))
+        return cache, dstate, anchors
 
     # ------------------------------------------------------------------ device functions
     def _target(self, t_params: Any) -> Qwen3ForCausalLM:
@@ -239,7 +241,7 @@ class Engine:
             dstate = self._drafter(d_params).commit(dstate, upd)
         new_anchor = jnp.where(active_b & (res.next_token >= 0), res.next_token, anchor_b)
         anchors = anchors.at[:sb].set(new_anchor)
-        cache, dstate = self._constrain(cache, dstate)
+        cache, dstate, anchors = self._constrain(cache, dstate, anchors)
         outs = {"tokens": res.tokens, "num_emitted": res.num_emitted, "num_accepted": res.num_accepted,
                 "stopped": res.stopped_on_draft}
         return cache, dstate, anchors, outs
@@ -311,7 +313,7 @@ class Engine:
             keys = self._keys(key_data, jnp.zeros((pb,), jnp.int32))
             tok = sample(keys, p)
             anchors = anchors.at[slot_p].set(tok, mode="drop")
-            cache, dstate = self._constrain(cache, dstate)
+            cache, dstate, anchors = self._constrain(cache, dstate, anchors)
             return cache, dstate, anchors, tok
         del slots
         return fn

@@ -1,0 +1,61 @@
+"""OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+
+    python -m serve.server --target DIR --drafter ngram --port 8000
+
+Binds 127.0.0.1 unless --host says otherwise; --port 0 picks a free port (printed on start-up).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from specjax.serving.cli import add_llm_args, build_llm
+from specjax.serving.http_server import DEFAULT_HOST
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serve.server", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST})")
+    p.add_argument("--port", type=int, default=8000, help="port (0: pick a free one)")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: target dir name)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: max-model-len - 1")
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: max-model-len - 1)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    add_llm_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from specjax.serving.http_server import OpenAIApp, ServerLimits, make_server
+
+    try:
+        limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                              max_tokens=args.max_tokens_limit, request_timeout_s=args.request_timeout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else "specjax")
+    llm = build_llm(args, progress=True)
+    app = OpenAIApp.from_llm(llm, model_name=name, limits=limits)
+    server = make_server(app, args.host, args.port)
+    host, port = server.server_address[:2]
+    print(f"specjax server: model '{name}' on http://{host}:{port}", flush=True)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM: stop serving, then clean up
+        signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        app.engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Serving metrics: Prometheus text exposition (via `prometheus_client`) and a JSON snapshot.
+
+Names: where vLLM has a metric with the same meaning we keep vLLM's name (prefix `vllm:`), so
+existing dashboards and scrapers work unchanged; metrics of our own use the prefix `specjax:`.
+
+vLLM-compatible (every series carries a `model_name` label, as in vLLM):
+    vllm:num_requests_running                          gauge: requests holding a cache slot
+    vllm:num_requests_waiting                          gauge: requests queued for a slot
+    vllm:prompt_tokens_total                           counter: prompt tokens admitted
+    vllm:generation_tokens_total                       counter: tokens generated
+    vllm:request_success_total{finished_reason=...}    counter: finished requests by reason
+    vllm:spec_decode_num_drafts_total                  counter: request-rounds that verified >= 1 draft
+    vllm:spec_decode_num_draft_tokens_total            counter: draft tokens sent to verification
+    vllm:spec_decode_num_accepted_tokens_total         counter: draft tokens accepted
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{position=k}
+                                                       counter: drafts whose position k was accepted
+                                                       (unconditional, vLLM's definition)
+    vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds   histograms
+specjax's own:
+    specjax:verification_length                        histogram: ell per request per round
+    specjax:scheduler_tokens_bucket                    histogram: tokens-per-slot bucket per round
+    specjax:scheduler_slots_bucket                     histogram: slots bucket per round
+    specjax:round_seconds                              histogram: wall time of one engine round
+    specjax:request_rejected_total{reason=...}         counter: requests refused before admission
+
+Mean acceptance length (vLLM's, bonus token included) = 1 + accepted / drafts; it is in the JSON
+snapshot. Each `ServingMetrics` owns a private `CollectorRegistry`: no process-global state.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+def _int_buckets(hi: int) -> tuple[float, ...]:
+    """Histogram bounds 0, 1, ..., hi (one bucket per integer value)."""
+    return tuple(float(i) for i in range(max(int(hi), 0) + 1))
+
+
+class ServingMetrics:
+    """Counters, gauges and histograms of one serving engine (thread-safe).
+
+    gamma: the drafter's block size (0 without a drafter); sizes the per-position counters and the
+        verification-length histogram. max_tokens_bucket / max_slots bound the bucket histograms.
+    """
+
+    def __init__(self, *, model_name: str = "specjax", gamma: int = 0, max_tokens_bucket: int | None = None,
+                 max_slots: int = 8):
+        self.model_name = model_name
+        self.gamma = int(gamma)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._t0 = time.time()
+        r, lbl = self.registry, ["model_name"]
+
+        def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
+            return Counter(name, doc, lbl + list(extra), registry=r)
+
+        self.running = Gauge("vllm:num_requests_running", "Requests holding a cache slot.", lbl, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a cache slot.", lbl, registry=r)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.request_success = counter("vllm:request_success", "Finished requests by finish reason.",
+                                       ["finished_reason"])
+        self.num_drafts = counter("vllm:spec_decode_num_drafts",
+                                  "Request-rounds that verified at least one draft token.")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Drafts whose draft position was accepted (unconditional).",
+                                        ["position"])
+        self.rejected = counter("specjax:request_rejected", "Requests refused before admission.", ["reason"])
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lbl,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", lbl,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ell = Histogram("specjax:verification_length",
+                             "Verified draft tokens (ell) per request per round.", lbl,
+                             buckets=_int_buckets(max(self.gamma, 1)), registry=r)
+        self.tokens_bucket = Histogram("specjax:scheduler_tokens_bucket",
+                                       "Tokens-per-slot bucket of each round.", lbl,
+                                       buckets=_int_buckets(max_tokens_bucket or self.gamma + 1), registry=r)
+        self.slots_bucket = Histogram("specjax:scheduler_slots_bucket", "Slots bucket of each round.", lbl,
+                                      buckets=_int_buckets(max_slots), registry=r)
+        self.round_seconds = Histogram("specjax:round_seconds", "Wall time of one engine round.", lbl,
+                                       buckets=_ROUND_BUCKETS, registry=r)
+        m = model_name
+        # create the label children up front so every series is exposed (at 0) from the start
+        for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.num_drafts,
+                       self.num_draft_tokens, self.num_accepted, self.ttft, self.e2e, self.ell,
+                       self.tokens_bucket, self.slots_bucket, self.round_seconds):
+            metric.labels(m)
+        for k in range(self.gamma):
+            self.accepted_per_pos.labels(m, str(k))
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(m, reason)
+
+    # ------------------------------------------------------------------ recording
+    def observe_round(self, info: Mapping[str, Any]) -> None:
+        """Record one engine round (the dict `Engine.on_round` receives)."""
+        m = self.model_name
+        ells = [int(e) for e in info.get("ell", ())]
+        accepted = [int(a) for a in info.get("accepted", ())]
+        if len(ells) != len(accepted):
+            raise ValueError(f"round info: 'ell' has {len(ells)} entries but 'accepted' has {len(accepted)}")
+        drafts = sum(1 for e in ells if e > 0)
+        draft_tokens = sum(ells)
+        acc = sum(a for e, a in zip(ells, accepted) if e > 0)
+        if drafts:
+            self.num_drafts.labels(m).inc(drafts)
+            self.num_draft_tokens.labels(m).inc(draft_tokens)
+            self.num_accepted.labels(m).inc(acc)
+        for e, a in zip(ells, accepted):
+            self.ell.labels(m).observe(e)
+            for k in range(min(a, e)):
+                self.accepted_per_pos.labels(m, str(k)).inc()
+        self.tokens_bucket.labels(m).observe(float(info.get("tokens_bucket", 0)))
+        self.slots_bucket.labels(m).observe(float(info.get("slots_bucket", 0)))
+        self.round_seconds.labels(m).observe(float(info.get("seconds", 0.0)))
+
+    def request_admitted(self, prompt_tokens: int) -> None:
+        """A request was accepted by the engine (its prompt tokens count now)."""
+        self.prompt_tokens.labels(self.model_name).inc(int(prompt_tokens))
+
+    def tokens_generated(self, n: int) -> None:
+        if n > 0:
+            self.generation_tokens.labels(self.model_name).inc(int(n))
+
+    def request_finished(self, finish_reason: str, *, ttft_s: float | None = None,
+                         e2e_s: float | None = None) -> None:
+        """A request ended (`finish_reason` stop | length | abort)."""
+        m = self.model_name
+        self.request_success.labels(m, finish_reason or "unknown").inc()
+        if ttft_s is not None and ttft_s >= 0:
+            self.ttft.labels(m).observe(ttft_s)
+        if e2e_s is not None and e2e_s >= 0:
+            self.e2e.labels(m).observe(e2e_s)
+
+    def request_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def set_queue(self, *, running: int, waiting: int) -> None:
+        self.running.labels(self.model_name).set(running)
+        self.waiting.labels(self.model_name).set(waiting)
+
+    # ------------------------------------------------------------------ exposition
+    def exposition(self) -> bytes:
+        """Prometheus text format (content type `CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+    def _value(self, name: str, **labels: str) -> float:
+        v = self.registry.get_sample_value(name, {"model_name": self.model_name, **labels})
+        return float(v) if v is not None else 0.0
+
+    def _label_values(self, sample_name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for fam in self.registry.collect():
+            for s in fam.samples:
+                if s.name == sample_name and s.labels.get("model_name") == self.model_name and label in s.labels:
+                    out[s.labels[label]] = float(s.value)
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """The same numbers as a JSON-able dict, plus derived rates (mean acceptance length etc.)."""
+        drafts = self._value("vllm:spec_decode_num_drafts_total")
+        draft_tokens = self._value("vllm:spec_decode_num_draft_tokens_total")
+        accepted = self._value("vllm:spec_decode_num_accepted_tokens_total")
+        per_pos = self._label_values("vllm:spec_decode_num_accepted_tokens_per_pos_total", "position")
+        per_pos_list = [int(per_pos[k]) for k in sorted(per_pos, key=int)]
+        rounds = self._value("specjax:round_seconds_count")
+        ell_n, ell_sum = self._value("specjax:verification_length_count"), self._value("specjax:verification_length_sum")
+        tb_n, tb_sum = self._value("specjax:scheduler_tokens_bucket_count"), self._value("specjax:scheduler_tokens_bucket_sum")
+        return {
+            "model_name": self.model_name,
+            "uptime_s": time.time() - self._t0,
+            "requests": {
+                "running": int(self._value("vllm:num_requests_running")),
+                "waiting": int(self._value("vllm:num_requests_waiting")),
+                "finished": {k: int(v) for k, v in
+                             self._label_values("vllm:request_success_total", "finished_reason").items()},
+                "rejected": {k: int(v) for k, v in
+                             self._label_values("specjax:request_rejected_total", "reason").items()},
+            },
+            "tokens": {"prompt": int(self._value("vllm:prompt_tokens_total")),
+                       "generation": int(self._value("vllm:generation_tokens_total"))},
+            "spec_decode": {
+                "num_drafts": int(drafts), "num_draft_tokens": int(draft_tokens),
+                "num_accepted_tokens": int(accepted), "num_accepted_tokens_per_pos": per_pos_list,
+                "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+                "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+                "acceptance_rate_per_pos": [v / drafts if drafts else 0.0 for v in per_pos_list],
+            },
+            "rounds": {
+                "count": int(rounds), "seconds_sum": self._value("specjax:round_seconds_sum"),
+                "mean_verification_length": ell_sum / ell_n if ell_n else 0.0,
+                "mean_tokens_bucket": tb_sum / tb_n if tb_n else 0.0,
+            },
+        }
+
+
+def request_spec_metrics(metrics: Any) -> dict[str, Any]:
+    """Per-request speculative metrics block (from an engine `RequestMetrics` or its `as_dict()`)."""
+    d = metrics.as_dict() if hasattr(metrics, "as_dict") else dict(metrics)
+    return {"mean_acceptance_length": float(d.get("mean_acceptance_length", 1.0)),
+            "num_drafts": int(d.get("num_drafts", 0)),
+            "num_draft_tokens": int(d.get("num_draft_tokens", 0)),
+            "num_accepted_tokens": int(d.get("num_accepted_tokens", 0)),
+            "accepted_per_pos": [int(x) for x in d.get("num_accepted_tokens_per_pos", [])],
+            "num_rounds": int(d.get("num_rounds", 0))}

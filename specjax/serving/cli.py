@@ -1,0 +1,51 @@
+"""Command-line options shared by the serving programs (`serve.server`, `serve.batch`)."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return vals
+
+
+def add_llm_args(p: argparse.ArgumentParser) -> None:
+    """Target, drafter and engine shape options."""
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--target", default=None, help="Hugging Face Qwen3 checkpoint directory (default: embedded)")
+    g.add_argument("--drafter", default=None, help='"ngram", a shipped drafter name, or a drafter directory')
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
+    g.add_argument("--max-num-seqs", type=int, default=8, help="cache slots (requests decoded together)")
+    g.add_argument("--max-model-len", type=int, default=1024, help="context length per slot")
+    g.add_argument("--max-prefill", type=int, default=256, help="largest prefill chunk")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, help="gamma (default: the drafter's)")
+    g.add_argument("--policy", default=None, help="verification policy (default: fixed, plain without drafter)")
+    g.add_argument("--dtype", default="float32", help="parameter dtype")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--slots-buckets", type=_int_list, default=None, help="e.g. 1,2,4,8 (last = max-num-seqs)")
+    g.add_argument("--tokens-buckets", type=_int_list, default=None, help="tokens per slot buckets, e.g. 1,2,4,5")
+    g.add_argument("--prefill-buckets", type=_int_list, default=None, help="prefill length buckets, e.g. 16,32")
+
+
+def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
+    """An `specjax.LLM` from parsed `add_llm_args` options."""
+    from specjax.api import LLM
+    from specjax.decoding.engine import EngineConfig
+
+    engine_config = None
+    if args.slots_buckets or args.tokens_buckets or args.prefill_buckets:
+        policy = args.policy or ("plain" if args.drafter is None else "fixed")
+        engine_config = EngineConfig(
+            max_slots=args.max_num_seqs, max_len=args.max_model_len, gamma=args.num_speculative_tokens,
+            policy=policy, max_prefill=args.max_prefill, seed=args.seed, slots_buckets=args.slots_buckets,
+            tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets)
+    return LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
+               max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
+               policy=args.policy, dtype=args.dtype, seed=args.seed, max_prefill=args.max_prefill,
+               engine_config=engine_config, progress=progress)

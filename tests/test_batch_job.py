@@ -1,0 +1,206 @@
+"""Offline batch jobs: good and bad rows, exactly-once output, resume after a torn line and after kill -9, shards."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+try:
+    from tests.serving_fixtures import (export_tiny_target, read_jsonl, shared_tiny_llm, tiny_chat_tokenizer,
+                                        write_jsonl)
+except ImportError:  # tests/ itself on sys.path
+    from serving_fixtures import export_tiny_target, read_jsonl, shared_tiny_llm, tiny_chat_tokenizer, write_jsonl
+
+from specjax.api import SamplingParams
+from specjax.serving.batch_job import Shard, default_errors_path, run_batch_job, shard_output_path
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _prompt(i: int) -> list[int]:
+    return [3 + (i * 7 + k) % 50 for k in range(3 + i % 5)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return shared_tiny_llm()
+
+
+def _ids(rows):
+    return [r["id"] for r in rows]
+
+
+def test_good_and_malformed_rows_exactly_once(llm, tmp_path):
+    rows: list = []
+    for i in range(10):
+        r = {"id": f"r{i}", "prompt": _prompt(i), "max_tokens": 3 + i, "temperature": 0}
+        if i % 3 == 1:
+            r.update(temperature=0.8, top_k=5, seed=i)  # sampled rows with their own seed
+        rows.append(r)
+    rows.insert(4, '{"id": "bad-json", "prompt": [1, 2')  # line 5
+    rows.insert(8, {"id": "no-prompt", "max_tokens": 4})  # line 9
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, rows)
+    s = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), defaults=SamplingParams(max_tokens=8),
+                      progress=False)
+    outs = read_jsonl(out)
+    assert sorted(_ids(outs)) == sorted(f"r{i}" for i in range(10))  # each good id exactly once
+    errs = read_jsonl(default_errors_path(str(out)))
+    assert [(e["line"], e["id"]) for e in errs] == [(5, None), (9, "no-prompt")]
+    assert "malformed JSON" in errs[0]["error"]
+    assert errs[1]["field"] == "prompt" and "prompt" in errs[1]["error"]
+    assert (s.completed, s.errors, s.rows_in_shard) == (10, 2, 12)
+    by_id = {r["id"]: r for r in outs}
+    for i in range(10):
+        r = by_id[f"r{i}"]
+        assert r["completion_tokens"] == len(r["token_ids"]) <= 3 + i
+        assert r["finish_reason"] in ("stop", "length")
+        assert r["prompt_tokens"] == len(_prompt(i))
+        assert set(r["metrics"]) >= {"mean_acceptance_length", "num_drafts", "accepted_per_pos"}
+    # greedy rows are keyed to the right prompt: the same tokens as generating that prompt alone
+    greedy = [i for i in range(10) if i % 3 != 1]
+    ref = llm.generate([_prompt(i) for i in greedy],
+                       [SamplingParams(temperature=0, max_tokens=3 + i) for i in greedy])
+    for i, o in zip(greedy, ref):
+        assert by_id[f"r{i}"]["token_ids"] == o.token_ids, i
+    assert s.metrics["spec_decode"]["num_drafts"] == sum(r["metrics"]["num_drafts"] for r in outs)
+
+    # a rerun finds everything done: no new rows, no duplicates
+    before = (out.read_bytes(), pathlib.Path(default_errors_path(str(out))).read_bytes())
+    s2 = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)
+    assert (s2.completed, s2.errors, s2.skipped_done) == (0, 0, 12)
+    assert (out.read_bytes(), pathlib.Path(default_errors_path(str(out))).read_bytes()) == before
+
+
+def test_bad_rows_are_reported_with_reasons(llm, tmp_path):
+    rows = [
+        {"id": "ok", "prompt": [5, 6, 7], "max_tokens": 2},
+        {"id": "ok", "prompt": [8, 9], "max_tokens": 2},  # duplicate id
+        {"id": "hot", "prompt": [5, 6], "temperature": -1.0},
+        {"id": "long", "prompt": [5] * 200},  # does not fit max_model_len 128
+        {"id": "vocab", "prompt": [5, 999]},
+        {"id": "typo", "prompt": [5, 6], "max_token": 3},
+        {"id": "text", "prompt": "hello"},  # string prompt, but the target has no tokenizer
+        {"id": True, "prompt": [5]},
+        [1, 2, 3],
+    ]
+    inp, out, err = tmp_path / "in.jsonl", tmp_path / "o.jsonl", tmp_path / "errs.jsonl"
+    write_jsonl(inp, rows)
+    s = run_batch_job(llm, str(inp), str(out), errors_path=str(err), shard=Shard(0, 1), progress=False)
+    assert _ids(read_jsonl(out)) == ["ok"]
+    errs = {e["line"]: e for e in read_jsonl(err)}
+    assert sorted(errs) == list(range(2, 10)) and s.errors == 8
+    assert "duplicate id" in errs[2]["error"] and "line 1" in errs[2]["error"] and errs[2]["field"] == "id"
+    assert errs[3]["field"] == "temperature"
+    assert errs[4]["field"] == "prompt" and "too long" in errs[4]["error"]
+    assert "vocabulary" in errs[5]["error"]
+    assert errs[6]["field"] == "max_token"
+    assert "tokenizer" in errs[7]["error"]
+    assert errs[8]["field"] == "id" and errs[8]["id"] is None
+    assert "JSON object" in errs[9]["error"]
+
+
+def test_text_prompts_messages_and_stop_strings_with_a_tokenizer(llm, tmp_path):
+    saved = llm.tokenizer
+    llm.tokenizer = tiny_chat_tokenizer()
+    try:
+        inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        write_jsonl(inp, [{"id": "ids", "prompt": [5, 6, 7, 9], "max_tokens": 6, "temperature": 0},
+                          {"id": "text", "prompt": "w5 w6 w7 w9", "max_tokens": 6, "temperature": 0,
+                           "metadata": {"k": 1}},
+                          {"id": "chat", "messages": [{"role": "user", "content": "w5 w6 w7"}], "max_tokens": 6,
+                           "temperature": 0}])
+        run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)
+        by_id = {r["id"]: r for r in read_jsonl(out)}
+        ref = by_id["ids"]
+        assert len(ref["token_ids"]) == 6 and ref["text"] == llm.tokenizer.decode(ref["token_ids"])
+        for k in ("text", "chat"):  # the same 4 prompt tokens, reached from text and through the template
+            assert by_id[k]["token_ids"] == ref["token_ids"] and by_id[k]["prompt_tokens"] == 4
+        assert by_id["text"]["metadata"] == {"k": 1}
+        words = ref["text"].split()
+        cut = next(i for i in range(1, len(words)) if words[i] not in " ".join(words[:i]))
+        inp2, out2 = tmp_path / "in2.jsonl", tmp_path / "out2.jsonl"
+        write_jsonl(inp2, [{"id": "s", "prompt": "w5 w6 w7 w9", "max_tokens": 6, "temperature": 0,
+                            "stop": words[cut]}])
+        run_batch_job(llm, str(inp2), str(out2), shard=Shard(0, 1), progress=False)
+        (row,) = read_jsonl(out2)
+        assert row["finish_reason"] == "stop" and row["text"].split() == words[:cut]
+        assert row["token_ids"] == ref["token_ids"][:cut]
+    finally:
+        llm.tokenizer = saved
+
+
+def test_torn_last_line_is_cut_and_redone(llm, tmp_path):
+    rows = [{"id": i, "prompt": _prompt(i), "max_tokens": 4, "temperature": 0} for i in range(6)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, rows)
+    run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)
+    full = out.read_bytes().splitlines(keepends=True)
+    assert len(full) == 6
+    out.write_bytes(b"".join(full[:3]) + full[3][: len(full[3]) // 2])  # as if killed mid-write
+    s = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)
+    assert (s.skipped_done, s.completed) == (3, 3)
+    assert out.read_bytes().endswith(b"\n")
+    assert sorted(_ids(read_jsonl(out))) == list(range(6))  # int ids keep their type
+
+
+def test_shards_split_rows_and_write_their_own_files(llm, tmp_path):
+    rows = [{"id": f"s{i}", "prompt": _prompt(i), "max_tokens": 2} for i in range(7)]
+    rows.append({"id": "s0", "prompt": [4, 5]})  # line 8 (index 7: shard 1) repeats shard 0's id
+    inp, out = tmp_path / "in.jsonl", tmp_path / "res.jsonl"
+    write_jsonl(inp, rows)
+    got = []
+    for i in range(2):
+        s = run_batch_job(llm, str(inp), str(out), shard=Shard(i, 2), progress=False)
+        assert s.output_path == shard_output_path(str(out), Shard(i, 2)) == str(tmp_path / f"res.shard-{i}-of-2.jsonl")
+        got.append(_ids(read_jsonl(s.output_path)))
+    assert sorted(got[0]) == ["s0", "s2", "s4", "s6"] and sorted(got[1]) == ["s1", "s3", "s5"]
+    assert not out.exists()
+    errs = read_jsonl(tmp_path / "res.shard-1-of-2.errors.jsonl")
+    assert [(e["line"], e["id"]) for e in errs] == [(8, "s0")] and "duplicate" in errs[0]["error"]
+    with pytest.raises(ValueError, match="shard"):
+        Shard.parse("2/2")
+
+
+def test_kill_9_mid_run_then_rerun_loses_and_duplicates_nothing(llm, tmp_path):
+    target = export_tiny_target(tmp_path / "target")
+    n = 60
+    rows = [{"id": f"k{i}", "prompt": _prompt(i)} for i in range(n)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, rows)
+    cmd = [sys.executable, "-m", "serve.batch", str(inp), "-o", str(out), "--target", str(target),
+           "--max-num-seqs", "2", "--max-model-len", "128", "--max-prefill", "32", "--slots-buckets", "2",
+           "--tokens-buckets", "1", "--prefill-buckets", "32", "--max-tokens", "48", "--temperature", "0",
+           "--no-progress"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    log = open(tmp_path / "stderr.txt", "wb")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= 2:
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.005)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()[-3000:]
+    partial = out.read_bytes().count(b"\n")
+    assert 2 <= partial < n, "the kill should land mid-run"
+    s = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), defaults=SamplingParams(max_tokens=48, temperature=0),
+                      progress=False)
+    assert s.skipped_done == partial and s.completed == n - partial
+    final = read_jsonl(out)
+    assert sorted(_ids(final)) == sorted(f"k{i}" for i in range(n))  # every id exactly once
+    assert all(r["finish_reason"] in ("stop", "length") and r["token_ids"] for r in final)
+    assert not os.path.exists(default_errors_path(str(out))) or read_jsonl(default_errors_path(str(out))) == []

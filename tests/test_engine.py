@@ -1,0 +1,141 @@
+"""Engine behaviour: greedy equality, no recompiles, sharded serving, bad input, full caches."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.api import LLM, SamplingParams
+from specjax.decoding.buckets import UnwarmedBucketError
+from specjax.decoding.engine import EngineRequest
+from specjax.drafters.ngram import NGramDrafter
+
+from engine_fixtures import BigramDrafter, small_engine, tiny_target
+
+V = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_target(V, seed=5, init_scale=2.0)
+
+
+def greedy_reference(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(jnp.argmax(model(jnp.array([seq]))[0, -1])))
+    return seq[len(prompt):]
+
+
+def prompts():
+    rng = np.random.default_rng(0)
+    ps = [list(rng.integers(0, V, size=n)) for n in (3, 7, 12, 20, 5)]
+    ps.append([7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8])  # repetitive: the n-gram drafter gets accepted drafts
+    return ps
+
+
+def run_greedy(engine, ps, n=12):
+    reqs = [EngineRequest(str(i), p, max_tokens=n, temperature=0.0) for i, p in enumerate(ps)]
+    engine.run(reqs, progress=False)
+    return [r.output_ids for r in reqs], reqs
+
+
+def test_greedy_speculative_equals_plain_and_reference(model):
+    ps = prompts()
+    plain = small_engine(model, None, slots=4, max_len=48, policy="plain", prefill=8)
+    ngram = small_engine(model, NGramDrafter(V, gamma=4), slots=4, max_len=48, prefill=8, tokens_buckets=(1, 2, 5))
+    bigram = small_engine(model, BigramDrafter(V, 3), slots=4, max_len=48, prefill=8, tokens_buckets=(1, 4))
+    out_plain, _ = run_greedy(plain, ps)
+    out_ngram, reqs = run_greedy(ngram, ps)
+    out_bigram, _ = run_greedy(bigram, ps)
+    for p, a, b, c in zip(ps, out_plain, out_ngram, out_bigram):
+        assert a == greedy_reference(model, p, 12)  # 6 prompts, 4 slots: slots are reused; 20 > 8: chunked prefill
+        assert b == a and c == a
+    assert sum(r.metrics.num_accepted_tokens for r in reqs) > 0, "n-gram drafts were never accepted"
+
+
+def test_no_recompiles_after_warmup_and_unwarmed_key_is_an_error(model):
+    eng = small_engine(model, NGramDrafter(V, gamma=3), slots=4, max_len=40, prefill=8, tokens_buckets=(1, 2, 4))
+    keys_before = {n: list(e.keys) for n, e in
+                   (("prefill", eng.exe_prefill), ("round", eng.exe_fused))}
+    counts_before = eng.compile_counts()
+    rng = np.random.default_rng(1)
+    reqs = [EngineRequest(str(i), list(rng.integers(0, V, size=int(rng.integers(1, 20)))),
+                          max_tokens=int(rng.integers(1, 15)), temperature=float(rng.choice([0.0, 0.7, 1.0])),
+                          top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.9])),
+                          max_draft_tokens=int(rng.integers(0, 4)), seed=i) for i in range(10)]
+    eng.run(reqs, progress=False)
+    assert all(r.finish_reason for r in reqs)
+    assert eng.compile_counts() == counts_before
+    assert {"prefill": list(eng.exe_prefill.keys), "round": list(eng.exe_fused.keys)} == keys_before
+    with pytest.raises(UnwarmedBucketError, match="not compiled at warm-up"):
+        eng.exe_fused((3, 3), *([None] * 12))
+
+
+def test_sharded_engine_matches_single_device(model):
+    from specjax import sharding as shd
+    assert len(jax.devices()) >= 8
+    mesh = shd.make_mesh((2, 4), ("data", "tensor"))
+    ps = prompts()[:4]
+    single = small_engine(model, NGramDrafter(V, gamma=3), slots=4, max_len=40, prefill=16, tokens_buckets=(1, 4))
+    sharded = small_engine(model, NGramDrafter(V, gamma=3), slots=4, max_len=40, prefill=16, tokens_buckets=(1, 4),
+                           mesh=mesh)
+    a, _ = run_greedy(single, ps, 10)
+    b, _ = run_greedy(sharded, ps, 10)
+    assert a == b
+    # state stays sharded across calls: cache slots over `data`, weights over `tensor`
+    k0 = sharded.cache.k[0]
+    assert k0.sharding.spec[0] == "data" and len(k0.sharding.device_set) == 8
+    assert sharded.dstate.history.sharding.spec[0] == "data"
+    q = sharded.t_params["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    assert q.sharding.spec[1] == "tensor"
+    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0], q.shape[1] // 4)}
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return LLM(target=(model, model.config), drafter="ngram", max_num_seqs=2, max_model_len=32, max_prefill=16,
+               num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens")])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="max_len 32"):
+        llm.generate([list(range(40))], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["text needs a tokenizer"], SamplingParams(max_tokens=2))
+
+
+def test_full_cache_finishes_with_length_and_others_unaffected(llm, model):
+    long_prompt = list(np.random.default_rng(3).integers(0, V, size=28))
+    short = [1, 2, 3]
+    alone = llm.generate([short], SamplingParams(temperature=0, max_tokens=10))[0]
+    both = llm.generate([long_prompt, short], SamplingParams(temperature=0, max_tokens=10))
+    assert both[0].finish_reason == "length"
+    assert len(long_prompt) + len(both[0].token_ids) <= 32 + 1  # the last token needs no cache row
+    assert both[1].token_ids == alone.token_ids
+    assert both[1].token_ids == greedy_reference(model, short, 10)
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    sp = SamplingParams(temperature=1.0, max_tokens=8, seed=1234)
+    a = llm.generate([[4, 5, 6]], sp)[0].token_ids
+    b = llm.generate([[4, 5, 6], [9, 9]], [sp, SamplingParams(temperature=1.0, max_tokens=8, seed=1)])[0].token_ids
+    assert a == b
+
+
+def test_metrics_follow_vllm_definitions(llm):
+    out = llm.generate([[7, 8, 9, 7, 8, 9, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=12))[0]
+    m = out.metrics
+    assert m["num_drafts"] > 0 and m["num_draft_tokens"] >= m["num_accepted_tokens"]
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+    assert sum(m["num_accepted_tokens_per_pos"]) == m["num_accepted_tokens"]
+    assert all(a >= b for a, b in zip(m["num_accepted_tokens_per_pos"], m["num_accepted_tokens_per_pos"][1:]))

@@ -1,0 +1,251 @@
+"""OpenAI-compatible HTTP server: completions (plain and streamed), chat, errors, metrics, continuous batching.
+
+The server is started through `serve.server.main(["--port", "0", ...])` on a thread, with the model
+builder swapped for the shared tiny LLM (no checkpoint needed)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+try:
+    from tests.serving_fixtures import (http_json, http_request, shared_tiny_llm, sse_events,
+                                        tiny_chat_tokenizer)
+except ImportError:  # tests/ itself on sys.path
+    from serving_fixtures import http_json, http_request, shared_tiny_llm, sse_events, tiny_chat_tokenizer
+
+import serve.server
+from specjax.api import SamplingParams, build_engine_request
+from specjax.serving import http_server
+from specjax.serving.async_engine import RequestError
+from specjax.serving.http_server import OpenAIApp, serve_in_thread
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def srv():
+    llm = shared_tiny_llm()
+    made: dict = {}
+    real_make_server = http_server.make_server
+
+    def make_server(app, host="127.0.0.1", port=8000):
+        made["app"] = app
+        made["server"] = real_make_server(app, host, port)
+        return made["server"]
+
+    argv = ["--port", "0", "--served-model-name", "tiny", "--max-body-bytes", "4096", "--max-prompt-tokens", "64",
+            "--max-tokens-limit", "32"]
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(serve.server, "build_llm", lambda args, progress=False: llm)
+        mp.setattr(http_server, "make_server", make_server)
+        thread = threading.Thread(target=serve.server.main, args=(argv,), daemon=True)
+        with contextlib.redirect_stdout(buf):
+            thread.start()
+            deadline = time.time() + 60
+            while "http://" not in buf.getvalue() and time.time() < deadline and thread.is_alive():
+                time.sleep(0.01)
+    server = made["server"]
+    host, port = server.server_address[:2]
+    yield {"url": f"http://{host}:{port}", "host": host, "port": port, "printed": buf.getvalue(),
+           "app": made["app"], "llm": llm}
+    server.shutdown()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert not llm.engine.has_work()
+
+
+def _complete(url, **body):
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, **body}
+    return http_json(url + "/v1/completions", "POST", body)
+
+
+def test_port_0_is_printed_and_bound_to_localhost_by_default(srv):
+    assert srv["port"] > 0
+    assert srv["host"] == "127.0.0.1" == serve.server.build_parser().parse_args([]).host
+    assert re.search(rf"http://127\.0\.0\.1:{srv['port']}\b", srv["printed"])
+    assert http_json(srv["url"] + "/health") == (200, {"status": "ok"})
+    status, models = http_json(srv["url"] + "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
+
+
+def test_completion_plain_and_streamed_agree(srv):
+    status, r = _complete(srv["url"])
+    assert status == 200, r
+    ch = r["choices"][0]
+    assert r["object"] == "text_completion" and r["model"] == "tiny"
+    assert ch["finish_reason"] in ("stop", "length") and 1 <= len(ch["token_ids"]) <= 12
+    assert r["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": len(ch["token_ids"]),
+                          "total_tokens": len(PROMPT) + len(ch["token_ids"])}
+    sm = r["spec_metrics"]
+    assert set(sm) >= {"mean_acceptance_length", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                       "accepted_per_pos"}
+    assert sm["num_drafts"] > 0 and sm["mean_acceptance_length"] == pytest.approx(
+        1 + sm["num_accepted_tokens"] / sm["num_drafts"])
+
+    status, headers, data = http_request(srv["url"] + "/v1/completions", "POST",
+                                         {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = sse_events(data)
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    streamed = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert streamed == ch["token_ids"]  # greedy: the same tokens, delivered in deltas
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] == ch["finish_reason"]
+    assert last["usage"] == r["usage"] and last["spec_metrics"]["num_drafts"] == sm["num_drafts"]
+
+
+def test_chat_without_tokenizer_is_a_clear_400(srv):
+    status, r = http_json(srv["url"] + "/v1/chat/completions", "POST",
+                          {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and r["error"]["param"] == "messages" and "tokenizer" in r["error"]["message"]
+
+
+def test_chat_with_a_tokenizer_template(srv):
+    app = srv["app"]
+    chat_app = OpenAIApp(app.engine, model_name="tiny", max_model_len=app.max_model_len, vocab_size=64,
+                         tokenizer=tiny_chat_tokenizer())
+    server, thread = serve_in_thread(chat_app)
+    url = "http://%s:%d" % server.server_address[:2]
+    try:
+        body = {"messages": [{"role": "user", "content": "w5 w6 w7"}], "max_tokens": 6, "temperature": 0}
+        status, r = http_json(url + "/v1/chat/completions", "POST", body)
+        assert status == 200, r
+        msg = r["choices"][0]["message"]
+        assert r["object"] == "chat.completion" and msg["role"] == "assistant"
+        assert r["usage"]["prompt_tokens"] == 4  # "w5 w6 w7 " + generation prompt "w9"
+        ids = r["choices"][0]["token_ids"]
+        assert msg["content"] == chat_app.tokenizer.decode(ids, skip_special_tokens=True)
+        # the same prompt as token ids through /v1/completions gives the same greedy tokens
+        status, c = http_json(url + "/v1/completions", "POST", {"prompt": [5, 6, 7, 9], "max_tokens": 6,
+                                                                "temperature": 0})
+        assert c["choices"][0]["token_ids"] == ids
+        status, _, data = http_request(url + "/v1/chat/completions", "POST", {**body, "stream": True})
+        events = sse_events(data)
+        assert events[-1] == "[DONE]"
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == msg["content"]
+        # a stop string ends the text before it, streamed or not (tokens held back until safe)
+        words = msg["content"].split()
+        cut = next(i for i in range(2, len(words)) if words[i] not in " ".join(words[:i]))
+        stop = words[cut]
+        body = {**body, "stop": [stop], "max_tokens": 6}
+        status, r = http_json(url + "/v1/chat/completions", "POST", body)
+        assert r["choices"][0]["finish_reason"] == "stop"
+        assert r["choices"][0]["message"]["content"].split() == words[:cut]
+        status, _, data = http_request(url + "/v1/chat/completions", "POST", {**body, "stream": True})
+        events = sse_events(data)
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]).split() == words[:cut]
+        assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == ids[:cut]
+        assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("raw, param, fragment", [
+    (b'{"prompt": [1, 2', None, "malformed JSON"),
+    (b'[1, 2]', None, "JSON object"),
+    (b'{"max_tokens": 3}', "prompt", "prompt"),
+    (b'{"prompt": ' + str([5] * 65).encode() + b'}', "prompt", "limit is 64"),
+    (b'{"prompt": [5, 6], "max_tokens": 33}', "max_tokens", "limit is 32"),
+    (b'{"prompt": [5, 6], "max_tokens": 0}', "max_tokens", "positive"),
+    (b'{"prompt": [5, 6], "temperature": -1}', "temperature", "temperature"),
+    (b'{"prompt": [5, 6], "top_p": 1.5}', "top_p", "top_p"),
+    (b'{"prompt": [5, 640]}', "prompt", "vocabulary"),
+    (b'{"prompt": "text"}', "prompt", "tokenizer"),
+    (b'{"prompt": [5, 6], "stream": "yes"}', "stream", "boolean"),
+    (b'{"prompt": [5, 6], "n": 2}', "n", "not supported"),
+])
+def test_bad_requests_get_400_naming_the_field(srv, raw, param, fragment):
+    status, _, data = http_request(srv["url"] + "/v1/completions", "POST", raw=raw)
+    err = json.loads(data)["error"]
+    assert status == 400 and err["param"] == param and fragment in err["message"], err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_oversize_body_is_413_and_unknown_model_404_then_still_serving(srv):
+    status, _, data = http_request(srv["url"] + "/v1/completions", "POST",
+                                   raw=b'{"prompt": [5], "pad": "' + b"x" * 5000 + b'"}')
+    assert status == 413 and b"4096" in data
+    status, r = _complete(srv["url"], model="other")
+    assert status == 404 and r["error"]["param"] == "model"
+    assert http_json(srv["url"] + "/nope")[0] == 404
+    status, r = _complete(srv["url"], max_tokens=3)
+    assert status == 200 and len(r["choices"][0]["token_ids"]) <= 3
+    assert http_json(srv["url"] + "/health")[0] == 200
+
+
+def test_concurrent_requests_batch_continuously_with_the_same_greedy_results(srv):
+    prompts = [[5 + i, 6, 7 + i % 3, 5 + i, 6] for i in range(7)]  # 7 requests, 4 slots
+    seq = [_complete(srv["url"], prompt=p, max_tokens=8 + i)[1]["choices"][0]["token_ids"]
+           for i, p in enumerate(prompts)]
+    rounds0 = http_json(srv["url"] + "/metrics.json")[1]["rounds"]["count"]
+    with ThreadPoolExecutor(7) as ex:
+        par = list(ex.map(lambda ip: _complete(srv["url"], prompt=ip[1], max_tokens=8 + ip[0]),
+                          enumerate(prompts)))
+    rounds = http_json(srv["url"] + "/metrics.json")[1]["rounds"]["count"] - rounds0
+    assert [r[0] for r in par] == [200] * 7
+    assert [r[1]["choices"][0]["token_ids"] for r in par] == seq
+    # requests shared rounds: fewer engine rounds than the requests' rounds added up
+    assert rounds < sum(r[1]["spec_metrics"]["num_rounds"] for r in par)
+
+
+def test_metrics_count_what_the_responses_report(srv):
+    url = srv["url"]
+    before = http_json(url + "/metrics.json")[1]
+    rs = [_complete(url, prompt=[9, 10, 11, 9, 10, 11, 9], max_tokens=10)[1], _complete(url, max_tokens=7)[1]]
+    after = http_json(url + "/metrics.json")[1]
+    d = lambda k: after["spec_decode"][k] - before["spec_decode"][k]  # noqa: E731
+    for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert d(k) == sum(r["spec_metrics"][k] for r in rs), k
+    assert d("num_drafts") > 0
+    per_pos = [a - b for a, b in zip(after["spec_decode"]["num_accepted_tokens_per_pos"],
+                                     before["spec_decode"]["num_accepted_tokens_per_pos"])]
+    assert per_pos == [sum(x) for x in zip(*(r["spec_metrics"]["accepted_per_pos"] for r in rs))]
+    assert after["tokens"]["generation"] - before["tokens"]["generation"] == sum(
+        r["usage"]["completion_tokens"] for r in rs)
+    status, headers, text = http_request(url + "/metrics")
+    text = text.decode()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "specjax:verification_length_bucket", "specjax:scheduler_tokens_bucket_bucket",
+                 "specjax:round_seconds_bucket"):
+        assert re.search(rf"^{re.escape(name)}\{{", text, re.M), name
+    m = re.search(r'^vllm:spec_decode_num_drafts_total\{model_name="tiny"\} (\S+)$', text, re.M)
+    assert float(m.group(1)) == after["spec_decode"]["num_drafts"]
+    assert re.search(r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{model_name="tiny",position="3"\}',
+                     text, re.M)
+    assert re.search(r'^vllm:request_success_total\{finished_reason="length",model_name="tiny"\} [1-9]', text, re.M)
+
+
+def test_async_engine_reports_a_bad_request_to_it_alone_and_aborts(srv):
+    eng = srv["app"].engine
+    good = eng.submit(build_engine_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=5), request_id="g"))
+    bad = eng.submit(build_engine_request([5] * 300, SamplingParams(max_tokens=5), request_id="b"))
+    with pytest.raises(RequestError, match="does not fit") as ei:
+        bad.result(60)
+    assert ei.value.rejected
+    assert good.result(60).finish_reason in ("stop", "length") and good.error is None
+    long = eng.submit(build_engine_request([5, 6], SamplingParams(temperature=0, max_tokens=100), request_id="l"))
+    first = long.get(timeout=60)
+    assert first.token_ids and not first.finished
+    eng.abort(long)
+    req = long.result(60)
+    assert req.finish_reason == "abort" and len(req.output_ids) < 100
+    deadline = time.time() + 10
+    while eng.engine.has_work() and time.time() < deadline:
+        time.sleep(0.01)
+    assert not eng.engine.has_work()  # the slot was freed
