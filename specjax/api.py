@@ -60,6 +60,14 @@ class Output:
     metrics: dict[str, Any]
 
 
+def _target_id(target_dir: str | None, model: Any) -> str | None:
+    """A cost-table identity: the checkpoint directory's name plus the engine's weight checksum."""
+    if target_dir is None:
+        return None
+    from specjax.decoding.engine import _target_identity
+    return f"{os.path.basename(os.path.normpath(target_dir))}:{_target_identity(model)}"
+
+
 def _make_stop_check(tokenizer: Any, stops: Sequence[str]):
     def check(ids: list[int]) -> int | None:
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -90,7 +98,7 @@ class LLM:
                  max_num_seqs: int = 8, max_model_len: int = 1024, num_speculative_tokens: int | None = None,
                  policy: str | None = None, dtype: str = "float32", mesh: Any = None, seed: int = 0,
                  max_prefill: int = 256, engine_config: EngineConfig | None = None, progress: bool = False,
-                 schedule_fn: Any = None):
+                 cost_table: Any = None, threshold: float | None = None):
         from specjax import hf
         self.tokenizer = None
         target_dir = None
@@ -116,12 +124,15 @@ class LLM:
             engine_config = EngineConfig(
                 max_slots=max_num_seqs, max_len=max_model_len, gamma=num_speculative_tokens,
                 policy=policy or ("plain" if self.drafter is None else "fixed"), seed=seed,
-                max_prefill=max_prefill)
+                max_prefill=max_prefill, threshold=threshold)
+        if isinstance(cost_table, (str, os.PathLike)):
+            from specjax.scheduling import CostTable
+            cost_table = CostTable.from_json(cost_table)
         eos = list(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(int(self.tokenizer.eos_token_id))
         self.engine = Engine(model, self.drafter, engine_config, mesh=mesh, eos_token_ids=sorted(set(eos)),
-                             schedule_fn=schedule_fn, progress=progress)
+                             cost_table=cost_table, target_id=_target_id(target_dir, model), progress=progress)
         self.engine.warmup()
         self._next_id = 0
 

@@ -35,7 +35,40 @@ from specjax.models.qwen3 import Qwen3ForCausalLM
 
 Array = jax.Array
 
-FIXED_POLICIES = ("plain", "fixed", "mtp1")
+FIXED_POLICIES = ("plain", "fixed", "mtp1")  # lengths known before drafting: one fused executable
+HOST_POLICIES = ("threshold", "confidence")  # lengths chosen on the host from this round's confidences
+DEVICE_POLICIES = ("confidence_async",)  # capacity from old confidences, filled on the device
+ALL_POLICIES = FIXED_POLICIES + HOST_POLICIES + DEVICE_POLICIES
+
+
+def _target_identity(target: Qwen3ForCausalLM) -> str:
+    """A stable identity of a target: its config and a checksum of its weights."""
+    import hashlib
+    import json
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(target.config), sort_keys=True).encode())
+    for leaf in jax.tree.leaves(nnx.state(target, nnx.Param))[:4]:
+        h.update(np.asarray(leaf, np.float32).tobytes()[:4096])
+    return f"qwen3-{target.config.num_hidden_layers}x{target.config.hidden_size}-{h.hexdigest()[:12]}"
+
+
+def topk_prefix_fill(conf_bg: Array, k_total: Array, active_b: Array, cap: int) -> Array:
+    """Admit the `k_total` draft positions with the largest prefix survival a_{r,j} = prod_{i<=j} c_{r,i}.
+
+    Only positions j < cap of active rows compete; ties go to earlier positions, then lower rows, so
+    each row's admitted set is a prefix (a is non-increasing along a row). Returns ell [B].
+    """
+    b, g = conf_bg.shape
+    if cap <= 0 or g == 0:
+        return jnp.zeros((b,), jnp.int32)
+    cap = min(cap, g)
+    surv = jnp.cumprod(conf_bg[:, :cap].astype(jnp.float32), axis=1)  # [B, cap]
+    surv = jnp.where(active_b[:, None], surv, -1.0)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, cap)).reshape(-1)
+    pos = jnp.broadcast_to(jnp.arange(cap)[None, :], (b, cap)).reshape(-1)
+    order = jnp.lexsort((rows, pos, -surv.reshape(-1)))  # primary: survival desc, then position, then row
+    rank = jnp.zeros((b * cap,), jnp.int32).at[order].set(jnp.arange(b * cap, dtype=jnp.int32))
+    chosen = (rank < k_total) & (surv.reshape(-1) >= 0)
+    return jnp.sum(chosen.reshape(b, cap), axis=1).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +78,8 @@ class EngineConfig:
     max_slots: int = 8
     max_len: int = 1024
     gamma: int | None = None
-    policy: str = "fixed"  # plain | fixed | mtp1 (more in specjax.scheduling)
+    policy: str = "fixed"  # plain | fixed | mtp1 | threshold | confidence | confidence_async
+    threshold: float | None = None  # per-step confidence threshold of the `threshold` policy
     max_prefill: int = 256
     seed: int = 0
     cache_dtype: str | None = None
@@ -114,8 +148,9 @@ class Engine:
 
     def __init__(self, target: Qwen3ForCausalLM, drafter: nnx.Module | None = None,
                  config: EngineConfig = EngineConfig(), *, mesh: jax.sharding.Mesh | None = None,
-                 eos_token_ids: Sequence[int] = (), schedule_fn: Callable[..., np.ndarray] | None = None,
-                 progress: bool = True, verifier: Callable[..., VerifyResult] = verify_chain):
+                 eos_token_ids: Sequence[int] = (), cost_table: Any = None, target_id: str | None = None,
+                 progress: bool = True, verifier: Callable[..., VerifyResult] = verify_chain,
+                 schedule_fn: Callable[..., np.ndarray] | None = None):
         self.cfg = config
         self.verifier = verifier  # tests swap in a deliberately biased one to prove the checks have teeth
         self.target_config = target.config
@@ -125,13 +160,18 @@ class Engine:
         self.gamma = 0 if drafter is None else int(config.gamma or drafter.gamma)
         if drafter is not None and self.gamma > drafter.gamma:
             raise ValueError(f"gamma {self.gamma} exceeds the drafter's block size {drafter.gamma}")
-        if config.policy not in FIXED_POLICIES and schedule_fn is None:
-            raise ValueError(f"policy {config.policy!r} needs a scheduler (schedule_fn); "
-                             f"built-in fixed policies: {FIXED_POLICIES}")
+        if config.policy not in ALL_POLICIES and schedule_fn is None:
+            raise ValueError(f"unknown policy {config.policy!r}; choose one of {ALL_POLICIES}")
+        if config.policy == "threshold" and config.threshold is None:
+            raise ValueError("policy 'threshold' needs EngineConfig.threshold")
         if drafter is None and config.policy != "plain":
             config = dataclasses.replace(config, policy="plain")
             self.cfg = config
+        # schedule_fn(confidences[R, gamma], caps[R]) -> lengths[R]: a custom host policy (tests use a
+        # deliberately anticipating one to show the losslessness checks have teeth)
         self.schedule_fn = schedule_fn
+        self.cost_table = cost_table
+        self.target_id = target_id or _target_identity(target)
         self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
         self.tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
         self.needs_hidden = bool(getattr(drafter, "needs_hidden", False)) if drafter is not None else False
@@ -174,6 +214,7 @@ class Engine:
         self._key_data = np.zeros((slots, 2), np.uint32)
         self._seed_counter = 0
         self.last_confidence: np.ndarray | None = None
+        self._conf_history: list[np.ndarray] = []  # per-slot confidences [slots, gamma] of past rounds
         self.stats = {"rounds": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0}
         self.on_round: Callable[[dict[str, Any]], None] | None = None
         self._build_executables()
@@ -278,11 +319,16 @@ class Engine:
         return fn
 
     def _fn_verify(self, tb: int):
-        def fn(t_params, d_params, cache, dstate, anchors, draft, q, ell_b, active_b, sa, key_data, counters,
-               stop_ids):
+        def fn(t_params, d_params, cache, dstate, anchors, draft, q, conf, ell_b, k_total, device_fill, active_b,
+               sa, key_data, counters, stop_ids):
+            """Verify drafts; with `device_fill`, ell = top-K fill of the current survivals (async policy)."""
             _, kv = self._split_keys(key_data, counters)
-            return self._verify_commit(t_params, d_params, cache, dstate, anchors, draft, q, ell_b, active_b,
-                                       sa, kv, stop_ids, tb)
+            filled = topk_prefix_fill(conf, k_total, active_b, tb - 1)
+            ell = jnp.where(device_fill, jnp.minimum(filled, ell_b), ell_b)
+            cache, dstate, anchors, outs = self._verify_commit(t_params, d_params, cache, dstate, anchors, draft,
+                                                               q, ell, active_b, sa, kv, stop_ids, tb)
+            outs["ell"] = jnp.where(active_b, jnp.minimum(ell, tb - 1), 0)
+            return cache, dstate, anchors, outs
         return fn
 
     def _fn_prefill(self, plen: int):
@@ -363,7 +409,6 @@ class Engine:
             else:
                 keys.append(("draft", (sb,)))
                 keys += [("verify", (sb, tb)) for tb in self.buckets.tokens]
-                keys.append(("round", (sb, 1)))
         return keys
 
     def warmup(self) -> float:
@@ -397,9 +442,38 @@ class Engine:
                 f = r["f"]
                 g = max(self.gamma, 1)
                 v = self.target_config.vocab_size
-                self.exe_verify.warm(key, *state, f((sb, g), jnp.int32), f((sb, g, v), jnp.float32), r["ell"],
+                self.exe_verify.warm(key, *state, f((sb, g), jnp.int32), f((sb, g, v), jnp.float32),
+                                     f((sb, g), jnp.float32), r["ell"], f((), jnp.int32), f((), jnp.bool_),
                                      r["active"], r["sa"], r["key"], r["counters"], stop, f((tb,), jnp.int32))
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if self.needs_cost_table:
+            if self.cost_table is None:
+                from specjax.decoding.profiling import measure_cost_table
+                self.cost_table = measure_cost_table(self, progress=self.progress)
+            else:
+                self.use_cost_table(self.cost_table)
+        return seconds
+
+    @property
+    def needs_cost_table(self) -> bool:
+        return self.cfg.policy in ("confidence", "confidence_async") and self.schedule_fn is None
+
+    def cost_table_meta(self):
+        """The metadata a cost table for this engine must carry (target, dtype, hardware, buckets)."""
+        from specjax.scheduling import CostTableMeta
+        dev = jax.devices()[0]
+        n = 1 if self.mesh is None else self.mesh.size
+        dtype = str(jax.tree.leaves(self.t_params)[0].dtype)
+        return CostTableMeta(target=self.target_id, dtype=dtype, hardware=f"{dev.platform}:{dev.device_kind} x{n}",
+                             context_length=self.cfg.max_len, slots_buckets=tuple(self.buckets.slots),
+                             tokens_buckets=tuple(self.buckets.tokens))
+
+    def use_cost_table(self, table) -> None:
+        """Install a measured cost table; refuses one measured for another target, dtype or bucket set."""
+        if table.meta is None:
+            raise ValueError("cost table has no metadata: cannot check it was measured for this engine")
+        table.check_matches(self.cost_table_meta())
+        self.cost_table = table
 
     def compile_counts(self) -> dict[str, int]:
         return {e.name: e.jit_cache_size() for e in (self.exe_prefill, self.exe_fused, self.exe_draft,
@@ -545,6 +619,26 @@ class Engine:
             caps[i] = max(cap, 0)
         return caps
 
+    def _host_lengths(self, conf_rg: np.ndarray) -> np.ndarray:
+        """Verification lengths from this round's (calibrated) confidences on the host."""
+        if self.schedule_fn is not None:
+            return np.asarray(self.schedule_fn(conf_rg), np.int64)
+        from specjax.scheduling import prefix_schedule
+        if self.cfg.policy == "threshold":
+            return prefix_schedule(conf_rg, None, "threshold", gamma=self.gamma, threshold=self.cfg.threshold)
+        return prefix_schedule(conf_rg, self.cost_table, "confidence", gamma=self.gamma)
+
+    def _async_capacity(self, sb: int, active: np.ndarray) -> tuple[int, int]:
+        """(K, cap) of the async policy from confidences two rounds old (a 0.5 prior for rows without)."""
+        from specjax.scheduling import async_capacity
+        rows = np.flatnonzero(active)
+        old = self._conf_history[0] if len(self._conf_history) == 2 else None
+        c = np.full((len(rows), self.gamma), np.nan) if old is None else old[rows]
+        known = c[~np.isnan(c).any(axis=1)]
+        prior = known.mean(axis=0) if len(known) else np.full((self.gamma,), 0.5)
+        c = np.where(np.isnan(c), prior[None, :], c)
+        return async_capacity(c, self.cost_table, gamma=self.gamma)
+
     def step(self) -> list[EngineRequest]:
         """Admit waiting requests into free slots, then run one round. Returns requests finished now."""
         finished = self._admit_waiting()
@@ -563,7 +657,8 @@ class Engine:
         counters = np.array([r.rounds + 1 if r else 0 for r in reqs], np.int32)
         key_data = self._put(self._key_data[:sb])
         conf = None
-        if self.cfg.policy in FIXED_POLICIES:
+        policy = self.cfg.policy
+        if policy in FIXED_POLICIES and self.schedule_fn is None:
             ell = np.minimum(np.full((sb,), self._policy_ell()), caps) * active
             tb = bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
             self.cache, self.dstate, self.anchors, outs = self.exe_fused(
@@ -573,20 +668,34 @@ class Engine:
         else:
             draft, q, conf_dev = self.exe_draft((sb,), self.d_params, self.dstate, self.cache.lengths, self.anchors,
                                                 sa, key_data, self._put(counters))
-            conf = np.asarray(conf_dev)
-            ell = np.asarray(self.schedule_fn(conf[active], caps[active]), np.int64)
-            full = np.zeros((sb,), np.int64)
-            full[active] = np.minimum(ell, caps[active])
-            ell = full
+            if policy in DEVICE_POLICIES and self.schedule_fn is None:
+                # capacity and per-row cap from confidences two rounds old; no wait on this round's
+                k_total, cap = self._async_capacity(sb, active)
+                ell = np.minimum(caps, cap) * active
+                device_fill = True
+            else:
+                conf = np.asarray(conf_dev)
+                ell = np.zeros((sb,), np.int64)
+                ell[active] = np.minimum(self._host_lengths(conf[active]), caps[active])
+                k_total, device_fill = 0, False
             tb = bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
             self.cache, self.dstate, self.anchors, outs = self.exe_verify(
-                (sb, tb), self.t_params, self.d_params, self.cache, self.dstate, self.anchors, draft, q,
-                self._put(ell.astype(np.int32)), self._put(active), sa, key_data, self._put(counters),
+                (sb, tb), self.t_params, self.d_params, self.cache, self.dstate, self.anchors, draft, q, conf_dev,
+                self._put(ell.astype(np.int32)), self._put(np.asarray(k_total, np.int32)),
+                self._put(np.asarray(device_fill)), self._put(active), sa, key_data, self._put(counters),
                 self._stop_ids, self._put(np.zeros((tb,), np.int32)))
+            if device_fill:
+                conf = np.asarray(conf_dev)
         outs = jax.device_get(outs)
+        if "ell" in outs:
+            ell = np.asarray(outs["ell"], np.int64)
         if conf is None and self.gamma > 0:
             conf = np.asarray(outs["confidence"])
         self.last_confidence = conf
+        if conf is not None:
+            hist = np.full((self.cfg.max_slots, conf.shape[1]), np.nan)
+            hist[np.flatnonzero(active)] = conf[active]
+            self._conf_history = (self._conf_history + [hist])[-2:]
         n_acc = outs["num_accepted"]
         for i in active_idx:
             r = self.slot_req[i]

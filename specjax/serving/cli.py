@@ -26,6 +26,9 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill", type=int, default=256, help="largest prefill chunk")
     g.add_argument("--num-speculative-tokens", type=int, default=None, help="gamma (default: the drafter's)")
     g.add_argument("--policy", default=None, help="verification policy (default: fixed, plain without drafter)")
+    g.add_argument("--cost-table", default=None, help="cost table JSON for the confidence policies "
+                   "(default: measured at start-up)")
+    g.add_argument("--threshold", type=float, default=None, help="per-step confidence threshold (policy threshold)")
     g.add_argument("--dtype", default="float32", help="parameter dtype")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--slots-buckets", type=_int_list, default=None, help="e.g. 1,2,4,8 (last = max-num-seqs)")
@@ -43,9 +46,11 @@ def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
         policy = args.policy or ("plain" if args.drafter is None else "fixed")
         engine_config = EngineConfig(
             max_slots=args.max_num_seqs, max_len=args.max_model_len, gamma=args.num_speculative_tokens,
-            policy=policy, max_prefill=args.max_prefill, seed=args.seed, slots_buckets=args.slots_buckets,
+            policy=policy, max_prefill=args.max_prefill, seed=args.seed, threshold=args.threshold,
+            slots_buckets=args.slots_buckets,
             tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets)
     return LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                policy=args.policy, dtype=args.dtype, seed=args.seed, max_prefill=args.max_prefill,
-               engine_config=engine_config, progress=progress)
+               engine_config=engine_config, progress=progress, cost_table=args.cost_table,
+               threshold=args.threshold)

@@ -1,0 +1,47 @@
+"""Measure a cost table on the running engine: seconds per round for every executed bucket.
+
+A round of the host-scheduled policies is one draft call plus one verify call of the bucket
+(slots bucket, tokens-per-slot bucket); both are timed together on the engine's real state with every
+row idle (idle rows commit nothing, so the measurement leaves the engine's state as it was).
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from specjax.decoding.sampling import SamplingArrays
+from specjax.scheduling import CostTable
+
+
+def measure_cost_table(engine, *, repeats: int = 5, warmup: int = 1, progress: bool = True) -> CostTable:
+    """Median seconds of draft + verify for each (slots, tokens) bucket of `engine`."""
+    from tqdm.auto import tqdm
+    if engine.drafter is None:
+        raise ValueError("a cost table needs a drafter: plain decoding has no verification lengths to choose")
+    if any(engine.slot_req):
+        raise RuntimeError("profile the engine before it serves requests")
+    seconds: dict[tuple[int, int], float] = {}
+    keys = [(sb, tb) for sb in engine.buckets.slots for tb in engine.buckets.tokens]
+    put = engine._put
+    for sb, tb in tqdm(keys, desc="profiling buckets", disable=not progress, leave=False):
+        sa = SamplingArrays(put(np.ones((sb,), np.float32)), put(np.zeros((sb,), np.int32)),
+                            put(np.ones((sb,), np.float32)))
+        key_data, counters = put(np.zeros((sb, 2), np.uint32)), put(np.zeros((sb,), np.int32))
+        ell = put(np.full((sb,), tb - 1, np.int32))
+        idle = put(np.zeros((sb,), bool))
+        times = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            draft, q, conf = engine.exe_draft((sb,), engine.d_params, engine.dstate, engine.cache.lengths,
+                                              engine.anchors, sa, key_data, counters)
+            engine.cache, engine.dstate, engine.anchors, outs = engine.exe_verify(
+                (sb, tb), engine.t_params, engine.d_params, engine.cache, engine.dstate, engine.anchors, draft, q,
+                conf, ell, put(np.asarray(0, np.int32)), put(np.asarray(False)), idle, sa, key_data, counters,
+                engine._stop_ids, put(np.zeros((tb,), np.int32)))
+            jax.block_until_ready(outs)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        seconds[(sb, tb)] = float(np.median(times))
+    return CostTable.from_seconds(seconds, meta=engine.cost_table_meta())

@@ -1,0 +1,117 @@
+"""Confidence-scheduled verification in the engine: exact (non-anticipating) and measurably biased."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decoding.engine import Engine, EngineConfig, topk_prefix_fill
+from specjax.scheduling import CostTable, prefix_schedule
+
+from engine_fixtures import (BigramDrafter, chi_square_pvalue, exact_continuations, sample_continuations,
+                             tiny_target)
+
+V, GAMMA, PROMPT = 8, 3, [1, 5, 2]
+# Appendix A of the paper for one request: steps/s SPS(1)=1.0, SPS(2)=0.5, SPS(3)=0.45
+ONE_REQUEST = CostTable.from_seconds({(1, 1): 1.0, (1, 2): 2.0, (1, 3): 1 / 0.45, (1, 4): 2.5})
+
+
+def per_row(policy):
+    """A host policy that schedules every row as if alone under the Appendix A cost table."""
+    def fn(conf_rg):
+        return np.concatenate([prefix_schedule(conf_rg[r:r + 1], ONE_REQUEST, policy, gamma=GAMMA)
+                               for r in range(conf_rg.shape[0])])
+    return fn
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_target(V, seed=3, init_scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def exact(model):
+    return exact_continuations(model, PROMPT, 3)
+
+
+def make_engine(model, policy, *, schedule_fn=None, cost_table=None):
+    cfg = EngineConfig(max_slots=256, max_len=8, policy=policy, gamma=GAMMA, slots_buckets=(256,),
+                       tokens_buckets=(1, 2, 4), prefill_buckets=(4,), max_prefill=4, prefill_batch_buckets=(256,))
+    eng = Engine(model, BigramDrafter(V, GAMMA, confidence=True, seed=7), cfg, progress=False,
+                 schedule_fn=schedule_fn)
+    if cost_table is not None:
+        eng.cost_table = cost_table(eng.cost_table_meta())
+    eng.warmup()
+    return eng
+
+
+def test_appendix_a_single_request_verifies_nothing():
+    assert prefix_schedule(np.array([[0.8, 0.9, 0.9]]), ONE_REQUEST, "confidence").tolist() == [0]
+
+
+def test_algorithm1_per_row_is_exact(model, exact):
+    eng = make_engine(model, "confidence", schedule_fn=per_row("confidence"))
+    samples = sample_continuations(eng, PROMPT, 20000, 3)
+    assert chi_square_pvalue(samples, exact) > 1e-3
+
+
+def test_anticipating_scheduler_is_caught(model, exact):
+    eng = make_engine(model, "confidence", schedule_fn=per_row("anticipating_global_search_LOSSY"))
+    samples = sample_continuations(eng, PROMPT, 20000, 3, seed0=10**6)
+    assert chi_square_pvalue(samples, exact) < 1e-3, "an anticipating scheduler passed: the test has no teeth"
+
+
+def staircase(meta):
+    return CostTable.from_seconds({(256, 1): 1.0, (256, 2): 1.2, (256, 4): 1.5}, meta=meta)
+
+
+def test_engine_confidence_policy_is_exact(model, exact):
+    eng = make_engine(model, "confidence", cost_table=staircase)
+    samples = sample_continuations(eng, PROMPT, 20000, 3, seed0=2 * 10**6)
+    assert chi_square_pvalue(samples, exact) > 1e-3
+
+
+def test_engine_confidence_async_policy_is_exact(model, exact):
+    eng = make_engine(model, "confidence_async", cost_table=staircase)
+    lengths = []
+    eng.on_round = lambda info: lengths.extend(info["ell"])
+    samples = sample_continuations(eng, PROMPT, 20000, 3, seed0=3 * 10**6)
+    assert chi_square_pvalue(samples, exact) > 1e-3
+    assert 0 < np.mean(lengths) < GAMMA  # it really chose lengths: neither nothing nor everything
+
+
+def test_topk_prefix_fill_admits_prefixes_by_survival():
+    conf = jnp.array([[0.9, 0.5, 0.9], [0.6, 0.99, 0.99], [0.95, 0.95, 0.95]])
+    active = jnp.array([True, True, False])
+    # survivals: row0 .9 .45 .405, row1 .6 .594 .588; row 2 idle
+    assert topk_prefix_fill(conf, jnp.int32(3), active, 3).tolist() == [1, 2, 0]
+    assert topk_prefix_fill(conf, jnp.int32(0), active, 3).tolist() == [0, 0, 0]
+    assert topk_prefix_fill(conf, jnp.int32(6), active, 2).tolist() == [2, 2, 0]
+    ties = jnp.full((2, 3), 0.5)
+    assert topk_prefix_fill(ties, jnp.int32(3), jnp.array([True, True]), 3).tolist() == [2, 1]
+
+
+def test_cost_table_for_another_engine_is_refused(model):
+    cfg = EngineConfig(max_slots=4, max_len=16, policy="confidence", gamma=GAMMA, slots_buckets=(4,),
+                       tokens_buckets=(1, 4), prefill_buckets=(8,), max_prefill=8)
+    eng = Engine(model, BigramDrafter(V, GAMMA, confidence=True), cfg, progress=False)
+    meta = eng.cost_table_meta()
+    import dataclasses
+    other = dataclasses.replace(meta, target="some-other-model")
+    table = CostTable.from_seconds({(4, 1): 1.0, (4, 4): 2.0}, meta=other)
+    with pytest.raises(ValueError, match="target"):
+        eng.use_cost_table(table)
+
+
+def test_engine_profiles_its_own_cost_table(model, tmp_path):
+    cfg = EngineConfig(max_slots=2, max_len=16, policy="confidence", gamma=GAMMA, slots_buckets=(1, 2),
+                       tokens_buckets=(1, 4), prefill_buckets=(8,), max_prefill=8)
+    eng = Engine(model, BigramDrafter(V, GAMMA, confidence=True), cfg, progress=False)
+    eng.warmup()
+    table = eng.cost_table
+    assert set(table.as_dict()) == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    assert all(s > 0 for s in table.as_dict().values())
+    table.check_matches(eng.cost_table_meta())
+    path = tmp_path / "cost.json"
+    table.to_json(path)
+    eng.use_cost_table(CostTable.from_json(path))  # a saved table for this engine is accepted
+    reqs = sample_continuations(eng, PROMPT, 4, 5)
+    assert all(len(r) == 5 for r in reqs)
