@@ -1,0 +1,591 @@
+"""Target features for drafter training: online (inside the jitted step) or an offline cache.
+
+Features of a sequence are the target's hidden taps at `tap_layers` (raw decoder-layer outputs,
+-1 = embedding output) concatenated per token -> [S, L*H], and its final-normed hidden state
+[S, H] (target logits are recomputed from it through the frozen lm_head).
+
+* Online: `target_features(target_params, graphdef, ids, valid, tap_layers=...)` runs the frozen
+  target inside the training step (stop_gradient), so no cache is needed.
+* Offline: `build_cache` writes a tensorstore zarr store; `TargetCache` reads it back and checks
+  that it was made for the target, layers and hidden size the trainer expects.
+
+Cache layout (`<dir>/`): token-major zarr v3 arrays, uncompressed: `input_ids` int32 [T],
+`loss_mask` uint8 [T], `taps` bfloat16 [T, L*H] (layer blocks in `tap_layers` order), `hidden`
+bfloat16 [T, H]. Reads and writes address chunks of `chunk_tokens` rows (default 64); chunks are
+packed into shard files of about `shard_bytes` (zarr's sharding codec), so a billion-token cache is
+a few hundred thousand files rather than tens of millions. The index `offsets` int64 [N+1] (sample
+i is rows offsets[i]:offsets[i+1]) and `manifest.json` are written last (the manifest's presence
+marks a complete cache). While building, `build_state.json` records how many samples are complete,
+and a rerun continues after the last complete sample.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+from flax import nnx
+
+from specjax.config import ConfigError, TargetConfig
+from specjax.models.layers import concat_taps
+
+Array = jax.Array
+
+CACHE_VERSION = 1  # zarr v3 arrays
+MANIFEST = "manifest.json"
+BUILD_STATE = "build_state.json"
+TOKEN_ARRAYS = ("input_ids", "loss_mask", "taps", "hidden")
+INDEX_ARRAY = "offsets"
+BYTES_PER_TOKEN_FIXED = 5  # input_ids int32 (4) + loss_mask uint8 (1)
+BYTES_PER_INDEX_ENTRY = 8  # offsets int64, N + 1 entries
+DEFAULT_SHARD_BYTES = 32 * 2**20
+
+
+class CacheMismatchError(ConfigError):
+    """A target cache was built for a different target / layers / hidden size than expected."""
+
+
+# ------------------------------------------------------------------------------------------------
+# online features
+
+
+def target_features(target_params: Any, graphdef: Any, ids_bs: Array, valid_b: Array | None = None,
+                    *, tap_layers: Sequence[int], dtype: Any = jnp.bfloat16,
+                    ) -> tuple[Array, Array]:
+    """Frozen target forward -> (taps [B, S, L*H], final-normed hidden [B, S, H]) in `dtype`.
+
+    `target_params` / `graphdef` come from `nnx.split(target)` of a `Qwen3ForCausalLM`;
+    `valid_b` [B] is each row's count of real tokens (right padding; default S). Jittable; both
+    outputs are wrapped in stop_gradient, so no gradient ever reaches the target.
+    """
+    if not tap_layers:
+        raise ValueError("tap_layers must name at least one target layer")
+    target = nnx.merge(graphdef, target_params)
+    b, s = ids_bs.shape
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    if valid_b is not None:
+        valid_b = jnp.asarray(valid_b, jnp.int32)
+    out = target.forward(jnp.asarray(ids_bs, jnp.int32), positions, valid_b=valid_b,
+                         tap_layers=tuple(tap_layers), logits="none")
+    taps = concat_taps(out.taps).astype(dtype)
+    hidden = out.hidden.astype(dtype)
+    return jax.lax.stop_gradient(taps), jax.lax.stop_gradient(hidden)
+
+
+# ------------------------------------------------------------------------------------------------
+# identity and size
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetIdentity:
+    """Which target a cache was made from: its directory and a hash of its config."""
+
+    path: str
+    config_hash: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"path": self.path, "config_hash": self.config_hash}
+
+
+def config_hash(cfg: TargetConfig) -> str:
+    """sha256 (hex, 16 chars) of the target's canonical Hugging Face config mapping."""
+    blob = json.dumps(cfg.to_hf_dict(), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def target_identity(path: str | os.PathLike, cfg: TargetConfig) -> TargetIdentity:
+    return TargetIdentity(path=os.path.normpath(os.fspath(path)), config_hash=config_hash(cfg))
+
+
+def bytes_per_token(hidden: int, num_layers: int) -> int:
+    """Stored bytes per token: ids (4) + loss mask (1) + bf16 taps (2*L*H) + bf16 hidden (2*H)."""
+    return BYTES_PER_TOKEN_FIXED + 2 * hidden * (num_layers + 1)
+
+
+def estimate_bytes(num_tokens: int, hidden: int, num_layers: int, num_samples: int = 0) -> int:
+    """Bytes of tensor data in a cache of `num_tokens` tokens in `num_samples` samples.
+
+    = T * (5 + 2H(L+1)) + 8 (N + 1): per token int32 id, uint8 loss mask, bf16 taps and bf16
+    final hidden, plus the int64 offsets index. (DeepSpec's 6 + 2H(L+1), reference §7.5, also
+    counts an all-ones attention mask, which is not stored here.) `stored_bytes` gives the exact
+    size on disk, which adds chunk padding and shard indexes (well under 1% at real sizes).
+    """
+    if num_tokens < 0 or hidden <= 0 or num_layers <= 0 or num_samples < 0:
+        raise ValueError(f"invalid sizes: num_tokens={num_tokens}, hidden={hidden}, "
+                         f"num_layers={num_layers}, num_samples={num_samples}")
+    index = BYTES_PER_INDEX_ENTRY * (num_samples + 1) if num_samples else 0
+    return num_tokens * bytes_per_token(hidden, num_layers) + index
+
+
+def _floor_pow2(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def token_layout(num_tokens: int, hidden: int, num_layers: int, *, chunk_tokens: int = 64,
+                 shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, dict[str, Any]]:
+    """Per token array: dtype, features per row (0 for 1-D), bytes per row and shard_tokens.
+
+    A shard holds a power-of-two number of chunks: as many as fit in `shard_bytes`, but no more
+    than needed to hold all `num_tokens` rows.
+    """
+    if chunk_tokens < 1 or shard_bytes < 1:
+        raise ValueError("chunk_tokens and shard_bytes must be >= 1")
+    need_chunks = 1 << max(0, (max(1, math.ceil(num_tokens / chunk_tokens)) - 1).bit_length())
+    out = {}
+    for name, dtype, feats, item in (("input_ids", "int32", 0, 4), ("loss_mask", "uint8", 0, 1),
+                                     ("taps", "bfloat16", num_layers * hidden, 2),
+                                     ("hidden", "bfloat16", hidden, 2)):
+        row = item * max(feats, 1)
+        per_shard = min(_floor_pow2(shard_bytes // (row * chunk_tokens)), need_chunks)
+        out[name] = {"dtype": dtype, "features": feats, "row_bytes": row,
+                     "chunk_tokens": chunk_tokens, "shard_tokens": per_shard * chunk_tokens}
+    return out
+
+
+def stored_bytes(num_tokens: int, hidden: int, num_layers: int, num_samples: int, *,
+                 chunk_tokens: int = 64, shard_bytes: int = DEFAULT_SHARD_BYTES) -> int:
+    """Exact bytes of the array files a cache occupies (zarr metadata and JSON not counted).
+
+    Per token array: every chunk touching [0, T) is stored full size (ceil(T / chunk) chunks of
+    chunk_tokens rows), plus each shard's index (16 bytes per chunk slot + a 4-byte checksum);
+    the offsets index is one unsharded chunk of 8 (N + 1) bytes.
+    """
+    layout = token_layout(num_tokens, hidden, num_layers, chunk_tokens=chunk_tokens,
+                          shard_bytes=shard_bytes)
+    total = BYTES_PER_INDEX_ENTRY * (num_samples + 1)
+    n_chunks = math.ceil(num_tokens / chunk_tokens)
+    for spec in layout.values():
+        n_shards = math.ceil(num_tokens / spec["shard_tokens"])
+        slots = spec["shard_tokens"] // chunk_tokens
+        total += n_chunks * chunk_tokens * spec["row_bytes"] + n_shards * (16 * slots + 4)
+    return total
+
+
+def stored_tensor_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the array data files (no zarr.json metadata) under a cache directory."""
+    total = 0
+    for name in TOKEN_ARRAYS + (INDEX_ARRAY,):
+        d = os.path.join(os.fspath(path), name)
+        if not os.path.isdir(d):
+            continue
+        for root, _, files in os.walk(d):
+            total += sum(os.path.getsize(os.path.join(root, f)) for f in files
+                         if f != "zarr.json" and not f.startswith("."))
+    return total
+
+
+# ------------------------------------------------------------------------------------------------
+# zarr helpers
+
+
+def _create(path: str, dtype: str, shape: Sequence[int], *, chunk: int,
+            shard: int | None) -> ts.TensorStore:
+    """A new uncompressed zarr v3 array, chunked (and optionally sharded) along axis 0."""
+    rest = list(shape[1:])
+    raw = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if shard is None:
+        grid, codecs = [chunk] + rest, raw
+    else:
+        grid = [shard] + rest
+        codecs = [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": [chunk] + rest, "codecs": raw, "index_location": "end",
+            "index_codecs": raw + [{"name": "crc32c"}]}}]
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path},
+            "metadata": {"data_type": dtype, "shape": list(shape), "fill_value": 0,
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
+                         "codecs": codecs},
+            "store_data_equal_to_fill_value": True}
+    return ts.open(spec, create=True, delete_existing=True).result()
+
+
+def _open(path: str) -> ts.TensorStore:
+    if not os.path.isdir(path):
+        raise ConfigError(f"cache array missing: {path}")
+    return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}},
+                   open=True).result()
+
+
+def _write_json_atomic(path: str, data: Mapping[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _plan_hash(ids: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for a, m in zip(ids, masks):
+        h.update(np.asarray(a, np.int32).tobytes())
+        h.update(b"|")
+        h.update(np.asarray(m, np.uint8).tobytes())
+        h.update(b";")
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------
+# building
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildReport:
+    path: str
+    num_samples: int
+    num_tokens: int
+    samples_written: int  # by this call (0 when the cache was already complete)
+    complete: bool
+
+
+def _length_bucket(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def _rows_cap(s_pad: int, batch_size: int, max_batch_tokens: int | None) -> int:
+    if not max_batch_tokens:
+        return batch_size
+    return max(1, min(batch_size, max_batch_tokens // s_pad))
+
+
+def _batches(lengths: Sequence[int], start: int, batch_size: int, max_batch_tokens: int | None,
+             ) -> Iterable[tuple[int, int]]:
+    """Consecutive sample ranges [i0, i1) from `start` (contiguous rows in the token arrays), at
+    most `_rows_cap(bucket)` rows each, so every batch pads to one shape per length bucket."""
+    i = start
+    n = len(lengths)
+    while i < n:
+        j = i + 1
+        longest = lengths[i]
+        while j < n:
+            cand = max(longest, lengths[j])
+            if j + 1 - i > _rows_cap(_length_bucket(cand), batch_size, max_batch_tokens):
+                break
+            longest = cand
+            j += 1
+        yield i, j
+        i = j
+
+
+@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("tap_layers", "dtype"))
+def target_features_jit(target_params: Any, graphdef: Any, ids_bs: Array, valid_b: Array, *,
+                        tap_layers: tuple[int, ...], dtype: Any = jnp.bfloat16,
+                        ) -> tuple[Array, Array]:
+    """`target_features` compiled once per (graphdef, shapes, tap_layers, dtype)."""
+    return target_features(target_params, graphdef, ids_bs, valid_b, tap_layers=tap_layers,
+                           dtype=dtype)
+
+
+def build_cache(out_dir: str | os.PathLike, target: nnx.Module, samples: Sequence[tuple[Any, Any]],
+                *, tap_layers: Sequence[int], identity: TargetIdentity,
+                tokenizer_name: str = "", batch_size: int = 8, max_batch_tokens: int | None = 65536,
+                chunk_tokens: int = 64, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                extra_manifest: Mapping[str, Any] | None = None, stop_after: int | None = None,
+                progress: bool = False) -> BuildReport:
+    """Write (or finish) an offline target cache for tokenised samples.
+
+    `samples`: (input_ids int [S_i], loss_mask [S_i]) pairs, already truncated and filtered; they
+    are stored in order. `target`: the frozen `Qwen3ForCausalLM` (run as is, e.g. bf16). A rerun
+    over the same samples and target continues after the last complete sample (per batch: the
+    sample data is written and awaited, then `build_state.json` is advanced); the offsets index
+    and `manifest.json` are written last. A partial cache made from different samples, target or
+    layers is refused with the mismatching field named. `stop_after` ends this call after that
+    many samples have been written by it (a resumable partial build; used by tests).
+    """
+    out_dir = os.path.normpath(os.fspath(out_dir))
+    tap_layers = tuple(int(x) for x in tap_layers)
+    cfg: TargetConfig = target.config
+    for lid in tap_layers:
+        if not -1 <= lid < cfg.num_hidden_layers:
+            raise ConfigError(f"tap layer {lid} out of range [-1, {cfg.num_hidden_layers}) for the "
+                              f"target at {identity.path}")
+    if chunk_tokens < 1 or batch_size < 1:
+        raise ValueError("chunk_tokens and batch_size must be >= 1")
+    if not samples:
+        raise ValueError("no samples to cache")
+    ids_list = [np.asarray(s[0], np.int32).reshape(-1) for s in samples]
+    mask_list = [np.asarray(s[1], np.uint8).reshape(-1) for s in samples]
+    for i, (a, m) in enumerate(zip(ids_list, mask_list)):
+        if len(a) == 0 or len(a) != len(m):
+            raise ValueError(f"sample {i}: input_ids ({len(a)}) and loss_mask ({len(m)}) must be "
+                             "non-empty and of equal length")
+        if a.min() < 0 or a.max() >= cfg.vocab_size:
+            raise ValueError(f"sample {i}: token ids must be in [0, {cfg.vocab_size})")
+    lengths = [len(a) for a in ids_list]
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    num_tokens = int(offsets[-1])
+    h, nl = cfg.hidden_size, len(tap_layers)
+    layout = token_layout(num_tokens, h, nl, chunk_tokens=chunk_tokens, shard_bytes=shard_bytes)
+    header = {
+        "version": CACHE_VERSION, "target_layer_ids": list(tap_layers), "hidden_size": h,
+        "target": identity.to_dict(), "tokenizer": tokenizer_name, "num_samples": len(lengths),
+        "num_tokens": num_tokens, "chunk_tokens": chunk_tokens, "plan_hash":
+            _plan_hash(ids_list, mask_list), "hidden_dtype": "bfloat16", "token_dtype": "int32",
+        "mask_dtype": "uint8", "offsets": INDEX_ARRAY, "arrays": layout,
+        "bytes_per_token": bytes_per_token(h, nl),
+        "data_bytes": estimate_bytes(num_tokens, h, nl, len(lengths)),
+        "stored_bytes": stored_bytes(num_tokens, h, nl, len(lengths), chunk_tokens=chunk_tokens,
+                                     shard_bytes=shard_bytes),
+        **dict(extra_manifest or {}),
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    man_path = os.path.join(out_dir, MANIFEST)
+    state_path = os.path.join(out_dir, BUILD_STATE)
+    if os.path.exists(man_path):  # complete: fine if it is the same cache, else refuse
+        _check_same_build(_read_json(man_path), header, out_dir)
+        return BuildReport(out_dir, len(lengths), num_tokens, 0, True)
+    done = 0
+    paths = {n: os.path.join(out_dir, n) for n in TOKEN_ARRAYS}
+    if os.path.exists(state_path):
+        prev = _read_json(state_path)
+        _check_same_build(prev.get("header", {}), header, out_dir)
+        done = int(prev.get("samples_done", 0))
+        arrays = {n: _open(p) for n, p in paths.items()}
+    else:
+        for n in TOKEN_ARRAYS + (INDEX_ARRAY,):
+            shutil.rmtree(os.path.join(out_dir, n), ignore_errors=True)
+        arrays = {n: _create(paths[n], spec["dtype"],
+                             [num_tokens] + ([spec["features"]] if spec["features"] else []),
+                             chunk=chunk_tokens, shard=spec["shard_tokens"])
+                  for n, spec in layout.items()}
+        _write_json_atomic(state_path, {"header": header, "samples_done": 0})
+
+    graphdef, params = nnx.split(target)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(lengths), initial=done, desc="target cache", unit="sample")
+    written = 0
+    for i0, i1 in _batches(lengths, done, batch_size, max_batch_tokens):
+        if stop_after is not None and written >= stop_after:
+            break
+        i1 = min(i1, i0 + (stop_after - written)) if stop_after is not None else i1
+        rows = i1 - i0
+        s_pad = _length_bucket(max(lengths[i0:i1]))
+        b_pad = _rows_cap(s_pad, batch_size, max_batch_tokens)  # one shape per length bucket
+        ids_pad = np.zeros((b_pad, s_pad), np.int32)
+        valid = np.zeros((b_pad,), np.int32)
+        for r, i in enumerate(range(i0, i1)):
+            ids_pad[r, :lengths[i]] = ids_list[i]
+            valid[r] = lengths[i]
+        valid[rows:] = 1
+        taps, hid = target_features_jit(params, graphdef, jnp.asarray(ids_pad),
+                                        jnp.asarray(valid), tap_layers=tap_layers)
+        taps = np.asarray(taps, ml_dtypes.bfloat16)
+        hid = np.asarray(hid, ml_dtypes.bfloat16)
+        lo, hi = int(offsets[i0]), int(offsets[i1])
+        cat = {
+            "input_ids": np.concatenate(ids_list[i0:i1]),
+            "loss_mask": np.concatenate(mask_list[i0:i1]),
+            "taps": np.concatenate([taps[r, :lengths[i]] for r, i in enumerate(range(i0, i1))]),
+            "hidden": np.concatenate([hid[r, :lengths[i]] for r, i in enumerate(range(i0, i1))]),
+        }
+        futures = [arrays[n][lo:hi].write(cat[n]) for n in TOKEN_ARRAYS]
+        for f in futures:
+            f.result()
+        done = i1
+        written += rows
+        _write_json_atomic(state_path, {"header": header, "samples_done": done})
+        if bar is not None:
+            bar.update(rows)
+    if bar is not None:
+        bar.close()
+    if done < len(lengths):
+        return BuildReport(out_dir, len(lengths), num_tokens, written, False)
+    idx = _create(os.path.join(out_dir, INDEX_ARRAY), "int64", [len(offsets)],
+                  chunk=len(offsets), shard=None)
+    idx.write(offsets).result()
+    manifest = dict(header)
+    manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    _write_json_atomic(man_path, manifest)
+    os.remove(state_path)
+    return BuildReport(out_dir, len(lengths), num_tokens, written, True)
+
+
+_BUILD_FIELDS = ("version", "target_layer_ids", "hidden_size", "target", "num_samples",
+                 "num_tokens", "chunk_tokens", "arrays", "plan_hash")
+
+
+def _check_same_build(existing: Mapping[str, Any], header: Mapping[str, Any], out_dir: str) -> None:
+    for k in _BUILD_FIELDS:
+        if existing.get(k) != header.get(k):
+            raise CacheMismatchError(
+                f"{out_dir} already holds a cache (or a partial build) with a different '{k}' "
+                f"({existing.get(k)!r}, this build: {header.get(k)!r}); remove it or choose "
+                "another output directory")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# reading
+
+
+class TargetCache:
+    """Read-only view of a complete cache; validates it against what the trainer expects.
+
+    `expect_layers`, `expect_hidden`, `expect_target` (a TargetIdentity; its `path` is compared
+    only when `check_target_path`) raise CacheMismatchError naming the field that differs.
+    `cache[i]` / `read([i, ...])` return dicts of numpy arrays: input_ids int32 [S],
+    loss_mask uint8 [S], taps bfloat16 [S, L*H], hidden bfloat16 [S, H].
+    """
+
+    def __init__(self, path: str | os.PathLike, *, expect_layers: Sequence[int] | None = None,
+                 expect_hidden: int | None = None, expect_target: TargetIdentity | None = None,
+                 check_target_path: bool = False):
+        self.path = os.path.normpath(os.fspath(path))
+        if not os.path.isdir(self.path):
+            raise ConfigError(f"target cache directory does not exist: {self.path}")
+        man = os.path.join(self.path, MANIFEST)
+        if not os.path.exists(man):
+            hint = " (a build is in progress or was interrupted: rerun build_cache to finish it)" \
+                if os.path.exists(os.path.join(self.path, BUILD_STATE)) else ""
+            raise ConfigError(f"no {MANIFEST} in {self.path}: not a complete target cache{hint}")
+        self.manifest = _read_json(man)
+        m = self.manifest
+        if m.get("version") != CACHE_VERSION:
+            raise CacheMismatchError(f"{man}: field 'version' is {m.get('version')!r}, this reader "
+                                     f"reads version {CACHE_VERSION}")
+        if expect_layers is not None and list(m.get("target_layer_ids", [])) != list(expect_layers):
+            raise CacheMismatchError(
+                f"{man}: field 'target_layer_ids' is {m.get('target_layer_ids')}, the trainer "
+                f"expects {list(expect_layers)}")
+        if expect_hidden is not None and m.get("hidden_size") != expect_hidden:
+            raise CacheMismatchError(f"{man}: field 'hidden_size' is {m.get('hidden_size')}, the "
+                                     f"trainer expects {expect_hidden}")
+        if expect_target is not None:
+            got = m.get("target", {})
+            if got.get("config_hash") != expect_target.config_hash:
+                raise CacheMismatchError(
+                    f"{man}: field 'target.config_hash' is {got.get('config_hash')!r} (target "
+                    f"{got.get('path')!r}), the trainer's target {expect_target.path!r} has "
+                    f"{expect_target.config_hash!r}")
+            if check_target_path and got.get("path") != expect_target.path:
+                raise CacheMismatchError(f"{man}: field 'target.path' is {got.get('path')!r}, the "
+                                         f"trainer expects {expect_target.path!r}")
+        self.arrays = {n: _open(os.path.join(self.path, n)) for n in TOKEN_ARRAYS}
+        self.offsets = np.asarray(_open(os.path.join(self.path, INDEX_ARRAY)).read().result(),
+                                  np.int64)
+        if len(self.offsets) != m["num_samples"] + 1 or self.offsets[-1] != m["num_tokens"]:
+            raise ConfigError(f"{self.path}: offsets index does not match the manifest")
+        self.tap_layers = tuple(m["target_layer_ids"])
+        self.hidden_size = int(m["hidden_size"])
+
+    def __len__(self) -> int:
+        return int(self.manifest["num_samples"])
+
+    def length(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return self.read([i])[0]
+
+    def read(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
+        """Samples at `indices` (all reads issued concurrently)."""
+        n = len(self)
+        futures = []
+        for i in indices:
+            i = int(i)
+            if not 0 <= i < n:
+                raise IndexError(f"sample index {i} out of range [0, {n})")
+            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+            futures.append({k: a[lo:hi].read() for k, a in self.arrays.items()})
+        return [{k: np.asarray(f.result()) for k, f in fs.items()} for fs in futures]
+
+
+# ------------------------------------------------------------------------------------------------
+# jsonl samples -> (ids, mask)
+
+
+def tokenize_record(record: Mapping[str, Any], tokenizer: Any, *, max_length: int,
+                    system_prompt: str | None = None, enable_thinking: bool | None = None,
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """One JSONL record -> (input_ids int32 [S], loss_mask uint8 [S]).
+
+    Accepted records: {"input_ids", "loss_mask"} (pre-tokenised), {"conversations" | "messages":
+    [{"role", "content"}, ...]} (the tokenizer's chat template; loss on assistant turns), or
+    {"prompt", "completion"} (loss on the completion and EOS).
+    """
+    from specjax.training import data as tdata
+
+    if "input_ids" in record:
+        ids = np.asarray(record["input_ids"], np.int32)[:max_length]
+        mask = np.asarray(record.get("loss_mask", np.ones_like(ids)), np.uint8)[:max_length]
+        if ids.shape != mask.shape:
+            raise ValueError("record 'input_ids' and 'loss_mask' lengths differ")
+        return ids, mask
+    if tokenizer is None:
+        raise ValueError("a tokenizer is needed for records without 'input_ids'")
+    conv = record.get("conversations", record.get("messages"))
+    if conv is not None:
+        return tdata.assistant_loss_mask(tokenizer, conv, max_length=max_length,
+                                         system_prompt=system_prompt,
+                                         enable_thinking=enable_thinking)
+    if "prompt" in record and "completion" in record:
+        return tdata.completion_loss_mask(tokenizer, record["prompt"], record["completion"],
+                                          max_length=max_length)
+    raise ValueError(f"record has none of 'input_ids', 'conversations', 'messages', "
+                     f"'prompt'+'completion' (keys: {sorted(record)})")
+
+
+def read_jsonl_samples(paths: Sequence[str | os.PathLike], tokenizer: Any, *, max_length: int,
+                       min_loss_tokens: int = 0, system_prompt: str | None = None,
+                       enable_thinking: bool | None = None,
+                       on_skip: Callable[[str, int, str], None] | None = None,
+                       ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Tokenise every record of the JSONL files; drop samples with fewer than `min_loss_tokens`
+    loss tokens (reference §7.3). Bad JSON raises ValueError naming file and line."""
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    for p in paths:
+        p = os.fspath(p)
+        if not os.path.exists(p):
+            raise ConfigError(f"data file not found: {p}")
+        with open(p) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p}:{lineno}: invalid JSON ({e})") from None
+                try:
+                    ids, mask = tokenize_record(rec, tokenizer, max_length=max_length,
+                                                system_prompt=system_prompt,
+                                                enable_thinking=enable_thinking)
+                except ValueError as e:
+                    raise ValueError(f"{p}:{lineno}: {e}") from None
+                if len(ids) == 0 or int(mask.sum()) < min_loss_tokens:
+                    if on_skip is not None:
+                        on_skip(p, lineno, f"{int(mask.sum())} loss tokens < {min_loss_tokens}")
+                    continue
+                out.append((ids, mask))
+    return out
+
+
+__all__ = ["BuildReport", "CacheMismatchError", "TargetCache", "TargetIdentity", "build_cache",
+           "bytes_per_token", "config_hash", "estimate_bytes", "read_jsonl_samples", "stored_bytes",
+           "token_layout",
+           "stored_tensor_bytes", "target_features", "target_features_jit", "target_identity",
+           "tokenize_record"]

@@ -1,0 +1,1 @@
+"""Runnable training programs: `python -m train.<name> --help`."""
