@@ -214,7 +214,8 @@ class Engine:
         self._key_data = np.zeros((slots, 2), np.uint32)
         self._seed_counter = 0
         self.last_confidence: np.ndarray | None = None
-        self._conf_history: list[np.ndarray] = []  # per-slot confidences [slots, gamma] of past rounds
+        self._conf_history: list[np.ndarray] = []
+        self._tb_markers: dict[int, Any] = {}  # per-slot confidences [slots, gamma] of past rounds
         self.stats = {"rounds": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0}
         self.on_round: Callable[[dict[str, Any]], None] | None = None
         self._build_executables()
@@ -291,8 +292,16 @@ class Engine:
         keys = self._keys(key_data, counters)
         return round_key(keys, 0), round_key(keys, 1)
 
+    @staticmethod
+    def _unpack(ints_4b: Array, floats_2b: Array):
+        """Per-round row inputs travel packed (one host->device copy each): ints = (ell, active, counter,
+        top_k), floats = (temperature, top_p)."""
+        sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1])
+        return ints_4b[0], ints_4b[1].astype(bool), ints_4b[2], sa
+
     def _fn_fused(self, tb: int):
-        def fn(t_params, d_params, cache, dstate, anchors, ell_b, active_b, sa, key_data, counters, stop_ids):
+        def fn(t_params, d_params, cache, dstate, anchors, ints, floats, key_data, stop_ids):
+            ell_b, active_b, counters, sa = self._unpack(ints, floats)
             kd, kv = self._split_keys(key_data, counters)
             sb = ell_b.shape[0]
             conf = jnp.zeros((sb, max(self.gamma, 1)), jnp.float32)
@@ -310,7 +319,8 @@ class Engine:
         return fn
 
     def _fn_draft(self):
-        def fn(d_params, dstate, cache_lengths, anchors, sa, key_data, counters):
+        def fn(d_params, dstate, cache_lengths, anchors, ints, floats, key_data):
+            _, _, counters, sa = self._unpack(ints, floats)
             kd, _ = self._split_keys(key_data, counters)
             sb = key_data.shape[0]
             block = self._drafter(d_params).propose(dstate, anchors[:sb], cache_lengths[:sb], sa, kd)
@@ -319,9 +329,10 @@ class Engine:
         return fn
 
     def _fn_verify(self, tb: int):
-        def fn(t_params, d_params, cache, dstate, anchors, draft, q, conf, ell_b, k_total, device_fill, active_b,
-               sa, key_data, counters, stop_ids):
-            """Verify drafts; with `device_fill`, ell = top-K fill of the current survivals (async policy)."""
+        def fn(t_params, d_params, cache, dstate, anchors, draft, q, conf, ints, floats, key_data, ctrl, stop_ids):
+            """Verify drafts; with ctrl = (K, 1), ell = top-K fill of the current survivals (async policy)."""
+            ell_b, active_b, counters, sa = self._unpack(ints, floats)
+            k_total, device_fill = ctrl[0], ctrl[1] > 0
             _, kv = self._split_keys(key_data, counters)
             filled = topk_prefix_fill(conf, k_total, active_b, tb - 1)
             ell = jnp.where(device_fill, jnp.minimum(filled, ell_b), ell_b)
@@ -383,6 +394,13 @@ class Engine:
     def _dispatch_verify(self, *args):
         return self._fn_verify(self._tb_from_args(args))(*args[:-1])
 
+    def _tb_marker(self, tb: int) -> Any:
+        """A cached [tb] device array whose shape tells the executable its static tokens bucket."""
+        m = self._tb_markers.get(tb)
+        if m is None:
+            m = self._tb_markers[tb] = self._put(np.zeros((tb,), np.int32))
+        return m
+
     @staticmethod
     def _tb_from_args(args) -> int:
         return int(args[-1].shape[0])  # a dummy [tb] array carries the static tokens bucket
@@ -392,8 +410,8 @@ class Engine:
         f = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=None if self.mesh is None
                                                     else shd.replicated(self.mesh))
         sa = SamplingArrays(f((sb,), jnp.float32), f((sb,), jnp.int32), f((sb,), jnp.float32))
-        return dict(ell=f((sb,), jnp.int32), active=f((sb,), jnp.bool_), sa=sa, key=f((sb, 2), jnp.uint32),
-                    counters=f((sb,), jnp.int32), f=f)
+        return dict(sa=sa, key=f((sb, 2), jnp.uint32), ints=f((4, sb), jnp.int32), floats=f((2, sb), jnp.float32),
+                    f=f)
 
     def warm_keys(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every (family, bucket) this engine may execute under its policy."""
@@ -429,13 +447,12 @@ class Engine:
             elif fam == "round":
                 sb, tb = key
                 r = self._abstract_round_inputs(sb)
-                self.exe_fused.warm(key, *state, r["ell"], r["active"], r["sa"], r["key"], r["counters"], stop,
-                                    r["f"]((tb,), jnp.int32))
+                self.exe_fused.warm(key, *state, r["ints"], r["floats"], r["key"], stop, r["f"]((tb,), jnp.int32))
             elif fam == "draft":
                 (sb,) = key
                 r = self._abstract_round_inputs(sb)
-                self.exe_draft.warm(key, state[1], state[3], A(self.cache.lengths), state[4], r["sa"], r["key"],
-                                    r["counters"])
+                self.exe_draft.warm(key, state[1], state[3], A(self.cache.lengths), state[4], r["ints"], r["floats"],
+                                    r["key"])
             else:
                 sb, tb = key
                 r = self._abstract_round_inputs(sb)
@@ -443,8 +460,8 @@ class Engine:
                 g = max(self.gamma, 1)
                 v = self.target_config.vocab_size
                 self.exe_verify.warm(key, *state, f((sb, g), jnp.int32), f((sb, g, v), jnp.float32),
-                                     f((sb, g), jnp.float32), r["ell"], f((), jnp.int32), f((), jnp.bool_),
-                                     r["active"], r["sa"], r["key"], r["counters"], stop, f((tb,), jnp.int32))
+                                     f((sb, g), jnp.float32), r["ints"], r["floats"], r["key"], f((2,), jnp.int32),
+                                     stop, f((tb,), jnp.int32))
         seconds = time.perf_counter() - t0
         if self.needs_cost_table:
             if self.cost_table is None:
@@ -650,24 +667,26 @@ class Engine:
         active = np.array([self.slot_req[i] is not None for i in range(sb)])
         caps = self._caps(sb)
         reqs = [self.slot_req[i] for i in range(sb)]
-        sa = SamplingArrays(
-            self._put(np.array([r.temperature if r else 1.0 for r in reqs], np.float32)),
-            self._put(np.array([r.top_k if r else 0 for r in reqs], np.int32)),
-            self._put(np.array([r.top_p if r else 1.0 for r in reqs], np.float32)))
-        counters = np.array([r.rounds + 1 if r else 0 for r in reqs], np.int32)
+        ints = np.zeros((4, sb), np.int32)  # ell, active, counter, top_k
+        floats = np.ones((2, sb), np.float32)  # temperature, top_p
+        for i, r in enumerate(reqs):
+            if r is not None:
+                ints[1, i], ints[2, i], ints[3, i] = 1, r.rounds + 1, r.top_k
+                floats[0, i], floats[1, i] = r.temperature, r.top_p
         key_data = self._put(self._key_data[:sb])
         conf = None
         policy = self.cfg.policy
         if policy in FIXED_POLICIES and self.schedule_fn is None:
             ell = np.minimum(np.full((sb,), self._policy_ell()), caps) * active
             tb = bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
+            ints[0] = ell
             self.cache, self.dstate, self.anchors, outs = self.exe_fused(
-                (sb, tb), self.t_params, self.d_params, self.cache, self.dstate, self.anchors,
-                self._put(ell.astype(np.int32)), self._put(active), sa, key_data, self._put(counters),
-                self._stop_ids, self._put(np.zeros((tb,), np.int32)))
+                (sb, tb), self.t_params, self.d_params, self.cache, self.dstate, self.anchors, self._put(ints),
+                self._put(floats), key_data, self._stop_ids, self._tb_marker(tb))
         else:
+            ints_dev, floats_dev = self._put(ints), self._put(floats)
             draft, q, conf_dev = self.exe_draft((sb,), self.d_params, self.dstate, self.cache.lengths, self.anchors,
-                                                sa, key_data, self._put(counters))
+                                                ints_dev, floats_dev, key_data)
             if policy in DEVICE_POLICIES and self.schedule_fn is None:
                 # capacity and per-row cap from confidences two rounds old; no wait on this round's
                 k_total, cap = self._async_capacity(sb, active)
@@ -679,11 +698,11 @@ class Engine:
                 ell[active] = np.minimum(self._host_lengths(conf[active]), caps[active])
                 k_total, device_fill = 0, False
             tb = bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
+            ints[0] = ell
             self.cache, self.dstate, self.anchors, outs = self.exe_verify(
                 (sb, tb), self.t_params, self.d_params, self.cache, self.dstate, self.anchors, draft, q, conf_dev,
-                self._put(ell.astype(np.int32)), self._put(np.asarray(k_total, np.int32)),
-                self._put(np.asarray(device_fill)), self._put(active), sa, key_data, self._put(counters),
-                self._stop_ids, self._put(np.zeros((tb,), np.int32)))
+                self._put(ints), floats_dev, key_data, self._put(np.array([k_total, int(device_fill)], np.int32)),
+                self._stop_ids, self._tb_marker(tb))
             if device_fill:
                 conf = np.asarray(conf_dev)
         outs = jax.device_get(outs)
@@ -721,8 +740,14 @@ class Engine:
         self.stats["verify_tokens"] += int(sb * tb)
         self.stats["round_seconds"] += dt
         if self.on_round is not None:
-            self.on_round({"slots_bucket": sb, "tokens_bucket": tb, "ell": ell[active].tolist(),
-                           "accepted": [int(n_acc[i]) for i in active_idx], "seconds": dt})
+            # per active slot, in slot order: verified length, accepted drafts, whether an accepted
+            # stop token ended the round (no bonus), and the drafter's per-position confidences
+            info = {"slots_bucket": sb, "tokens_bucket": tb, "ell": ell[active].tolist(),
+                    "accepted": [int(n_acc[i]) for i in active_idx], "seconds": dt,
+                    "stopped": [bool(outs["stopped"][i]) for i in active_idx]}
+            if conf is not None:
+                info["confidence"] = np.asarray(conf)[active].tolist()
+            self.on_round(info)
         return finished
 
     def run(self, requests: Sequence[EngineRequest], *, progress: bool | None = None) -> list[EngineRequest]:

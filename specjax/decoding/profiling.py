@@ -11,7 +11,6 @@ import time
 import jax
 import numpy as np
 
-from specjax.decoding.sampling import SamplingArrays
 from specjax.scheduling import CostTable
 
 
@@ -26,20 +25,19 @@ def measure_cost_table(engine, *, repeats: int = 5, warmup: int = 1, progress: b
     keys = [(sb, tb) for sb in engine.buckets.slots for tb in engine.buckets.tokens]
     put = engine._put
     for sb, tb in tqdm(keys, desc="profiling buckets", disable=not progress, leave=False):
-        sa = SamplingArrays(put(np.ones((sb,), np.float32)), put(np.zeros((sb,), np.int32)),
-                            put(np.ones((sb,), np.float32)))
-        key_data, counters = put(np.zeros((sb, 2), np.uint32)), put(np.zeros((sb,), np.int32))
-        ell = put(np.full((sb,), tb - 1, np.int32))
-        idle = put(np.zeros((sb,), bool))
+        ints = np.zeros((4, sb), np.int32)  # ell, active (all idle), counter, top_k
+        ints[0] = tb - 1
+        ints, floats = put(ints), put(np.ones((2, sb), np.float32))
+        key_data = put(np.zeros((sb, 2), np.uint32))
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
             draft, q, conf = engine.exe_draft((sb,), engine.d_params, engine.dstate, engine.cache.lengths,
-                                              engine.anchors, sa, key_data, counters)
+                                              engine.anchors, ints, floats, key_data)
             engine.cache, engine.dstate, engine.anchors, outs = engine.exe_verify(
                 (sb, tb), engine.t_params, engine.d_params, engine.cache, engine.dstate, engine.anchors, draft, q,
-                conf, ell, put(np.asarray(0, np.int32)), put(np.asarray(False)), idle, sa, key_data, counters,
-                engine._stop_ids, put(np.zeros((tb,), np.int32)))
+                conf, ints, floats, key_data, put(np.zeros((2,), np.int32)), engine._stop_ids,
+                engine._tb_marker(tb))
             jax.block_until_ready(outs)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
