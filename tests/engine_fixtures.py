@@ -71,10 +71,12 @@ def exact_continuations(model: Qwen3ForCausalLM, prompt: list[int], n: int, temp
     sa = lambda b: SamplingArrays(jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k, jnp.int32),
                                   jnp.full((b,), top_p, jnp.float32))
     probs = {(): 1.0}
+    graphdef, state = nnx.split(model)
+    last_logits = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t)[:, -1])
     for depth in range(n):
         prefixes = [p for p in probs if len(p) == depth]
         toks = jnp.array([prompt + list(p) for p in prefixes], jnp.int32)
-        logits = model(toks)[:, -1]
+        logits = last_logits(state, toks)
         pr = np.asarray(probs_from_logits(logits, sa(len(prefixes))), np.float64)
         for i, p in enumerate(prefixes):
             for x in range(v):
