@@ -1,0 +1,188 @@
+"""The throughput-interactivity frontier (the paper's Figures 7 and 8) on the embedded default.
+
+A closed-loop concurrency sweep: for each concurrency C, C requests are kept in flight (a finished one
+is replaced at once) until N requests are done. For each verification policy it reports aggregate
+tokens/s against per-user tokens/s, and the mean verification length per request per round.
+
+    python -m bench.frontier                      # full sweep (1..64)
+    python -m bench.frontier --concurrency 1,4 --requests 8 --max-tokens 24   # quick
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.common import command_line, load_bench_target, log, machine_info, md_table, pyplot, write_results
+
+POLICIES = ("plain", "mtp1", "fixed-dflash", "fixed-dspark", "threshold", "confidence", "confidence_async")
+
+
+def _drafters(target) -> tuple[dict[str, Any], str]:
+    """Shipped DFlash / DSpark / MTP drafters when present, else untrained ones built on the spot."""
+    from specjax import embedded
+    from specjax.drafters import registry
+    out, notes = {}, []
+    for name in ("dflash", "dspark", "mtp1"):
+        path = embedded.drafter_dir(name)
+        if target.source == "embedded" and os.path.exists(os.path.join(path, "config.json")):
+            out[name] = registry.load_drafter(path, target=target.model)
+        else:
+            notes.append(name)
+    if notes:
+        from flax import nnx
+        from specjax.drafters.block import BlockDrafterConfig
+        from specjax.drafters.dspark import make_block_drafter
+        ids = (1, max(1, target.config.num_hidden_layers // 2))
+        for name in [n for n in notes if n in ("dflash", "dspark")]:
+            cfg = BlockDrafterConfig.from_target(
+                target.config, target_layer_ids=ids, mask_token_id=target.config.vocab_size - 1, num_draft_layers=1,
+                block_size=7, markov_rank=0 if name == "dflash" else 64, confidence_head=name == "dspark")
+            out[name] = make_block_drafter(target.model, target.config, cfg, nnx.Rngs(1))
+    note = ("shipped drafters" if not notes else f"untrained stand-ins for {', '.join(notes)} (not shipped yet)")
+    return out, note
+
+
+def _engine(target, drafter, policy: str, max_slots: int, max_len: int, gamma: int, cost_table=None):
+    from specjax.decoding.buckets import pow2_buckets
+    from specjax.decoding.engine import Engine, EngineConfig
+    eos = list(target.config.eos_token_ids)
+    cfg = EngineConfig(max_slots=max_slots, max_len=max_len, gamma=None if drafter is None else gamma, policy=policy,
+                       threshold=0.6 if policy == "threshold" else None, slots_buckets=pow2_buckets(1, max_slots),
+                       tokens_buckets=(1, 2, 4, gamma + 1) if drafter is not None and gamma > 1 else (1, 2),
+                       prefill_buckets=(64,), max_prefill=64, prefill_batch_buckets=(1, 8))
+    eng = Engine(target.model, drafter, cfg, eos_token_ids=eos, cost_table=cost_table, progress=True)
+    eng.warmup()
+    return eng
+
+
+def closed_loop(engine, prompts: list[list[int]], concurrency: int, n_requests: int, max_tokens: int) -> dict:
+    """Keep `concurrency` requests in flight until `n_requests` are done."""
+    from specjax.decoding.engine import EngineRequest
+    ells: list[int] = []
+    engine.on_round = lambda info: ells.extend(info["ell"])
+    done, submitted, in_flight = [], 0, 0
+    t0 = time.perf_counter()
+    while len(done) < n_requests:
+        while in_flight < concurrency and submitted < n_requests:
+            p = prompts[submitted % len(prompts)]
+            engine.add_request(EngineRequest(str(submitted), list(p), max_tokens=max_tokens, temperature=1.0,
+                                             seed=submitted))
+            submitted += 1
+            in_flight += 1
+        fin = engine.step()
+        in_flight -= len(fin)
+        done += fin
+    wall = time.perf_counter() - t0
+    engine.on_round = None
+    tokens = sum(len(r.output_ids) for r in done)
+    per_user = [len(r.output_ids) / (r.metrics.finish_time - r.metrics.start_time) for r in done]
+    tau = [r.metrics.mean_acceptance_length for r in done if r.metrics.num_drafts]
+    return {"concurrency": concurrency, "requests": n_requests, "tokens": tokens, "seconds": wall,
+            "aggregate_tokens_per_s": tokens / wall, "per_user_tokens_per_s": float(np.mean(per_user)),
+            "mean_verification_length": float(np.mean(ells)) if ells else 0.0,
+            "tau": float(np.mean(tau)) if tau else 1.0}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    ap.add_argument("--requests", type=int, default=0, help="requests per point (default: max(2C, 8))")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--gamma", type=int, default=7)
+    ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
+    args = ap.parse_args(argv)
+    import jax
+    cache_dir = os.path.join("runs", "jit-cache")
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    target = load_bench_target()
+    drafters, drafter_note = _drafters(target)
+    prompts = _prompts(target)
+    max_slots = max(levels)
+    max_len = max(len(p) for p in prompts) + args.max_tokens + args.gamma + 2
+    log(f"target: {target.description}; drafters: {drafter_note}; {len(prompts)} prompts")
+    results: dict[str, list[dict]] = {}
+    for policy in args.policies.split(","):
+        drafter = {"plain": None, "mtp1": drafters.get("mtp1", drafters["dspark"]), "fixed-dflash": drafters["dflash"]
+                   }.get(policy, drafters["dspark"])
+        eng_policy = {"fixed-dflash": "fixed", "fixed-dspark": "fixed"}.get(policy, policy)
+        gamma = 1 if policy == "mtp1" and "mtp1" in drafters else args.gamma
+        log(f"{policy}: compiling")
+        eng = _engine(target, drafter, eng_policy, max_slots, max_len, gamma)
+        results[policy] = []
+        for c in levels:
+            n = args.requests or max(2 * c, 8)
+            r = closed_loop(eng, prompts, c, n, args.max_tokens)
+            results[policy].append(r)
+            log(f"{policy:18s} C={c:3d}: {r['aggregate_tokens_per_s']:8.1f} tok/s aggregate, "
+                f"{r['per_user_tokens_per_s']:7.1f} tok/s per user, mean ell {r['mean_verification_length']:.2f}")
+    _report(results, levels, target, drafter_note, args, argv)
+
+
+def _prompts(target) -> list[list[int]]:
+    import json
+    from specjax import embedded
+    path = embedded.prompts_path()
+    if target.tokenizer is not None and os.path.exists(path):
+        rows = [json.loads(line) for line in open(path) if line.strip()][:64]
+        return [target.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"][-48:] for r in rows]
+    rng = np.random.default_rng(0)
+    return [list(rng.integers(0, target.config.vocab_size, size=32)) for _ in range(16)]
+
+
+def _report(results, levels, target, drafter_note, args, argv) -> None:
+    rows = []
+    for policy, pts in results.items():
+        for r in pts:
+            rows.append([policy, r["concurrency"], f"{r['aggregate_tokens_per_s']:.1f}",
+                         f"{r['per_user_tokens_per_s']:.1f}", f"{r['mean_verification_length']:.2f}", f"{r['tau']:.2f}"])
+    md = (f"# Throughput-interactivity frontier\n\nCommand: `{command_line('bench.frontier', argv)}`\n\n"
+          f"Target: {target.description}. Drafters: {drafter_note}. Temperature 1, {args.max_tokens} new tokens, "
+          f"gamma {args.gamma}; closed loop per concurrency level.\n\n"
+          + md_table(["policy", "concurrency", "aggregate tok/s", "per-user tok/s", "mean ell", "τ"], rows, "lrrrrr")
+          + "\n![frontier](frontier.png)\n")
+    best_fixed = {c: max(r["aggregate_tokens_per_s"] for p in ("fixed-dflash", "fixed-dspark") if p in results
+                         for r in results[p] if r["concurrency"] == c) for c in levels
+                  if any(p in results for p in ("fixed-dflash", "fixed-dspark"))}
+    conf = [p for p in ("confidence", "confidence_async") if p in results]
+    if best_fixed and conf:
+        md += "\n| concurrency | best confidence / best fixed | best confidence / plain |\n|---:|---:|---:|\n"
+        for c in levels:
+            bc = max(r["aggregate_tokens_per_s"] for p in conf for r in results[p] if r["concurrency"] == c)
+            pl = next((r["aggregate_tokens_per_s"] for r in results.get("plain", []) if r["concurrency"] == c), None)
+            md += f"| {c} | {bc / best_fixed[c]:.2f} | {bc / pl:.2f} |\n" if pl else f"| {c} | {bc / best_fixed[c]:.2f} | - |\n"
+
+    def plot(path):
+        plt = pyplot()
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        for policy, pts in results.items():
+            a.plot([r["per_user_tokens_per_s"] for r in pts], [r["aggregate_tokens_per_s"] for r in pts], "o-",
+                   label=policy)
+            b.plot([r["concurrency"] for r in pts], [r["mean_verification_length"] for r in pts], "o-", label=policy)
+        a.set_xlabel("per-user tokens/s")
+        a.set_ylabel("aggregate tokens/s")
+        a.set_title("throughput vs interactivity")
+        b.set_xscale("log", base=2)
+        b.set_xlabel("concurrency")
+        b.set_ylabel("mean verification length")
+        b.set_title("verification length vs load")
+        a.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+    write_results("frontier", {"machine": machine_info(), "target": target.description, "drafters": drafter_note,
+                               "results": results}, md, out_dir=args.out_dir, plot=plot)
+    log(f"wrote {args.out_dir}/frontier.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Regenerate the assistant turns of a prompts file with the target itself (reference §7.2).
+
+Usage: `python -m train.regenerate --target DIR --prompts prompts.jsonl --out train.jsonl
+[--drafter ngram|DIR] [--thinking off|on] [--temperature 0.7 --top-p 0.8 --top-k 20 --max-tokens 4096]`.
+
+Rows: {"turns": [...]}, {"conversations": [{"role", "content"}, ...]} or {"prompt": "..."}; see
+`specjax.training.regenerate`. Output rows are written in input order; failing rows go to
+`<out stem>.errors.jsonl` with their line and the reason. Rerun the same command after an
+interruption (even kill -9) to continue: no row is duplicated or lost.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+
+def _on_off(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("on", "true", "1", "yes"):
+        return True
+    if t in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from specjax.training.regenerate import QWEN3_DEFAULTS as D
+
+    p = argparse.ArgumentParser(prog="python -m train.regenerate", description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="Hugging Face Qwen3 checkpoint directory")
+    p.add_argument("--prompts", required=True, help="prompts JSONL")
+    p.add_argument("--out", required=True, help="output JSONL (appended to when resuming)")
+    p.add_argument("--errors", default=None, help="errors JSONL (default <out stem>.errors.jsonl)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target)")
+    p.add_argument("--drafter", default=None, help="speculative decoding: 'ngram' or a drafter directory "
+                                                    "(default: plain decoding; the output distribution is the same)")
+    p.add_argument("--thinking", type=_on_off, default=False, help="chat template enable_thinking (default off)")
+    p.add_argument("--temperature", type=float, default=D.temperature)
+    p.add_argument("--top-p", type=float, default=D.top_p)
+    p.add_argument("--top-k", type=int, default=D.top_k)
+    p.add_argument("--max-tokens", type=int, default=D.max_tokens, help="per reply (capped by the context)")
+    p.add_argument("--seed", type=int, default=0, help="request seeds derive from it, the row and the turn")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="cache slots (requests decoded together)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length per slot (default min(8192, max_position_embeddings))")
+    p.add_argument("--max-prefill", type=int, default=512, help="largest prefill chunk")
+    p.add_argument("--window", type=int, default=None, help="rows in flight + reorder buffer (default 4 x slots)")
+    p.add_argument("--limit", type=int, default=None, help="process at most this many rows in this run")
+    p.add_argument("--dtype", default="float32", help="target dtype (float32 or bfloat16)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+
+    from specjax import hf
+    from specjax.api import LLM, SamplingParams
+    from specjax.config import ConfigError
+    from specjax.training.regenerate import regenerate
+
+    try:
+        sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens)
+        tcfg = hf.read_target_config(args.target)
+        max_len = args.max_model_len or min(8192, tcfg.max_position_embeddings)
+        if max_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {max_len}")
+        if args.limit is not None and args.limit < 0:
+            raise ValueError(f"--limit must be >= 0, got {args.limit}")
+        llm = LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer,
+                  max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+                  max_prefill=min(args.max_prefill, max_len), dtype=args.dtype, seed=args.seed,
+                  progress=not args.quiet)
+        summary = regenerate(llm, args.prompts, args.out, errors_path=args.errors, sampling=sp,
+                             enable_thinking=args.thinking, seed=args.seed, window=args.window,
+                             limit=args.limit, progress=not args.quiet)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary.as_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
