@@ -111,10 +111,14 @@ def chi_square_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...
 
 def sample_continuations(engine: Engine, prompt: list[int], n_samples: int, n_tokens: int, *,
                          temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                         caps: list[int | None] | None = None, seed0: int = 0) -> list[tuple[int, ...]]:
-    """Run n_samples seeded requests of n_tokens each; per-request draft caps cycle through `caps`."""
+                         caps: list[int | None] | None = None, seed0: int = 0,
+                         extra: int = 3) -> list[tuple[int, ...]]:
+    """Run n_samples seeded requests; return each one's first n_tokens. Per-request draft caps cycle
+    through `caps`. Requests ask for `extra` more tokens than are kept, so the rounds that produce the
+    kept tokens may verify up to gamma drafts (the engine never verifies more than a request still wants).
+    """
     caps = caps or [None]
-    reqs = [EngineRequest(str(i), list(prompt), max_tokens=n_tokens, temperature=temperature, top_k=top_k,
+    reqs = [EngineRequest(str(i), list(prompt), max_tokens=n_tokens + extra, temperature=temperature, top_k=top_k,
                           top_p=top_p, seed=seed0 + i, max_draft_tokens=caps[i % len(caps)])
             for i in range(n_samples)]
     done = engine.run(reqs, progress=False)

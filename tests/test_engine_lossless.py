@@ -29,17 +29,20 @@ def exact(model):
 
 
 def test_engine_sampling_is_exact_with_mixed_ell(model, exact):
-    eng = small_engine(model, BigramDrafter(V, GAMMA), slots=256, max_len=8, prefill=4, gamma=GAMMA,
+    eng = small_engine(model, BigramDrafter(V, GAMMA), slots=256, max_len=12, prefill=4, gamma=GAMMA,
                        tokens_buckets=(1, 2, 4), prefill_batch=256)
     # rows verify 0..GAMMA draft tokens within the same batch (cap cycles per request)
+    rounds = []
+    eng.on_round = lambda info: rounds.append(info["ell"])
     samples = sample_continuations(eng, PROMPT, 20000, 3, caps=[0, 1, 2, 3])
+    assert any(min(r) == 0 and max(r) == GAMMA for r in rounds), "no round mixed ell = 0 and ell = gamma"
     p = chi_square_pvalue(samples, exact)
     assert p > 1e-3, f"engine output differs from the target distribution (chi-square p={p:.2e})"
     assert eng.stats["rounds"] > 0
 
 
 def test_biased_verifier_is_caught(model, exact):
-    eng = small_engine(model, BigramDrafter(V, GAMMA), slots=256, max_len=8, prefill=4, gamma=GAMMA,
+    eng = small_engine(model, BigramDrafter(V, GAMMA), slots=256, max_len=12, prefill=4, gamma=GAMMA,
                        tokens_buckets=(1, 2, 4), prefill_batch=256,
                        verifier=_accept_all)
     samples = sample_continuations(eng, PROMPT, 6000, 3, caps=[0, 1, 2, 3], seed0=10**6)

@@ -33,7 +33,7 @@ def exact(model):
 
 
 def make_engine(model, policy, *, schedule_fn=None, cost_table=None):
-    cfg = EngineConfig(max_slots=256, max_len=8, policy=policy, gamma=GAMMA, slots_buckets=(256,),
+    cfg = EngineConfig(max_slots=256, max_len=12, policy=policy, gamma=GAMMA, slots_buckets=(256,),
                        tokens_buckets=(1, 2, 4), prefill_buckets=(4,), max_prefill=4, prefill_batch_buckets=(256,))
     eng = Engine(model, BigramDrafter(V, GAMMA, confidence=True, seed=7), cfg, progress=False,
                  schedule_fn=schedule_fn)

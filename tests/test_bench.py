@@ -1,0 +1,131 @@
+"""Benchmark harness helpers: timing, result writing, docs generation, prompt shaping, overhead math.
+
+No model is compiled here (the benchmark programs themselves are run by `make bench`)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from bench import common, run_all
+from bench.decode import agreement, encode_fixed, repetitive_texts
+from bench.drafters import overheads
+
+
+def test_time_fn_counts_calls_and_measures_sleep():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        import time
+        time.sleep(0.002)
+
+    t = common.time_fn(fn, warmup=2, repeats=3, inner=2)
+    assert len(calls) == 2 + 3 * 2
+    assert len(t.samples) == 3
+    assert 0.0015 < t.median < 0.05
+    assert t.min <= t.median
+    d = t.as_dict()
+    assert d["repeats"] == 3 and d["inner"] == 2 and len(d["load_1min"]) == 2
+
+
+def test_time_fn_rejects_bad_counts():
+    with pytest.raises(ValueError, match="repeats"):
+        common.time_fn(lambda: None, repeats=0)
+    with pytest.raises(ValueError, match="inner"):
+        common.time_interleaved({"a": lambda: None}, inner=0)
+
+
+def test_time_interleaved_round_robin_order():
+    order = []
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    res = common.time_interleaved(fns, warmup=0, repeats=3, inner=1)
+    assert order == ["a", "b"] * 3
+    assert set(res) == {"a", "b"} and all(len(t.samples) == 3 for t in res.values())
+    order.clear()
+    res = common.time_interleaved(fns, warmup=0, repeats=2, inner={"a": 2, "b": 1})
+    assert order == ["a", "a", "b"] * 2 and res["a"].inner == 2 and res["b"].inner == 1
+
+
+def test_md_table_alignment():
+    md = common.md_table(["x", "y"], [[1, "a"]], align="rl")
+    assert md.splitlines() == ["| x | y |", "|---:|---|", "| 1 | a |"]
+
+
+def test_write_results_and_docs(tmp_path):
+    res_dir = tmp_path / "results"
+    paths = common.write_results("decode", {"v": np.float32(1.5), "a": np.arange(2)},
+                                 "# Decode title\n\nCommand: `python -m bench.decode --x 1`\n\n## Sub\n| a |\n",
+                                 out_dir=str(res_dir), plot=lambda p: open(p, "wb").write(b"png"))
+    assert [os.path.basename(p) for p in paths] == ["decode.json", "decode.md", "decode.png"]
+    assert json.loads((res_dir / "decode.json").read_text()) == {"v": 1.5, "a": [0, 1]}
+    (res_dir / "scheduler.md").write_text("# Sched\n\n| t |\n")
+    (res_dir / "scheduler.json").write_text(json.dumps({"load_average_1min": 3.25}))
+    (res_dir / "zzz.md").write_text("no title line\n")
+    docs = tmp_path / "docs" / "BENCHMARKS.md"
+    run_all.write_docs(str(res_dir), str(docs))
+    text = docs.read_text()
+    # known benchmarks first in their fixed order, then the rest; titles become level-2 sections
+    assert text.index("## Decode title") < text.index("## Sched") < text.index("## zzz")
+    assert "Command: `python -m bench.decode --x 1`" in text
+    assert text.count("python -m bench.decode --x 1") == 1  # the command appears once, in the header
+    assert "Command: `python -m bench.scheduler`" in text  # default command when the md has none
+    assert "### Sub" in text  # headings demoted
+    assert "load average when measured: 3.2" in text  # taken from the JSON when the md has no load
+    assert "](../results/decode.png)" in text
+    assert "2-core" in text
+
+
+def test_write_summary_merges_previous_runs(tmp_path):
+    run_all.write_summary([{"name": "decode", "status": "ok", "seconds": 1.0}], [], str(tmp_path))
+    run_all.write_summary([{"name": "scheduler", "status": "failed (exit 1)", "seconds": 2.0}], [], str(tmp_path))
+    runs = json.loads((tmp_path / "run_all.json").read_text())["runs"]
+    assert [(r["name"], r["status"]) for r in runs] == [("decode", "ok"), ("scheduler", "failed (exit 1)")]
+
+
+def test_run_one_reports_failure_without_raising(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    (tmp_path / "bench" / "boom.py").write_text("raise SystemExit(3)\n")
+    assert run_all.bench_exists("boom", str(tmp_path)) and not run_all.bench_exists("nope", str(tmp_path))
+    r = run_all.run_one("boom", timeout=60, root=str(tmp_path))
+    assert r["returncode"] == 3 and r["status"] == "failed (exit 3)"
+
+
+def test_encode_fixed_exact_length_and_reuse():
+    enc = lambda s: list(s.encode())
+    out = encode_fixed(["short", "x" * 50, "y" * 80], enc, 3, 40, "test")
+    assert len(out) == 3 and all(len(p) == 40 for p in out)
+    assert out[0] == [ord("x")] * 40 and out[1] == [ord("y")] * 40 and out[2] == out[0]
+    out = encode_fixed(["ab" * 30, "x" * 50], enc, 5, 40, "test", keep="tail")
+    assert [p[-1] for p in out] == [ord("b"), ord("x"), ord("b"), ord("x"), ord("b")]  # cycled in order
+    assert out[0][0] == ord("a") and len(out[0]) == 40
+    with pytest.raises(ValueError, match="no test prompt has 40 tokens"):
+        encode_fixed(["short"], enc, 2, 40, "test")
+
+
+def test_repetitive_prompts_repeat_lines():
+    for text in repetitive_texts():
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        # the same line shape (digits and names stripped) recurs many times
+        shapes = [''.join(c for c in ln if not c.isalnum()) for ln in lines]
+        assert max(shapes.count(s) for s in set(shapes)) >= 10, text[:80]
+        assert len(text.encode()) >= 256
+
+
+def test_agreement_prefix_fraction():
+    assert agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
+    assert agreement([[1, 2], [5, 6]], [[1, 2], [5, 6]]) == 1.0
+
+
+def test_overheads_paired_median():
+    base = {"batch": 1, "gamma": 4, "verify_samples_ms": [10.0, 10.0, 10.0]}
+    rows = [dict(base, drafter="dflash", samples_ms=[2.0, 2.0, 2.0]),
+            dict(base, drafter="dspark_markov", samples_ms=[2.6, 3.2, 2.6]),
+            dict(base, drafter="ngram", samples_ms=[0.1, 0.1, 0.1])]
+    (o,) = overheads(rows)
+    assert o["head"] == "dspark_markov"
+    assert o["overhead_pct_of_round"] == pytest.approx(5.0)  # 0.6 / 12
+    assert o["overhead_pct_of_proposal"] == pytest.approx(30.0)  # 0.6 / 2

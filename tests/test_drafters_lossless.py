@@ -1,0 +1,87 @@
+"""Every drafter runs in the engine with exact verification (Monte-Carlo chi-square on a tiny target),
+and an oracle drafter (a copy of the target) has every greedy draft accepted."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.config import TargetConfig
+from specjax.decoding.engine import EngineRequest
+from specjax.drafters.block import BlockDrafterConfig
+from specjax.drafters.dspark import make_block_drafter
+from specjax.drafters.eagle3 import Eagle3Config, make_eagle3_drafter
+from specjax.drafters.mtp import MTPConfig, make_mtp_drafter
+from specjax.drafters.ngram import NGramDrafter
+from specjax.drafters.standalone import StandaloneDrafter
+
+from engine_fixtures import chi_square_pvalue, exact_continuations, sample_continuations, small_engine, tiny_target
+
+V, GAMMA, PROMPT = 8, 3, [1, 5, 2, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_target(V, seed=11, layers=3, init_scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def exact(model):
+    return exact_continuations(model, PROMPT, 3)
+
+
+def make(kind: str, target):
+    cfg = target.config
+    rngs = nnx.Rngs(4)
+    if kind in ("dspark", "dspark-rnn", "dflash"):
+        bcfg = BlockDrafterConfig.from_target(
+            cfg, target_layer_ids=(0, 1), mask_token_id=V - 1, num_draft_layers=1, block_size=GAMMA,
+            markov_rank=0 if kind == "dflash" else 8, markov_head_type="rnn" if kind == "dspark-rnn" else "vanilla",
+            confidence_head=kind != "dflash")
+        return make_block_drafter(target, cfg, bcfg, rngs)
+    if kind == "eagle3":
+        return make_eagle3_drafter(target, Eagle3Config.from_target(cfg, target_layer_ids=(0, 1), gamma=GAMMA), rngs)
+    if kind == "mtp1":
+        return make_mtp_drafter(target, MTPConfig.from_target(cfg), rngs)
+    if kind == "standalone":
+        small = TargetConfig(vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+        return StandaloneDrafter.from_config(small, GAMMA, rngs=rngs)
+    if kind == "ngram":
+        return NGramDrafter(V, gamma=GAMMA)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dspark-rnn", "dflash", "eagle3", "mtp1", "standalone", "ngram"])
+def test_drafter_in_engine_is_exact(kind, model, exact):
+    drafter = make(kind, model)
+    g = drafter.gamma
+    eng = small_engine(model, drafter, slots=256, max_len=16, prefill=8, gamma=g,
+                       tokens_buckets=tuple(sorted({1, 2, g + 1})), prefill_batch=256)
+    ells = []
+    eng.on_round = lambda info: ells.extend(info["ell"])
+    samples = sample_continuations(eng, PROMPT, 12000, 3, temperature=0.9, extra=g)
+    p = chi_square_pvalue(samples, exact_continuations_cached(model, exact, 0.9))
+    assert p > 1e-3, f"{kind}: engine output differs from the target distribution (p={p:.2e})"
+    assert max(ells) == g  # full blocks were verified
+
+
+_EXACT_09 = {}
+
+
+def exact_continuations_cached(model, exact_t1, temperature):
+    if temperature == 1.0:
+        return exact_t1
+    if temperature not in _EXACT_09:
+        _EXACT_09[temperature] = exact_continuations(model, PROMPT, 3, temperature=temperature)
+    return _EXACT_09[temperature]
+
+
+def test_oracle_drafter_accepts_every_greedy_draft(model):
+    oracle = StandaloneDrafter(nnx.merge(*nnx.split(model)), GAMMA)  # an exact copy of the target
+    eng = small_engine(model, oracle, slots=2, max_len=32, prefill=8, gamma=GAMMA, tokens_buckets=(1, GAMMA + 1))
+    reqs = [EngineRequest(str(i), p, max_tokens=13, temperature=0.0) for i, p in enumerate([PROMPT, [3, 3, 4]])]
+    eng.run(reqs, progress=False)
+    for r in reqs:
+        m = r.metrics
+        assert m.num_draft_tokens > 0 and m.num_accepted_tokens == m.num_draft_tokens
+        assert m.mean_acceptance_length == GAMMA + 1

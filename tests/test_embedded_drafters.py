@@ -1,0 +1,109 @@
+"""The shipped drafters of the embedded default (specjax/assets/pystd/drafters/<name>/).
+
+Every shipped drafter must load against the shipped target, and speculative decoding with it
+through `specjax.LLM(drafter=name)` must give exactly the plain greedy tokens (lossless) with a
+mean acceptance length of at least 1. Drafters that are not shipped are skipped by name.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from specjax import embedded as emb
+
+PROMPTS = ("def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n", "import os\nimport sys\n\n\ndef main(")
+MAX_TOKENS = 8
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(os.path.join(emb.target_dir(), "config.json")),
+    reason="the embedded target is not built (make embedded)")
+
+
+def _shipped() -> list[str]:
+    return [n for n in emb.DRAFTER_NAMES
+            if os.path.exists(os.path.join(emb.drafter_dir(n), "config.json"))]
+
+
+def _engine_config(gamma: int | None, policy: str):
+    from specjax.decoding.engine import EngineConfig
+
+    return EngineConfig(max_slots=2, max_len=64, gamma=gamma, policy=policy, max_prefill=32,
+                        slots_buckets=(2,), prefill_buckets=(32,), prefill_batch_buckets=(2,))
+
+
+@pytest.fixture(scope="module")
+def target():
+    from specjax import hf
+
+    return hf.load_target(emb.target_dir())
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(target):
+    from specjax.api import LLM, SamplingParams
+
+    llm = LLM(target=target, tokenizer=emb.target_dir(),
+              engine_config=_engine_config(None, "plain"))
+    outs = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return [o.token_ids for o in outs]
+
+
+def test_some_drafter_is_shipped():
+    assert _shipped(), "no drafter under specjax/assets/pystd/drafters/"
+
+
+@pytest.mark.parametrize("name", emb.DRAFTER_NAMES)
+def test_loads_against_target(name, target):
+    from specjax.drafters import registry
+
+    path = emb.drafter_dir(name)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        pytest.skip(f"drafter {name} is not shipped")
+    model, tcfg = target
+    drafter = registry.load_drafter(path, target=model)
+    assert drafter is not None
+    drafter.check_target(tcfg)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg.get("vocab_size") == tcfg.vocab_size
+    if name in ("dspark", "dspark-rnn", "dflash"):
+        assert drafter.gamma == 7 and drafter.config.num_draft_layers == 1
+        assert drafter.config.mask_token_id == emb.mask_token_id()
+        assert tcfg.num_hidden_layers - 1 not in drafter.config.target_layer_ids
+    if name == "dspark":
+        assert drafter.config.markov_rank == 64 and drafter.confidence_head is not None
+
+
+@pytest.mark.parametrize("name", emb.DRAFTER_NAMES)
+def test_lossless_greedy(name, target, plain_tokens):
+    from specjax.api import LLM, SamplingParams
+    from specjax.drafters import registry
+
+    path = emb.drafter_dir(name)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        pytest.skip(f"drafter {name} is not shipped")
+    model, _ = target
+    gamma = 1 if registry.drafter_kind(path) == "mtp" else 7
+    llm = LLM(target=target, drafter=registry.load_drafter(path, target=model),
+              tokenizer=emb.target_dir(), engine_config=_engine_config(gamma, "fixed"))
+    outs = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == plain_tokens
+    for o in outs:
+        assert o.metrics["mean_acceptance_length"] >= 1.0
+        assert o.metrics["num_drafts"] >= 1
+
+
+def test_llm_resolves_shipped_name():
+    """`specjax.LLM(drafter=name)` with the embedded default finds the shipped directory."""
+    from specjax.api import LLM, SamplingParams
+
+    names = _shipped()
+    if not names:
+        pytest.skip("no drafter shipped")
+    llm = LLM(drafter=names[0], engine_config=_engine_config(None if names[0] != "mtp1" else 1,
+                                                             "fixed"))
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(out[0].token_ids) == 4
+    assert llm.drafter is not None and llm.drafter.gamma == (1 if names[0] == "mtp1" else 7)
