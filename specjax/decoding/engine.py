@@ -687,6 +687,7 @@ class Engine:
             ints_dev, floats_dev = self._put(ints), self._put(floats)
             draft, q, conf_dev = self.exe_draft((sb,), self.d_params, self.dstate, self.cache.lengths, self.anchors,
                                                 ints_dev, floats_dev, key_data)
+            conf_dev.copy_to_host_async()  # confidences travel to the host while the device works on
             if policy in DEVICE_POLICIES and self.schedule_fn is None:
                 # capacity and per-row cap from confidences two rounds old; no wait on this round's
                 k_total, cap = self._async_capacity(sb, active)
