@@ -1,0 +1,264 @@
+"""Shared benchmark helpers: the benchmark target, timing (warm-up, repeats, median), machine facts,
+and writing results as JSON + Markdown + PNG.
+
+Every benchmark records the 1-minute load average next to each figure: the development machines
+are small and shared, so a number measured under load is only comparable with the load it had.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+DEFAULT_OUT_DIR = os.path.join("bench", "results")
+
+# The embedded default target's shape (specjax.embedded.PretrainModel); used for the random
+# stand-in when the trained target is not there yet.
+RANDOM_TARGET_SHAPE = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
+                           max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+# ------------------------------------------------------------------------------------------ progress
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """Print a progress line with the seconds since start and the current 1-minute load average."""
+    print(f"[{time.perf_counter() - _T0:7.1f}s load {load_average()[0]:4.1f}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ machine
+def load_average() -> tuple[float, float, float]:
+    """(1, 5, 15)-minute load averages, or NaNs where the OS has none."""
+    try:
+        return tuple(round(x, 2) for x in os.getloadavg())  # type: ignore[return-value]
+    except OSError:
+        return (float("nan"),) * 3
+
+
+def _version(module: str) -> str | None:
+    mod = sys.modules.get(module)
+    if mod is None:
+        try:
+            mod = __import__(module)
+        except Exception:  # noqa: BLE001 - an optional package: report it as absent
+            return None
+    return str(getattr(mod, "__version__", "unknown"))
+
+
+def machine_info(*, packages: Sequence[str] = ("jax", "jaxlib", "flax", "numpy")) -> dict[str, Any]:
+    """Host and software facts: CPU count, load, platform, Python, package versions, JAX backend."""
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "load_average": list(load_average()),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or "unknown",
+        "python": platform.python_version(),
+        "versions": {p: _version(p) for p in packages},
+    }
+    if "jax" in sys.modules:
+        import jax
+        dev = jax.devices()[0]
+        info["jax_backend"] = jax.default_backend()
+        info["jax_device_kind"] = dev.device_kind
+        info["jax_device_count"] = jax.device_count()
+    return info
+
+
+# ------------------------------------------------------------------------------------------ timing
+@dataclasses.dataclass
+class Timing:
+    """Seconds per call over `repeats` timed batches (each the mean over `inner` calls)."""
+
+    samples: list[float]
+    inner: int
+    load_before: float
+    load_after: float
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the samples: a noise indicator."""
+        return (max(self.samples) - min(self.samples)) / self.median if self.median > 0 else 0.0
+
+    def as_dict(self, scale: float = 1e3, unit: str = "ms") -> dict[str, Any]:
+        return {f"median_{unit}": round(self.median * scale, 4), f"min_{unit}": round(self.min * scale, 4),
+                "spread": round(self.spread, 3), "repeats": len(self.samples), "inner": self.inner,
+                "load_1min": [self.load_before, self.load_after]}
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5, inner: int = 1,
+            sync: Callable[[Any], Any] | None = None) -> Timing:
+    """Time `fn()`: `warmup` untimed calls, then `repeats` batches of `inner` calls.
+
+    `sync(result)` waits for asynchronous work (e.g. `jax.block_until_ready`) inside the timed region.
+    """
+    if repeats < 1 or inner < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1, inner >= 1, warmup >= 0; got {repeats}, {inner}, {warmup}")
+    sync = sync or (lambda r: r)
+    for _ in range(warmup):
+        sync(fn())
+    load0 = load_average()[0]
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            r = fn()
+        sync(r)
+        samples.append((time.perf_counter() - t0) / inner)
+    return Timing(samples, inner, load0, load_average()[0])
+
+
+def time_interleaved(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 1, repeats: int = 5,
+                     inner: int | Mapping[str, int] = 1,
+                     sync: Callable[[Any], Any] | None = None) -> dict[str, Timing]:
+    """Time several functions round-robin (A B C A B C ...) so each sees the same background load.
+
+    Differences between them (e.g. a head's overhead) are then far less affected by load drift than
+    with one function timed after another. `inner` (calls per sample) may differ per function.
+    """
+    inners = {k: inner[k] if isinstance(inner, Mapping) else inner for k in fns}
+    if repeats < 1 or min(inners.values(), default=1) < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1, inner >= 1, warmup >= 0; got {repeats}, {inner}, {warmup}")
+    sync = sync or (lambda r: r)
+    for fn in fns.values():
+        for _ in range(warmup):
+            sync(fn())
+    load0 = load_average()[0]
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            n = inners[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                r = fn()
+            sync(r)
+            samples[name].append((time.perf_counter() - t0) / n)
+    load1 = load_average()[0]
+    return {k: Timing(v, inners[k], load0, load1) for k, v in samples.items()}
+
+
+# ------------------------------------------------------------------------------------------ target
+@dataclasses.dataclass
+class BenchTarget:
+    """The model a benchmark runs: the embedded default when it exists, else a random stand-in."""
+
+    model: Any  # specjax Qwen3ForCausalLM
+    config: Any  # TargetConfig
+    source: str  # "embedded" or "random"
+    description: str
+    tokenizer: Any = None  # a transformers tokenizer (embedded target only)
+    path: str | None = None
+
+
+def embedded_target_dir() -> str:
+    """The embedded target's directory (`specjax.embedded.target_dir()`, or its documented place)."""
+    try:
+        from specjax import embedded
+        return embedded.target_dir()
+    except Exception:  # noqa: BLE001 - the module is optional: fall back to the documented location
+        import specjax
+        return os.path.join(os.path.dirname(specjax.__file__), "assets", "pystd", "target")
+
+
+def load_bench_target(*, use_embedded: bool = True, seed: int = 0) -> BenchTarget:
+    """The embedded target (float32, with its tokenizer) if its config.json exists and
+    `use_embedded`; otherwise a random Qwen3 of the embedded shape (RANDOM_TARGET_SHAPE)."""
+    from specjax import hf
+    path = embedded_target_dir()
+    if use_embedded and os.path.isfile(os.path.join(path, "config.json")):
+        model, cfg = hf.load_target(path, dtype="float32")
+        tok = hf.load_tokenizer(path)
+        desc = (f"embedded target ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+                f"vocab {cfg.vocab_size}) from specjax/assets/pystd/target, float32")
+        return BenchTarget(model, cfg, "embedded", desc, tok, path)
+    from flax import nnx
+
+    from specjax.config import TargetConfig
+    from specjax.models.qwen3 import Qwen3ForCausalLM
+    cfg = TargetConfig(**RANDOM_TARGET_SHAPE)
+    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed))
+    why = "the embedded target does not exist yet" if use_embedded else "--random-target"
+    desc = (f"random Qwen3 built on the spot ({why}): hidden {cfg.hidden_size}, {cfg.num_hidden_layers} "
+            f"layers, {cfg.num_attention_heads} heads, {cfg.num_key_value_heads} kv heads, head_dim "
+            f"{cfg.head_dim}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}, tied, "
+            f"float32, seed {seed}")
+    return BenchTarget(model, cfg, "random", desc)
+
+
+# ------------------------------------------------------------------------------------------ output
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A Markdown table; `align` is one char per column ('l' or 'r'; default: right)."""
+    align = align or "r" * len(headers)
+    sep = "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"
+    lines = ["| " + " | ".join(str(h) for h in headers) + " |", sep]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def command_line(module: str, argv: Sequence[str] | None) -> str:
+    """The command that reproduces a run: `python -m <module> <args>`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return " ".join(["python", "-m", module] + args)
+
+
+def write_results(name: str, result: Mapping[str, Any], markdown: str, *, out_dir: str = DEFAULT_OUT_DIR,
+                  plot: Callable[[str], None] | None = None) -> list[str]:
+    """Write `<name>.json`, `<name>.md` and (with `plot(path)`) `<name>.png` into `out_dir`.
+
+    The Markdown file should start with a `# Title` line and name the command that made it: run_all
+    builds docs/BENCHMARKS.md from these files. Returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    p = os.path.join(out_dir, f"{name}.json")
+    with open(p, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1, default=_json_default)
+        f.write("\n")
+    paths.append(p)
+    p = os.path.join(out_dir, f"{name}.md")
+    with open(p, "w", encoding="utf-8") as f:
+        f.write(markdown if markdown.endswith("\n") else markdown + "\n")
+    paths.append(p)
+    if plot is not None:
+        p = os.path.join(out_dir, f"{name}.png")
+        plot(p)
+        paths.append(p)
+    return paths
+
+
+def _json_default(x: Any) -> Any:
+    import numpy as np
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def pyplot():
+    """matplotlib.pyplot with the non-interactive Agg backend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+__all__ = ["BenchTarget", "DEFAULT_OUT_DIR", "RANDOM_TARGET_SHAPE", "Timing", "command_line",
+           "embedded_target_dir", "load_average", "load_bench_target", "log", "machine_info", "md_table",
+           "pyplot", "time_fn", "time_interleaved", "write_results"]
