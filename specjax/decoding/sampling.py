@@ -196,7 +196,10 @@ def sample(key: Array, probs: Array) -> Array:
     fn = draw
     for _ in range(key.ndim):
         fn = jax.vmap(fn)
-    return fn(key, probs)
+    # All rows one-hot (greedy): the draw is the argmax; skip generating random bits.
+    all_point_masses = jnp.all(jnp.max(probs, axis=-1) >= 1.0)
+    return jax.lax.cond(all_point_masses, lambda: jnp.argmax(probs, axis=-1).astype(jnp.int32),
+                        lambda: fn(key, probs))
 
 
 def _check_seed(seed: Any) -> int:
