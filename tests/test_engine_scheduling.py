@@ -32,7 +32,7 @@ def exact(model):
     return exact_continuations(model, PROMPT, 3)
 
 
-def make_engine(model, policy, *, schedule_fn=None, cost_table=None):
+def make_engine(model, policy, *, schedule_fn=None, cost_table=None, plain_seconds=None):
     cfg = EngineConfig(max_slots=256, max_len=12, policy=policy, gamma=GAMMA, slots_buckets=(256,),
                        tokens_buckets=(1, 2, 4), prefill_buckets=(4,), max_prefill=4, prefill_batch_buckets=(256,))
     eng = Engine(model, BigramDrafter(V, GAMMA, confidence=True, seed=7), cfg, progress=False,
@@ -40,6 +40,8 @@ def make_engine(model, policy, *, schedule_fn=None, cost_table=None):
     if cost_table is not None:
         eng.cost_table = cost_table(eng.cost_table_meta())
     eng.warmup()
+    if plain_seconds is not None:  # the synthetic cost table's scale, not this machine's
+        eng.plain_seconds = plain_seconds
     return eng
 
 
@@ -70,7 +72,7 @@ def test_engine_confidence_policy_is_exact(model, exact):
 
 
 def test_engine_confidence_async_policy_is_exact(model, exact):
-    eng = make_engine(model, "confidence_async", cost_table=staircase)
+    eng = make_engine(model, "confidence_async", cost_table=staircase, plain_seconds={256: 1.0})
     lengths = []
     eng.on_round = lambda info: lengths.extend(info["ell"])
     samples = sample_continuations(eng, PROMPT, 20000, 3, seed0=3 * 10**6)
@@ -115,3 +117,13 @@ def test_engine_profiles_its_own_cost_table(model, tmp_path):
     eng.use_cost_table(CostTable.from_json(path))  # a saved table for this engine is accepted
     reqs = sample_continuations(eng, PROMPT, 4, 5)
     assert all(len(r) == 5 for r in reqs)
+
+
+def test_async_policy_skips_drafting_when_plain_rounds_pay_more(model, exact):
+    eng = make_engine(model, "confidence_async", cost_table=staircase, plain_seconds={256: 0.2})
+    drafted = []
+    eng.on_round = lambda info: drafted.append(max(info["ell"]))
+    samples = sample_continuations(eng, PROMPT, 3000, 3, seed0=4 * 10**6)
+    assert chi_square_pvalue(samples, exact) > 1e-3
+    # a plain step (0.2 s) beats every drafted round of the staircase (>= 1 s): only probes draft
+    assert sum(d > 0 for d in drafted) <= len(drafted) // (eng.PROBE_EVERY + 1) + 1

@@ -146,6 +146,8 @@ class EngineRequest:
 class Engine:
     """Speculative decoding over a fixed set of cache slots (see module docstring)."""
 
+    PROBE_EVERY = 8  # async policy: rounds without drafting before a drafting probe
+
     def __init__(self, target: Qwen3ForCausalLM, drafter: nnx.Module | None = None,
                  config: EngineConfig = EngineConfig(), *, mesh: jax.sharding.Mesh | None = None,
                  eos_token_ids: Sequence[int] = (), cost_table: Any = None, target_id: str | None = None,
@@ -215,7 +217,9 @@ class Engine:
         self._seed_counter = 0
         self.last_confidence: np.ndarray | None = None
         self._conf_history: list[np.ndarray] = []
-        self._tb_markers: dict[int, Any] = {}  # per-slot confidences [slots, gamma] of past rounds
+        self._tb_markers: dict[int, Any] = {}
+        self.plain_seconds: dict[int, float] | None = None  # per slots bucket, for the async policy
+        self._rounds_since_draft = 0  # per-slot confidences [slots, gamma] of past rounds
         self.stats = {"rounds": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0}
         self.on_round: Callable[[dict[str, Any]], None] | None = None
         self._build_executables()
@@ -427,6 +431,8 @@ class Engine:
             else:
                 keys.append(("draft", (sb,)))
                 keys += [("verify", (sb, tb)) for tb in self.buckets.tokens]
+                if self.cfg.policy in DEVICE_POLICIES:
+                    keys.append(("round", (sb, 1)))  # rounds that skip drafting
         return keys
 
     def warmup(self) -> float:
@@ -464,11 +470,13 @@ class Engine:
                                      stop, f((tb,), jnp.int32))
         seconds = time.perf_counter() - t0
         if self.needs_cost_table:
+            from specjax.decoding.profiling import measure_cost_table, measure_plain_seconds
             if self.cost_table is None:
-                from specjax.decoding.profiling import measure_cost_table
                 self.cost_table = measure_cost_table(self, progress=self.progress)
             else:
                 self.use_cost_table(self.cost_table)
+            if self.cfg.policy in DEVICE_POLICIES:
+                self.plain_seconds = measure_plain_seconds(self)
         return seconds
 
     @property
@@ -645,16 +653,26 @@ class Engine:
             return prefix_schedule(conf_rg, None, "threshold", gamma=self.gamma, threshold=self.cfg.threshold)
         return prefix_schedule(conf_rg, self.cost_table, "confidence", gamma=self.gamma)
 
-    def _async_capacity(self, sb: int, active: np.ndarray) -> tuple[int, int]:
-        """(K, cap) of the async policy from confidences two rounds old (a 0.5 prior for rows without)."""
-        from specjax.scheduling import async_capacity
+    def _async_plan(self, sb: int, active: np.ndarray) -> tuple[int, int, bool]:
+        """(K, cap, draft?) of the async policy, all from confidences two rounds old (a 0.5 prior for
+        rows without). Drafting is skipped (a plain round) when a plain step's expected tokens/s beat
+        the best drafted round's; a drafting probe still runs every `PROBE_EVERY` rounds so the old
+        confidences stay fresh. Nothing here looks at this round's tokens, so it stays lossless."""
+        from specjax.scheduling import async_capacity, expected_tokens_per_second, prefix_schedule
         rows = np.flatnonzero(active)
         old = self._conf_history[0] if len(self._conf_history) == 2 else None
         c = np.full((len(rows), self.gamma), np.nan) if old is None else old[rows]
         known = c[~np.isnan(c).any(axis=1)]
         prior = known.mean(axis=0) if len(known) else np.full((self.gamma,), 0.5)
         c = np.where(np.isnan(c), prior[None, :], c)
-        return async_capacity(c, self.cost_table, gamma=self.gamma)
+        k_total, cap = async_capacity(c, self.cost_table, gamma=self.gamma)
+        draft = True
+        plain_s = self.plain_seconds.get(sb) if self.plain_seconds else None
+        if plain_s is not None and self._rounds_since_draft < self.PROBE_EVERY:
+            lengths = prefix_schedule(c, self.cost_table, "confidence_async", gamma=self.gamma, old_confidences=c)
+            theta_draft = expected_tokens_per_second(c, lengths, self.cost_table)
+            draft = theta_draft > len(rows) / plain_s
+        return k_total, cap, draft
 
     def step(self) -> list[EngineRequest]:
         """Admit waiting requests into free slots, then run one round. Returns requests finished now."""
@@ -676,8 +694,13 @@ class Engine:
         key_data = self._put(self._key_data[:sb])
         conf = None
         policy = self.cfg.policy
-        if policy in FIXED_POLICIES and self.schedule_fn is None:
-            ell = np.minimum(np.full((sb,), self._policy_ell()), caps) * active
+        plain_round = False
+        if policy in DEVICE_POLICIES and self.schedule_fn is None:
+            k_total, cap, drafting = self._async_plan(sb, active)
+            plain_round = not drafting
+            self._rounds_since_draft = self._rounds_since_draft + 1 if plain_round else 0
+        if (policy in FIXED_POLICIES and self.schedule_fn is None) or plain_round:
+            ell = np.minimum(np.full((sb,), 0 if plain_round else self._policy_ell()), caps) * active
             tb = bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
             ints[0] = ell
             self.cache, self.dstate, self.anchors, outs = self.exe_fused(
@@ -690,7 +713,6 @@ class Engine:
             conf_dev.copy_to_host_async()  # confidences travel to the host while the device works on
             if policy in DEVICE_POLICIES and self.schedule_fn is None:
                 # capacity and per-row cap from confidences two rounds old; no wait on this round's
-                k_total, cap = self._async_capacity(sb, active)
                 ell = np.minimum(caps, cap) * active
                 device_fill = True
             else:

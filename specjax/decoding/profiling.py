@@ -43,3 +43,23 @@ def measure_cost_table(engine, *, repeats: int = 5, warmup: int = 1, progress: b
                 times.append(time.perf_counter() - t0)
         seconds[(sb, tb)] = float(np.median(times))
     return CostTable.from_seconds(seconds, meta=engine.cost_table_meta())
+
+
+def measure_plain_seconds(engine, *, repeats: int = 5, warmup: int = 1) -> dict[int, float]:
+    """Median seconds of a round without drafting (every row verifies nothing) per slots bucket."""
+    put = engine._put
+    out: dict[int, float] = {}
+    for sb in engine.buckets.slots:
+        ints = put(np.zeros((4, sb), np.int32))  # all rows idle
+        floats, key_data = put(np.ones((2, sb), np.float32)), put(np.zeros((sb, 2), np.uint32))
+        times = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            engine.cache, engine.dstate, engine.anchors, outs = engine.exe_fused(
+                (sb, 1), engine.t_params, engine.d_params, engine.cache, engine.dstate, engine.anchors, ints,
+                floats, key_data, engine._stop_ids, engine._tb_marker(1))
+            jax.block_until_ready(outs)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        out[sb] = float(np.median(times))
+    return out
