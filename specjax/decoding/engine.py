@@ -146,7 +146,7 @@ class EngineRequest:
 class Engine:
     """Speculative decoding over a fixed set of cache slots (see module docstring)."""
 
-    PROBE_EVERY = 8  # async policy: rounds without drafting before a drafting probe
+    PROBE_EVERY = 32  # async policy: rounds without drafting before a drafting probe
 
     def __init__(self, target: Qwen3ForCausalLM, drafter: nnx.Module | None = None,
                  config: EngineConfig = EngineConfig(), *, mesh: jax.sharding.Mesh | None = None,

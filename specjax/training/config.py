@@ -15,7 +15,8 @@ import yaml
 
 from specjax.config import ConfigError, from_dict, load_yaml, to_dict
 
-MODEL_KINDS = ("dspark", "dflash")
+MODEL_KINDS = ("dspark", "dflash", "eagle3", "mtp", "standalone")
+BLOCK_KINDS = ("dspark", "dflash")
 DATA_MODES = ("cache", "online")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -191,7 +192,13 @@ class ModelConfig:
 
     `target` is a Hugging Face Qwen3 checkpoint directory. `target_layer_ids` empty means the
     evenly spaced default. `mask_token_id` None means vocab_size - 1 would be wrong for real
-    tokenizers, so it is required for training (Qwen3: 151669).
+    tokenizers, so it is required for training DSpark / DFlash (Qwen3: 151669).
+
+    Kinds: "dspark" / "dflash" (block drafters), "eagle3" (training-time test over `block_size`
+    steps, `ttt_decay`), "mtp" (MTP-1 on the target's final hidden state) and "standalone" (a
+    small Qwen3 LM of the `draft_*` dimensions, distilled from the target). The block-only fields
+    (markov / confidence heads, anchors) are ignored for the other kinds; `num_draft_layers` is
+    the layer count of Eagle3 (1 supported) and of the standalone LM.
     """
 
     kind: str = "dspark"
@@ -214,6 +221,14 @@ class ModelConfig:
     param_dtype: str = "float32"  # master weights
     target_dtype: str = "bfloat16"  # the frozen target (online mode)
     init_seed: int = 0
+    # eagle3: decay of the per-step TTT loss weights (the unroll horizon is block_size)
+    ttt_decay: float = 0.8
+    # standalone: the draft LM's dimensions (vocabulary, RoPE and EOS are the target's)
+    draft_hidden_size: int = 128
+    draft_intermediate_size: int = 384
+    draft_num_attention_heads: int = 2
+    draft_num_key_value_heads: int = 1
+    draft_head_dim: int = 64
 
     def __post_init__(self) -> None:
         _fix_floats(self)
@@ -221,7 +236,7 @@ class ModelConfig:
             raise ConfigError(f"field 'kind' must be one of {MODEL_KINDS}, got {self.kind!r}")
         if not self.target:
             raise ConfigError("field 'target' (the target checkpoint directory) is required")
-        if self.mask_token_id is None or self.mask_token_id < 0:
+        if self.kind in BLOCK_KINDS and (self.mask_token_id is None or self.mask_token_id < 0):
             raise ConfigError(f"field 'mask_token_id' must be a token id >= 0, got "
                               f"{self.mask_token_id!r}")
         _positive(self, "num_draft_layers", "block_size", "num_anchors", "loss_decay",
@@ -235,7 +250,11 @@ class ModelConfig:
         if self.kind == "dflash" and (self.markov_rank or self.confidence_head):
             raise ConfigError("kind 'dflash' has no sequential or confidence head: set "
                               "markov_rank: 0 and confidence_head: false (or use kind 'dspark')")
-        if self.confidence_head and self.alpha_conf == 0:
+        _positive(self, "draft_hidden_size", "draft_intermediate_size",
+                  "draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim")
+        if not 0.0 < self.ttt_decay <= 1.0:
+            raise ConfigError(f"field 'ttt_decay' must be in (0, 1], got {self.ttt_decay!r}")
+        if self.kind in BLOCK_KINDS and self.confidence_head and self.alpha_conf == 0:
             raise ConfigError("field 'alpha_conf' is 0 but confidence_head is true: the head "
                               "would never be trained")
 
@@ -297,6 +316,6 @@ def train_config_dict(cfg: TrainConfig) -> dict[str, Any]:
     return to_dict(cfg)
 
 
-__all__ = ["CheckpointConfig", "DataConfig", "LoggingConfig", "MeshConfig", "ModelConfig",
+__all__ = ["BLOCK_KINDS", "CheckpointConfig", "DataConfig", "LoggingConfig", "MeshConfig", "ModelConfig",
            "OptimizerConfig", "ScheduleConfig", "TrainConfig", "apply_overrides",
            "load_train_config", "train_config_dict"]

@@ -1,0 +1,202 @@
+"""Drafter construction and online-feature loss functions for every drafter kind.
+
+`make_objective(model_config, target, target_config)` returns the drafter to train, its loss
+function for `specjax.training.trainer.Trainer` (`loss_fn(model, batch, rng, aux)`, with `aux` the
+frozen target's parameters) and the target graph to split them from. Every loss runs the frozen
+target inside the jitted step (online features) on a batch of
+`{input_ids [B,S], loss_mask [B,S], valid [B]}` (`collate_block_batch`); the loss mask marks the
+completion tokens the drafter is supervised on.
+
+    dspark / dflash   block_drafter_loss (reference §5.1): anchors, block labels, CE + TV (+ BCE)
+    eagle3            ttt_forward over `block_size` steps + eagle3_loss (soft CE vs the target)
+    mtp               train_forward on the target's final hidden + mtp_loss (CE + TV vs target)
+    standalone        the draft LM's next-token logits + mtp_loss (CE + TV vs target): distillation
+
+Alignment (S = sequence length, `lm` = loss mask, `hid` = the target's final-normed hidden):
+    eagle3 / mtp: row t predicts ids[t+2]; target logits lm_head(hid[t+1]); weight lm[t+2].
+    standalone:   row t predicts ids[t+1]; target logits lm_head(hid[t]);   weight lm[t+1].
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.config import ConfigError, TargetConfig
+from specjax.training.config import BLOCK_KINDS, ModelConfig
+
+Array = jax.Array
+
+
+def shift_left(x_bs: Array, k: int, fill: Any = 0) -> Array:
+    """x[:, t + k] at t (fill past the end); works for [B, S] and [B, S, ...]."""
+    if k == 0:
+        return x_bs
+    pad = [(0, 0), (0, k)] + [(0, 0)] * (x_bs.ndim - 2)
+    return jnp.pad(x_bs[:, k:], pad, constant_values=fill)
+
+
+def _target_forward(aux: Any, graphdef: Any, ids_bs: Array, valid_b: Array | None,
+                    tap_layers: tuple[int, ...]) -> tuple[tuple[Array, ...], Array, Any]:
+    """Frozen target forward -> (taps, final-normed hidden [B,S,H], the merged target)."""
+    target = nnx.merge(graphdef, aux)
+    b, s = ids_bs.shape
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    valid = None if valid_b is None else jnp.asarray(valid_b, jnp.int32)
+    out = target.forward(ids_bs, pos, valid_b=valid, tap_layers=tap_layers, logits="none")
+    taps = tuple(jax.lax.stop_gradient(t) for t in out.taps)
+    return taps, jax.lax.stop_gradient(out.hidden), target
+
+
+def _batch_arrays(batch: Mapping[str, Array]) -> tuple[Array, Array, Array | None]:
+    ids = jnp.asarray(batch["input_ids"], jnp.int32)
+    lm = jnp.asarray(batch["loss_mask"]).astype(jnp.float32)
+    return ids, lm, batch.get("valid")
+
+
+def eagle3_objective(*, target_graphdef: Any, tap_layers: tuple[int, ...], horizon: int,
+                     decay: float = 0.8, chunk_tokens: int | None = None,
+                     feature_dtype: Any = jnp.bfloat16):
+    """Eagle3 training-time-test loss over `horizon` steps (reference §4) with online taps."""
+    from specjax.training import losses
+
+    if horizon < 1:
+        raise ValueError(f"horizon must be >= 1, got {horizon}")
+
+    def loss_fn(model: Any, batch: Mapping[str, Array], rng: Array, aux: Any):
+        del rng
+        ids, lm, valid = _batch_arrays(batch)
+        taps, hid, _ = _target_forward(aux, target_graphdef, ids, valid, tuple(tap_layers))
+        taps_bsf = jnp.concatenate(taps, axis=-1).astype(feature_dtype)
+        step_logits = model.ttt_forward(taps_bsf, ids, horizon)  # [K, B, S, V]
+        t_logits = model.lm_head(shift_left(hid.astype(feature_dtype), 1))  # [B, S, V]
+        mask = shift_left(lm, 2)
+        return losses.eagle3_loss(step_logits, t_logits, mask, decay=decay,
+                                  chunk_tokens=chunk_tokens)
+
+    return loss_fn
+
+
+def mtp_objective(*, target_graphdef: Any, alpha_ce: float = 0.1, alpha_tv: float = 0.9,
+                  chunk_tokens: int | None = None, feature_dtype: Any = jnp.bfloat16):
+    """MTP-1: (hidden[t], ids[t+1]) -> ids[t+2], matched to lm_head(hidden[t+1])."""
+    from specjax.training import losses
+
+    def loss_fn(model: Any, batch: Mapping[str, Array], rng: Array, aux: Any):
+        del rng
+        ids, lm, valid = _batch_arrays(batch)
+        _, hid, _ = _target_forward(aux, target_graphdef, ids, valid, ())
+        hid = hid.astype(feature_dtype)
+        z = model.train_forward(hid, ids)  # [B, S, V]
+        t_logits = model.shared_head.head(shift_left(hid, 1))
+        return losses.mtp_loss(z, t_logits, shift_left(ids, 2), shift_left(lm, 2),
+                               alpha_ce=alpha_ce, alpha_tv=alpha_tv, chunk_tokens=chunk_tokens)
+
+    return loss_fn
+
+
+def standalone_objective(*, target_graphdef: Any, alpha_ce: float = 0.1, alpha_tv: float = 0.9,
+                         chunk_tokens: int | None = None):
+    """A small LM distilled from the target: next-token CE + TV against the target's logits."""
+    from specjax.training import losses
+
+    def loss_fn(model: Any, batch: Mapping[str, Array], rng: Array, aux: Any):
+        del rng
+        ids, lm, valid = _batch_arrays(batch)
+        _, hid, target = _target_forward(aux, target_graphdef, ids, valid, ())
+        t_logits = jax.lax.stop_gradient(target.logits(hid))
+        b, s = ids.shape
+        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        vb = None if valid is None else jnp.asarray(valid, jnp.int32)
+        z = model.model.forward(ids, pos, valid_b=vb, logits="all").logits
+        return losses.mtp_loss(z, t_logits, shift_left(ids, 1), shift_left(lm, 1),
+                               alpha_ce=alpha_ce, alpha_tv=alpha_tv, chunk_tokens=chunk_tokens)
+
+    return loss_fn
+
+
+class Objective(NamedTuple):
+    drafter: nnx.Module  # the module to train (frozen embedding / lm_head copies included)
+    loss_fn: Any  # (model, batch, rng, aux) -> (loss, metrics)
+    drafter_config: Any  # the drafter's own config dataclass
+    tap_layers: tuple[int, ...]  # target layers read online (() for mtp / standalone)
+
+
+def standalone_config(mc: ModelConfig, tcfg: TargetConfig) -> TargetConfig:
+    """The standalone draft LM's Qwen3 config: `draft_*` dims, the target's vocab / RoPE / EOS."""
+    return TargetConfig(
+        vocab_size=tcfg.vocab_size, hidden_size=mc.draft_hidden_size,
+        intermediate_size=mc.draft_intermediate_size, num_hidden_layers=mc.num_draft_layers,
+        num_attention_heads=mc.draft_num_attention_heads,
+        num_key_value_heads=mc.draft_num_key_value_heads, head_dim=mc.draft_head_dim,
+        rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta, rope_type=tcfg.rope_type,
+        rope_factor=tcfg.rope_factor, tie_word_embeddings=True,
+        max_position_embeddings=tcfg.max_position_embeddings, bos_token_id=tcfg.bos_token_id,
+        eos_token_ids=tuple(tcfg.eos_token_ids))
+
+
+def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_graphdef: Any,
+                   feature_dtype: Any = jnp.bfloat16) -> Objective:
+    """The drafter of kind `mc.kind` (frozen parts copied from `target`) and its online loss."""
+    rngs = nnx.Rngs(mc.init_seed)
+    kw = dict(dtype=mc.compute_dtype, param_dtype=mc.param_dtype)
+    if mc.kind in BLOCK_KINDS:
+        from specjax.drafters.block import BlockDrafterConfig, default_target_layer_ids
+        from specjax.drafters.dspark import make_block_drafter
+        from specjax.training.trainer import block_drafter_loss
+
+        layer_ids = tuple(mc.target_layer_ids) or default_target_layer_ids(tcfg.num_hidden_layers)
+        dcfg = BlockDrafterConfig.from_target(
+            tcfg, target_layer_ids=layer_ids, mask_token_id=mc.mask_token_id,
+            num_draft_layers=mc.num_draft_layers, block_size=mc.block_size,
+            markov_rank=mc.markov_rank, markov_head_type=mc.markov_head_type,
+            confidence_head=mc.confidence_head,
+            confidence_head_with_markov=mc.confidence_head_with_markov and mc.markov_rank > 0)
+        drafter = make_block_drafter(target, tcfg, dcfg, rngs=rngs, **kw)
+        loss_fn = block_drafter_loss(
+            num_anchors=mc.num_anchors, alpha_ce=mc.alpha_ce, alpha_tv=mc.alpha_tv,
+            alpha_conf=mc.alpha_conf if mc.confidence_head else 0.0, decay=mc.loss_decay,
+            chunk_anchors=mc.chunk_anchors, target_graphdef=target_graphdef,
+            tap_layers=layer_ids, feature_dtype=feature_dtype)
+        return Objective(drafter, loss_fn, dcfg, layer_ids)
+    if mc.kind == "eagle3":
+        from specjax.drafters.block import default_target_layer_ids
+        from specjax.drafters.eagle3 import Eagle3Config, make_eagle3_drafter
+
+        if mc.num_draft_layers != 1:
+            raise ConfigError(f"field 'num_draft_layers' must be 1 for kind 'eagle3' (one "
+                              f"midlayer), got {mc.num_draft_layers}")
+        layer_ids = tuple(mc.target_layer_ids) or default_target_layer_ids(
+            tcfg.num_hidden_layers, 3)
+        ecfg = Eagle3Config.from_target(tcfg, target_layer_ids=layer_ids, gamma=mc.block_size,
+                                        ttt_length=mc.block_size, step_loss_decay=mc.ttt_decay)
+        drafter = make_eagle3_drafter(target, ecfg, rngs, **kw)
+        loss_fn = eagle3_objective(target_graphdef=target_graphdef, tap_layers=layer_ids,
+                                   horizon=mc.block_size, decay=mc.ttt_decay,
+                                   chunk_tokens=mc.chunk_anchors, feature_dtype=feature_dtype)
+        return Objective(drafter, loss_fn, ecfg, layer_ids)
+    if mc.kind == "mtp":
+        from specjax.drafters.mtp import MTPConfig, make_mtp_drafter
+
+        mcfg = MTPConfig.from_target(tcfg)
+        drafter = make_mtp_drafter(target, mcfg, rngs, **kw)
+        loss_fn = mtp_objective(target_graphdef=target_graphdef, alpha_ce=mc.alpha_ce,
+                                alpha_tv=mc.alpha_tv, chunk_tokens=mc.chunk_anchors,
+                                feature_dtype=feature_dtype)
+        return Objective(drafter, loss_fn, mcfg, ())
+    if mc.kind == "standalone":
+        from specjax.drafters.standalone import StandaloneDrafter
+
+        scfg = standalone_config(mc, tcfg)
+        drafter = StandaloneDrafter.from_config(scfg, mc.block_size, rngs=rngs, **kw)
+        loss_fn = standalone_objective(target_graphdef=target_graphdef, alpha_ce=mc.alpha_ce,
+                                       alpha_tv=mc.alpha_tv, chunk_tokens=mc.chunk_anchors)
+        return Objective(drafter, loss_fn, scfg, ())
+    raise ConfigError(f"field 'kind': unknown drafter kind {mc.kind!r}")
+
+
+__all__ = ["Objective", "eagle3_objective", "make_objective", "mtp_objective", "shift_left",
+           "standalone_config", "standalone_objective"]
