@@ -126,7 +126,7 @@ def _report(drafters, tables, speed, peer, args, argv):
             goals.append(f"τ(DSpark)/τ(Eagle3) at T={t:g}: {_tau(tables[t], 'dspark') / _tau(tables[t], 'eagle3'):.2f} (goal >= 1.3)")
     md += "\n" + "\n".join(f"- {g}" for g in goals) + "\n- gamma = 15 comparison: not run (the shipped block drafters are trained with block 7).\n"
     md += ("\nPer-position acceptance and calibration: `bench/results/embedded_eval_T1/results.md`, "
-           "![acceptance](embedded_eval_T1/acceptance_by_position.png)\n")
+           "`bench/results/embedded_eval_T1/acceptance_by_position.png`\n")
     srows = []
     for t in (0.0, 1.0):
         base = speed[("plain", t)]["tokens_per_s"]

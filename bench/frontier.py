@@ -148,7 +148,7 @@ def _report(results, levels, target, drafter_note, args, argv) -> None:
           f"Target: {target.description}. Drafters: {drafter_note}. Temperature 1, {args.max_tokens} new tokens, "
           f"gamma {args.gamma}; closed loop per concurrency level.\n\n"
           + md_table(["policy", "concurrency", "aggregate tok/s", "per-user tok/s", "mean ell", "τ"], rows, "lrrrrr")
-          + "\n![frontier](frontier.png)\n")
+          )
     best_fixed = {c: max(r["aggregate_tokens_per_s"] for p in ("fixed-dflash", "fixed-dspark") if p in results
                          for r in results[p] if r["concurrency"] == c) for c in levels
                   if any(p in results for p in ("fixed-dflash", "fixed-dspark"))}

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
           + "Cache bytes per token (ours: 5 + 2H(L+1): ids, loss mask, bf16 taps, bf16 final hidden; DeepSpec's "
             "6 + 2H(L+1) also stores an all-ones attention mask):\n\n"
           + md_table(["model", "H", "L (taps)", "specjax bytes/token", "DeepSpec bytes/token"], sizes, "lrrrr")
-          + "\n![training](training.png)\n")
+          )
 
     def plot(path):
         plt = pyplot()
