@@ -81,8 +81,8 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return conv(obj)
 
 
-def load_yaml(cls: type[T], path: str | os.PathLike) -> T:
-    """Load a config dataclass from a YAML file."""
+def read_yaml_mapping(path: str | os.PathLike) -> Mapping[str, Any]:
+    """The top-level mapping of a YAML file (errors name the file)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ConfigError(f"config file not found: {path}")
@@ -90,7 +90,12 @@ def load_yaml(cls: type[T], path: str | os.PathLike) -> T:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: top level must be a mapping")
-    return from_dict(cls, data, source=path)
+    return data
+
+
+def load_yaml(cls: type[T], path: str | os.PathLike) -> T:
+    """Load a config dataclass from a YAML file."""
+    return from_dict(cls, read_yaml_mapping(path), source=os.fspath(path))
 
 
 def save_yaml(obj: Any, path: str | os.PathLike) -> None:

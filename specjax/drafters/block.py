@@ -30,8 +30,8 @@ from specjax.config import ConfigError, TargetConfig
 from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.models import cache as kvc
-from specjax.models.layers import Linear, RMSNorm, SwiGLU, gqa_attention
-from specjax.models.qwen3 import Attention
+from specjax.models.layers import Linear, RMSNorm, gqa_attention
+from specjax.models.qwen3 import DecoderLayer
 from specjax.training.data import block_attention_mask, block_positions
 
 Array = jax.Array
@@ -224,15 +224,9 @@ def attend_context_and_block(q_bthd: Array, k_ctx_bshd: Array, v_ctx_bshd: Array
     return out.reshape(b, t, nh, hd).astype(q_bthd.dtype)
 
 
-class DraftDecoderLayer(nnx.Module):
-    """A Qwen3 decoder layer whose attention also sees injected context keys/values."""
-
-    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32"):
-        kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.self_attn = Attention(cfg, rngs=rngs, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, **kw)
+class DraftDecoderLayer(DecoderLayer):
+    """A Qwen3 decoder layer (same parameters and names) whose attention also sees injected context
+    keys/values."""
 
     def context_kv(self, ctx_bsh: Array, positions_bs: Array) -> tuple[Array, Array]:
         """Normed, rotated context keys and values [B, S, nkv, hd] (same k/v projections)."""

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from specjax.config import ConfigError, from_dict, load_yaml, to_dict
+from specjax.config import ConfigError, from_dict, read_yaml_mapping, to_dict
 
 MODEL_KINDS = ("dspark", "dflash", "eagle3", "mtp", "standalone")
 BLOCK_KINDS = ("dspark", "dflash")
@@ -299,16 +299,8 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
 
 def load_train_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> TrainConfig:
     """Load a TrainConfig from YAML, then apply `section.field=value` overrides."""
-    if not overrides:
-        return load_yaml(TrainConfig, path)
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise ConfigError(f"config file not found: {path}")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    return from_dict(TrainConfig, apply_overrides(data, overrides), source=path)
+    data = read_yaml_mapping(path)
+    return from_dict(TrainConfig, apply_overrides(data, overrides), source=os.fspath(path))
 
 
 def train_config_dict(cfg: TrainConfig) -> dict[str, Any]:
