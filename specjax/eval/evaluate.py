@@ -346,6 +346,13 @@ def _engine_config(max_num_seqs: int, max_model_len: int, max_prefill: int, seed
                         max_prefill=max_prefill)
 
 
+def _display_path(path: str | os.PathLike) -> str:
+    """A path as recorded in results: relative to the working directory when inside it."""
+    path = os.path.abspath(os.fspath(path))
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def run_evaluation(target_dir: str | None, drafters: Sequence[str], data_paths: Sequence[str], out_dir: str, *,
                    tokenizer_dir: str | None = None, settings: EvalSettings = EvalSettings(),
                    cap: int | None = None, caps: dict[str, int] | None = None, gamma: int | None = None,
@@ -399,8 +406,8 @@ def run_evaluation(target_dir: str | None, drafters: Sequence[str], data_paths: 
                      "first_turn_only": True, "enable_thinking": enable_thinking, "ece_bins": settings.bins,
                      "max_model_len": engine_config.max_len, "max_num_seqs": engine_config.max_slots,
                      "tau": "accepted draft tokens + bonus per drafting round"},
-        "target": os.fspath(target_dir),
-        "datasets": {d.name: {"path": d.path, "kind": d.kind, "domain": d.domain, "rows": d.total_rows,
+        "target": _display_path(target_dir),
+        "datasets": {d.name: {"path": _display_path(d.path), "kind": d.kind, "domain": d.domain, "rows": d.total_rows,
                               "evaluated": len(d.prompts)} for d in datasets},
         "drafters": {}}
     series, reliability = {}, {}
@@ -419,7 +426,7 @@ def run_evaluation(target_dir: str | None, drafters: Sequence[str], data_paths: 
         finally:
             if original is not None:  # leave the drafter as it was loaded
                 rd.set_temperatures(drafter, original)
-        res["source"] = spec.source
+        res["source"] = _display_path(spec.source) if os.path.exists(spec.source) else spec.source
         res["has_confidence_head"] = has_conf
         res["calibration"] = None if calib is None else [float(t) for t in calib]
         results["drafters"][spec.name] = res
