@@ -249,3 +249,23 @@ def test_async_engine_reports_a_bad_request_to_it_alone_and_aborts(srv):
     while eng.engine.has_work() and time.time() < deadline:
         time.sleep(0.01)
     assert not eng.engine.has_work()  # the slot was freed
+
+
+def test_serving_engine_config_yaml_loads():
+    """The shipped serving YAML is a valid EngineConfig (frozen dataclass, fields checked)."""
+    import pathlib
+
+    from specjax.config import ConfigError, load_yaml
+    from specjax.decoding.engine import EngineConfig
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cfg = load_yaml(EngineConfig, root / "configs" / "serve" / "embedded_dspark.yaml")
+    assert cfg.policy == "confidence_async" and cfg.slots_buckets[-1] == cfg.max_slots
+    bad = root / "configs" / "serve" / "embedded_dspark.yaml"
+    import pytest
+    import yaml
+    data = yaml.safe_load(bad.read_text())
+    data["max_slotz"] = 3
+    tmp = pathlib.Path(__import__("tempfile").mkdtemp()) / "bad.yaml"
+    tmp.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="max_slotz"):
+        load_yaml(EngineConfig, tmp)

@@ -668,7 +668,8 @@ class Engine:
         k_total, cap = async_capacity(c, self.cost_table, gamma=self.gamma)
         draft = True
         plain_s = self.plain_seconds.get(sb) if self.plain_seconds else None
-        if plain_s is not None and self._rounds_since_draft < self.PROBE_EVERY:
+        # no confidences seen yet: draft (a probe) rather than judge from a made-up prior
+        if plain_s is not None and old is not None and self._rounds_since_draft < self.PROBE_EVERY:
             lengths = prefix_schedule(c, self.cost_table, "confidence_async", gamma=self.gamma, old_confidences=c)
             theta_draft = expected_tokens_per_second(c, lengths, self.cost_table)
             draft = theta_draft > len(rows) / plain_s

@@ -19,6 +19,8 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     """Target, drafter and engine shape options."""
     g = p.add_argument_group("model and engine")
     g.add_argument("--target", default=None, help="Hugging Face Qwen3 checkpoint directory (default: embedded)")
+    g.add_argument("--engine-config", default=None,
+                   help="EngineConfig YAML (configs/serve/*.yaml); replaces the engine shape options below")
     g.add_argument("--drafter", default=None, help='"ngram", a shipped drafter name, or a drafter directory')
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
     g.add_argument("--max-num-seqs", type=int, default=8, help="cache slots (requests decoded together)")
@@ -42,7 +44,10 @@ def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
     from specjax.decoding.engine import EngineConfig
 
     engine_config = None
-    if args.slots_buckets or args.tokens_buckets or args.prefill_buckets:
+    if args.engine_config:
+        from specjax.config import load_yaml
+        engine_config = load_yaml(EngineConfig, args.engine_config)
+    elif args.slots_buckets or args.tokens_buckets or args.prefill_buckets:
         policy = args.policy or ("plain" if args.drafter is None else "fixed")
         engine_config = EngineConfig(
             max_slots=args.max_num_seqs, max_len=args.max_model_len, gamma=args.num_speculative_tokens,
