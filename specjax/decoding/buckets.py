@@ -52,16 +52,6 @@ class BucketSet:
                 raise ValueError(f"bucket field '{name}' must be a non-empty increasing list of "
                                  f"positive ints, got {v!r}")
 
-    @classmethod
-    def default(cls, *, max_slots: int, gamma: int, max_len: int,
-                max_prefill: int | None = None) -> "BucketSet":
-        max_prefill = min(max_prefill or 256, max_len)
-        return cls(slots=pow2_buckets(1, max_slots), tokens=pow2_buckets(1, gamma + 1),
-                   prefill=pow2_buckets(min(16, max_prefill), max_prefill))
-
-    def key(self) -> dict[str, list[int]]:
-        return {"slots": list(self.slots), "tokens": list(self.tokens), "prefill": list(self.prefill)}
-
 
 class Executables:
     """Named jitted functions compiled ahead for each bucket key; never compiles on a call."""

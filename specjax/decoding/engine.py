@@ -271,12 +271,10 @@ class Engine:
         ell_b = jnp.where(active_b, jnp.minimum(ell_b, tb - 1), 0)
         out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=self.tap_layers, logits="all")
         p = probs_from_logits(out.logits, sa)  # [sb, tb, V]
-        if tb == 1:  # plain decoding: the next token straight from the target
-            nxt = sample(round_key(keys_b, 1), p[:, 0])
-            res = VerifyResult(num_accepted=jnp.zeros((sb,), jnp.int32), next_token=nxt, tokens=nxt[:, None],
-                               num_emitted=jnp.ones((sb,), jnp.int32), stopped_on_draft=jnp.zeros((sb,), bool))
-        else:
-            res = self.verifier(keys_b, p, q_bgv[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_ids)
+        if tb == 1:  # plain decoding: no drafts; the chain rule reduces to sampling from the target
+            q_bgv = jnp.zeros((sb, 0, p.shape[-1]), jnp.float32)
+            draft_bg = jnp.zeros((sb, 0), jnp.int32)
+        res = self.verifier(keys_b, p, q_bgv[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_ids)
         n_commit = jnp.where(active_b, res.num_accepted + 1, 0)
         new_lengths = cache.lengths.at[:sb].set(start_b + n_commit)
         cache = out.cache.with_lengths(new_lengths)

@@ -29,6 +29,8 @@ from flax import nnx
 from specjax.config import ConfigError, TargetConfig
 from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
 from specjax.drafters.base import ContextUpdate, DraftBlock
+from specjax.drafters.dims import (check_same_width, check_tap_layers, layer_config, validate_layer_dims,
+                                   validate_tap_layer_ids)
 from specjax.models import cache as kvc
 from specjax.models.layers import Linear, RMSNorm, gqa_attention
 from specjax.models.qwen3 import DecoderLayer
@@ -82,22 +84,12 @@ class BlockDrafterConfig:
     rope_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "num_draft_layers", "block_size"):
+        validate_layer_dims(self)
+        for name in ("num_draft_layers", "block_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"field '{name}' must be an integer > 0, got {v!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"field 'num_attention_heads' ({self.num_attention_heads}) must be a "
-                              f"multiple of 'num_key_value_heads' ({self.num_key_value_heads})")
-        ids = tuple(self.target_layer_ids)
-        if not ids:
-            raise ConfigError("field 'target_layer_ids' must name at least one target layer")
-        if any(not isinstance(i, int) or isinstance(i, bool) or i < -1 for i in ids):
-            raise ConfigError(f"field 'target_layer_ids' must hold ints >= -1, got {ids!r}")
-        if len(set(ids)) != len(ids):
-            raise ConfigError(f"field 'target_layer_ids' has duplicates: {ids!r}")
-        object.__setattr__(self, "target_layer_ids", ids)
+        object.__setattr__(self, "target_layer_ids", validate_tap_layer_ids(self.target_layer_ids))
         if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(f"field 'mask_token_id' must be in [0, vocab_size={self.vocab_size}), "
                               f"got {self.mask_token_id!r}")
@@ -109,10 +101,6 @@ class BlockDrafterConfig:
         if self.confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
             raise ConfigError("field 'confidence_head_with_markov' needs 'markov_rank' > 0 "
                               "(set confidence_head_with_markov: false for a head-less backbone)")
-        if self.rms_norm_eps <= 0:
-            raise ConfigError(f"field 'rms_norm_eps' must be > 0, got {self.rms_norm_eps}")
-        # rope fields are validated by the TargetConfig that the draft layers are built from.
-        self.layer_config()
 
     @property
     def num_taps(self) -> int:
@@ -125,13 +113,7 @@ class BlockDrafterConfig:
 
     def layer_config(self) -> TargetConfig:
         """The Qwen3 layer config the draft decoder layers are built from."""
-        return TargetConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_draft_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_type=self.rope_type,
-            rope_factor=self.rope_factor, tie_word_embeddings=False)
+        return layer_config(self, self.num_draft_layers)
 
     @classmethod
     def from_target(cls, target: TargetConfig, *, target_layer_ids: tuple[int, ...],
@@ -150,14 +132,8 @@ class BlockDrafterConfig:
 
     def check_target(self, target: TargetConfig) -> None:
         """Raise ConfigError if this drafter cannot read `target` (dims or layer ids differ)."""
-        for name in ("vocab_size", "hidden_size"):
-            if getattr(self, name) != getattr(target, name):
-                raise ConfigError(f"drafter field '{name}' ({getattr(self, name)}) differs from the "
-                                  f"target's ({getattr(target, name)})")
-        for i in self.target_layer_ids:
-            if not -1 <= i < target.num_hidden_layers:
-                raise ConfigError(f"field 'target_layer_ids': layer {i} out of range "
-                                  f"[-1, {target.num_hidden_layers})")
+        check_same_width(self, target)
+        check_tap_layers(self.target_layer_ids, target)
 
 
 def default_target_layer_ids(num_layers: int, num_taps: int = 5) -> tuple[int, ...]:

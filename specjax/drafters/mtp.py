@@ -26,8 +26,8 @@ from flax import nnx
 from specjax.config import TargetConfig
 from specjax.drafters.base import ContextUpdate
 from specjax.drafters.block import FrozenEmbed, FrozenLMHead
-from specjax.drafters.eagle3 import (PairCacheDrafter, check_same_width, copy_frozen_from_target,
-                                     layer_config, target_dims, validate_layer_dims)
+from specjax.drafters.dims import check_same_width, layer_config, target_dims, validate_layer_dims
+from specjax.drafters.eagle3 import PairCacheDrafter, copy_frozen_from_target
 from specjax.models.layers import Linear, RMSNorm, SwiGLU
 from specjax.models.qwen3 import Attention
 

@@ -45,11 +45,6 @@ class KVCache:
     def with_lengths(self, lengths: Array) -> "KVCache":
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
-    def replace_layer(self, layer: int, k: Array, v: Array) -> "KVCache":
-        ks, vs = list(self.k), list(self.v)
-        ks[layer], vs[layer] = k, v
-        return dataclasses.replace(self, k=tuple(ks), v=tuple(vs))
-
 
 def write_indices(lengths_s: Array, t: int) -> Array:
     """Cache rows [S, T] that T new tokens occupy: each row's own length + 0..T-1."""
