@@ -1,7 +1,9 @@
 """The embedded default's benchmarks (issue "Embedded default"): τ per shipped drafter on the held-out
 stdlib prompts (Table-1 protocol, gamma 7, temperature 1 and 0), per-position conditional acceptance
 (PNG), batch-1 wall-clock speedup over plain decoding per drafter, and the peer comparison with
-transformers' assisted generation (`generate(assistant_model=...)`) using our standalone drafter.
+transformers' assisted generation (`generate(assistant_model=...)`) using our standalone drafter;
+and, when the benchmark-only block-15 drafters are built (`python -m train.build_embedded --stages
+dspark-g15 dflash-g15`), the DSpark-over-DFlash gain at gamma 15 against gamma 7.
 
     python -m bench.embedded [--prompts 32] [--max-tokens 64]
 """
@@ -26,6 +28,27 @@ def _table1(drafters, prompts_path, cap, max_tokens, temperature, out_dir) -> di
     from specjax.eval.evaluate import EvalSettings, run_evaluation
     return run_evaluation(None, drafters, [prompts_path], out_dir, cap=cap,
                           settings=EvalSettings(temperature=temperature, max_new_tokens=max_tokens), progress=False)
+
+
+G15 = ("dspark-g15", "dflash-g15")
+
+
+def _gamma15(prompts_path, cap, max_tokens, out_dir) -> dict | None:
+    """τ of the block-15 DSpark / DFlash drafters verified at gamma 7 and 15, T = 1 and 0."""
+    from train.build_embedded import bench_drafter_dir
+    dirs = [bench_drafter_dir(n) for n in G15]
+    if not all(os.path.exists(os.path.join(d, "config.json")) for d in dirs):
+        return None
+    from specjax.eval.evaluate import EvalSettings, run_evaluation
+    res = {}
+    for temp in (1.0, 0.0):
+        for gamma in (7, 15):
+            log(f"gamma-15 drafters at gamma {gamma}, T={temp:g}")
+            t = run_evaluation(None, dirs, [prompts_path], os.path.join(out_dir, f"embedded_g15_T{int(temp)}_gamma{gamma}"),
+                               cap=cap, gamma=gamma, progress=False,
+                               settings=EvalSettings(temperature=temp, max_new_tokens=max_tokens))
+            res[(temp, gamma)] = {"dspark": _tau(t, G15[0]), "dflash": _tau(t, G15[1])}
+    return res
 
 
 def _speed(name: str | None, prompts: list[str], max_tokens: int, temperature: float) -> dict:
@@ -100,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
             log(f"speed {label} T={temp}")
             speed[(label, temp)] = _speed(name, prompts[:args.speed_prompts], args.max_tokens, temp)
     peer = _peer(prompts[:args.speed_prompts], args.max_tokens)
-    _report(drafters, tables, speed, peer, args, argv)
+    g15 = _gamma15(prompts_path, args.prompts, args.max_tokens, args.out_dir)
+    _report(drafters, tables, speed, peer, g15, args, argv)
 
 
 def _tau(table: dict, drafter: str) -> float:
@@ -108,12 +132,12 @@ def _tau(table: dict, drafter: str) -> float:
     return float(row["macro"])
 
 
-def _report(drafters, tables, speed, peer, args, argv):
+def _report(drafters, tables, speed, peer, g15, args, argv):
     rows = []
     for d in drafters:
         rows.append([d, f"{_tau(tables[1.0], d):.2f}", f"{_tau(tables[0.0], d):.2f}"])
     md = (f"# Embedded default: drafters on held-out stdlib prompts\n\nCommand: `{command_line('bench.embedded', argv)}`\n\n"
-          f"Target: the shipped pystd target (undertrained: see specjax/assets/pystd/target/training.json). "
+          f"Target: the shipped pystd target (its training record: specjax/assets/pystd/target/training.json). "
           f"Held-out completion prompts ({args.prompts} per run), {args.max_tokens} new tokens, gamma = each drafter's "
           f"block (7 for the block drafters), fixed verification.\n\n## τ (accepted drafts + bonus per round)\n\n"
           + md_table(["drafter", "τ at T=1", "τ at T=0"], rows, "lrr"))
@@ -124,7 +148,22 @@ def _report(drafters, tables, speed, peer, args, argv):
     if {"dspark", "eagle3"} <= set(drafters):
         for t in (1.0, 0.0):
             goals.append(f"τ(DSpark)/τ(Eagle3) at T={t:g}: {_tau(tables[t], 'dspark') / _tau(tables[t], 'eagle3'):.2f} (goal >= 1.3)")
-    md += "\n" + "\n".join(f"- {g}" for g in goals) + "\n- gamma = 15 comparison: not run (the shipped block drafters are trained with block 7).\n"
+    md += "\n" + "\n".join(f"- {g}" for g in goals) + "\n"
+    if g15 is None:
+        md += ("\n## gamma = 15\n\nNot run: the benchmark-only block-15 drafters are not built "
+               "(`python -m train.build_embedded --stages dspark-g15 dflash-g15`).\n")
+    else:
+        grows = [[f"{t:g}", str(g), f"{v['dspark']:.2f}", f"{v['dflash']:.2f}", f"{v['dspark'] / v['dflash']:.2f}"]
+                 for (t, g), v in sorted(g15.items(), key=lambda kv: (-kv[0][0], kv[0][1]))]
+        md += ("\n## gamma = 15 against gamma = 7\n\nThe dspark / dflash recipes trained with block 15 "
+               "(benchmark only: `python -m train.build_embedded --stages dspark-g15 dflash-g15`), the same "
+               "prompts, verifying the first gamma draft tokens of every block (fixed policy).\n\n"
+               + md_table(["T", "gamma", "τ DSpark", "τ DFlash", "DSpark / DFlash"], grows, "rrrrr"))
+        for t in (1.0, 0.0):
+            r7 = g15[(t, 7)]["dspark"] / g15[(t, 7)]["dflash"]
+            r15 = g15[(t, 15)]["dspark"] / g15[(t, 15)]["dflash"]
+            md += (f"- T={t:g}: gain at gamma 15 {r15:.2f} vs at gamma 7 {r7:.2f} "
+                   f"(goal: larger at 15: {'met' if r15 > r7 else 'missed'})\n")
     md += ("\nPer-position acceptance and calibration: `bench/results/embedded_eval_T1/results.md`, "
            "`bench/results/embedded_eval_T1/acceptance_by_position.png`\n")
     srows = []
@@ -162,7 +201,9 @@ def _report(drafters, tables, speed, peer, args, argv):
     clean = {f"{k[0]}@T{k[1]:g}": {kk: vv for kk, vv in v.items() if kk != "token_ids"} for k, v in speed.items()}
     write_results("embedded", {"machine": machine_info(), "drafters": drafters,
                                "tau": {str(t): {d: _tau(tables[t], d) for d in drafters} for t in tables},
-                               "speed": clean, "peer": peer}, md, out_dir=args.out_dir, plot=plot)
+                               "speed": clean, "peer": peer,
+                               "gamma15": None if g15 is None else [
+                                   {"temperature": t, "gamma": g, **v} for (t, g), v in g15.items()]}, md, out_dir=args.out_dir, plot=plot)
     log("wrote embedded results")
 
 

@@ -138,6 +138,41 @@ def _prompts(target) -> list[list[int]]:
     return [list(rng.integers(0, target.config.vocab_size, size=32)) for _ in range(16)]
 
 
+def per_user_at(points: list[dict], aggregate: float) -> float | None:
+    """Per-user tokens/s of a policy's frontier at `aggregate` tokens/s: linear interpolation between
+    its measured (aggregate, per-user) points, the best segment where several cover it; None when
+    `aggregate` lies outside the measured range."""
+    pts = sorted(points, key=lambda r: r["concurrency"])
+    best = None
+    for a, b in zip(pts, pts[1:]):
+        xa, xb = a["aggregate_tokens_per_s"], b["aggregate_tokens_per_s"]
+        lo, hi = min(xa, xb), max(xa, xb)
+        if lo <= aggregate <= hi:
+            w = 0.0 if hi == lo else (aggregate - xa) / (xb - xa)
+            v = a["per_user_tokens_per_s"] + w * (b["per_user_tokens_per_s"] - a["per_user_tokens_per_s"])
+            best = v if best is None else max(best, v)
+    for r in pts:
+        if r["aggregate_tokens_per_s"] == aggregate:
+            best = max(best or 0.0, r["per_user_tokens_per_s"])
+    return best
+
+
+def matched_throughput_rows(results: dict[str, list[dict]], base: str = "mtp1") -> list[list[str]]:
+    """At each of `base`'s measured aggregate throughputs: its per-user tokens/s and that of each
+    confidence policy's frontier at the same aggregate throughput (interpolated), with the ratio."""
+    rows = []
+    for r in results.get(base, []):
+        agg = r["aggregate_tokens_per_s"]
+        for p in ("confidence", "confidence_async"):
+            if p not in results:
+                continue
+            v = per_user_at(results[p], agg)
+            rows.append([p, str(r["concurrency"]), f"{agg:.0f}", f"{r['per_user_tokens_per_s']:.1f}",
+                         "-" if v is None else f"{v:.1f}",
+                         "-" if v is None else f"{v / r['per_user_tokens_per_s']:.2f}"])
+    return rows
+
+
 def _report(results, levels, target, drafter_note, args, argv) -> None:
     rows = []
     for policy, pts in results.items():
@@ -159,6 +194,14 @@ def _report(results, levels, target, drafter_note, args, argv) -> None:
             bc = max(r["aggregate_tokens_per_s"] for p in conf for r in results[p] if r["concurrency"] == c)
             pl = next((r["aggregate_tokens_per_s"] for r in results.get("plain", []) if r["concurrency"] == c), None)
             md += f"| {c} | {bc / best_fixed[c]:.2f} | {bc / pl:.2f} |\n" if pl else f"| {c} | {bc / best_fixed[c]:.2f} | - |\n"
+    matched = matched_throughput_rows(results)
+    if matched:
+        md += ("\n### Per-user speed at matched aggregate throughput (against mtp1)\n\n"
+               "At each aggregate throughput mtp1 reached, the confidence policy's per-user tokens/s on its own "
+               "frontier at that same aggregate throughput (linear interpolation between its measured points; "
+               "'-' where its frontier does not reach that throughput). Goal: >= 1.5x.\n\n"
+               + md_table(["policy", "mtp1 concurrency", "aggregate tok/s", "mtp1 per-user", "policy per-user",
+                           "ratio"], matched, "lrrrrr"))
 
     def plot(path):
         plt = pyplot()

@@ -129,3 +129,24 @@ def test_overheads_paired_median():
     assert o["head"] == "dspark_markov"
     assert o["overhead_pct_of_round"] == pytest.approx(5.0)  # 0.6 / 12
     assert o["overhead_pct_of_proposal"] == pytest.approx(30.0)  # 0.6 / 2
+
+
+def _pt(c, agg, pu):
+    return {"concurrency": c, "aggregate_tokens_per_s": agg, "per_user_tokens_per_s": pu}
+
+
+def test_per_user_at_interpolates_and_refuses_outside_range():
+    from bench.frontier import per_user_at
+    pts = [_pt(1, 100.0, 100.0), _pt(2, 180.0, 90.0), _pt(4, 300.0, 75.0)]
+    assert per_user_at(pts, 140.0) == pytest.approx(95.0)
+    assert per_user_at(pts, 300.0) == pytest.approx(75.0)
+    assert per_user_at(pts, 50.0) is None and per_user_at(pts, 301.0) is None
+
+
+def test_matched_throughput_rows_ratio_against_mtp1():
+    from bench.frontier import matched_throughput_rows
+    res = {"mtp1": [_pt(1, 100.0, 100.0), _pt(4, 200.0, 50.0)],
+           "confidence_async": [_pt(1, 150.0, 150.0), _pt(4, 250.0, 100.0)]}
+    rows = matched_throughput_rows(res)
+    assert rows[0][-2:] == ["-", "-"]  # 100 tok/s lies below the policy's frontier
+    assert rows[1][4] == "125.0" and rows[1][5] == "2.50"  # at 200 tok/s: 125 vs 50 per user

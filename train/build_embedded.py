@@ -13,6 +13,12 @@ Stages, in order (each skipped when its output exists, unless --force; each resu
     calibrate    STS of the DSpark confidence head on held-out prompts (python -m train.calibrate)
                  -> drafters/dspark/calibration.json + config.json confidence_temperatures
 
+Benchmark-only stages (not shipped, not run by default; `--stages dspark-g15 dflash-g15`):
+
+    dspark-g15, dflash-g15
+                 the dspark / dflash recipes with block 15 (configs/embedded/<name>.yaml), exported
+                 to runs/embedded/exports/<name>/ for bench.embedded's gamma = 15 comparison
+
 Every stage runs as a child process (its output streams through). The wall time of each stage
 that ran, and the sum over the recorded stages, go to specjax/assets/pystd/BUILD.json (stages
 that were skipped keep the time recorded when they last ran) and to the "Embedded default build"
@@ -35,6 +41,7 @@ from specjax import embedded as emb
 
 DRAFTER_ORDER = ("dspark", "calibrate", "dflash", "eagle3", "mtp1", "standalone", "dspark-rnn")
 STAGES = ("target", "regen") + DRAFTER_ORDER
+BENCH_STAGES = ("dspark-g15", "dflash-g15")
 RUN_DIR = os.path.join("runs", "embedded")
 CONFIG_DIR = os.path.join("configs", "embedded")
 DOCS_PATH = os.path.join("docs", "BENCHMARKS.md")
@@ -142,14 +149,18 @@ class Build:
               "--quiet"])
 
     # drafters -------------------------------------------------------------------------------
+    def drafter_out(self, name: str) -> str:
+        """Export directory: the package for shipped drafters, runs/ for benchmark-only ones."""
+        return bench_drafter_dir(name) if name in BENCH_STAGES else _rel(emb.drafter_dir(name))
+
     def done_drafter(self, name: str) -> bool:
-        return os.path.exists(os.path.join(emb.drafter_dir(name), "config.json"))
+        return os.path.exists(os.path.join(self.drafter_out(name), "config.json"))
 
     def stage_drafter(self, name: str, force: bool) -> None:
         cfg = os.path.join(CONFIG_DIR, f"{name}.yaml")
         if not os.path.exists(cfg):
             raise FileNotFoundError(f"drafter config not found: {cfg}")
-        out = _rel(emb.drafter_dir(name))
+        out = self.drafter_out(name)
         run = os.path.join(RUN_DIR, name)
         if force:
             for p in (run, out):
@@ -178,6 +189,11 @@ class Build:
         if name in ("target", "regen", "calibrate"):
             return getattr(self, f"done_{name}"), getattr(self, f"stage_{name}")
         return (lambda: self.done_drafter(name)), (lambda force: self.stage_drafter(name, force))
+
+
+def bench_drafter_dir(name: str) -> str:
+    """Where a benchmark-only stage (`BENCH_STAGES`) exports its drafter."""
+    return os.path.join(RUN_DIR, "exports", name)
 
 
 def _write_drafter_provenance(name: str, run: str, out: str) -> None:
@@ -257,16 +273,18 @@ def markdown_section(record: dict[str, Any]) -> str:
              f"{m.get('cpu_count', '?')}-core CPU machine ({m.get('machine', '?')}, shared with "
              "other work, so times are upper bounds), from `specjax/assets/pystd/BUILD.json`:", "",
              "| stage | wall s | finished | note |", "|---|---:|---|---|"]
-    for name in STAGES:
+    for name in STAGES + tuple(b for b in BENCH_STAGES if b in record["stages"]):
         st = record["stages"].get(name)
         if not st:
             lines.append(f"| {name} | - | - | not built |")
             continue
         w = st.get("wall_s")
+        note = st.get("note", "") or ("benchmark only, not shipped, not in the total"
+                                      if name in BENCH_STAGES else "")
         lines.append(f"| {name} | {'-' if w is None else f'{w:.0f}'} | {st.get('finished') or '-'} "
-                     f"| {st.get('note', '')} |")
+                     f"| {note} |")
     tot = record.get("total_wall_s")
-    lines += ["", f"Total of the recorded stages: {'-' if tot is None else f'{tot:.0f}'} s "
+    lines += ["", f"Total of the recorded shipped-asset stages: {'-' if tot is None else f'{tot:.0f}'} s "
               f"({'-' if tot is None else f'{tot / 60:.1f}'} min).", ""]
     return "\n".join(lines)
 
@@ -308,8 +326,9 @@ def write_docs(record: dict[str, Any], docs_path: str = DOCS_PATH,
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.build_embedded",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES),
-                   help="stages to consider, run in the fixed order (default: all)")
+    p.add_argument("--stages", nargs="+", choices=STAGES + BENCH_STAGES, default=list(STAGES),
+                   help="stages to consider, run in the fixed order (default: every shipped asset; "
+                        "the benchmark-only stages run only when named)")
     p.add_argument("--force", action="store_true",
                    help="rerun the chosen stages even when their output exists")
     p.add_argument("--regen-rows", type=int, default=1600, help="at most this many completions")
@@ -337,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    chosen = [s for s in STAGES if s in args.stages]
+    chosen = [s for s in STAGES + BENCH_STAGES if s in args.stages]
     failed: list[str] = []
     t_all = time.perf_counter()
     for i, name in enumerate(chosen, 1):
@@ -362,8 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         wall = time.perf_counter() - t0
         record["stages"][name] = {"wall_s": round(wall, 1), "finished": _now(), "note": ""}
-        record["total_wall_s"] = round(sum(s["wall_s"] for s in record["stages"].values()
-                                           if isinstance(s.get("wall_s"), (int, float))), 1)
+        record["total_wall_s"] = round(sum(s["wall_s"] for n, s in record["stages"].items()
+                                           if n in STAGES and isinstance(s.get("wall_s"), (int, float))), 1)
         record["machine"] = emb.machine_description()
         record["regen"] = {"rows": args.regen_rows, "samples": args.regen_samples, "prompt_tokens": args.regen_prompt_tokens,
                            "max_tokens": args.regen_max_tokens, **REGEN_SAMPLING}
