@@ -51,13 +51,18 @@ def _gamma15(prompts_path, cap, max_tokens, out_dir) -> dict | None:
     return res
 
 
+SCHEDULED = "dspark+confidence"  # DSpark with its scheduler (cost table measured at start) instead of fixed
+
+
 def _speed(name: str | None, prompts: list[str], max_tokens: int, temperature: float) -> dict:
+    """Batch-1 decoding of `prompts` one after another: plain (name None), a shipped drafter with
+    fixed verification, or SCHEDULED (DSpark, the confidence policy on a cost table measured here)."""
     from specjax.api import LLM, SamplingParams
     from specjax.decoding.engine import EngineConfig
-    gamma = None
-    cfg = EngineConfig(max_slots=1, max_len=512, policy="plain" if name is None else "fixed", slots_buckets=(1,),
+    policy = "plain" if name is None else ("confidence" if name == SCHEDULED else "fixed")
+    cfg = EngineConfig(max_slots=1, max_len=512, policy=policy, slots_buckets=(1,),
                        tokens_buckets=None, prefill_buckets=(256,), max_prefill=256, prefill_batch_buckets=(1,))
-    llm = LLM(drafter=name, engine_config=cfg, num_speculative_tokens=gamma)
+    llm = LLM(drafter="dspark" if name == SCHEDULED else name, engine_config=cfg)
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
     llm.generate([prompts[0]], SamplingParams(temperature=temperature, max_tokens=8))
     t0 = time.perf_counter()
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
                                os.path.join(args.out_dir, f"embedded_eval_T{int(temp)}"))
     speed = {}
     for temp in (0.0, 1.0):
-        for name in [None] + drafters:
+        for name in [None] + drafters + ([SCHEDULED] if "dspark" in drafters else []):
             label = name or "plain"
             log(f"speed {label} T={temp}")
             speed[(label, temp)] = _speed(name, prompts[:args.speed_prompts], args.max_tokens, temp)
@@ -169,7 +174,7 @@ def _report(drafters, tables, speed, peer, g15, args, argv):
     srows = []
     for t in (0.0, 1.0):
         base = speed[("plain", t)]["tokens_per_s"]
-        for label in ["plain"] + drafters:
+        for label in [k for (k, tt) in speed if tt == t]:
             s = speed[(label, t)]
             same = "" if t != 0 else ("yes" if s["token_ids"] == speed[("plain", 0.0)]["token_ids"] else "NO")
             srows.append([label, f"{t:g}", f"{s['tokens_per_s']:.1f}", f"{s['tau']:.2f}", f"{s['tokens_per_s'] / base:.2f}x", same])

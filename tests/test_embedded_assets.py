@@ -62,7 +62,7 @@ def test_target_loads_with_recorded_special_tokens(target, tokenizer):
         record = json.load(f)
     assert record["mask_token_id"] == emb.mask_token_id()
     # trained past the unigram entropy of the corpus (6.36 nats; an untrained model: ln 2048 = 7.6)
-    assert record["steps"] > 0 and record["losses"]["heldout"] < 6.0
+    assert record["steps"] > 0 and record["losses"]["heldout"] < 3.0  # the shipped 3000-step run: 2.59
     assert record["params"] == sum(int(np.prod(v.shape)) for v in
                                    jax.tree.leaves(nnx.state(model, nnx.Param)))
 

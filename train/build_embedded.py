@@ -331,14 +331,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "the benchmark-only stages run only when named)")
     p.add_argument("--force", action="store_true",
                    help="rerun the chosen stages even when their output exists")
-    p.add_argument("--regen-rows", type=int, default=1600, help="at most this many completions")
+    p.add_argument("--regen-rows", type=int, default=800, help="at most this many completions")
     p.add_argument("--regen-samples", type=int, default=2,
                    help="completions per train prompt (different seeds)")
     p.add_argument("--regen-prompt-tokens", type=int, default=128,
                    help="only train prompts of at most this many tokens")
     p.add_argument("--regen-max-tokens", type=int, default=128, help="tokens per completion")
     p.add_argument("--regen-slots", type=int, default=16, help="requests decoded together")
-    p.add_argument("--calibrate-prompts", type=int, default=48, help="held-out prompts for STS")
+    p.add_argument("--calibrate-prompts", type=int, default=32, help="held-out prompts for STS")
     p.add_argument("--calibrate-tokens", type=int, default=96, help="new tokens per prompt")
     p.add_argument("--keep-going", action="store_true",
                    help="continue with later stages when one fails (it is reported at the end)")
