@@ -16,7 +16,7 @@ Stages, in order (each skipped when its output exists, unless --force; each resu
 Benchmark-only stages (not shipped, not run by default; `--stages dspark-g15 dflash-g15`):
 
     dspark-g15, dflash-g15
-                 the dspark / dflash recipes with block 15 (configs/embedded/<name>.yaml), exported
+                 configs/embedded/dspark.yaml / dflash.yaml with block 15 (`BENCH_RECIPES`), exported
                  to runs/embedded/exports/<name>/ for bench.embedded's gamma = 15 comparison
 
 Every stage runs as a child process (its output streams through). The wall time of each stage
@@ -41,7 +41,10 @@ from specjax import embedded as emb
 
 DRAFTER_ORDER = ("dspark", "calibrate", "dflash", "eagle3", "mtp1", "standalone", "dspark-rnn")
 STAGES = ("target", "regen") + DRAFTER_ORDER
-BENCH_STAGES = ("dspark-g15", "dflash-g15")
+# benchmark-only stage -> (shipped recipe it reuses, overrides of that recipe)
+BENCH_RECIPES = {"dspark-g15": ("dspark", ("model.block_size=15",)),
+                 "dflash-g15": ("dflash", ("model.block_size=15",))}
+BENCH_STAGES = tuple(BENCH_RECIPES)
 RUN_DIR = os.path.join("runs", "embedded")
 CONFIG_DIR = os.path.join("configs", "embedded")
 DOCS_PATH = os.path.join("docs", "BENCHMARKS.md")
@@ -157,7 +160,8 @@ class Build:
         return os.path.exists(os.path.join(self.drafter_out(name), "config.json"))
 
     def stage_drafter(self, name: str, force: bool) -> None:
-        cfg = os.path.join(CONFIG_DIR, f"{name}.yaml")
+        recipe, overrides = BENCH_RECIPES.get(name, (name, ()))
+        cfg = os.path.join(CONFIG_DIR, f"{recipe}.yaml")
         if not os.path.exists(cfg):
             raise FileNotFoundError(f"drafter config not found: {cfg}")
         out = self.drafter_out(name)
@@ -167,10 +171,11 @@ class Build:
                 if os.path.isdir(p):
                     shutil.rmtree(p)
         _run([self.py, "-m", "train.train_draft", "--config", cfg, "--export-dtype", "bfloat16",
+              *[a for o in overrides for a in ("--set", o)],
               "--set", f"export_dir={out}",
               "--set", f"checkpoint.directory={os.path.join(run, 'checkpoints')}",
               "--set", f"logging.directory={os.path.join(run, 'logs')}"])
-        _write_drafter_provenance(name, run, out)
+        _write_drafter_provenance(name, run, out, cfg)
 
     # calibrate ------------------------------------------------------------------------------
     def done_calibrate(self) -> bool:
@@ -196,7 +201,7 @@ def bench_drafter_dir(name: str) -> str:
     return os.path.join(RUN_DIR, "exports", name)
 
 
-def _write_drafter_provenance(name: str, run: str, out: str) -> None:
+def _write_drafter_provenance(name: str, run: str, out: str, cfg: str) -> None:
     """training.json beside an exported drafter: steps, last metrics, the run's config."""
     metrics_path = os.path.join(run, "logs", "metrics.jsonl")
     last: dict[str, Any] = {}
@@ -206,7 +211,7 @@ def _write_drafter_provenance(name: str, run: str, out: str) -> None:
         if rows:
             last = rows[-1]
     cfg_path = os.path.join(run, "checkpoints", "train_config.yaml")
-    info = {"drafter": name, "config": os.path.join(CONFIG_DIR, f"{name}.yaml"),
+    info = {"drafter": name, "config": cfg,
             "final_step": last.get("step"), "final_metrics": last,
             "machine": emb.machine_description(), "finished": _now()}
     if os.path.exists(cfg_path):
