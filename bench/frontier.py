@@ -173,6 +173,46 @@ def matched_throughput_rows(results: dict[str, list[dict]], base: str = "mtp1") 
     return rows
 
 
+def goal_rows(results: dict[str, list[dict]], gamma: int = 7) -> list[list[str]]:
+    """The issue's frontier goals, each as [goal, measured, "yes"/"no"], from the sweep's results.
+
+    Best confidence policy vs best fixed policy (>= 0.97x at every concurrency), vs plain (never below),
+    vs fixed gamma at the highest concurrency (>= 1.1x), and per-user tokens/s at mtp1's aggregate
+    throughputs (>= 1.5x at every point where the frontiers overlap)."""
+    conf = [p for p in ("confidence", "confidence_async") if p in results]
+    fixed = [p for p in ("fixed-dflash", "fixed-dspark") if p in results]
+    if not conf or not fixed:
+        return []
+
+    def agg(policy: str, c: int) -> float | None:
+        return next((r["aggregate_tokens_per_s"] for r in results.get(policy, []) if r["concurrency"] == c), None)
+
+    levels = sorted({r["concurrency"] for p in conf for r in results[p]})
+    best_conf = {c: max(v for p in conf if (v := agg(p, c)) is not None) for c in levels}
+    best_fixed = {c: max((v for p in fixed if (v := agg(p, c)) is not None), default=None) for c in levels}
+    vs_fixed = [best_conf[c] / best_fixed[c] for c in levels if best_fixed[c]]
+    vs_plain = [best_conf[c] / v for c in levels if (v := agg("plain", c))]
+    top = levels[-1]
+    rows = [[f"best confidence >= 0.97x best fixed (gamma {gamma}) at every concurrency",
+             f"min {min(vs_fixed):.2f}", "yes" if min(vs_fixed) >= 0.97 else "no"]]
+    if vs_plain:
+        rows.append(["best confidence never below plain", f"min {min(vs_plain):.2f}",
+                     "yes" if min(vs_plain) >= 1.0 else "no"])
+    if best_fixed[top]:
+        r = best_conf[top] / best_fixed[top]
+        rows.append([f"best confidence >= 1.1x fixed gamma {gamma} at C={top}", f"{r:.2f}", "yes" if r >= 1.1 else "no"])
+    ratios: dict[str, list[float]] = {}
+    for row in matched_throughput_rows(results):
+        if row[5] != "-":
+            ratios.setdefault(row[0], []).append(float(row[5]))
+    if ratios:
+        best = max(ratios, key=lambda p: min(ratios[p]))
+        vals = ratios[best]
+        rows.append([f"per-user tok/s at mtp1's aggregate throughput >= 1.5x mtp1 ({best})",
+                     f"min {min(vals):.2f} over {len(vals)} points", "yes" if min(vals) >= 1.5 else "no"])
+    return rows
+
+
 def _report(results, levels, target, drafter_note, args, argv) -> None:
     rows = []
     for policy, pts in results.items():
@@ -202,6 +242,9 @@ def _report(results, levels, target, drafter_note, args, argv) -> None:
                "'-' where its frontier does not reach that throughput). Goal: >= 1.5x.\n\n"
                + md_table(["policy", "mtp1 concurrency", "aggregate tok/s", "mtp1 per-user", "policy per-user",
                            "ratio"], matched, "lrrrrr"))
+    goals = goal_rows(results, args.gamma)
+    if goals:
+        md += "\n### Goals\n\n" + md_table(["goal", "measured", "met"], goals, "lll")
 
     def plot(path):
         plt = pyplot()

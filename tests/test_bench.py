@@ -150,3 +150,19 @@ def test_matched_throughput_rows_ratio_against_mtp1():
     rows = matched_throughput_rows(res)
     assert rows[0][-2:] == ["-", "-"]  # 100 tok/s lies below the policy's frontier
     assert rows[1][4] == "125.0" and rows[1][5] == "2.50"  # at 200 tok/s: 125 vs 50 per user
+
+
+def test_goal_rows_report_each_frontier_goal():
+    from bench.frontier import goal_rows
+    res = {"plain": [_pt(1, 100.0, 100.0), _pt(4, 300.0, 75.0)],
+           "mtp1": [_pt(1, 120.0, 120.0), _pt(4, 320.0, 80.0)],
+           "fixed-dspark": [_pt(1, 150.0, 150.0), _pt(4, 200.0, 50.0)],
+           "confidence_async": [_pt(1, 150.0, 150.0), _pt(4, 330.0, 110.0)]}
+    rows = {r[0].split(" (")[0].split(" at ")[0]: r for r in goal_rows(res)}
+    assert rows["best confidence >= 0.97x best fixed"][1:] == ["min 1.00", "yes"]
+    assert rows["best confidence never below plain"][1:] == ["min 1.10", "yes"]
+    assert rows["best confidence >= 1.1x fixed gamma 7"][1:] == ["1.65", "yes"]
+    per_user = rows["per-user tok/s"]
+    assert per_user[2] == "no" and per_user[1].startswith("min ")  # at 320 tok/s: ~107.6 vs 80 -> 1.34
+    res["plain"][1]["aggregate_tokens_per_s"] = 400.0
+    assert {r[0]: r[2] for r in goal_rows(res)}["best confidence never below plain"] == "no"
