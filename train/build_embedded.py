@@ -336,8 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "the benchmark-only stages run only when named)")
     p.add_argument("--force", action="store_true",
                    help="rerun the chosen stages even when their output exists")
-    p.add_argument("--regen-rows", type=int, default=800, help="at most this many completions")
-    p.add_argument("--regen-samples", type=int, default=2,
+    p.add_argument("--regen-rows", type=int, default=3200, help="at most this many completions")
+    p.add_argument("--regen-samples", type=int, default=4,
                    help="completions per train prompt (different seeds)")
     p.add_argument("--regen-prompt-tokens", type=int, default=128,
                    help="only train prompts of at most this many tokens")
