@@ -150,3 +150,21 @@ def test_metrics_follow_vllm_definitions(llm):
     assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
     assert sum(m["num_accepted_tokens_per_pos"]) == m["num_accepted_tokens"]
     assert all(a >= b for a, b in zip(m["num_accepted_tokens_per_pos"], m["num_accepted_tokens_per_pos"][1:]))
+
+
+def test_block_drafter_verified_below_its_block_reports_gamma_confidences():
+    """A block-5 DSpark drafter verified at gamma 2 (fused fixed rounds): every round reports gamma
+    confidences per request, so round logs stay rectangular (a block-wide row broke evaluation)."""
+    from flax import nnx
+    from specjax.drafters.block import BlockDrafterConfig
+    from specjax.drafters.dspark import make_block_drafter
+    model = tiny_target(16, seed=3)
+    dcfg = BlockDrafterConfig.from_target(model.config, target_layer_ids=(0, 1), mask_token_id=15,
+                                          num_draft_layers=1, block_size=5, markov_rank=4, confidence_head=True)
+    drafter = make_block_drafter(model, model.config, dcfg, nnx.Rngs(0))
+    eng = small_engine(model, drafter, slots=2, gamma=2)
+    widths = []
+    eng.on_round = lambda info: widths.extend(len(row) for row in info["confidence"])
+    eng.run([EngineRequest("a", [1, 2, 3], max_tokens=9, temperature=0.0),
+             EngineRequest("b", [4, 5], max_tokens=7, temperature=1.0, seed=1)])
+    assert widths and set(widths) == {2}

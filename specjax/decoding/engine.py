@@ -310,8 +310,8 @@ class Engine:
             if tb > 1:
                 block = self._drafter(d_params).propose(dstate, anchors[:sb], cache.lengths[:sb], sa, kd)
                 draft, q = block.tokens, block.q
-                if block.confidence is not None:
-                    conf = block.confidence
+                if block.confidence is not None:  # a block drafter may draft past gamma: keep gamma columns
+                    conf = block.confidence[:, : max(self.gamma, 1)]
             else:
                 draft, q = None, None
             cache, dstate, anchors, outs = self._verify_commit(
