@@ -157,20 +157,29 @@ def per_user_at(points: list[dict], aggregate: float) -> float | None:
     return best
 
 
+def _matched(results: dict[str, list[dict]], base: str = "mtp1"):
+    """(policy, base point, policy per-user tokens/s or None) at each of `base`'s aggregate throughputs."""
+    for r in results.get(base, []):
+        for p in ("confidence", "confidence_async"):
+            if p in results:
+                yield p, r, per_user_at(results[p], r["aggregate_tokens_per_s"])
+
+
 def matched_throughput_rows(results: dict[str, list[dict]], base: str = "mtp1") -> list[list[str]]:
     """At each of `base`'s measured aggregate throughputs: its per-user tokens/s and that of each
     confidence policy's frontier at the same aggregate throughput (interpolated), with the ratio."""
-    rows = []
-    for r in results.get(base, []):
-        agg = r["aggregate_tokens_per_s"]
-        for p in ("confidence", "confidence_async"):
-            if p not in results:
-                continue
-            v = per_user_at(results[p], agg)
-            rows.append([p, str(r["concurrency"]), f"{agg:.0f}", f"{r['per_user_tokens_per_s']:.1f}",
-                         "-" if v is None else f"{v:.1f}",
-                         "-" if v is None else f"{v / r['per_user_tokens_per_s']:.2f}"])
-    return rows
+    return [[p, str(r["concurrency"]), f"{r['aggregate_tokens_per_s']:.0f}", f"{r['per_user_tokens_per_s']:.1f}",
+             "-" if v is None else f"{v:.1f}", "-" if v is None else f"{v / r['per_user_tokens_per_s']:.2f}"]
+            for p, r, v in _matched(results, base)]
+
+
+def _best_by_level(results: dict[str, list[dict]], policies) -> dict[int, float]:
+    """Per concurrency level, the highest aggregate tokens/s among `policies` measured there."""
+    best: dict[int, float] = {}
+    for p in policies:
+        for r in results.get(p, []):
+            best[r["concurrency"]] = max(best.get(r["concurrency"], 0.0), r["aggregate_tokens_per_s"])
+    return best
 
 
 def goal_rows(results: dict[str, list[dict]], gamma: int = 7) -> list[list[str]]:
@@ -184,27 +193,24 @@ def goal_rows(results: dict[str, list[dict]], gamma: int = 7) -> list[list[str]]
     if not conf or not fixed:
         return []
 
-    def agg(policy: str, c: int) -> float | None:
-        return next((r["aggregate_tokens_per_s"] for r in results.get(policy, []) if r["concurrency"] == c), None)
-
-    levels = sorted({r["concurrency"] for p in conf for r in results[p]})
-    best_conf = {c: max(v for p in conf if (v := agg(p, c)) is not None) for c in levels}
-    best_fixed = {c: max((v for p in fixed if (v := agg(p, c)) is not None), default=None) for c in levels}
-    vs_fixed = [best_conf[c] / best_fixed[c] for c in levels if best_fixed[c]]
-    vs_plain = [best_conf[c] / v for c in levels if (v := agg("plain", c))]
+    best_conf, best_fixed, plain = (_best_by_level(results, conf), _best_by_level(results, fixed),
+                                    _best_by_level(results, ["plain"]))
+    levels = sorted(best_conf)
+    vs_fixed = [best_conf[c] / best_fixed[c] for c in levels if c in best_fixed]
+    vs_plain = [best_conf[c] / plain[c] for c in levels if c in plain]
     top = levels[-1]
     rows = [[f"best confidence >= 0.97x best fixed (gamma {gamma}) at every concurrency",
              f"min {min(vs_fixed):.2f}", "yes" if min(vs_fixed) >= 0.97 else "no"]]
     if vs_plain:
         rows.append(["best confidence never below plain", f"min {min(vs_plain):.2f}",
                      "yes" if min(vs_plain) >= 1.0 else "no"])
-    if best_fixed[top]:
+    if top in best_fixed:
         r = best_conf[top] / best_fixed[top]
         rows.append([f"best confidence >= 1.1x fixed gamma {gamma} at C={top}", f"{r:.2f}", "yes" if r >= 1.1 else "no"])
     ratios: dict[str, list[float]] = {}
-    for row in matched_throughput_rows(results):
-        if row[5] != "-":
-            ratios.setdefault(row[0], []).append(float(row[5]))
+    for p, r, v in _matched(results):
+        if v is not None:
+            ratios.setdefault(p, []).append(v / r["per_user_tokens_per_s"])
     if ratios:
         best = max(ratios, key=lambda p: min(ratios[p]))
         vals = ratios[best]
@@ -224,16 +230,15 @@ def _report(results, levels, target, drafter_note, args, argv) -> None:
           f"gamma {args.gamma}; closed loop per concurrency level.\n\n"
           + md_table(["policy", "concurrency", "aggregate tok/s", "per-user tok/s", "mean ell", "τ"], rows, "lrrrrr")
           )
-    best_fixed = {c: max(r["aggregate_tokens_per_s"] for p in ("fixed-dflash", "fixed-dspark") if p in results
-                         for r in results[p] if r["concurrency"] == c) for c in levels
-                  if any(p in results for p in ("fixed-dflash", "fixed-dspark"))}
-    conf = [p for p in ("confidence", "confidence_async") if p in results]
-    if best_fixed and conf:
+    best_fixed = _best_by_level(results, ("fixed-dflash", "fixed-dspark"))
+    best_conf = _best_by_level(results, ("confidence", "confidence_async"))
+    plain = _best_by_level(results, ["plain"])
+    if best_fixed and best_conf:
         md += "\n| concurrency | best confidence / best fixed | best confidence / plain |\n|---:|---:|---:|\n"
         for c in levels:
-            bc = max(r["aggregate_tokens_per_s"] for p in conf for r in results[p] if r["concurrency"] == c)
-            pl = next((r["aggregate_tokens_per_s"] for r in results.get("plain", []) if r["concurrency"] == c), None)
-            md += f"| {c} | {bc / best_fixed[c]:.2f} | {bc / pl:.2f} |\n" if pl else f"| {c} | {bc / best_fixed[c]:.2f} | - |\n"
+            bc = best_conf[c]
+            md += (f"| {c} | {bc / best_fixed[c]:.2f} | {bc / plain[c]:.2f} |\n" if c in plain
+                   else f"| {c} | {bc / best_fixed[c]:.2f} | - |\n")
     matched = matched_throughput_rows(results)
     if matched:
         md += ("\n### Per-user speed at matched aggregate throughput (against mtp1)\n\n"

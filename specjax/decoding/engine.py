@@ -310,8 +310,8 @@ class Engine:
             if tb > 1:
                 block = self._drafter(d_params).propose(dstate, anchors[:sb], cache.lengths[:sb], sa, kd)
                 draft, q = block.tokens, block.q
-                if block.confidence is not None:  # a block drafter may draft past gamma: keep gamma columns
-                    conf = block.confidence[:, : max(self.gamma, 1)]
+                if block.confidence is not None:
+                    conf = self._gamma_columns(block.confidence)
             else:
                 draft, q = None, None
             cache, dstate, anchors, outs = self._verify_commit(
@@ -327,8 +327,13 @@ class Engine:
             sb = key_data.shape[0]
             block = self._drafter(d_params).propose(dstate, anchors[:sb], cache_lengths[:sb], sa, kd)
             conf = block.confidence if block.confidence is not None else jnp.ones(block.tokens.shape, jnp.float32)
-            return block.tokens, block.q, conf
+            return block.tokens, block.q, self._gamma_columns(conf)
         return fn
+
+    def _gamma_columns(self, conf_bk):
+        """The first gamma confidence columns: a block drafter may draft past gamma, and every round
+        reports (and schedules on) gamma columns whichever executable produced them."""
+        return conf_bk[:, : max(self.gamma, 1)]
 
     def _fn_verify(self, tb: int):
         def fn(t_params, d_params, cache, dstate, anchors, draft, q, conf, ints, floats, key_data, ctrl, stop_ids):
