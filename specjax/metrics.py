@@ -21,6 +21,9 @@ specjax's own:
     specjax:scheduler_tokens_bucket                    histogram: tokens-per-slot bucket per round
     specjax:scheduler_slots_bucket                     histogram: slots bucket per round
     specjax:round_seconds                              histogram: wall time of one engine round
+    specjax:scheduler_rounds_total{kind=...}           counter: rounds by the scheduler's decision: draft,
+                                                       plain (no drafting, drafter kept up to date) or
+                                                       lite (no drafting, no drafter upkeep)
     specjax:request_rejected_total{reason=...}         counter: requests refused before admission
 
 Mean acceptance length (vLLM's, bonus token included) = 1 + accepted / drafts; it is in the JSON
@@ -36,6 +39,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ROUND_KINDS = ("draft", "plain", "lite")  # `Engine.on_round` info["kind"]
 _ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
@@ -75,6 +79,8 @@ class ServingMetrics:
         self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                         "Drafts whose draft position was accepted (unconditional).",
                                         ["position"])
+        self.rounds_by_kind = counter("specjax:scheduler_rounds", "Engine rounds by scheduler decision.",
+                                      ["kind"])
         self.rejected = counter("specjax:request_rejected", "Requests refused before admission.", ["reason"])
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lbl,
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -100,6 +106,8 @@ class ServingMetrics:
             self.accepted_per_pos.labels(m, str(k))
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(m, reason)
+        for kind in ROUND_KINDS:
+            self.rounds_by_kind.labels(m, kind)
 
     # ------------------------------------------------------------------ recording
     def observe_round(self, info: Mapping[str, Any]) -> None:
@@ -123,6 +131,10 @@ class ServingMetrics:
         self.tokens_bucket.labels(m).observe(float(info.get("tokens_bucket", 0)))
         self.slots_bucket.labels(m).observe(float(info.get("slots_bucket", 0)))
         self.round_seconds.labels(m).observe(float(info.get("seconds", 0.0)))
+        kind = info.get("kind", "draft")
+        if kind not in ROUND_KINDS:
+            raise ValueError(f"round info: 'kind' is {kind!r}, expected one of {ROUND_KINDS}")
+        self.rounds_by_kind.labels(m, kind).inc()
 
     def request_admitted(self, prompt_tokens: int) -> None:
         """A request was accepted by the engine (its prompt tokens count now)."""
@@ -200,6 +212,8 @@ class ServingMetrics:
                 "count": int(rounds), "seconds_sum": self._value("specjax:round_seconds_sum"),
                 "mean_verification_length": ell_sum / ell_n if ell_n else 0.0,
                 "mean_tokens_bucket": tb_sum / tb_n if tb_n else 0.0,
+                "by_kind": {k: int(v) for k, v in
+                            self._label_values("specjax:scheduler_rounds_total", "kind").items()},
             },
         }
 

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.decoding.engine import Engine, EngineConfig, topk_prefix_fill
+from specjax.decoding.engine import Engine, EngineConfig, EngineRequest, topk_prefix_fill
 from specjax.scheduling import CostTable, prefix_schedule
 
 from engine_fixtures import (BigramDrafter, chi_square_pvalue, exact_continuations, sample_continuations,
@@ -121,9 +121,54 @@ def test_engine_profiles_its_own_cost_table(model, tmp_path):
 
 def test_async_policy_skips_drafting_when_plain_rounds_pay_more(model, exact):
     eng = make_engine(model, "confidence_async", cost_table=staircase, plain_seconds={256: 0.2})
-    drafted = []
-    eng.on_round = lambda info: drafted.append(max(info["ell"]))
+    rounds = []
+    eng.on_round = lambda info: rounds.append((info["kind"], max(info["ell"])))
     samples = sample_continuations(eng, PROMPT, 3000, 3, seed0=4 * 10**6)
+    # exact although most rounds are lite (no drafter upkeep) and the rows they leave behind never draft
     assert chi_square_pvalue(samples, exact) > 1e-3
-    # a plain step (0.2 s) beats every drafted round of the staircase (>= 1 s): only probes draft
-    assert sum(d > 0 for d in drafted) <= len(drafted) // (eng.PROBE_EVERY + 1) + 1
+    kinds = [k for k, _ in rounds]
+    # a plain step (0.2 s) beats every drafted round of the staircase (>= 1 s): only probes draft, and
+    # after LITE_AFTER plain decisions in a row the plain rounds stop maintaining the drafter
+    assert kinds.count("draft") <= len(kinds) // (eng.PROBE_EVERY + 1) + 1
+    assert kinds[1:1 + eng.LITE_AFTER] == ["plain"] * eng.LITE_AFTER
+    assert kinds.count("lite") > len(kinds) // 2
+    assert all(e == 0 for k, e in rounds if k != "draft")
+
+
+def one_slot_async_engine(model, plain_seconds):
+    cfg = EngineConfig(max_slots=1, max_len=12, policy="confidence_async", gamma=GAMMA, slots_buckets=(1,),
+                       tokens_buckets=(1, 2, 4), prefill_buckets=(4,), max_prefill=4, prefill_batch_buckets=(1,))
+    eng = Engine(model, BigramDrafter(V, GAMMA, confidence=True, seed=7), cfg, progress=False)
+    eng.cost_table = CostTable.from_seconds({(1, 1): 1.0, (1, 2): 1.2, (1, 4): 1.5}, meta=eng.cost_table_meta())
+    eng.warmup()
+    eng.plain_seconds = plain_seconds
+    return eng
+
+
+def test_async_probes_back_off_and_stale_rows_never_draft(model):
+    eng = one_slot_async_engine(model, {1: 0.2})
+    rounds, fresh_at_round = [], []  # fresh: the slot's drafter context complete before the round
+    eng.on_round = lambda info: rounds.append((info["kind"], max(info["ell"])))
+    reqs = [EngineRequest(str(i), PROMPT, max_tokens=8, temperature=1.0, seed=i) for i in range(160)]
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_work():
+        eng._admit_waiting()
+        fresh_at_round.append(bool(eng._fresh[0]))
+        eng.step()
+    drafts = [i for i, (k, _) in enumerate(rounds) if k == "draft"]
+    assert all(fresh_at_round[i] for i in drafts)  # a row a lite round left behind never drafts again
+    gaps = np.diff(drafts)
+    # probes come after 32, 64, 128, ... rounds without drafting (each waits for a fresh row)
+    want = [min(eng.PROBE_EVERY * 2 ** k, eng.PROBE_MAX) for k in range(len(gaps))]
+    assert len(gaps) >= 3 and all(g > w for g, w in zip(gaps, want)), (gaps, want)
+    assert all(e == 0 for k, e in rounds if k != "draft")
+
+
+def test_async_drafts_again_when_drafting_pays(model):
+    eng = one_slot_async_engine(model, {1: 5.0})  # a plain step slower than any drafted round
+    kinds = []
+    eng.on_round = lambda info: kinds.append(info["kind"])
+    reqs = [EngineRequest(str(i), PROMPT, max_tokens=8, temperature=1.0, seed=i) for i in range(10)]
+    eng.run(reqs, progress=False)
+    assert set(kinds) == {"draft"}

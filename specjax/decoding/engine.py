@@ -146,7 +146,10 @@ class EngineRequest:
 class Engine:
     """Speculative decoding over a fixed set of cache slots (see module docstring)."""
 
-    PROBE_EVERY = 32  # async policy: rounds without drafting before a drafting probe
+    # async policy: rounds without drafting before a drafting probe (doubling up to PROBE_MAX while
+    # probes keep confirming that plain rounds pay more), and consecutive plain decisions after which
+    # plain rounds stop maintaining the drafter's context (lite rounds)
+    PROBE_EVERY, PROBE_MAX, LITE_AFTER = 32, 512, 8
 
     def __init__(self, target: Qwen3ForCausalLM, drafter: nnx.Module | None = None,
                  config: EngineConfig = EngineConfig(), *, mesh: jax.sharding.Mesh | None = None,
@@ -216,10 +219,20 @@ class Engine:
         self._key_data = np.zeros((slots, 2), np.uint32)
         self._seed_counter = 0
         self.last_confidence: np.ndarray | None = None
-        self._conf_history: list[np.ndarray] = []
         self._tb_markers: dict[int, Any] = {}
-        self.plain_seconds: dict[int, float] | None = None  # per slots bucket, for the async policy
-        self._rounds_since_draft = 0  # per-slot confidences [slots, gamma] of past rounds
+        # async policy state, all on the host: per-slot confidences [slots, gamma] as known after the
+        # last round and after the one before (the plan reads only the latter), the mean confidences of
+        # the last drafting round (a prior for rows not yet seen), whether each slot's drafter context
+        # is complete (False once a lite round left it behind), and the plain-decision streak
+        g = max(self.gamma, 1)
+        self._conf_known = np.full((slots, g), np.nan)
+        self._conf_lagged = np.full((slots, g), np.nan)
+        self._conf_prior: np.ndarray | None = None
+        self._fresh = np.zeros((slots,), bool)
+        self.plain_seconds: dict[int, float] | None = None  # per slots bucket: a lite round's seconds
+        self._rounds_since_draft = 0
+        self._plain_streak = 0
+        self._probe_interval = self.PROBE_EVERY
         self.stats = {"rounds": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0}
         self.on_round: Callable[[dict[str, Any]], None] | None = None
         self._build_executables()
@@ -260,8 +273,10 @@ class Engine:
         return round_key(jax.random.wrap_key_data(key_data_b2), counter_b)
 
     def _verify_commit(self, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv, ell_b, active_b,
-                       sa, keys_b, stop_ids, tb: int):
-        """Target pass over [anchor, drafts[:tb-1]], exact acceptance, commit. Returns new state + outputs."""
+                       sa, keys_b, stop_ids, tb: int, maintain: bool = True):
+        """Target pass over [anchor, drafts[:tb-1]], exact acceptance, commit. Returns new state + outputs.
+        With `maintain` False (a lite plain round) the target taps nothing and the drafter's context is
+        left behind: those rows may not draft again (see `Engine._fresh`)."""
         target = self._target(t_params)
         sb = ell_b.shape[0]
         anchor_b = anchors[:sb]
@@ -269,7 +284,8 @@ class Engine:
         toks = anchor_b[:, None] if tb == 1 else jnp.concatenate([anchor_b[:, None], draft_bg[:, :tb - 1]], 1)
         positions = start_b[:, None] + jnp.arange(tb, dtype=jnp.int32)[None, :]
         ell_b = jnp.where(active_b, jnp.minimum(ell_b, tb - 1), 0)
-        out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=self.tap_layers, logits="all")
+        out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=self.tap_layers if maintain else (),
+                             logits="all")
         p = probs_from_logits(out.logits, sa)  # [sb, tb, V]
         if tb == 1:  # plain decoding: no drafts; the chain rule reduces to sampling from the target
             q_bgv = jnp.zeros((sb, 0, p.shape[-1]), jnp.float32)
@@ -278,7 +294,7 @@ class Engine:
         n_commit = jnp.where(active_b, res.num_accepted + 1, 0)
         new_lengths = cache.lengths.at[:sb].set(start_b + n_commit)
         cache = out.cache.with_lengths(new_lengths)
-        if self.d_graph is not None:
+        if self.d_graph is not None and maintain:
             taps = jnp.concatenate(out.taps, axis=-1) if out.taps else None
             upd = ContextUpdate(tokens=toks, positions=positions, taps=taps,
                                 hidden=out.hidden if self.needs_hidden else None, n_valid=n_commit)
@@ -301,7 +317,7 @@ class Engine:
         sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1])
         return ints_4b[0], ints_4b[1].astype(bool), ints_4b[2], sa
 
-    def _fn_fused(self, tb: int):
+    def _fn_fused(self, tb: int, maintain: bool = True):
         def fn(t_params, d_params, cache, dstate, anchors, ints, floats, key_data, stop_ids):
             ell_b, active_b, counters, sa = self._unpack(ints, floats)
             kd, kv = self._split_keys(key_data, counters)
@@ -315,7 +331,8 @@ class Engine:
             else:
                 draft, q = None, None
             cache, dstate, anchors, outs = self._verify_commit(
-                t_params, d_params, cache, dstate, anchors, draft, q, ell_b, active_b, sa, kv, stop_ids, tb)
+                t_params, d_params, cache, dstate, anchors, draft, q, ell_b, active_b, sa, kv, stop_ids, tb,
+                maintain)
             outs["confidence"] = conf
             return cache, dstate, anchors, outs
         return fn
@@ -341,7 +358,7 @@ class Engine:
             ell_b, active_b, counters, sa = self._unpack(ints, floats)
             k_total, device_fill = ctrl[0], ctrl[1] > 0
             _, kv = self._split_keys(key_data, counters)
-            filled = topk_prefix_fill(conf, k_total, active_b, tb - 1)
+            filled = topk_prefix_fill(conf, k_total, active_b & (ell_b > 0), tb - 1)  # capped rows take none
             ell = jnp.where(device_fill, jnp.minimum(filled, ell_b), ell_b)
             cache, dstate, anchors, outs = self._verify_commit(t_params, d_params, cache, dstate, anchors, draft,
                                                                q, ell, active_b, sa, kv, stop_ids, tb)
@@ -385,6 +402,7 @@ class Engine:
     def _build_executables(self) -> None:
         self.exe_prefill = bk.Executables("prefill", self._dispatch_prefill, donate_argnums=(2, 3, 4))
         self.exe_fused = bk.Executables("round", self._dispatch_fused, donate_argnums=(2, 3, 4))
+        self.exe_lite = bk.Executables("lite", self._dispatch_lite, donate_argnums=(2, 3, 4))
         self.exe_draft = bk.Executables("draft", self._dispatch_draft)
         self.exe_verify = bk.Executables("verify", self._dispatch_verify, donate_argnums=(2, 3, 4))
 
@@ -394,6 +412,9 @@ class Engine:
 
     def _dispatch_fused(self, *args):
         return self._fn_fused(self._tb_from_args(args))(*args[:-1])
+
+    def _dispatch_lite(self, *args):
+        return self._fn_fused(1, maintain=False)(*args)
 
     def _dispatch_draft(self, *args):
         return self._fn_draft()(*args)
@@ -435,7 +456,7 @@ class Engine:
                 keys.append(("draft", (sb,)))
                 keys += [("verify", (sb, tb)) for tb in self.buckets.tokens]
                 if self.cfg.policy in DEVICE_POLICIES:
-                    keys.append(("round", (sb, 1)))  # rounds that skip drafting
+                    keys += [("round", (sb, 1)), ("lite", (sb,))]  # rounds that skip drafting
         return keys
 
     def warmup(self) -> float:
@@ -457,6 +478,10 @@ class Engine:
                 sb, tb = key
                 r = self._abstract_round_inputs(sb)
                 self.exe_fused.warm(key, *state, r["ints"], r["floats"], r["key"], stop, r["f"]((tb,), jnp.int32))
+            elif fam == "lite":
+                (sb,) = key
+                r = self._abstract_round_inputs(sb)
+                self.exe_lite.warm(key, *state, r["ints"], r["floats"], r["key"], stop)
             elif fam == "draft":
                 (sb,) = key
                 r = self._abstract_round_inputs(sb)
@@ -504,8 +529,8 @@ class Engine:
         self.cost_table = table
 
     def compile_counts(self) -> dict[str, int]:
-        return {e.name: e.jit_cache_size() for e in (self.exe_prefill, self.exe_fused, self.exe_draft,
-                                                      self.exe_verify)}
+        return {e.name: e.jit_cache_size() for e in (self.exe_prefill, self.exe_fused, self.exe_lite,
+                                                      self.exe_draft, self.exe_verify)}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineRequest) -> None:
@@ -559,6 +584,8 @@ class Engine:
                 req.slot = self._free_slot()
                 self.slot_req[req.slot] = req
                 self._key_data[req.slot] = self._seed_key(req)
+                self._fresh[req.slot] = True  # the prefill commits its whole prompt to the drafter
+                self._conf_known[req.slot] = self._conf_lagged[req.slot] = np.nan
                 batch.append(req)
             self._prefill(batch)
             for req in batch:
@@ -642,6 +669,8 @@ class Engine:
             r = self.slot_req[i]
             if r is None:
                 continue
+            if not self._fresh[i]:
+                continue  # its drafter context was left behind by a lite round: plain to the end
             cap = self.gamma if r.max_draft_tokens is None else min(self.gamma, r.max_draft_tokens)
             cap = min(cap, self.cfg.max_len - 1 - int(self.lengths[i]), r.max_tokens - len(r.output_ids) - 1)
             caps[i] = max(cap, 0)
@@ -656,27 +685,38 @@ class Engine:
             return prefix_schedule(conf_rg, None, "threshold", gamma=self.gamma, threshold=self.cfg.threshold)
         return prefix_schedule(conf_rg, self.cost_table, "confidence", gamma=self.gamma)
 
-    def _async_plan(self, sb: int, active: np.ndarray) -> tuple[int, int, bool]:
-        """(K, cap, draft?) of the async policy, all from confidences two rounds old (a 0.5 prior for
-        rows without). Drafting is skipped (a plain round) when a plain step's expected tokens/s beat
-        the best drafted round's; a drafting probe still runs every `PROBE_EVERY` rounds so the old
-        confidences stay fresh. Nothing here looks at this round's tokens, so it stays lossless."""
+    def _async_plan(self, sb: int, active: np.ndarray) -> tuple[int, int, str]:
+        """(K, cap, round kind) of the async policy, all from confidences two rounds old.
+
+        Kinds: "draft" (draft, then fill K on the device), "plain" (no drafting; the drafter's context
+        is still maintained) and "lite" (no drafting and no drafter upkeep: exactly plain decoding's
+        cost, after which those rows stay plain). A round drafts when its expected tokens/s beat a plain
+        round's (rows with a stale drafter context count as one token each); otherwise plain, turning
+        lite after `LITE_AFTER` plain decisions in a row. A drafting probe refreshes the confidences
+        after `_probe_interval` rounds without drafting; the interval doubles (up to `PROBE_MAX`) each
+        time a probe changes nothing. Nothing here looks at this round's tokens, so it stays lossless."""
         from specjax.scheduling import async_capacity, expected_tokens_per_second, prefix_schedule
         rows = np.flatnonzero(active)
-        old = self._conf_history[0] if len(self._conf_history) == 2 else None
-        c = np.full((len(rows), self.gamma), np.nan) if old is None else old[rows]
-        known = c[~np.isnan(c).any(axis=1)]
-        prior = known.mean(axis=0) if len(known) else np.full((self.gamma,), 0.5)
+        fresh = self._fresh[rows]
+        if not fresh.any():
+            return 0, 0, "lite"  # nobody can draft
+        prior = np.full((self.gamma,), 0.5) if self._conf_prior is None else self._conf_prior
+        c = self._conf_lagged[rows]
         c = np.where(np.isnan(c), prior[None, :], c)
+        c[~fresh] = 0.0
         k_total, cap = async_capacity(c, self.cost_table, gamma=self.gamma)
-        draft = True
         plain_s = self.plain_seconds.get(sb) if self.plain_seconds else None
-        # no confidences seen yet: draft (a probe) rather than judge from a made-up prior
-        if plain_s is not None and old is not None and self._rounds_since_draft < self.PROBE_EVERY:
-            lengths = prefix_schedule(c, self.cost_table, "confidence_async", gamma=self.gamma, old_confidences=c)
-            theta_draft = expected_tokens_per_second(c, lengths, self.cost_table)
-            draft = theta_draft > len(rows) / plain_s
-        return k_total, cap, draft
+        if plain_s is None or self._conf_prior is None:
+            return k_total, cap, "draft"  # nothing to judge by yet: draft (a probe)
+        lengths = prefix_schedule(c, self.cost_table, "confidence_async", gamma=self.gamma, old_confidences=c)
+        if expected_tokens_per_second(c, lengths, self.cost_table) > len(rows) / plain_s:
+            self._plain_streak, self._probe_interval = 0, self.PROBE_EVERY
+            return k_total, cap, "draft"
+        self._plain_streak += 1
+        if self._rounds_since_draft >= self._probe_interval:
+            self._probe_interval = min(2 * self._probe_interval, self.PROBE_MAX)
+            return k_total, cap, "draft"
+        return k_total, cap, "lite" if self._plain_streak > self.LITE_AFTER else "plain"
 
     def step(self) -> list[EngineRequest]:
         """Admit waiting requests into free slots, then run one round. Returns requests finished now."""
@@ -698,13 +738,20 @@ class Engine:
         key_data = self._put(self._key_data[:sb])
         conf = None
         policy = self.cfg.policy
-        plain_round = False
+        kind = "plain" if policy == "plain" else "draft"  # what this round does (on_round's "kind")
         if policy in DEVICE_POLICIES and self.schedule_fn is None:
-            k_total, cap, drafting = self._async_plan(sb, active)
-            plain_round = not drafting
-            self._rounds_since_draft = self._rounds_since_draft + 1 if plain_round else 0
-        if (policy in FIXED_POLICIES and self.schedule_fn is None) or plain_round:
-            ell = np.minimum(np.full((sb,), 0 if plain_round else self._policy_ell()), caps) * active
+            k_total, cap, kind = self._async_plan(sb, active)
+            self._rounds_since_draft = 0 if kind == "draft" else self._rounds_since_draft + 1
+        fused = policy in FIXED_POLICIES and self.schedule_fn is None  # lengths known before drafting
+        if kind == "lite":
+            tb = 1
+            ints[0] = 0
+            self._fresh[:sb] &= ~active  # these rows' drafter context is now behind
+            self.cache, self.dstate, self.anchors, outs = self.exe_lite(
+                (sb,), self.t_params, self.d_params, self.cache, self.dstate, self.anchors, self._put(ints),
+                self._put(floats), key_data, self._stop_ids)
+        elif fused or kind == "plain":
+            ell = np.minimum(np.full((sb,), 0 if kind == "plain" else self._policy_ell()), caps) * active
             tb = bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
             ints[0] = ell
             self.cache, self.dstate, self.anchors, outs = self.exe_fused(
@@ -735,13 +782,17 @@ class Engine:
         outs = jax.device_get(outs)
         if "ell" in outs:
             ell = np.asarray(outs["ell"], np.int64)
-        if conf is None and self.gamma > 0:
+        elif kind == "lite":
+            ell = np.zeros((sb,), np.int64)
+        if conf is None and self.gamma > 0 and kind != "lite":
             conf = np.asarray(outs["confidence"])
         self.last_confidence = conf
-        if conf is not None:
-            hist = np.full((self.cfg.max_slots, conf.shape[1]), np.nan)
-            hist[np.flatnonzero(active)] = conf[active]
-            self._conf_history = (self._conf_history + [hist])[-2:]
+        self._conf_lagged = self._conf_known.copy()
+        if kind == "draft" and not fused and conf is not None:  # rows with a complete drafter context
+            seen = active & self._fresh[:sb]
+            if seen.any():
+                self._conf_known[np.flatnonzero(seen)] = conf[seen]
+                self._conf_prior = conf[seen].mean(axis=0)
         n_acc = outs["num_accepted"]
         for i in active_idx:
             r = self.slot_req[i]
@@ -769,7 +820,7 @@ class Engine:
         if self.on_round is not None:
             # per active slot, in slot order: verified length, accepted drafts, whether an accepted
             # stop token ended the round (no bonus), and the drafter's per-position confidences
-            info = {"slots_bucket": sb, "tokens_bucket": tb, "ell": ell[active].tolist(),
+            info = {"slots_bucket": sb, "tokens_bucket": tb, "kind": kind, "ell": ell[active].tolist(),
                     "accepted": [int(n_acc[i]) for i in active_idx], "seconds": dt,
                     "stopped": [bool(outs["stopped"][i]) for i in active_idx]}
             if conf is not None:

@@ -46,7 +46,8 @@ def measure_cost_table(engine, *, repeats: int = 5, warmup: int = 1, progress: b
 
 
 def measure_plain_seconds(engine, *, repeats: int = 5, warmup: int = 1) -> dict[int, float]:
-    """Median seconds of a round without drafting (every row verifies nothing) per slots bucket."""
+    """Median seconds of a lite round (no drafting, no drafter upkeep: plain decoding's cost) per slots
+    bucket."""
     put = engine._put
     out: dict[int, float] = {}
     for sb in engine.buckets.slots:
@@ -55,9 +56,9 @@ def measure_plain_seconds(engine, *, repeats: int = 5, warmup: int = 1) -> dict[
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
-            engine.cache, engine.dstate, engine.anchors, outs = engine.exe_fused(
-                (sb, 1), engine.t_params, engine.d_params, engine.cache, engine.dstate, engine.anchors, ints,
-                floats, key_data, engine._stop_ids, engine._tb_marker(1))
+            engine.cache, engine.dstate, engine.anchors, outs = engine.exe_lite(
+                (sb,), engine.t_params, engine.d_params, engine.cache, engine.dstate, engine.anchors, ints,
+                floats, key_data, engine._stop_ids)
             jax.block_until_ready(outs)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
