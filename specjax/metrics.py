@@ -23,7 +23,8 @@ specjax's own:
     specjax:round_seconds                              histogram: wall time of one engine round
     specjax:scheduler_rounds_total{kind=...}           counter: rounds by the scheduler's decision: draft,
                                                        plain (no drafting, drafter kept up to date) or
-                                                       lite (no drafting, no drafter upkeep)
+                                                       lite (no drafting, no drafter upkeep; every
+                                                       round of plain decoding)
     specjax:request_rejected_total{reason=...}         counter: requests refused before admission
 
 Mean acceptance length (vLLM's, bonus token included) = 1 + accepted / drafts; it is in the JSON

@@ -166,3 +166,10 @@ def test_goal_rows_report_each_frontier_goal():
     assert per_user[2] == "no" and per_user[1].startswith("min ")  # at 320 tok/s: ~107.6 vs 80 -> 1.34
     res["plain"][1]["aggregate_tokens_per_s"] = 400.0
     assert {r[0]: r[2] for r in goal_rows(res)}["best confidence never below plain"] == "no"
+
+
+def test_median_run_keeps_the_median_run_and_lists_all():
+    from bench.frontier import median_run
+    r = median_run([_pt(4, 300.0, 90.0), _pt(4, 100.0, 30.0), _pt(4, 200.0, 60.0)])
+    assert r["aggregate_tokens_per_s"] == 200.0 and r["per_user_tokens_per_s"] == 60.0
+    assert r["aggregate_runs"] == [100.0, 200.0, 300.0]

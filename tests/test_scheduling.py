@@ -530,3 +530,12 @@ def test_meta_is_frozen():
     m = _meta()
     with pytest.raises(dataclasses.FrozenInstanceError):
         m.dtype = "bfloat16"  # type: ignore[misc]
+
+
+def test_measured_cost_tables_are_made_monotone():
+    from specjax.decoding.profiling import monotone
+    noisy = {(1, 1): 3.0, (1, 2): 2.4, (1, 4): 3.3, (2, 1): 2.9, (2, 2): 4.8, (2, 4): 4.7}
+    fixed = monotone(noisy)
+    # a bigger bucket never reads cheaper: (1, 2) lifts to (1, 1), (2, 1) to (1, 1), (2, 4) to (2, 2)
+    assert fixed == {(1, 1): 3.0, (1, 2): 3.0, (1, 4): 3.3, (2, 1): 3.0, (2, 2): 4.8, (2, 4): 4.8}
+    assert monotone(fixed) == fixed

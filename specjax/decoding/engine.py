@@ -12,7 +12,10 @@ A round, for the rows [0:sb] of the slots (sb = slots bucket covering every acti
              exact chain rejection sampling, commit: cache lengths += accepted + 1, drafter context
              appended with the anchor and accepted drafts, new anchor = the corrected/bonus token.
 When the lengths do not depend on this round's confidences, draft and verify are one executable.
-Plain decoding is the verify executable with ell = 0 everywhere at the smallest tokens bucket.
+Plain decoding runs "lite" rounds: the target alone, one token per row, nothing tapped or committed
+to a drafter. The async policy may also skip drafting: a "plain" round (ell = 0 everywhere) keeps the
+drafter's context up to date; a lite round costs exactly a plain decoding step but leaves those rows'
+drafter context behind, so they decode plainly to the end.
 """
 from __future__ import annotations
 
@@ -257,7 +260,8 @@ class Engine:
         if self.mesh is None:
             return cache, dstate, anchors
         cache = jax.lax.with_sharding_constraint(cache, self._cache_shardings)
-        dstate = jax.lax.with_sharding_constraint(dstate, self._dstate_shardings)
+        if dstate is not None:  # None: a lite round, which does not carry the drafter's state
+            dstate = jax.lax.with_sharding_constraint(dstate, self._dstate_shardings)
         anchors = jax.lax.with_sharding_constraint(anchors, shd.replicated(self.mesh))
         return cache, dstate, anchors
 
@@ -317,7 +321,17 @@ class Engine:
         sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1])
         return ints_4b[0], ints_4b[1].astype(bool), ints_4b[2], sa
 
-    def _fn_fused(self, tb: int, maintain: bool = True):
+    def _fn_lite(self):
+        def fn(t_params, cache, anchors, ints, floats, key_data, stop_ids):
+            """A plain step that leaves the drafter alone (no drafter arguments to pass either)."""
+            ell_b, active_b, counters, sa = self._unpack(ints, floats)
+            _, kv = self._split_keys(key_data, counters)
+            cache, _, anchors, outs = self._verify_commit(t_params, None, cache, None, anchors, None, None, ell_b,
+                                                          active_b, sa, kv, stop_ids, 1, maintain=False)
+            return cache, anchors, outs
+        return fn
+
+    def _fn_fused(self, tb: int):
         def fn(t_params, d_params, cache, dstate, anchors, ints, floats, key_data, stop_ids):
             ell_b, active_b, counters, sa = self._unpack(ints, floats)
             kd, kv = self._split_keys(key_data, counters)
@@ -331,8 +345,7 @@ class Engine:
             else:
                 draft, q = None, None
             cache, dstate, anchors, outs = self._verify_commit(
-                t_params, d_params, cache, dstate, anchors, draft, q, ell_b, active_b, sa, kv, stop_ids, tb,
-                maintain)
+                t_params, d_params, cache, dstate, anchors, draft, q, ell_b, active_b, sa, kv, stop_ids, tb)
             outs["confidence"] = conf
             return cache, dstate, anchors, outs
         return fn
@@ -402,7 +415,7 @@ class Engine:
     def _build_executables(self) -> None:
         self.exe_prefill = bk.Executables("prefill", self._dispatch_prefill, donate_argnums=(2, 3, 4))
         self.exe_fused = bk.Executables("round", self._dispatch_fused, donate_argnums=(2, 3, 4))
-        self.exe_lite = bk.Executables("lite", self._dispatch_lite, donate_argnums=(2, 3, 4))
+        self.exe_lite = bk.Executables("lite", self._dispatch_lite, donate_argnums=(1, 2))
         self.exe_draft = bk.Executables("draft", self._dispatch_draft)
         self.exe_verify = bk.Executables("verify", self._dispatch_verify, donate_argnums=(2, 3, 4))
 
@@ -414,7 +427,7 @@ class Engine:
         return self._fn_fused(self._tb_from_args(args))(*args[:-1])
 
     def _dispatch_lite(self, *args):
-        return self._fn_fused(1, maintain=False)(*args)
+        return self._fn_lite()(*args)
 
     def _dispatch_draft(self, *args):
         return self._fn_draft()(*args)
@@ -447,9 +460,10 @@ class Engine:
                                                     for p in self.buckets.prefill]
         fixed = self.cfg.policy in FIXED_POLICIES
         for sb in self.buckets.slots:
-            if fixed:
-                tbs = {1} if self.cfg.policy == "plain" else {1, bk.pick(self.buckets.tokens,
-                                                                          self._policy_ell() + 1)}
+            if self.cfg.policy == "plain":
+                keys.append(("lite", (sb,)))
+            elif fixed:
+                tbs = {1, bk.pick(self.buckets.tokens, self._policy_ell() + 1)}
                 tbs |= {t for t in self.buckets.tokens if t <= self._policy_ell() + 1}
                 keys += [("round", (sb, tb)) for tb in sorted(tbs)]
             else:
@@ -481,7 +495,7 @@ class Engine:
             elif fam == "lite":
                 (sb,) = key
                 r = self._abstract_round_inputs(sb)
-                self.exe_lite.warm(key, *state, r["ints"], r["floats"], r["key"], stop)
+                self.exe_lite.warm(key, state[0], state[2], state[4], r["ints"], r["floats"], r["key"], stop)
             elif fam == "draft":
                 (sb,) = key
                 r = self._abstract_round_inputs(sb)
@@ -738,7 +752,7 @@ class Engine:
         key_data = self._put(self._key_data[:sb])
         conf = None
         policy = self.cfg.policy
-        kind = "plain" if policy == "plain" else "draft"  # what this round does (on_round's "kind")
+        kind = "lite" if policy == "plain" else "draft"  # what this round does (on_round's "kind")
         if policy in DEVICE_POLICIES and self.schedule_fn is None:
             k_total, cap, kind = self._async_plan(sb, active)
             self._rounds_since_draft = 0 if kind == "draft" else self._rounds_since_draft + 1
@@ -747,9 +761,9 @@ class Engine:
             tb = 1
             ints[0] = 0
             self._fresh[:sb] &= ~active  # these rows' drafter context is now behind
-            self.cache, self.dstate, self.anchors, outs = self.exe_lite(
-                (sb,), self.t_params, self.d_params, self.cache, self.dstate, self.anchors, self._put(ints),
-                self._put(floats), key_data, self._stop_ids)
+            self.cache, self.anchors, outs = self.exe_lite(
+                (sb,), self.t_params, self.cache, self.anchors, self._put(ints), self._put(floats), key_data,
+                self._stop_ids)
         elif fused or kind == "plain":
             ell = np.minimum(np.full((sb,), 0 if kind == "plain" else self._policy_ell()), caps) * active
             tb = bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
