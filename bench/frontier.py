@@ -1,8 +1,8 @@
 """The throughput-interactivity frontier (the paper's Figures 7 and 8) on the embedded default.
 
 A closed-loop concurrency sweep: for each concurrency C, C requests are kept in flight (a finished one
-is replaced at once) until N requests are done. Policies take turns at each level (three rounds of
-turns by default) and each point reports its median run. For each verification policy it reports aggregate
+is replaced at once) until N requests are done. Every policy's sweep runs three times (policies
+taking turns) and each point reports its median run. For each verification policy it reports aggregate
 tokens/s against per-user tokens/s, and the mean verification length per request per round.
 
     python -m bench.frontier                      # full sweep (1..64)
@@ -11,6 +11,7 @@ tokens/s against per-user tokens/s, and the mean verification length per request
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from typing import Any
@@ -125,28 +126,28 @@ def main(argv: list[str] | None = None) -> None:
     max_len = max(len(p) for p in prompts) + args.max_tokens + args.gamma + 2
     log(f"target: {target.description}; drafters: {drafter_note}; {len(prompts)} prompts")
     policies = args.policies.split(",")
-    engines = {}
-    for policy in policies:
-        drafter = {"plain": None, "mtp1": drafters.get("mtp1", drafters["dspark"]), "fixed-dflash": drafters["dflash"]
-                   }.get(policy, drafters["dspark"])
-        eng_policy = {"fixed-dflash": "fixed", "fixed-dspark": "fixed"}.get(policy, policy)
-        gamma = 1 if policy == "mtp1" and "mtp1" in drafters else args.gamma
-        log(f"{policy}: compiling")
-        engines[policy] = _engine(target, drafter, eng_policy, max_slots, max_len, gamma)
-    # policies take turns within each repeat, so a drift of the machine's speed (+-15% over minutes on
-    # 2 shared cores) hits every policy alike; the median of the repeats is reported
-    results: dict[str, list[dict]] = {p: [] for p in policies}
-    for c in levels:
-        n = args.requests or max(4 * c, 24)
-        runs: dict[str, list[dict]] = {p: [] for p in policies}
-        for _ in range(args.repeats):
-            for policy in policies:
-                runs[policy].append(closed_loop(engines[policy], prompts, c, n, args.max_tokens))
+    # every policy's sweep runs `repeats` times, the policies taking turns, so a drift of the machine's
+    # speed (+-15% over minutes on 2 shared cores) hits them alike; each point reports its median run.
+    # One engine lives at a time (all of them at once exhaust the process's memory maps); rebuilding
+    # one loads its executables from the persistent compilation cache.
+    runs: dict[str, dict[int, list[dict]]] = {p: {c: [] for c in levels} for p in policies}
+    for rep in range(args.repeats):
         for policy in policies:
-            r = median_run(runs[policy])
-            results[policy].append(r)
-            log(f"{policy:18s} C={c:3d}: {r['aggregate_tokens_per_s']:8.1f} tok/s aggregate, "
-                f"{r['per_user_tokens_per_s']:7.1f} tok/s per user, mean ell {r['mean_verification_length']:.2f}")
+            drafter = {"plain": None, "mtp1": drafters.get("mtp1", drafters["dspark"]),
+                       "fixed-dflash": drafters["dflash"]}.get(policy, drafters["dspark"])
+            eng_policy = {"fixed-dflash": "fixed", "fixed-dspark": "fixed"}.get(policy, policy)
+            gamma = 1 if policy == "mtp1" and "mtp1" in drafters else args.gamma
+            log(f"{policy}: building (run {rep + 1}/{args.repeats})")
+            eng = _engine(target, drafter, eng_policy, max_slots, max_len, gamma)
+            for c in levels:
+                r = closed_loop(eng, prompts, c, args.requests or max(4 * c, 24), args.max_tokens)
+                runs[policy][c].append(r)
+                log(f"{policy:18s} C={c:3d}: {r['aggregate_tokens_per_s']:8.1f} tok/s aggregate, "
+                    f"{r['per_user_tokens_per_s']:7.1f} tok/s per user, mean ell {r['mean_verification_length']:.2f}")
+            del eng
+            jax.clear_caches()
+            gc.collect()
+    results = {p: [median_run(runs[p][c]) for c in levels] for p in policies}
     _report(results, levels, target, drafter_note, args, argv)
 
 
