@@ -160,7 +160,7 @@ def test_goal_rows_report_each_frontier_goal():
            "confidence_async": [_pt(1, 150.0, 150.0), _pt(4, 330.0, 110.0)]}
     rows = {r[0].split(" (")[0].split(" at ")[0]: r for r in goal_rows(res)}
     assert rows["best confidence >= 0.97x best fixed"][1:] == ["min 1.00", "yes"]
-    assert rows["best confidence never below plain"][1:] == ["min 1.10", "yes"]
+    assert rows["best confidence never below plain"][1:] == ["min 1.10 (C=4)", "yes"]
     assert rows["best confidence >= 1.1x fixed gamma 7"][1:] == ["1.65", "yes"]
     per_user = rows["per-user tok/s"]
     assert per_user[2] == "no" and per_user[1].startswith("min ")  # at 320 tok/s: ~107.6 vs 80 -> 1.34
@@ -173,3 +173,12 @@ def test_median_run_keeps_the_median_run_and_lists_all():
     r = median_run([_pt(4, 300.0, 90.0), _pt(4, 100.0, 30.0), _pt(4, 200.0, 60.0)])
     assert r["aggregate_tokens_per_s"] == 200.0 and r["per_user_tokens_per_s"] == 60.0
     assert r["aggregate_runs"] == [100.0, 200.0, 300.0]
+
+
+def test_drafting_ceiling_states_each_drafter_relative_to_plain():
+    from bench.frontier import drafting_ceiling
+    res = {"plain": [_pt(1, 100.0, 100.0), _pt(4, 300.0, 75.0)], "mtp1": [_pt(1, 90.0, 90.0)],
+           "fixed-dspark": [_pt(1, 60.0, 60.0)]}
+    text = drafting_ceiling(res)
+    assert "C=1" in text and "mtp1 0.90x" in text and "fixed-dspark 0.60x" in text
+    assert drafting_ceiling({"mtp1": res["mtp1"]}) == ""

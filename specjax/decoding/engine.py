@@ -709,11 +709,11 @@ class Engine:
         lite after `LITE_AFTER` plain decisions in a row. A drafting probe refreshes the confidences
         after `_probe_interval` rounds without drafting; the interval doubles (up to `PROBE_MAX`) each
         time a probe changes nothing. Nothing here looks at this round's tokens, so it stays lossless."""
-        from specjax.scheduling import async_capacity, expected_tokens_per_second, prefix_schedule
         rows = np.flatnonzero(active)
         fresh = self._fresh[rows]
         if not fresh.any():
             return 0, 0, "lite"  # nobody can draft
+        from specjax.scheduling import async_capacity, expected_tokens_per_second, prefix_schedule
         prior = np.full((self.gamma,), 0.5) if self._conf_prior is None else self._conf_prior
         c = self._conf_lagged[rows]
         c = np.where(np.isnan(c), prior[None, :], c)
