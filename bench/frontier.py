@@ -105,7 +105,7 @@ def median_run(runs: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
-    ap.add_argument("--requests", type=int, default=0, help="requests per point (default: max(4C, 24))")
+    ap.add_argument("--requests", type=int, default=0, help="requests per point (default: max(4C, 48))")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--gamma", type=int, default=7)
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             log(f"{policy}: building (run {rep + 1}/{args.repeats})")
             eng = _engine(target, drafter, eng_policy, max_slots, max_len, gamma)
             for c in levels:
-                r = closed_loop(eng, prompts, c, args.requests or max(4 * c, 24), args.max_tokens)
+                r = closed_loop(eng, prompts, c, args.requests or max(4 * c, 48), args.max_tokens)
                 runs[policy][c].append(r)
                 log(f"{policy:18s} C={c:3d}: {r['aggregate_tokens_per_s']:8.1f} tok/s aggregate, "
                     f"{r['per_user_tokens_per_s']:7.1f} tok/s per user, mean ell {r['mean_verification_length']:.2f}")

@@ -214,7 +214,7 @@ class Engine:
         self._dstate_shardings = None if mesh is None else shd.tree_shardings(
             dstate, self._slot_axes(dstate), mesh, "serve")
         stop = np.asarray(self.eos_token_ids or (-1,), np.int32)
-        self._stop_ids = self._put(stop)
+        self._stop_ids = self._resident(stop)
         # host state
         self.lengths = np.zeros((slots,), np.int64)
         self.slot_req: list[EngineRequest | None] = [None] * slots
@@ -251,9 +251,16 @@ class Engine:
         return jax.tree.map(lambda x: ("cache_batch",) + (None,) * (x.ndim - 1), tree)
 
     def _put(self, x: np.ndarray) -> Any:
+        """A per-call host input of an executable. On one device the numpy array itself: the compiled
+        call copies it in for a fraction of a separate device_put's cost (which is ~5% of a small
+        batch's step). Every step waits for its outputs before the host touches its arrays again."""
         if self.mesh is None:
-            return jax.device_put(x)
-        return jax.device_put(x, shd.replicated(self.mesh))
+            return x
+        return self._resident(x)
+
+    def _resident(self, x: np.ndarray) -> Any:
+        """A device array that stays (replicated over the mesh when there is one)."""
+        return jax.device_put(x) if self.mesh is None else jax.device_put(x, shd.replicated(self.mesh))
 
     def _constrain(self, cache: kvc.KVCache, dstate: Any, anchors: Array) -> tuple[kvc.KVCache, Any, Array]:
         """Keep the state's shardings fixed across calls (the compiled executables require them)."""
@@ -439,7 +446,7 @@ class Engine:
         """A cached [tb] device array whose shape tells the executable its static tokens bucket."""
         m = self._tb_markers.get(tb)
         if m is None:
-            m = self._tb_markers[tb] = self._put(np.zeros((tb,), np.int32))
+            m = self._tb_markers[tb] = self._resident(np.zeros((tb,), np.int32))
         return m
 
     @staticmethod
