@@ -182,3 +182,15 @@ def test_drafting_ceiling_states_each_drafter_relative_to_plain():
     text = drafting_ceiling(res)
     assert "C=1" in text and "mtp1 0.90x" in text and "fixed-dspark 0.60x" in text
     assert drafting_ceiling({"mtp1": res["mtp1"]}) == ""
+
+
+def test_goal_rows_judge_never_below_plain_from_paired_runs():
+    from bench.frontier import goal_rows
+    res = {"plain": [_pt(1, 100.0, 100.0), _pt(4, 300.0, 75.0)],
+           "fixed-dspark": [_pt(1, 50.0, 50.0), _pt(4, 100.0, 25.0)],
+           "confidence_async": [_pt(1, 90.0, 90.0), _pt(4, 250.0, 62.0)]}  # sweeps alone: 0.83x plain
+    rows = {r[0]: r for r in goal_rows(res, paired={1: [0.97, 1.02, 1.01], 4: [1.0, 1.03, 0.99]})}
+    row = rows["best confidence never below plain (confidence_async vs plain, paired runs)"]
+    assert row[1].startswith("min median 1.00 (C=4") and row[2] == "yes"
+    rows = {r[0]: r for r in goal_rows(res, paired={1: [0.9, 0.95, 0.97], 4: [1.0, 1.0, 1.0]})}
+    assert rows["best confidence never below plain (confidence_async vs plain, paired runs)"][2] == "no"
