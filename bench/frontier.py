@@ -133,17 +133,23 @@ def main(argv: list[str] | None = None) -> None:
     # speed (+-15% over minutes on 2 shared cores) hits them alike; each point reports its median run.
     # One engine lives at a time (all of them at once exhaust the process's memory maps); rebuilding
     # one loads its executables from the persistent compilation cache.
+    def build(policy: str):
+        drafter = {"plain": None, "mtp1": drafters.get("mtp1", drafters["dspark"]),
+                   "fixed-dflash": drafters["dflash"]}.get(policy, drafters["dspark"])
+        eng_policy = {"fixed-dflash": "fixed", "fixed-dspark": "fixed"}.get(policy, policy)
+        gamma = 1 if policy == "mtp1" and "mtp1" in drafters else args.gamma
+        return _engine(target, drafter, eng_policy, max_slots, max_len, gamma)
+
+    def n_requests(c: int) -> int:
+        return args.requests or max(4 * c, 48)
+
     runs: dict[str, dict[int, list[dict]]] = {p: {c: [] for c in levels} for p in policies}
     for rep in range(args.repeats):
         for policy in policies:
-            drafter = {"plain": None, "mtp1": drafters.get("mtp1", drafters["dspark"]),
-                       "fixed-dflash": drafters["dflash"]}.get(policy, drafters["dspark"])
-            eng_policy = {"fixed-dflash": "fixed", "fixed-dspark": "fixed"}.get(policy, policy)
-            gamma = 1 if policy == "mtp1" and "mtp1" in drafters else args.gamma
             log(f"{policy}: building (run {rep + 1}/{args.repeats})")
-            eng = _engine(target, drafter, eng_policy, max_slots, max_len, gamma)
+            eng = build(policy)
             for c in levels:
-                r = closed_loop(eng, prompts, c, args.requests or max(4 * c, 48), args.max_tokens)
+                r = closed_loop(eng, prompts, c, n_requests(c), args.max_tokens)
                 runs[policy][c].append(r)
                 log(f"{policy:18s} C={c:3d}: {r['aggregate_tokens_per_s']:8.1f} tok/s aggregate, "
                     f"{r['per_user_tokens_per_s']:7.1f} tok/s per user, mean ell {r['mean_verification_length']:.2f}")
@@ -153,10 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {p: [median_run(runs[p][c]) for c in levels] for p in policies}
     paired = {}
     if "plain" in policies and "confidence_async" in policies and args.paired:
-        engines = {p: _engine(target, None if p == "plain" else drafters["dspark"], p, max_slots, max_len,
-                              args.gamma) for p in ("plain", "confidence_async")}
-        paired = paired_ratios(engines, prompts, levels, args.max_tokens, args.paired,
-                               lambda c: args.requests or max(4 * c, 48))
+        engines = {p: build(p) for p in ("plain", "confidence_async")}
+        paired = paired_ratios(engines, prompts, levels, args.max_tokens, args.paired, n_requests)
     _report(results, levels, target, drafter_note, args, argv, paired)
 
 

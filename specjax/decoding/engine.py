@@ -760,7 +760,8 @@ class Engine:
         conf = None
         policy = self.cfg.policy
         kind = "lite" if policy == "plain" else "draft"  # what this round does (on_round's "kind")
-        if policy in DEVICE_POLICIES and self.schedule_fn is None:
+        device_policy = policy in DEVICE_POLICIES and self.schedule_fn is None
+        if device_policy:
             k_total, cap, kind = self._async_plan(sb, active)
             self._rounds_since_draft = 0 if kind == "draft" else self._rounds_since_draft + 1
         fused = policy in FIXED_POLICIES and self.schedule_fn is None  # lengths known before drafting
@@ -783,7 +784,7 @@ class Engine:
             draft, q, conf_dev = self.exe_draft((sb,), self.d_params, self.dstate, self.cache.lengths, self.anchors,
                                                 ints_dev, floats_dev, key_data)
             conf_dev.copy_to_host_async()  # confidences travel to the host while the device works on
-            if policy in DEVICE_POLICIES and self.schedule_fn is None:
+            if device_policy:
                 # capacity and per-row cap from confidences two rounds old; no wait on this round's
                 ell = np.minimum(caps, cap) * active
                 device_fill = True
@@ -808,10 +809,10 @@ class Engine:
         if conf is None and self.gamma > 0 and kind != "lite":
             conf = np.asarray(outs["confidence"])
         self.last_confidence = conf
-        self._conf_lagged = self._conf_known.copy()
-        if kind == "draft" and not fused and conf is not None:  # rows with a complete drafter context
+        if device_policy:  # the async plan's memory; rows with a complete drafter context drafted for real
+            self._conf_lagged = self._conf_known.copy()
             seen = active & self._fresh[:sb]
-            if seen.any():
+            if kind == "draft" and seen.any():
                 self._conf_known[np.flatnonzero(seen)] = conf[seen]
                 self._conf_prior = conf[seen].mean(axis=0)
         n_acc = outs["num_accepted"]
