@@ -157,7 +157,7 @@ def time_interleaved(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 1, r
 class BenchTarget:
     """The model a benchmark runs: the embedded default when it exists, else a random stand-in."""
 
-    model: Any  # specjax Qwen3ForCausalLM
+    model: Any  # specjax CausalLM
     config: Any  # TargetConfig
     source: str  # "embedded" or "random"
     description: str
@@ -189,9 +189,9 @@ def load_bench_target(*, use_embedded: bool = True, seed: int = 0) -> BenchTarge
     from flax import nnx
 
     from specjax.config import TargetConfig
-    from specjax.models.qwen3 import Qwen3ForCausalLM
+    from specjax.models.decoder import CausalLM
     cfg = TargetConfig(**RANDOM_TARGET_SHAPE)
-    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed))
+    model = CausalLM(cfg, rngs=nnx.Rngs(seed))
     why = "the embedded target does not exist yet" if use_embedded else "--random-target"
     desc = (f"random Qwen3 built on the spot ({why}): hidden {cfg.hidden_size}, {cfg.num_hidden_layers} "
             f"layers, {cfg.num_attention_heads} heads, {cfg.num_key_value_heads} kv heads, head_dim "

@@ -165,7 +165,7 @@ def specjax_pass(llm, prompts: list[list[int]], new_tokens: int) -> dict[str, An
 
 
 class HFRunner:
-    """transformers Qwen3ForCausalLM on the same weights (exported by specjax.hf.export_target)."""
+    """transformers CausalLM on the same weights (exported by specjax.hf.export_target)."""
 
     def __init__(self, target: BenchTarget, tmp_dir: str):
         import torch

@@ -14,6 +14,7 @@ import numpy as np
 
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.decoding.sampling import validate_sampling
+from specjax.detokenize import StopStringChecker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,27 +69,10 @@ def _target_id(target_dir: str | None, model: Any) -> str | None:
     return f"{os.path.basename(os.path.normpath(target_dir))}:{_target_identity(model)}"
 
 
-def _make_stop_check(tokenizer: Any, stops: Sequence[str]):
-    def check(ids: list[int]) -> int | None:
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        hits = [text.find(s) for s in stops if s in text]
-        if not hits:
-            return None
-        cut = min(hits)
-        keep = 0
-        for k in range(len(ids) + 1):  # longest token prefix whose text stays before the stop string
-            if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) <= cut:
-                keep = k
-            else:
-                break
-        return keep
-    return check
-
-
 class LLM:
     """A target model, an optional drafter and a serving engine behind one `generate` call.
 
-    target: a Hugging Face Qwen3 directory, or a `(Qwen3ForCausalLM, TargetConfig)` pair, or None for
+    target: a Hugging Face Qwen3 directory, or a `(CausalLM, TargetConfig)` pair, or None for
         the embedded default.
     drafter: None (plain decoding), "ngram", a shipped drafter name, a drafter checkpoint directory,
         or a drafter module.
@@ -166,7 +150,7 @@ class LLM:
         if sp.stop:
             if self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; this target has none")
-            stop_check = _make_stop_check(self.tokenizer, sp.stop)
+            stop_check = StopStringChecker(self.tokenizer, sp.stop)
         return EngineRequest(request_id=rid, prompt_ids=prompt_ids, max_tokens=sp.max_tokens,
                              temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
                              stop_token_ids=tuple(sp.stop_token_ids), stop_check=stop_check,
@@ -266,7 +250,7 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
     if sp.stop:
         if tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this target has none")
-        stop_check = _make_stop_check(tokenizer, sp.stop)
+        stop_check = StopStringChecker(tokenizer, sp.stop)
     return EngineRequest(request_id=request_id, prompt_ids=ids, max_tokens=sp.max_tokens,
                          temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
                          stop_token_ids=tuple(sp.stop_token_ids), stop_check=stop_check,

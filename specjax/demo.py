@@ -64,10 +64,10 @@ def _random_setup(max_model_len: int):
     """A small random target (no embedded assets yet) and repetitive token-id prompts."""
     from flax import nnx
     from specjax.config import TargetConfig
-    from specjax.models.qwen3 import Qwen3ForCausalLM
+    from specjax.models.decoder import CausalLM
     cfg = TargetConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
-    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = []
     for _ in range(4):

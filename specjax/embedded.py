@@ -23,7 +23,7 @@ tokens + 4 special tokens appended after them: `<|endoftext|>` (EOS and document
 training, so its embedding row stays near its random initialisation). The ids are in
 `special_token_ids()`; the files load with `transformers.AutoTokenizer` offline.
 
-Target size. Qwen3ForCausalLM with hidden 256, 6 layers, 4 query / 2 kv heads of 64, SwiGLU 768,
+Target size. CausalLM with hidden 256, 6 layers, 4 query / 2 kv heads of 64, SwiGLU 768,
 vocab 2048, tied embeddings, RoPE theta 1e4, 1024 positions: 5.25 M params, 10.5 MB in bfloat16
 (a 7th layer would pass 12 MB). Measured on this project's 2-core CPU machine (XLA CPU, float32,
 batch 1, jitted step against a 512-slot KV cache, 25th percentile of 300 calls while other jobs

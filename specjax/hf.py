@@ -490,15 +490,15 @@ def read_target_config(path: str | os.PathLike) -> TargetConfig:
 
 
 def _abstract_target(cfg: TargetConfig, dtype, compute_dtype):
-    from specjax.models.qwen3 import Qwen3ForCausalLM
+    from specjax.models.decoder import CausalLM
 
-    return nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=compute_dtype,
+    return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=compute_dtype,
                                                    param_dtype=dtype))
 
 
 def load_target(path: str | os.PathLike, *, dtype="float32", compute_dtype=None, mesh=None,
                 rules=None):
-    """Load a Hugging Face Qwen3 checkpoint directory -> (Qwen3ForCausalLM, TargetConfig).
+    """Load a Hugging Face Qwen3 checkpoint directory -> (CausalLM, TargetConfig).
 
     The model is built abstractly and filled tensor by tensor (cast to `dtype`; computation in
     `compute_dtype`, default `dtype`), each placed with its NamedSharding when `mesh` is given.
@@ -512,7 +512,7 @@ def load_target(path: str | os.PathLike, *, dtype="float32", compute_dtype=None,
 
 def load_target_weights(path: str | os.PathLike, cfg: TargetConfig, *, dtype="float32",
                         compute_dtype=None, mesh=None, rules=None):
-    """A Qwen3ForCausalLM of config `cfg` filled from the safetensors in `path` (see
+    """A CausalLM of config `cfg` filled from the safetensors in `path` (see
     `load_target`; the config is given, e.g. parsed from a drafter's config.json)."""
     path = os.fspath(path)
     model = _abstract_target(cfg, dtype, compute_dtype or dtype)
@@ -592,7 +592,7 @@ def load_tokenizer(path: str | os.PathLike):
 # MTP-1, architectures ["SpecjaxMTPDrafter"] (DeepSeek-V3 MTP layer names): embed_tokens.weight,
 #   enorm.weight, hnorm.weight, eh_proj.weight [H, 2H], input_layernorm.weight, self_attn.*,
 #   post_attention_layernorm.weight, mlp.*, shared_head.norm.weight, shared_head.head.weight.
-# Standalone draft LM: a plain Qwen3ForCausalLM checkpoint (model.*, lm_head.weight) whose
+# Standalone draft LM: a plain CausalLM checkpoint (model.*, lm_head.weight) whose
 #   config.json adds `"specjax_drafter": "standalone"` (architectures ["Qwen3ForCausalLM"], so
 #   transformers loads it as is; "SpecjaxStandaloneDrafter" is read too).
 # N-gram, architectures ["SpecjaxNGramDrafter"]: config.json only, no tensors.
@@ -614,7 +614,7 @@ EAGLE3_ARCHITECTURE = "Qwen3Eagle3Model"
 EAGLE3_ARCHITECTURE_ALIASES = ("Eagle3DraftModel", "LlamaForCausalLMEagle3")
 MTP_ARCHITECTURE = "SpecjaxMTPDrafter"
 STANDALONE_ARCHITECTURE = "SpecjaxStandaloneDrafter"
-STANDALONE_FIELD = "specjax_drafter"  # value "standalone" on a Qwen3ForCausalLM config
+STANDALONE_FIELD = "specjax_drafter"  # value "standalone" on a CausalLM config
 NGRAM_ARCHITECTURE = "SpecjaxNGramDrafter"
 GAMMA_FIELD = "num_speculative_tokens"
 CONFIDENCE_TEMPERATURES_FIELD = "confidence_temperatures"
@@ -653,7 +653,7 @@ def mtp_key_map() -> KeyMap:
 
 
 def standalone_key_map() -> KeyMap:
-    """Standalone drafter (its LM held as `model`) <-> plain Qwen3ForCausalLM names."""
+    """Standalone drafter (its LM held as `model`) <-> plain CausalLM names."""
     return KeyMap(prefix_map={"model.": ""})
 
 
@@ -911,7 +911,7 @@ def mtp_config_from_hf(d: Mapping[str, Any], *, source: str = "config.json"):
 
 def standalone_config_from_hf(d: Mapping[str, Any], *, source: str = "config.json",
                               default_gamma: int = 4) -> tuple[TargetConfig, int]:
-    """(the draft LM's TargetConfig, gamma) of a standalone drafter config.json: a Qwen3ForCausalLM
+    """(the draft LM's TargetConfig, gamma) of a standalone drafter config.json: a CausalLM
     config (with or without `specjax_drafter: "standalone"`); gamma = `num_speculative_tokens`
     or `default_gamma`."""
     if drafter_architecture(d, source) != "standalone":
@@ -951,7 +951,7 @@ def ngram_config_from_hf(d: Mapping[str, Any], *,
 def target_hf_base(target_config: Any) -> tuple[dict[str, Any] | None, TargetConfig | None]:
     """(a deep copy of the target's HF config mapping or None, the target's TargetConfig or None)
     from a TargetConfig, an HF config mapping, a checkpoint directory or config.json path, a
-    Qwen3ForCausalLM (its `.config`) or None."""
+    CausalLM (its `.config`) or None."""
     import copy
 
     if target_config is None:
@@ -1102,7 +1102,7 @@ def mtp_hf_config(cfg: Any, target_config: Any = None, *, dtype: Any = "float32"
 
 def standalone_hf_config(model_config: TargetConfig, gamma: int, *, dtype: Any = "float32",
                          extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A Qwen3ForCausalLM config.json mapping (loadable by transformers) marked as a standalone
+    """A CausalLM config.json mapping (loadable by transformers) marked as a standalone
     drafter with its proposal length."""
     d = model_config.to_hf_dict()
     d["torch_dtype"] = str(jnp.dtype(dtype))

@@ -13,14 +13,14 @@ from specjax.config import TargetConfig
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
 from specjax.drafters.base import ContextUpdate, DraftBlock
-from specjax.models.qwen3 import Qwen3ForCausalLM
+from specjax.models.decoder import CausalLM
 
 
 def tiny_target(vocab: int = 16, *, seed: int = 0, layers: int = 2, hidden: int = 32,
-                init_scale: float = 1.0) -> Qwen3ForCausalLM:
+                init_scale: float = 1.0) -> CausalLM:
     cfg = TargetConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=48, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    m = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed))
+    m = CausalLM(cfg, rngs=nnx.Rngs(seed))
     if init_scale != 1.0:  # sharper distributions: more structure for the samplers to get right
         g, st = nnx.split(m)
         st = jax.tree.map(lambda x: x * init_scale if x.ndim == 2 else x, st)
@@ -64,7 +64,7 @@ class BigramDrafter(nnx.Module):
         return DraftBlock(jnp.moveaxis(toks, 0, 1), jnp.moveaxis(qs, 0, 1), conf)
 
 
-def exact_continuations(model: Qwen3ForCausalLM, prompt: list[int], n: int, temperature: float = 1.0,
+def exact_continuations(model: CausalLM, prompt: list[int], n: int, temperature: float = 1.0,
                         top_k: int = 0, top_p: float = 1.0) -> dict[tuple[int, ...], float]:
     """P(x_1..x_n | prompt) for every n-token continuation, by enumeration with full forwards."""
     v = model.config.vocab_size

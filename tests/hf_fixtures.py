@@ -25,7 +25,7 @@ def make_tiny_qwen3(tmp_path: str | pathlib.Path, *, tie: bool = False, heads: i
                     rope_scaling: dict[str, Any] | None = None, rope_theta: float = 10000.0,
                     seed: int = 0, dtype: str = "float32", max_shard_size: str | None = None,
                     subdir: str = "tiny_qwen3") -> pathlib.Path:
-    """Save a random tiny Qwen3ForCausalLM under tmp_path/subdir and return that directory.
+    """Save a random tiny CausalLM under tmp_path/subdir and return that directory.
 
     `rope_scaling` e.g. {"rope_type": "linear", "factor": 2.0}; `dtype` "float32" or "bfloat16"
     (the saved tensor dtype); `max_shard_size` (e.g. "20KB") writes a sharded checkpoint.

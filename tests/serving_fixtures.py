@@ -16,10 +16,10 @@ def tiny_target(seed: int = 0):
     from flax import nnx
 
     from specjax.config import TargetConfig
-    from specjax.models.qwen3 import Qwen3ForCausalLM
+    from specjax.models.decoder import CausalLM
 
     cfg = TargetConfig(**TINY)
-    return Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed)), cfg
+    return CausalLM(cfg, rngs=nnx.Rngs(seed)), cfg
 
 
 def tiny_engine_config(*, drafter: bool = True, max_slots: int = 4, max_len: int = 128):

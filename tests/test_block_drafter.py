@@ -18,7 +18,7 @@ from specjax.drafters.block import (BlockBackbone, BlockDrafterConfig, Frozen,
 from specjax.drafters.dspark import (ConfidenceHead, DSparkDrafter, MarkovHead, RNNHead,
                                      make_block_drafter)
 from specjax.models.layers import gqa_attention
-from specjax.models.qwen3 import Qwen3ForCausalLM
+from specjax.models.decoder import CausalLM
 
 V, H = 64, 32
 MASK_ID = V - 1
@@ -67,8 +67,8 @@ class _Jit:
 
 
 @pytest.fixture(scope="module")
-def target() -> Qwen3ForCausalLM:
-    t = Qwen3ForCausalLM(TCFG, rngs=nnx.Rngs(0))
+def target() -> CausalLM:
+    t = CausalLM(TCFG, rngs=nnx.Rngs(0))
     _scramble(t, 1, std=0.2)
     return t
 
@@ -176,7 +176,7 @@ def test_structure_names_and_protocol(target):
 @pytest.mark.parametrize("tied", [False, True])
 def test_make_block_drafter_copies_target_embedding_and_head(tied):
     tcfg = dataclasses.replace(TCFG, tie_word_embeddings=tied)
-    tgt = Qwen3ForCausalLM(tcfg, rngs=nnx.Rngs(5))
+    tgt = CausalLM(tcfg, rngs=nnx.Rngs(5))
     _scramble(tgt, 6)
     d = make_block_drafter(tgt, tcfg, _cfg("dflash"), nnx.Rngs(1))
     ids = jnp.arange(V)[None, :]

@@ -24,7 +24,7 @@ from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, make_eagle3_dra
 from specjax.drafters.mtp import make_mtp_drafter
 from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.standalone import StandaloneDrafter
-from specjax.models.qwen3 import Qwen3ForCausalLM
+from specjax.models.decoder import CausalLM
 
 V, H, NH, NKV, HD, FF, NT = 64, 32, 4, 2, 8, 64, 3  # target: vocab, hidden, heads, kv, hd, mlp, layers
 R, GAMMA, MASK_ID = 8, 3, V - 1
@@ -58,13 +58,13 @@ def _variables(module: nnx.Module) -> dict[str, tuple[type, np.ndarray]]:
 
 
 @pytest.fixture(scope="module")
-def target() -> Qwen3ForCausalLM:
-    t = Qwen3ForCausalLM(TCFG, rngs=nnx.Rngs(0))
+def target() -> CausalLM:
+    t = CausalLM(TCFG, rngs=nnx.Rngs(0))
     _scramble(t, 1, std=0.2)
     return t
 
 
-def _make(kind: str, target: Qwen3ForCausalLM) -> nnx.Module:
+def _make(kind: str, target: CausalLM) -> nnx.Module:
     if kind in BLOCK_VARIANTS:
         cfg = BlockDrafterConfig.from_target(TCFG, target_layer_ids=TAPS, mask_token_id=MASK_ID,
                                              num_draft_layers=2, block_size=GAMMA,
@@ -116,7 +116,7 @@ def _commit_propose(graph, state, update, anchor_b, position_b, sampling, keys):
     return d.propose(st, anchor_b, position_b, sampling, keys)
 
 
-def _run(drafter: nnx.Module, target: Qwen3ForCausalLM, seed: int = 0):
+def _run(drafter: nnx.Module, target: CausalLM, seed: int = 0):
     """(tokens, q, confidence) of one jitted commit + propose over a random 2-row prompt (the
     executable is shared by drafters with equal graphs, e.g. a drafter and its reloaded copy)."""
     ids = jax.random.randint(jax.random.key(seed), (_B, _T), 0, V - 1, dtype=jnp.int32)

@@ -16,7 +16,7 @@ from specjax.drafters.eagle3 import (Eagle3Config, Eagle3Drafter, attend_causal_
 from specjax.drafters.mtp import MTPConfig, MTPDrafter, make_mtp_drafter
 from specjax.drafters.standalone import StandaloneDrafter
 from specjax.models.layers import gqa_attention
-from specjax.models.qwen3 import Qwen3ForCausalLM
+from specjax.models.decoder import CausalLM
 
 V, H = 64, 32
 TAPS = (0, 1)
@@ -37,13 +37,13 @@ def _scramble(module: nnx.Module, seed: int, std: float = 0.3) -> None:
 
 
 @pytest.fixture(scope="module")
-def target() -> Qwen3ForCausalLM:
-    t = Qwen3ForCausalLM(TCFG, rngs=nnx.Rngs(0))
+def target() -> CausalLM:
+    t = CausalLM(TCFG, rngs=nnx.Rngs(0))
     _scramble(t, 1, std=0.2)
     return t
 
 
-def _make(kind: str, target: Qwen3ForCausalLM):
+def _make(kind: str, target: CausalLM):
     if kind == "eagle3":
         d = make_eagle3_drafter(target, Eagle3Config.from_target(TCFG, target_layer_ids=TAPS, gamma=GAMMA),
                                 rngs=nnx.Rngs(5))

@@ -13,7 +13,7 @@ from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
 from specjax.hf import export_target
-from specjax.models.qwen3 import Qwen3ForCausalLM
+from specjax.models.decoder import CausalLM
 from specjax.training import features as feat
 
 V, H, LAYERS = 61, 16, 4
@@ -32,8 +32,8 @@ def _scramble(module: nnx.Module, seed: int, std: float = 0.3) -> None:
 
 
 @pytest.fixture(scope="module")
-def target() -> Qwen3ForCausalLM:
-    t = Qwen3ForCausalLM(TCFG, rngs=nnx.Rngs(0))
+def target() -> CausalLM:
+    t = CausalLM(TCFG, rngs=nnx.Rngs(0))
     _scramble(t, 1)
     return t
 

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
-from specjax.models.qwen3 import Qwen3ForCausalLM
+from specjax.models.decoder import CausalLM
 from specjax.training.config import ModelConfig
 from specjax.training.objectives import make_objective, shift_left
 
@@ -43,7 +43,7 @@ def test_shift_left():
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp", "standalone"])
 def test_loss_finite_and_trains_only_drafter(kind):
-    target = Qwen3ForCausalLM(TCFG, rngs=nnx.Rngs(1))
+    target = CausalLM(TCFG, rngs=nnx.Rngs(1))
     gd, aux = nnx.split(target)
     obj = make_objective(_mc(kind), target, TCFG, target_graphdef=gd, feature_dtype=jnp.float32)
     graph, params, rest = nnx.split(obj.drafter, nnx.Param, ...)
@@ -66,7 +66,7 @@ def test_mtp_targets_are_the_next_next_token():
     """A perfect MTP drafter (its logits = the target's own logits one row ahead) has TV 0."""
     from specjax.training.losses import mtp_loss
 
-    target = Qwen3ForCausalLM(TCFG, rngs=nnx.Rngs(2))
+    target = CausalLM(TCFG, rngs=nnx.Rngs(2))
     b = _batch()
     out = target.forward(b["input_ids"], jnp.broadcast_to(jnp.arange(16), (2, 16)),
                          valid_b=b["valid"], logits="all")
@@ -85,7 +85,7 @@ def test_model_config_kinds():
     with pytest.raises(ConfigError, match="ttt_decay"):
         _mc("eagle3", ttt_decay=0.0)
     with pytest.raises(ConfigError, match="num_draft_layers"):
-        target = Qwen3ForCausalLM(TCFG, rngs=nnx.Rngs(1))
+        target = CausalLM(TCFG, rngs=nnx.Rngs(1))
         make_objective(dataclasses_replace(_mc("eagle3"), num_draft_layers=2), target, TCFG,
                        target_graphdef=nnx.split(target)[0])
 

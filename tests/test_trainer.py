@@ -262,13 +262,13 @@ def test_grad_accumulation_equals_full_batch():
 def tiny_target_dir(tmp_path_factory):
     from specjax.config import TargetConfig
     from specjax.hf import export_target
-    from specjax.models.qwen3 import Qwen3ForCausalLM
+    from specjax.models.decoder import CausalLM
 
     cfg = TargetConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=4,
                        rope_theta=10000.0)
     out = tmp_path_factory.mktemp("tiny") / "target"
-    return export_target(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)), cfg, out)
+    return export_target(CausalLM(cfg, rngs=nnx.Rngs(0)), cfg, out)
 
 
 def _tiny_run_yaml(tmp_path, target_dir, *, total_steps=10**6, save_every=10**6, mode="online"):

@@ -78,7 +78,7 @@ def _decode_latency_ms(model: Any, *, layers: int, n: int = 100) -> dict[str, fl
     import jax.numpy as jnp
     from flax import nnx
 
-    from specjax.models.qwen3 import Qwen3ForCausalLM
+    from specjax.models.decoder import CausalLM
 
     def one(m) -> float:
         graphdef, state = nnx.split(m)
@@ -100,7 +100,7 @@ def _decode_latency_ms(model: Any, *, layers: int, n: int = 100) -> dict[str, fl
 
     cfg = model.config
     small_cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
-    small = Qwen3ForCausalLM(small_cfg, rngs=nnx.Rngs(0))
+    small = CausalLM(small_cfg, rngs=nnx.Rngs(0))
     return {"target_ms": round(one(model), 3), f"{layers}_layer_ms": round(one(small), 3)}
 
 
@@ -192,12 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flax import nnx
 
     from specjax import hf
-    from specjax.models.qwen3 import Qwen3ForCausalLM
+    from specjax.models.decoder import CausalLM
     from specjax.training.config import CheckpointConfig, LoggingConfig, OptimizerConfig
     from specjax.training.trainer import EpochBatches, Trainer
 
     tcfg = cfg.target_config(tok.get_vocab_size(), eos_id)
-    model = Qwen3ForCausalLM(tcfg, rngs=nnx.Rngs(cfg.seed), dtype=cfg.compute_dtype,
+    model = CausalLM(tcfg, rngs=nnx.Rngs(cfg.seed), dtype=cfg.compute_dtype,
                              param_dtype="float32")
     opt = OptimizerConfig(learning_rate=cfg.learning_rate, b1=0.9, b2=cfg.b2,
                           weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,

@@ -34,7 +34,7 @@ from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_k
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.drafters.base import ContextUpdate
 from specjax.models import cache as kvc
-from specjax.models.qwen3 import Qwen3ForCausalLM
+from specjax.models.decoder import CausalLM
 
 Array = jax.Array
 
@@ -44,7 +44,7 @@ DEVICE_POLICIES = ("confidence_async",)  # capacity from old confidences, filled
 ALL_POLICIES = FIXED_POLICIES + HOST_POLICIES + DEVICE_POLICIES
 
 
-def _target_identity(target: Qwen3ForCausalLM) -> str:
+def _target_identity(target: CausalLM) -> str:
     """A stable identity of a target: its config and a checksum of its weights."""
     import hashlib
     import json
@@ -154,7 +154,7 @@ class Engine:
     # plain rounds stop maintaining the drafter's context (lite rounds)
     PROBE_EVERY, PROBE_MAX, LITE_AFTER = 32, 512, 8
 
-    def __init__(self, target: Qwen3ForCausalLM, drafter: nnx.Module | None = None,
+    def __init__(self, target: CausalLM, drafter: nnx.Module | None = None,
                  config: EngineConfig = EngineConfig(), *, mesh: jax.sharding.Mesh | None = None,
                  eos_token_ids: Sequence[int] = (), cost_table: Any = None, target_id: str | None = None,
                  progress: bool = True, verifier: Callable[..., VerifyResult] = verify_chain,
@@ -273,7 +273,7 @@ class Engine:
         return cache, dstate, anchors
 
     # ------------------------------------------------------------------ device functions
-    def _target(self, t_params: Any) -> Qwen3ForCausalLM:
+    def _target(self, t_params: Any) -> CausalLM:
         return nnx.merge(self.t_graph, t_params)
 
     def _drafter(self, d_params: Any) -> Any:

@@ -29,11 +29,11 @@ from flax import nnx
 from specjax.config import ConfigError, TargetConfig
 from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
 from specjax.drafters.base import ContextUpdate, DraftBlock
-from specjax.drafters.dims import (check_same_width, check_tap_layers, layer_config, validate_layer_dims,
-                                   validate_tap_layer_ids)
+from specjax.drafters.dims import (check_same_width, check_tap_layers, drafter_rope, layer_config,
+                                   validate_layer_dims, validate_tap_layer_ids)
 from specjax.models import cache as kvc
 from specjax.models.layers import Linear, RMSNorm, gqa_attention
-from specjax.models.qwen3 import DecoderLayer
+from specjax.models.decoder import DecoderLayer
 from specjax.training.data import block_attention_mask, block_positions
 
 Array = jax.Array
@@ -123,8 +123,7 @@ class BlockDrafterConfig:
                   intermediate_size=target.intermediate_size,
                   num_attention_heads=target.num_attention_heads,
                   num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
-                  rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-                  rope_type=target.rope_type, rope_factor=target.rope_factor,
+                  rms_norm_eps=target.rms_norm_eps, **drafter_rope(target),
                   target_layer_ids=tuple(target_layer_ids), mask_token_id=mask_token_id,
                   **overrides)
         cfg.check_target(target)

@@ -24,7 +24,7 @@ def validate_layer_dims(cfg: Any) -> None:
 
 
 def layer_config(cfg: Any, num_layers: int = 1) -> TargetConfig:
-    """The Qwen3 layer config a drafter's decoder layer(s) are built from."""
+    """The Qwen3-style layer config a drafter's decoder layer(s) are built from (any target family)."""
     return TargetConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=num_layers,
@@ -33,14 +33,26 @@ def layer_config(cfg: Any, num_layers: int = 1) -> TargetConfig:
         rope_type=cfg.rope_type, rope_factor=cfg.rope_factor, tie_word_embeddings=False)
 
 
+def drafter_rope(target: TargetConfig) -> dict[str, Any]:
+    """The RoPE fields a drafter's own (Qwen3-style) layers copy from its target.
+
+    The target's theta and linear scaling carry over. Llama 3's frequency smoothing does not: a
+    drafter is trained from scratch on positions inside the original context, where llama3 scaling
+    leaves the high frequencies unchanged, so its layers use unscaled RoPE with the target's theta.
+    """
+    if target.rope_type == "llama3":
+        return dict(rope_theta=target.rope_theta, rope_type="default", rope_factor=1.0)
+    return dict(rope_theta=target.rope_theta, rope_type=target.rope_type,
+                rope_factor=target.rope_factor)
+
+
 def target_dims(target: TargetConfig) -> dict[str, Any]:
     """The layer fields a drafter copies from its target (reference §1)."""
     return dict(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
                 intermediate_size=target.intermediate_size,
                 num_attention_heads=target.num_attention_heads,
                 num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
-                rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-                rope_type=target.rope_type, rope_factor=target.rope_factor)
+                rms_norm_eps=target.rms_norm_eps, **drafter_rope(target))
 
 
 def check_same_width(cfg: Any, target: TargetConfig) -> None:

@@ -50,7 +50,7 @@ from specjax.drafters.dims import (check_same_width, check_tap_layers, layer_con
 from specjax.drafters.block import Frozen, FrozenEmbed, FrozenLMHead, attend_context_and_block
 from specjax.models import cache as kvc
 from specjax.models.layers import Linear, RMSNorm, SwiGLU, gqa_attention
-from specjax.models.qwen3 import Attention
+from specjax.models.decoder import Attention
 
 Array = jax.Array
 
@@ -424,7 +424,7 @@ class Eagle3Drafter(PairCacheDrafter):
 
 def make_eagle3_drafter(target_model: Any, cfg: Eagle3Config, rngs: nnx.Rngs | None = None, *,
                         dtype="float32", param_dtype="float32") -> Eagle3Drafter:
-    """Build an Eagle3 drafter for `target_model` (a Qwen3ForCausalLM) with its embedding and
+    """Build an Eagle3 drafter for `target_model` (a CausalLM) with its embedding and
     lm_head copied into the frozen copies."""
     cfg.check_target(target_model.config)
     d = Eagle3Drafter(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)

@@ -29,7 +29,7 @@ from specjax.drafters.block import FrozenEmbed, FrozenLMHead
 from specjax.drafters.dims import check_same_width, layer_config, target_dims, validate_layer_dims
 from specjax.drafters.eagle3 import PairCacheDrafter, copy_frozen_from_target
 from specjax.models.layers import Linear, RMSNorm, SwiGLU
-from specjax.models.qwen3 import Attention
+from specjax.models.decoder import Attention
 
 Array = jax.Array
 
@@ -143,7 +143,7 @@ class MTPDrafter(PairCacheDrafter):
 def make_mtp_drafter(target_model: Any, cfg: MTPConfig | None = None,
                      rngs: nnx.Rngs | None = None, *, dtype="float32",
                      param_dtype="float32") -> MTPDrafter:
-    """Build an MTP drafter for `target_model` (a Qwen3ForCausalLM; dims copied when `cfg` is
+    """Build an MTP drafter for `target_model` (a CausalLM; dims copied when `cfg` is
     None) with its embedding and lm_head copied into the frozen copies."""
     cfg = cfg if cfg is not None else MTPConfig.from_target(target_model.config)
     cfg.check_target(target_model.config)

@@ -36,7 +36,7 @@ DRAFTER_KINDS = ("dspark", "eagle3", "mtp", "standalone", "ngram")
 
 
 def _target_parts(target: Any) -> tuple[TargetConfig | None, Any]:
-    """(target config, target model or None) from a Qwen3ForCausalLM, a TargetConfig or None."""
+    """(target config, target model or None) from a CausalLM, a TargetConfig or None."""
     if target is None:
         return None, None
     if isinstance(target, TargetConfig):
@@ -44,7 +44,7 @@ def _target_parts(target: Any) -> tuple[TargetConfig | None, Any]:
     cfg = getattr(target, "config", None)
     if isinstance(cfg, TargetConfig):
         return cfg, target
-    raise ValueError(f"target must be a Qwen3ForCausalLM or a TargetConfig, got "
+    raise ValueError(f"target must be a CausalLM or a TargetConfig, got "
                      f"{type(target).__name__}")
 
 
@@ -215,7 +215,7 @@ def load_drafter(path: str | os.PathLike, *, target: Any = None, dtype: Any = "f
                  rules: Any = None) -> nnx.Module:
     """Load the drafter in directory `path`, choosing its class from config.json `architectures`.
 
-    target: the Qwen3ForCausalLM (or its TargetConfig) the drafter will serve. When given, the
+    target: the CausalLM (or its TargetConfig) the drafter will serve. When given, the
         drafter must match it (vocabulary and hidden size, tap layer ids below its layer count;
         a ConfigError names the field), and frozen embedding / lm_head tensors that a checkpoint
         leaves out are copied from it.

@@ -1,13 +1,13 @@
 """Standalone draft model: an independent small causal LM sharing the target's vocabulary.
 
-The classic draft-model / assistant-model method: a small Qwen3ForCausalLM with its own KV cache.
+The classic draft-model / assistant-model method: a small CausalLM with its own KV cache.
 `commit` runs its forward over the committed tokens (the prompt at prefill, the anchor plus the
 accepted drafts after a round), extending its cache; `propose` runs gamma single-token steps in a
 `lax.scan` from the anchor, writing past the committed length (write, then mask: the lengths in
 the state are untouched, so the next commit overwrites those entries). It reads no target
 features (`tap_layers` = (), `needs_hidden` = False).
 
-Checkpoint names: the draft model is a plain Qwen3ForCausalLM held as `model`, so its Hugging
+Checkpoint names: the draft model is a plain CausalLM held as `model`, so its Hugging
 Face names are its own (`model.embed_tokens.weight`, `model.layers.{i}...`, `lm_head.weight`),
 obtained by dropping our leading `model.` attribute.
 """
@@ -21,7 +21,7 @@ from specjax.config import ConfigError, TargetConfig
 from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.models import cache as kvc
-from specjax.models.qwen3 import Qwen3ForCausalLM
+from specjax.models.decoder import CausalLM
 
 Array = jax.Array
 
@@ -29,9 +29,9 @@ Array = jax.Array
 class StandaloneDrafter(nnx.Module):
     """An independent draft LM with the `Drafter` protocol. State: its own `KVCache`."""
 
-    def __init__(self, model: Qwen3ForCausalLM, gamma: int):
-        if not isinstance(model, Qwen3ForCausalLM):
-            raise ValueError(f"model must be a Qwen3ForCausalLM, got {type(model).__name__}")
+    def __init__(self, model: CausalLM, gamma: int):
+        if not isinstance(model, CausalLM):
+            raise ValueError(f"model must be a CausalLM, got {type(model).__name__}")
         if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
             raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
         self.model = model
@@ -44,7 +44,7 @@ class StandaloneDrafter(nnx.Module):
     def from_config(cls, cfg: TargetConfig, gamma: int, *, rngs: nnx.Rngs | None = None,
                     dtype="float32", param_dtype="float32") -> "StandaloneDrafter":
         """A freshly initialised draft LM of config `cfg`."""
-        return cls(Qwen3ForCausalLM(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype), gamma)
+        return cls(CausalLM(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype), gamma)
 
     def check_target(self, target: TargetConfig) -> None:
         """Raise ConfigError unless the draft LM shares the target's vocabulary size."""

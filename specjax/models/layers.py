@@ -88,16 +88,37 @@ def rope_inv_freq(head_dim: int, theta: float) -> Array:
     return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 
 
+def rope_inv_freq_scaled(head_dim: int, *, theta: float, rope_type: str = "default",
+                         factor: float = 1.0, low_freq_factor: float = 1.0,
+                         high_freq_factor: float = 4.0, original_max_position: int = 8192) -> Array:
+    """Inverse frequencies [head_dim/2] after RoPE scaling (default, linear or llama3).
+
+    llama3: wavelengths longer than original_max_position / low_freq_factor are divided by
+    `factor`, those shorter than original_max_position / high_freq_factor are kept, and the band
+    between is interpolated smoothly (Llama 3.1's rule)."""
+    inv = rope_inv_freq(head_dim, theta)
+    if rope_type in ("default", "linear"):
+        return inv if rope_type == "default" else inv / factor
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope type {rope_type!r}")
+    wavelen = 2 * jnp.pi / inv
+    low_wavelen = original_max_position / low_freq_factor
+    high_wavelen = original_max_position / high_freq_factor
+    smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    return jnp.where(wavelen > low_wavelen, inv / factor, jnp.where(wavelen < high_wavelen, inv, mid))
+
+
 def apply_rope(x_bthd: Array, positions_bt: Array, *, theta: float, rope_type: str = "default",
-               factor: float = 1.0) -> Array:
+               factor: float = 1.0, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+               original_max_position: int = 8192) -> Array:
     """Rotate-half RoPE on x [B, T, heads, head_dim] at integer positions [B, T]."""
     hd = x_bthd.shape[-1]
-    pos = positions_bt.astype(jnp.float32)
-    if rope_type == "linear":
-        pos = pos / factor
-    elif rope_type != "default":
-        raise ValueError(f"unsupported rope type {rope_type!r}")
-    angles = pos[..., None] * rope_inv_freq(hd, theta)  # [B, T, hd/2]
+    inv_freq = rope_inv_freq_scaled(hd, theta=theta, rope_type=rope_type, factor=factor,
+                                    low_freq_factor=low_freq_factor,
+                                    high_freq_factor=high_freq_factor,
+                                    original_max_position=original_max_position)
+    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
     xf = x_bthd.astype(jnp.float32)

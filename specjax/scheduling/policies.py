@@ -99,6 +99,15 @@ def _check_executable(lengths: np.ndarray, cost_table: CostTable | None, policy:
 
 
 # ---- shared kernels (inputs already validated) --------------------------------------------------
+#
+# Candidates (r, j) are ranked by prefix survival a[r, j] descending, ties toward earlier j, then
+# lower r (position-major order). Since a[r, j + 1] <= a[r, j], the first n ranked candidates always
+# form a prefix of every row. The kernels never materialise that ranking (a stable argsort costs more
+# than everything else together); they use the sorted survival values, which the ranking shares, and
+# resolve ties through counts over the position-major layout.
+
+
+_SMALL_R = 32  # below this many requests, np.multiply.accumulate beats a loop over positions
 
 
 def _usable_positions(gamma: int, cost_table: CostTable) -> int:
@@ -106,49 +115,99 @@ def _usable_positions(gamma: int, cost_table: CostTable) -> int:
     return min(gamma, cost_table.max_tokens_per_slot - 1)
 
 
-def _sorted_candidates(c_rg: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Candidates (r, j) sorted by prefix survival a descending, ties toward earlier j, then lower r.
+def _survival_gr(c_rg: np.ndarray) -> np.ndarray:
+    """Prefix survivals, position-major float64 [gamma, R] (row j-1 holds a[:, j]).
 
-    Returns order (flat index j0 * R + r into the position-major layout, j0 = j - 1), the sorted
-    survivals s and the 1-based positions pos, each [R * gamma].
-    """
-    R, G = c_rg.shape
-    a_gr = np.array(c_rg.T, dtype=np.float64, order="C")  # [gamma, R], position-major
-    for j in range(1, G):  # running product; a short Python loop beats np.cumprod on axis 1 here
+    Both branches multiply left to right, as np.cumprod(c_rg, axis=1) does, so the bits agree."""
+    a_gr = np.array(c_rg.T, dtype=np.float64, order="C")
+    if a_gr.shape[1] <= _SMALL_R:
+        return np.multiply.accumulate(a_gr, axis=0, out=a_gr)
+    for j in range(1, a_gr.shape[0]):  # wide rows: one vector multiply per position is faster
         a_gr[j] *= a_gr[j - 1]
-    a_gr = a_gr.ravel()  # flat index j0 * R + r
-    # A stable sort of -a keeps the position-major order on ties: earlier j, then lower r.
-    order = np.argsort(-a_gr, kind="stable")
-    return order, a_gr[order], order // R + 1
+    return a_gr
+
+
+def _first_ranks(a_gr: np.ndarray, neg_sorted: np.ndarray) -> np.ndarray:
+    """Rank (0-based) of each position's first candidate in the ranking, int [gamma].
+
+    Position j first appears with its largest survival m_j; candidates ranked before it are those
+    with a larger survival plus those tied with m_j at earlier positions. Strictly increasing in j.
+    `neg_sorted` is the ascending sort of -a (the sorted survivals, negated)."""
+    neg_m = -a_gr.max(axis=1)
+    ranks = neg_sorted.searchsorted(neg_m, side="left")
+    ties = neg_sorted.searchsorted(neg_m, side="right") - ranks
+    for j in np.flatnonzero(ties > 1):  # rare: a tied value may sit at earlier positions
+        ranks[j] += int(np.count_nonzero(a_gr[:j] == -neg_m[j]))
+    return ranks
 
 
 def _objective_curve(
-    R: int, s: np.ndarray, pos: np.ndarray, stair_t: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Theta after admitting the first n sorted candidates, for n = 0..N, and max ell at each n.
+    R: int, neg_sorted: np.ndarray, ranks: np.ndarray, stair_t: np.ndarray
+) -> np.ndarray:
+    """Theta after admitting the first n ranked candidates, for n = 0..N.
 
-    The running sum starts from R and adds survivals one at a time (the same association as the
-    sequential greedy loop), so the vector pass and the loop agree bit for bit.
-    """
-    n = s.size
+    The numerator is a running sum from R in ranked order, one survival at a time (tied survivals
+    are equal, so any order among them gives the same bits); the denominator is the staircase at
+    1 + (largest position among the first n), which steps up where a position first appears."""
+    n = neg_sorted.size
     num = np.empty(n + 1)
     num[0] = R
-    num[1:] = s
+    np.negative(neg_sorted, out=num[1:])
     np.cumsum(num, out=num)
-    maxpos = np.zeros(n + 1, dtype=np.intp)
-    if n:
-        np.maximum.accumulate(pos, out=maxpos[1:])
-    return num / stair_t[1 + maxpos], maxpos
+    g = ranks.size
+    # n = 0 has max position 0; positions 1..k are present for n in (ranks[k-1], ranks[k]].
+    bounds = np.empty(g + 2, dtype=np.intp)
+    bounds[0], bounds[1:-1], bounds[-1] = -1, ranks, n
+    return num / np.repeat(stair_t[1 : g + 2], np.diff(bounds))
 
 
-def _lengths_from_admitted(admitted: np.ndarray, R: int, g_used: int) -> np.ndarray:
-    """ell_r = length of the leading run of admitted positions of row r (enforces prefixes).
+def _lengths_of_first(a_gr: np.ndarray, n: int, v: float, n_above: int) -> np.ndarray:
+    """ell_r of the first n ranked candidates, int32 [R], given v = the n-th largest survival and
+    n_above = how many survivals exceed v: all of those, then the first n - n_above candidates
+    equal to v in position-major order."""
+    g, R = a_gr.shape
+    if n == 0:
+        return np.zeros(R, dtype=LENGTH_DTYPE)
+    flat = a_gr.ravel()
+    admitted = flat > v
+    if n > n_above:
+        admitted[np.flatnonzero(flat == v)[: n - n_above]] = True
+    return admitted.reshape(g, R).sum(axis=0, dtype=LENGTH_DTYPE)
 
-    `admitted` holds flat position-major indices j0 * R + r with j0 < g_used."""
-    mask_gr = np.zeros(g_used * R, dtype=bool)
-    mask_gr[admitted] = True
-    mask_gr = mask_gr.reshape(g_used, R)
-    return np.logical_and.accumulate(mask_gr, axis=0).sum(axis=0, dtype=LENGTH_DTYPE)
+
+class _Ranked:
+    """Sorted survivals of a confidence block and the objective curve over its ranking."""
+
+    __slots__ = ("a_gr", "neg_sorted", "ranks", "obj")
+
+    def __init__(self, c_rg: np.ndarray, cost_table: CostTable) -> None:
+        self.a_gr = _survival_gr(c_rg)
+        self.neg_sorted = np.sort(-self.a_gr.ravel())
+        self.ranks = _first_ranks(self.a_gr, self.neg_sorted)
+        self.obj = _objective_curve(c_rg.shape[0], self.neg_sorted, self.ranks,
+                                    cost_table.staircase(c_rg.shape[0]))
+
+    def max_position(self, n: int) -> int:
+        """Largest position among the first n ranked candidates."""
+        return int(self.ranks.searchsorted(n, side="left"))
+
+    def lengths(self, n: int) -> np.ndarray:
+        """ell_r of the first n ranked candidates, int32 [R]."""
+        if n == 0:
+            return np.zeros(self.a_gr.shape[1], dtype=LENGTH_DTYPE)
+        v = -self.neg_sorted[n - 1]
+        n_above = int(self.neg_sorted.searchsorted(-v, side="left"))
+        return _lengths_of_first(self.a_gr, n, v, n_above)
+
+
+def _top_k_lengths(c_rg: np.ndarray, k: int) -> np.ndarray:
+    """ell_r of the first k ranked candidates of c_rg (k <= R * gamma), int32 [R]; a partial sort."""
+    a_gr = _survival_gr(c_rg)
+    if k == 0:
+        return np.zeros(c_rg.shape[0], dtype=LENGTH_DTYPE)
+    flat = a_gr.ravel()
+    v = -np.partition(-flat, k - 1)[k - 1]
+    return _lengths_of_first(a_gr, k, v, int(np.count_nonzero(flat > v)))
 
 
 def _confidence(c_rg: np.ndarray, cost_table: CostTable) -> np.ndarray:
@@ -156,35 +215,33 @@ def _confidence(c_rg: np.ndarray, cost_table: CostTable) -> np.ndarray:
     g = _usable_positions(G, cost_table)
     if R == 0 or g == 0:
         return np.zeros(R, dtype=LENGTH_DTYPE)
-    order, s, pos = _sorted_candidates(c_rg[:, :g])
-    obj, _ = _objective_curve(R, s, pos, cost_table.staircase(R))
+    ranked = _Ranked(c_rg[:, :g], cost_table)
+    obj = ranked.obj
     stop = obj[1:] <= obj[:-1]  # non-improvement when admitting candidate n
     n = int(np.argmax(stop))
     if not stop[n]:
-        n = s.size  # every admission improved
-    return _lengths_from_admitted(order[:n], R, g)
+        n = obj.size - 1  # every admission improved
+    return ranked.lengths(n)
 
 
-def _global_argmax(c_rg: np.ndarray, cost_table: CostTable) -> tuple[np.ndarray, int, int, int]:
-    """Best prefix of the sorted candidates under Theta, no early stop (first maximum on ties).
+def _global_argmax(c_rg: np.ndarray, cost_table: CostTable) -> tuple[_Ranked | None, int, int, int]:
+    """Best prefix of the ranked candidates under Theta, no early stop (first maximum on ties).
 
-    Returns (order, n_best, max ell of that solution, usable positions g)."""
+    Returns (ranking, n_best, max ell of that solution, usable positions g)."""
     R, G = c_rg.shape
     g = _usable_positions(G, cost_table)
     if R == 0 or g == 0:
-        return np.zeros(0, dtype=np.intp), 0, 0, g
-    order, s, pos = _sorted_candidates(c_rg[:, :g])
-    obj, maxpos = _objective_curve(R, s, pos, cost_table.staircase(R))
-    n = int(np.argmax(obj))
-    return order, n, int(maxpos[n]), g
+        return None, 0, 0, g
+    ranked = _Ranked(c_rg[:, :g], cost_table)
+    n = int(np.argmax(ranked.obj))
+    return ranked, n, ranked.max_position(n), g
 
 
 def _anticipating(c_rg: np.ndarray, cost_table: CostTable) -> np.ndarray:
-    R, G = c_rg.shape
-    order, n, _, g = _global_argmax(c_rg, cost_table)
-    if R == 0 or g == 0:
-        return np.zeros(R, dtype=LENGTH_DTYPE)
-    return _lengths_from_admitted(order[:n], R, g)
+    ranked, n, _, _ = _global_argmax(c_rg, cost_table)
+    if ranked is None:
+        return np.zeros(c_rg.shape[0], dtype=LENGTH_DTYPE)
+    return ranked.lengths(n)
 
 
 def _async_capacity(old_rg: np.ndarray, cost_table: CostTable) -> tuple[int, int]:
@@ -201,8 +258,7 @@ def _confidence_async(c_rg: np.ndarray, old_rg: np.ndarray, cost_table: CostTabl
     k, cap = _async_capacity(old_rg, cost_table)
     if R == 0 or cap == 0 or k == 0:
         return np.zeros(R, dtype=LENGTH_DTYPE)
-    order, _, _ = _sorted_candidates(c_rg[:, :cap])
-    return _lengths_from_admitted(order[:k], R, cap)
+    return _top_k_lengths(c_rg[:, :cap], min(k, R * cap))
 
 
 # ---- public policies ----------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def target_features(target_params: Any, graphdef: Any, ids_bs: Array, valid_b: A
                     ) -> tuple[Array, Array]:
     """Frozen target forward -> (taps [B, S, L*H], final-normed hidden [B, S, H]) in `dtype`.
 
-    `target_params` / `graphdef` come from `nnx.split(target)` of a `Qwen3ForCausalLM`;
+    `target_params` / `graphdef` come from `nnx.split(target)` of a `CausalLM`;
     `valid_b` [B] is each row's count of real tokens (right padding; default S). Jittable; both
     outputs are wrapped in stop_gradient, so no gradient ever reaches the target.
     """
@@ -295,7 +295,7 @@ def build_cache(out_dir: str | os.PathLike, target: nnx.Module, samples: Sequenc
     """Write (or finish) an offline target cache for tokenised samples.
 
     `samples`: (input_ids int [S_i], loss_mask [S_i]) pairs, already truncated and filtered; they
-    are stored in order. `target`: the frozen `Qwen3ForCausalLM` (run as is, e.g. bf16). A rerun
+    are stored in order. `target`: the frozen `CausalLM` (run as is, e.g. bf16). A rerun
     over the same samples and target continues after the last complete sample (per batch: the
     sample data is written and awaited, then `build_state.json` is advanced); the offsets index
     and `manifest.json` are written last. A partial cache made from different samples, target or

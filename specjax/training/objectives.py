@@ -126,16 +126,12 @@ class Objective(NamedTuple):
 
 
 def standalone_config(mc: ModelConfig, tcfg: TargetConfig) -> TargetConfig:
-    """The standalone draft LM's Qwen3 config: `draft_*` dims, the target's vocab / RoPE / EOS."""
-    return TargetConfig(
-        vocab_size=tcfg.vocab_size, hidden_size=mc.draft_hidden_size,
-        intermediate_size=mc.draft_intermediate_size, num_hidden_layers=mc.num_draft_layers,
-        num_attention_heads=mc.draft_num_attention_heads,
+    """The standalone draft LM's config: the target's family, vocab, RoPE and EOS with `draft_*` dims."""
+    return dataclasses.replace(
+        tcfg, hidden_size=mc.draft_hidden_size, intermediate_size=mc.draft_intermediate_size,
+        num_hidden_layers=mc.num_draft_layers, num_attention_heads=mc.draft_num_attention_heads,
         num_key_value_heads=mc.draft_num_key_value_heads, head_dim=mc.draft_head_dim,
-        rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta, rope_type=tcfg.rope_type,
-        rope_factor=tcfg.rope_factor, tie_word_embeddings=True,
-        max_position_embeddings=tcfg.max_position_embeddings, bos_token_id=tcfg.bos_token_id,
-        eos_token_ids=tuple(tcfg.eos_token_ids))
+        tie_word_embeddings=True)
 
 
 def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_graphdef: Any,

@@ -1,4 +1,8 @@
-"""Qwen3 dense decoder in Flax NNX with attribute names that mirror Hugging Face's.
+"""The dense decoder of the Qwen3, Llama and Qwen2 families in Flax NNX (HF attribute names).
+
+One module, switched by config fields: `qk_norm` adds Qwen3's per-head q/k RMSNorm (otherwise
+`q_norm`/`k_norm` are None), `attention_bias` gives q/k/v projections a bias (Qwen2), and the RoPE
+scaling (default, linear, llama3) comes from the config.
 
 One forward serves prefill, decode and multi-token verification:
 tokens [B,T] + positions [B,T] (+ optional KVCache with per-row lengths) -> logits [B,T,V], hidden taps
@@ -29,35 +33,39 @@ class ForwardOut(NamedTuple):
 
 
 class Attention(nnx.Module):
-    """GQA self-attention with per-head q/k RMSNorm and rotate-half RoPE."""
+    """GQA self-attention with rotate-half RoPE (and per-head q/k RMSNorm when `cfg.qk_norm`)."""
 
     def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32"):
         self.cfg = cfg
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(h, nh * hd, logical_axes=("embed", "q_heads"), **kw)
-        self.k_proj = Linear(h, nkv * hd, logical_axes=("embed", "kv_heads"), **kw)
-        self.v_proj = Linear(h, nkv * hd, logical_axes=("embed", "kv_heads"), **kw)
+        bias = cfg.attention_bias
+        self.q_proj = Linear(h, nh * hd, logical_axes=("embed", "q_heads"), use_bias=bias, **kw)
+        self.k_proj = Linear(h, nkv * hd, logical_axes=("embed", "kv_heads"), use_bias=bias, **kw)
+        self.v_proj = Linear(h, nkv * hd, logical_axes=("embed", "kv_heads"), use_bias=bias, **kw)
         self.o_proj = Linear(nh * hd, h, logical_axes=("q_heads", "embed"), **kw)
-        self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, logical_axis="head_dim", dtype=dtype,
-                              param_dtype=param_dtype)
-        self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, logical_axis="head_dim", dtype=dtype,
-                              param_dtype=param_dtype)
+        norm = lambda: RMSNorm(hd, eps=cfg.rms_norm_eps, logical_axis="head_dim", dtype=dtype,  # noqa: E731
+                               param_dtype=param_dtype)
+        self.q_norm = norm() if cfg.qk_norm else None
+        self.k_norm = norm() if cfg.qk_norm else None
 
     def rope(self, x: Array, positions: Array) -> Array:
-        c = self.cfg
-        return apply_rope(x, positions, theta=c.rope_theta, rope_type=c.rope_type, factor=c.rope_factor)
+        return apply_rope(x, positions, **self.cfg.rope_kwargs)
+
+    @staticmethod
+    def _norm(norm: RMSNorm | None, x: Array) -> Array:
+        return x if norm is None else norm(x)
 
     def queries(self, x_bth: Array, positions_bt: Array) -> Array:
         b, t, _ = x_bth.shape
         q = self.q_proj(x_bth).reshape(b, t, self.cfg.num_attention_heads, self.cfg.head_dim)
-        return self.rope(self.q_norm(q), positions_bt)
+        return self.rope(self._norm(self.q_norm, q), positions_bt)
 
     def keys_values(self, x_bth: Array, positions_bt: Array) -> tuple[Array, Array]:
         """Normed, rotated keys and values [B, T, nkv, hd] of inputs x at positions."""
         b, t, _ = x_bth.shape
         nkv, hd = self.cfg.num_key_value_heads, self.cfg.head_dim
-        k = self.rope(self.k_norm(self.k_proj(x_bth).reshape(b, t, nkv, hd)), positions_bt)
+        k = self.rope(self._norm(self.k_norm, self.k_proj(x_bth).reshape(b, t, nkv, hd)), positions_bt)
         v = self.v_proj(x_bth).reshape(b, t, nkv, hd)
         return k, v
 
@@ -95,7 +103,7 @@ class DecoderLayer(nnx.Module):
         return x, new_kv
 
 
-class Qwen3Model(nnx.Module):
+class DecoderStack(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32"):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, **kw)
@@ -103,14 +111,14 @@ class Qwen3Model(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
 
 
-class Qwen3ForCausalLM(nnx.Module):
+class CausalLM(nnx.Module):
     """The target model. `model(tokens, positions)` returns logits; `forward` returns everything."""
 
     def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs | None = None, dtype="float32",
                  param_dtype="float32"):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = cfg
-        self.model = Qwen3Model(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.model = DecoderStack(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, logical_axes=("embed", "vocab"), rngs=rngs, dtype=dtype,
             param_dtype=param_dtype)
