@@ -18,6 +18,7 @@ from specjax.scheduling import (
     CostTable,
     CostTableMeta,
     async_capacity,
+    async_plan,
     expected_tokens_per_second,
     prefix_schedule,
     prefix_survival,
@@ -505,6 +506,106 @@ def test_admission_of_position_k_ignores_later_confidences(scn, data):
         e1 = prefix_schedule(c, table, policy, **kw)[r]
         e2 = prefix_schedule(c2, table, policy, **kw)[r]
         assert min(e1, k) == min(e2, k), policy
+
+
+# ---- the fast kernels against the loop references at serving sizes -------------------------------
+
+
+def _serving_case(seed: int, R: int, gamma: int, kind: str) -> tuple[CostTable, np.ndarray, np.ndarray]:
+    """A roofline-shaped table (launch + max(floor, per-token work)) and two confidence blocks.
+    kind 'ties' draws from {0, 0.5, 1} so equal survivals are everywhere (within and across rows)."""
+    rng = np.random.default_rng(seed)
+    slots = (1, 8, 64, 512)
+    tokens = tuple(sorted(rng.choice(np.arange(1, 11), size=rng.integers(1, 6), replace=False).tolist()))
+    floor, per_token = rng.uniform(0.1, 5.0), 10.0 ** rng.uniform(-4, -1)
+    table = CostTable.from_seconds(
+        {(s, t): 0.3 + max(floor, per_token * s * t) for s in slots for t in tokens}
+    )
+
+    def block() -> np.ndarray:
+        if kind == "beta":
+            return rng.beta(6.0, 1.5, size=(R, gamma))
+        if kind == "ties":
+            return rng.choice([0.0, 0.5, 1.0], size=(R, gamma))
+        x = rng.beta(2.0, 1.0, size=(R, gamma))
+        x[rng.random((R, gamma)) < 0.3] = 1.0
+        x[rng.random((R, gamma)) < 0.1] = 0.0
+        return x
+
+    return table, block(), block()
+
+
+def _assert_matches_references(confidence_fn, table: CostTable, c: np.ndarray, old: np.ndarray) -> None:
+    np.testing.assert_array_equal(confidence_fn(c, table), _ref_confidence(c, table))
+    np.testing.assert_array_equal(prefix_schedule(c, table, LOSSY), _ref_global(c, table)[0])
+    np.testing.assert_array_equal(
+        prefix_schedule(c, table, "confidence_async", old_confidences=old), _ref_async(c, old, table)
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    R=st.one_of(st.integers(1, 40), st.sampled_from([64, 256, 300])),
+    gamma=st.integers(0, 9),
+    kind=st.sampled_from(["beta", "ties", "mixed"]),
+)
+def test_fast_kernels_equal_loop_references_at_serving_sizes(seed, R, gamma, kind):
+    """Up to 300 requests x gamma 9: the vectorised policies give exactly the literal loops' lengths,
+    and `async_plan` gives exactly what its three separate calls give."""
+    table, c, old = _serving_case(seed, R, gamma, kind)
+    _assert_matches_references(lambda x, t: prefix_schedule(x, t, "confidence"), table, c, old)
+    k, cap = async_capacity(old, table)
+    ell = prefix_schedule(old, table, "confidence_async", old_confidences=old)
+    assert async_plan(old, table) == (k, cap, expected_tokens_per_second(old, ell, table))
+    assert k == int(_ref_global(old, table)[0].sum())
+
+
+def _row_major_ties_confidence(c: np.ndarray, table: CostTable) -> np.ndarray:
+    """Mutant of Algorithm 1 that ranks tied survivals row-major (lower r first) instead of toward
+    earlier positions: the kind of slip a fast path could make."""
+    R, G = c.shape
+    g = min(G, table.max_tokens_per_slot - 1)
+    a = np.cumprod(c[:, :g], axis=1)
+    ell, tau, max_ell = np.zeros(R, dtype=int), float(R), 0
+    best = tau / table.seconds(R, 1)
+    for idx in np.argsort(-a.ravel(), kind="stable"):
+        r, j = divmod(int(idx), g)
+        if ell[r] != j:
+            continue
+        theta = (tau + a[r, j]) / table.seconds(R, 1 + max(max_ell, j + 1))
+        if not theta > best:
+            break
+        ell[r], tau, max_ell, best = j + 1, tau + a[r, j], max(max_ell, j + 1), theta
+    return ell
+
+
+def test_reference_comparison_catches_a_tie_order_mutant():
+    """Negative control for the test above: on tie-heavy inputs of the same generator the comparison
+    fails for a mutant that breaks ties the wrong way, while the real fast path passes."""
+    failures = 0
+    for seed in range(40):
+        table, c, old = _serving_case(seed, 16, 4, "ties")
+        _assert_matches_references(lambda x, t: prefix_schedule(x, t, "confidence"), table, c, old)
+        try:
+            _assert_matches_references(_row_major_ties_confidence, table, c, old)
+        except AssertionError:
+            failures += 1
+    assert failures > 0
+
+
+def test_async_plan_validation():
+    t = _grid_table()
+    with pytest.raises(ValueError, match="at least one request"):
+        async_plan(np.zeros((0, 3)), t)
+    with pytest.raises(ValueError, match="needs a CostTable"):
+        async_plan(np.ones((2, 3)), None)
+    with pytest.raises(ValueError, match="old_confidences must lie in"):
+        async_plan(np.full((2, 3), 1.5), t)
+    with pytest.raises(ValueError, match="slots=17 exceeds"):
+        async_plan(np.ones((17, 3)), t)
+    # gamma = 0: nothing to draft; Theta is one token per request over the smallest bucket
+    assert async_plan(np.ones((2, 3)), t, gamma=0) == (0, 0, 2 / t.seconds(2, 1))
 
 
 # ---- no jax ------------------------------------------------------------------------------------

@@ -483,6 +483,8 @@ class Engine:
     def warmup(self) -> float:
         """Compile every bucket ahead (with progress). Returns seconds spent."""
         from tqdm.auto import tqdm
+        from specjax import compile_cache
+        compile_cache.enable()  # a second start loads the executables from disk
         t0 = time.perf_counter()
         A = bk.abstract
         state = (A(self.t_params), A(self.d_params), A(self.cache), A(self.dstate), A(self.anchors))
@@ -720,17 +722,17 @@ class Engine:
         fresh = self._fresh[rows]
         if not fresh.any():
             return 0, 0, "lite"  # nobody can draft
-        from specjax.scheduling import async_capacity, expected_tokens_per_second, prefix_schedule
+        from specjax.scheduling import async_plan
         prior = np.full((self.gamma,), 0.5) if self._conf_prior is None else self._conf_prior
         c = self._conf_lagged[rows]
         c = np.where(np.isnan(c), prior[None, :], c)
         c[~fresh] = 0.0
-        k_total, cap = async_capacity(c, self.cost_table, gamma=self.gamma)
+        # theta: expected tokens/s of the schedule the async policy picks on these confidences
+        k_total, cap, theta = async_plan(c, self.cost_table, gamma=self.gamma)
         plain_s = self.plain_seconds.get(sb) if self.plain_seconds else None
         if plain_s is None or self._conf_prior is None:
             return k_total, cap, "draft"  # nothing to judge by yet: draft (a probe)
-        lengths = prefix_schedule(c, self.cost_table, "confidence_async", gamma=self.gamma, old_confidences=c)
-        if expected_tokens_per_second(c, lengths, self.cost_table) > len(rows) / plain_s:
+        if theta > len(rows) / plain_s:
             self._plain_streak, self._probe_interval = 0, self.PROBE_EVERY
             return k_total, cap, "draft"
         self._plain_streak += 1

@@ -367,6 +367,14 @@ def anticipating_global_search_LOSSY(
     return _anticipating(c, table)
 
 
+def _theta(a_rg: np.ndarray, ell: np.ndarray, cost_table: CostTable) -> float:
+    """Theta(ell) from survivals a_rg [R, >= max ell] (any memory layout: the admitted survivals are
+    summed in row-major order, so every caller gets the same bits)."""
+    R = ell.shape[0]
+    admitted = np.arange(a_rg.shape[1])[None, :] < ell[:, None]
+    return float((R + a_rg[admitted].sum()) / cost_table.seconds(R, 1 + int(ell.max())))
+
+
 def expected_tokens_per_second(confidences: Any, lengths: Any, cost_table: CostTable) -> float:
     """Theta(lengths) = (R + sum_r sum_{j <= ell_r} a[r, j]) / seconds(bucket(R, 1 + max ell))."""
     c = _validate_confidences(confidences, "confidences")
@@ -379,9 +387,28 @@ def expected_tokens_per_second(confidences: Any, lengths: Any, cost_table: CostT
         raise ValueError("expected_tokens_per_second needs at least one request")
     if ell.min() < 0 or ell.max() > G:
         raise ValueError(f"lengths must lie in 0..{G}, found [{ell.min()}, {ell.max()}]")
-    a = np.cumprod(c, axis=1)
-    admitted = np.arange(G)[None, :] < ell[:, None]
-    return float((R + a[admitted].sum()) / table.seconds(R, 1 + int(ell.max())))
+    return _theta(np.cumprod(c, axis=1), ell, table)
+
+
+def async_plan(
+    old_confidences: Any, cost_table: CostTable, gamma: int | None = None
+) -> tuple[int, int, float]:
+    """The async policy's host plan in one pass over confidences two rounds old: (K, cap, Theta).
+
+    (K, cap) = `async_capacity(old)`; Theta = `expected_tokens_per_second(old, ell)` for the lengths
+    ell = `confidence_async(old, old)` would choose (the best prefix of the ranking, which already
+    lies within cap). Equal bit for bit to those three calls, at the cost of one. Needs R >= 1."""
+    old = _validate_confidences(old_confidences, "old_confidences", gamma)
+    table = _require_table(cost_table, "async_plan")
+    R = old.shape[0]
+    if R == 0:
+        raise ValueError("async_plan needs at least one request")
+    table.staircase(R)
+    ranked, n, max_ell, g = _global_argmax(old, table)
+    cap = min(g, table.bucket_for(R, 1 + max_ell)[1] - 1)
+    if ranked is None:  # no usable positions: nothing is drafted
+        return 0, cap, _theta(np.zeros((R, 0)), np.zeros(R, dtype=LENGTH_DTYPE), table)
+    return n, cap, _theta(ranked.a_gr.T, ranked.lengths(n), table)
 
 
 # ---- entry point --------------------------------------------------------------------------------
