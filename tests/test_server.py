@@ -1,16 +1,18 @@
-"""OpenAI-compatible HTTP server: completions (plain and streamed), chat, errors, metrics, continuous batching.
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn): completions (plain and streamed), chat, errors,
+metrics, continuous batching, load, client disconnects and the waiting-queue limit.
 
 The server is started through `serve.server.main(["--port", "0", ...])` on a thread, with the model
 builder swapped for the shared tiny LLM (no checkpoint needed)."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import io
 import json
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 
@@ -23,8 +25,9 @@ except ImportError:  # tests/ itself on sys.path
 import serve.server
 from specjax.api import SamplingParams, build_engine_request
 from specjax.serving import http_server
-from specjax.serving.async_engine import RequestError
-from specjax.serving.http_server import OpenAIApp, serve_in_thread
+from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError
+from specjax.serving.http_server import ServerThread
+from specjax.serving.openai_api import OpenAIApp, ServerLimits
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7]
 
@@ -35,9 +38,9 @@ def srv():
     made: dict = {}
     real_make_server = http_server.make_server
 
-    def make_server(app, host="127.0.0.1", port=8000):
-        made["app"] = app
-        made["server"] = real_make_server(app, host, port)
+    def make_server(api, **kw):
+        made["app"] = api
+        made["server"] = real_make_server(api, **kw)
         return made["server"]
 
     argv = ["--port", "0", "--served-model-name", "tiny", "--max-body-bytes", "4096", "--max-prompt-tokens", "64",
@@ -50,16 +53,29 @@ def srv():
         with contextlib.redirect_stdout(buf):
             thread.start()
             deadline = time.time() + 60
-            while "http://" not in buf.getvalue() and time.time() < deadline and thread.is_alive():
+            while not (made.get("server") is not None and made["server"].started) and time.time() < deadline \
+                    and thread.is_alive():
                 time.sleep(0.01)
-    server = made["server"]
-    host, port = server.server_address[:2]
+    m = re.search(r"http://([\d.]+):(\d+)", buf.getvalue())
+    host, port = m.group(1), int(m.group(2))
     yield {"url": f"http://{host}:{port}", "host": host, "port": port, "printed": buf.getvalue(),
            "app": made["app"], "llm": llm}
-    server.shutdown()
+    made["server"].should_exit = True
     thread.join(30)
     assert not thread.is_alive()
     assert not llm.engine.has_work()
+
+
+@contextlib.contextmanager
+def side_server(srv, **kw):
+    """A second HTTP server over the fixture's engine (other tokenizer or limits)."""
+    app = srv["app"]
+    api = OpenAIApp(app.engine, model_name="tiny", max_model_len=app.max_model_len, vocab_size=64, **kw)
+    server = ServerThread(api)
+    try:
+        yield server.url, api
+    finally:
+        server.stop()
 
 
 def _complete(url, **body):
@@ -112,12 +128,7 @@ def test_chat_without_tokenizer_is_a_clear_400(srv):
 
 
 def test_chat_with_a_tokenizer_template(srv):
-    app = srv["app"]
-    chat_app = OpenAIApp(app.engine, model_name="tiny", max_model_len=app.max_model_len, vocab_size=64,
-                         tokenizer=tiny_chat_tokenizer())
-    server, thread = serve_in_thread(chat_app)
-    url = "http://%s:%d" % server.server_address[:2]
-    try:
+    with side_server(srv, tokenizer=tiny_chat_tokenizer()) as (url, chat_app):
         body = {"messages": [{"role": "user", "content": "w5 w6 w7"}], "max_tokens": 6, "temperature": 0}
         status, r = http_json(url + "/v1/chat/completions", "POST", body)
         assert status == 200, r
@@ -148,9 +159,6 @@ def test_chat_with_a_tokenizer_template(srv):
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]).split() == words[:cut]
         assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == ids[:cut]
         assert events[-2]["choices"][0]["finish_reason"] == "stop"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.mark.parametrize("raw, param, fragment", [
@@ -272,3 +280,98 @@ def test_serving_engine_config_yaml_loads():
     tmp.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match="max_slotz"):
         load_yaml(EngineConfig, tmp)
+
+
+def test_load_128_clients_512_requests_each_answered_once(srv):
+    """128 client threads send 512 short requests on fresh connections: every one gets 200, each
+    answer is its own (prompt echoed in usage, distinct ids), and the server counts exactly 512."""
+    url, n_req, n_clients = srv["url"], 512, 128
+    before = http_json(url + "/metrics.json")[1]["requests"]
+
+    def one(i: int) -> tuple[int, int, dict]:
+        prompt = [5 + i % 40, 6, 7 + i % 3] + [9] * (i % 5)
+        status, body = http_json(url + "/v1/completions", "POST",
+                                 {"prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=120)
+        return i, status, body | {"sent_len": len(prompt)}
+
+    with ThreadPoolExecutor(n_clients) as ex:
+        futures = [ex.submit(one, i) for i in range(n_req)]
+        done, pending = wait(futures, timeout=240)
+    assert not pending, f"{len(pending)} requests did not finish within 240 s"
+    results = [f.result() for f in futures]  # a reset or a timeout raises here
+    assert [s for _, s, _ in results] == [200] * n_req, [b for _, s, b in results if s != 200][:3]
+    assert sorted(i for i, _, _ in results) == list(range(n_req))
+    assert len({b["id"] for _, _, b in results}) == n_req  # no answer given twice
+    assert all(b["usage"]["prompt_tokens"] == b["sent_len"] for _, _, b in results)
+    assert all(1 <= len(b["choices"][0]["token_ids"]) <= 2 for _, _, b in results)
+    after = http_json(url + "/metrics.json")[1]["requests"]
+    finished = sum(after["finished"].values()) - sum(before["finished"].values())
+    assert finished == n_req, (before, after)
+
+
+def _abort_count(url: str) -> float:
+    text = http_request(url + "/metrics")[2].decode()
+    m = re.search(r'^vllm:request_success_total\{finished_reason="abort",model_name="tiny"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_streaming_client_that_disconnects_frees_its_slot(srv):
+    eng = srv["app"].engine
+    with side_server(srv, limits=ServerLimits(max_tokens=120)) as (url, api):
+        aborts0 = _abort_count(srv["url"])
+        others: dict = {}
+
+        def other() -> None:
+            others["r"] = http_json(url + "/v1/completions", "POST",
+                                    {"prompt": [9, 10, 11], "max_tokens": 30, "temperature": 0})
+
+        host, port = url.rsplit("/", 1)[1].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": [5, 6], "max_tokens": 120, "temperature": 0, "stream": True}),
+            headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        first = resp.readline()
+        assert first.startswith(b"data: {")
+        t = threading.Thread(target=other)
+        t.start()
+        conn.sock.shutdown(2)  # the client goes away after its first chunk
+        conn.close()
+        t.join(60)
+        assert others["r"][0] == 200 and len(others["r"][1]["choices"][0]["token_ids"]) == 30
+        deadline = time.time() + 20
+        while (eng.num_open or eng.engine.has_work() or _abort_count(srv["url"]) == aborts0) \
+                and time.time() < deadline:
+            time.sleep(0.02)
+        assert _abort_count(srv["url"]) == aborts0 + 1  # ended by the abort, not by max_tokens
+        assert eng.num_open == 0 and eng.engine.num_active == 0 and not eng.engine.has_work()  # slot freed
+
+
+def test_beyond_the_waiting_limit_is_a_503_with_a_clear_message(srv):
+    eng = srv["app"].engine
+    saved = eng.max_waiting
+    eng.max_waiting = 0  # every request would have to wait: all refused
+    try:
+        status, r = _complete(srv["url"])
+    finally:
+        eng.max_waiting = saved
+    assert status == 503 and r["error"]["code"] == "queue_full"
+    assert "waiting" in r["error"]["message"] and "limit 0" in r["error"]["message"]
+    assert _complete(srv["url"])[0] == 200  # and it serves again once there is room
+
+
+def test_async_engine_waiting_limit_counts_queued_requests(srv):
+    """An engine whose loop has not started keeps every submission waiting: the limit is exact."""
+    inner = srv["llm"].engine
+    eng = AsyncEngine(inner, max_waiting=2)  # never started: nothing leaves the queue
+    try:
+        mk = lambda i: build_engine_request([5, 6], SamplingParams(max_tokens=2), request_id=f"q{i}")  # noqa: E731
+        a, b = eng.submit(mk(0)), eng.submit(mk(1))
+        assert eng.num_waiting == 2 and eng.num_open == 2
+        with pytest.raises(QueueFullError, match="limit 2"):
+            eng.submit(mk(2))
+    finally:
+        eng.shutdown()
+    assert a.error == b.error == "engine shut down" and eng.num_open == 0
+    assert inner.on_round is not eng._on_round  # handed back

@@ -7,8 +7,13 @@ speculative round), and hand each request its new tokens (a streaming delta) and
 completion. A slot freed in a round is refilled at the next step, so prefills interleave with the
 speculative rounds of the other requests.
 
-Each request gets a `RequestStream`: iterate it (blocking, any thread), `async for` it (asyncio), or
+Each request gets a `RequestStream`: iterate it (blocking, any thread), `await stream.aget()` /
+`async for` it (asyncio: the engine thread wakes the event loop, no thread per waiting request), or
 call `result()` to wait for the finished `EngineRequest`.
+
+Back-pressure: with `max_waiting` set, `submit` refuses a request (`QueueFullError`) while that many
+are already waiting for a slot. `drain()` waits until every submitted request has ended (for a
+graceful shutdown); `abort()` ends one early and frees its slot.
 """
 from __future__ import annotations
 
@@ -35,6 +40,10 @@ class RequestError(RuntimeError):
         self.rejected = rejected
 
 
+class QueueFullError(RequestError):
+    """`submit` refused a request: `max_waiting` requests are already waiting for a slot."""
+
+
 @dataclasses.dataclass
 class StreamEvent:
     """New tokens of one request since the previous event; the last event has `finished` set.
@@ -57,11 +66,17 @@ class RequestStream:
         self.request = request
         self.holdback_tokens = max(int(holdback_tokens), 0)
         self._q: queue.Queue[StreamEvent] = queue.Queue()
+        try:  # made on an event loop: the engine thread wakes that loop on every event
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._ready = asyncio.Event() if self._loop is not None else None
         self.done = threading.Event()
         self.aborted = False
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.rejected = False
+        self._on_end: Any = None  # set by AsyncEngine.submit: called once when the request ends
         # engine-thread bookkeeping
         self._sent = 0
         self._counted = 0
@@ -69,10 +84,19 @@ class RequestStream:
     # producer side (engine thread)
     def _push(self, ev: StreamEvent) -> None:
         if ev.finished:
+            if self.done.is_set():
+                return  # ended already (e.g. aborted, then failed by a shutdown)
             self.finish_reason, self.error, self.rejected = ev.finish_reason, ev.error, ev.rejected
         self._q.put(ev)
         if ev.finished:
             self.done.set()
+            if self._on_end is not None:
+                self._on_end()
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the loop has closed: nobody is waiting any more
+                pass
 
     def _fail(self, message: str, *, rejected: bool = False) -> None:
         self._push(StreamEvent([], finished=True, finish_reason=None, error=message, rejected=rejected))
@@ -89,9 +113,25 @@ class RequestStream:
             if ev.finished:
                 return
 
+    async def aget(self, timeout: float | None = None) -> StreamEvent:
+        """The next event, awaited on the loop the stream was made on; TimeoutError after `timeout` s."""
+        if self._ready is None:
+            raise RuntimeError("aget() needs a stream submitted from a running event loop")
+        while True:
+            try:
+                return self._q.get_nowait()
+            except queue.Empty:
+                pass
+            self._ready.clear()
+            try:  # an event pushed between the first look and clear() has set _ready after it
+                return self._q.get_nowait()
+            except queue.Empty:
+                pass
+            await asyncio.wait_for(self._ready.wait(), timeout)
+
     async def __aiter__(self) -> AsyncIterator[StreamEvent]:
         while True:
-            ev = await asyncio.to_thread(self._q.get)
+            ev = await self.aget()
             yield ev
             if ev.finished:
                 return
@@ -111,18 +151,27 @@ class AsyncEngine:
     metrics: optional `ServingMetrics` fed with every round, admission, token and completion.
     idle_wait_s: how long the idle loop sleeps between checks when nothing arrives (it wakes at once
         on a submission).
+    max_waiting: most requests waiting for a slot (submitted, not yet admitted); beyond it `submit`
+        raises `QueueFullError`. None: unbounded.
     """
 
-    def __init__(self, engine: Engine, *, metrics: ServingMetrics | None = None, idle_wait_s: float = 0.5):
+    def __init__(self, engine: Engine, *, metrics: ServingMetrics | None = None, idle_wait_s: float = 0.5,
+                 max_waiting: int | None = None):
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
         self.engine = engine
         self.metrics = metrics
         self.idle_wait_s = idle_wait_s
+        self.max_waiting = max_waiting
         self._inbox: queue.Queue[tuple[str, RequestStream]] = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._live: dict[int, RequestStream] = {}  # id(EngineRequest) -> stream, engine thread only
         self._thread: threading.Thread | None = None
         self._submit_lock = threading.Lock()
+        self._ended = threading.Condition(self._submit_lock)  # notified when a request ends
+        # guarded by _submit_lock: "add"s still in the inbox, requests in engine.queue, requests not ended
+        self._n_inbox = self._n_queued = self._n_open = 0
         self.error: str | None = None  # set when the engine loop died
         self.steps = 0
         prev = self._prev_on_round = engine.on_round
@@ -146,18 +195,26 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted request has ended; False if some are still open after `timeout` s."""
+        with self._ended:
+            return self._ended.wait_for(lambda: self._n_open == 0, timeout)
+
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop; requests still in flight end with an error ("engine shut down")."""
+        """Stop the loop; requests still in flight end with an error ("engine shut down").
+        Call `drain()` first to let them finish."""
         with self._submit_lock:
             self._stop.set()
         self._wake.set()
         if self._thread is None:
-            self._fail_all("engine shut down")
-            return
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.warning("engine thread still busy %.1f s after shutdown was asked", timeout)
-        elif self.engine.on_round is self._on_round:  # hand the engine back as we found it
+            with self._submit_lock:
+                self._fail_all("engine shut down")
+        else:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("engine thread still busy %.1f s after shutdown was asked", timeout)
+                return
+        if self.engine.on_round is self._on_round:  # hand the engine back as we found it
             self.engine.on_round = self._prev_on_round
 
     def __enter__(self) -> "AsyncEngine":
@@ -171,17 +228,32 @@ class AsyncEngine:
         """Queue a request; its events arrive on the returned stream.
 
         holdback_tokens: keep this many newest tokens out of the deltas until the request ends (a stop
-        string may trim them: with stop strings of at most L characters, L tokens suffice)."""
+        string may trim them: with stop strings of at most L characters, L tokens suffice).
+        Raises RequestError when the engine is not running, QueueFullError when `max_waiting`
+        requests are already waiting for a slot."""
         stream = RequestStream(request, holdback_tokens)
         with self._submit_lock:
             if self._stop.is_set() or self.error is not None:
                 raise RequestError(f"engine is not running: {self.error or 'shut down'}")
+            waiting = self._n_inbox + self._n_queued
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise QueueFullError(f"the server is at capacity: {waiting} requests are waiting for one of "
+                                     f"{self.engine.cfg.max_slots} slots (limit {self.max_waiting}); retry later")
+            stream._on_end = self._request_ended
+            self._n_inbox += 1
+            self._n_open += 1
             self._inbox.put(("add", stream))
         self._wake.set()
         return stream
 
+    def _request_ended(self) -> None:
+        with self._ended:
+            self._n_open -= 1
+            self._ended.notify_all()
+
     def abort(self, stream: RequestStream) -> None:
-        """End a request early (finish_reason "abort"); a no-op once it has finished."""
+        """End a request early (finish_reason "abort"): dropped if it is still waiting, else its slot
+        is freed after at most one more round. A no-op once it has finished."""
         if stream.done.is_set():
             return
         stream.aborted = True
@@ -194,7 +266,13 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.queue) + self._inbox.qsize()
+        """Requests submitted and not yet in a slot."""
+        return self._n_inbox + self._n_queued
+
+    @property
+    def num_open(self) -> int:
+        """Requests submitted and not yet ended (waiting or running)."""
+        return self._n_open
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -208,6 +286,8 @@ class AsyncEngine:
                     continue
                 finished = self.engine.step()
                 self.steps += 1
+                with self._submit_lock:
+                    self._n_queued = len(self.engine.queue)
                 self._deliver(finished)
                 self._update_gauges()
         except Exception as e:  # the engine's device state is unknown now: stop serving
@@ -220,13 +300,17 @@ class AsyncEngine:
             self._fail_all("engine shut down")
 
     def _drain(self) -> None:
+        """Move the inbox into the engine (adds and aborts)."""
         while True:
             try:
                 kind, stream = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             req = stream.request
             if kind == "add":
+                with self._submit_lock:
+                    self._n_inbox -= 1
+                    self._n_queued += 1  # until recounted below
                 if stream.aborted:
                     self._finish_aborted(stream)
                     continue
@@ -248,6 +332,8 @@ class AsyncEngine:
                     self._finish_aborted(stream)
                 else:  # in a slot: let it end after one more token (the engine frees the slot)
                     req.max_tokens = min(req.max_tokens, len(req.output_ids) + 1)
+        with self._submit_lock:
+            self._n_queued = len(self.engine.queue)
 
     def _finish_aborted(self, stream: RequestStream) -> None:
         req = stream.request
@@ -294,14 +380,19 @@ class AsyncEngine:
             self.metrics.set_queue(running=self.engine.num_active, waiting=self.num_waiting)
 
     def _fail_all(self, message: str) -> None:
-        for stream in list(self._live.values()):
-            if not stream.done.is_set():
-                stream._fail(message)
+        """End every open request with `message` (caller holds _submit_lock)."""
+        streams = list(self._live.values())
         self._live.clear()
         while True:
             try:
                 _, stream = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            streams.append(stream)
+        self._n_inbox = self._n_queued = 0
+        for stream in streams:
             if not stream.done.is_set():
+                stream._on_end = None  # counted here: the lock is held
                 stream._fail(message)
+                self._n_open -= 1
+        self._ended.notify_all()

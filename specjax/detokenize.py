@@ -1,0 +1,99 @@
+"""Streaming detokenization in linear time, and stop strings checked on it.
+
+`StreamDetokenizer` turns a growing list of token ids into text with the tokenizers library's
+incremental decoder (`tokenizers.decoders.DecodeStream`): each token is decoded once, so a request's
+text costs O(length) in total instead of re-decoding the whole output every round (O(length^2)). A
+token that ends inside a multi-byte UTF-8 character yields no text until the character is complete,
+so a stream never shows a partial character (no U+FFFD in the middle of an emoji).
+
+`StopStringChecker` is the engine's `stop_check` for stop strings: it searches only the new text
+(plus the last len(stop) - 1 characters before it) and maps a hit back to the number of tokens whose
+text lies wholly before the stop string.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+__all__ = ["StopStringChecker", "StreamDetokenizer", "backend_tokenizer"]
+
+
+def backend_tokenizer(tokenizer: Any) -> Tokenizer:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer (or the tokenizer itself)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise TypeError(f"streaming detokenization needs a fast (tokenizers-backed) tokenizer, "
+                        f"got {type(tokenizer).__name__}")
+    return backend
+
+
+class StreamDetokenizer:
+    """Text of a token sequence that grows at the end; `push(ids)` returns the new text.
+
+    After every push, `length` is the number of characters produced so far, and `ends[k]` is the
+    text length after token k, or None for a token that ends inside a character (its text comes out
+    with a later token)."""
+
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True):
+        self._tok = backend_tokenizer(tokenizer)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.length = 0
+        self.ends: list[int | None] = []
+
+    def push(self, ids: Sequence[int]) -> str:
+        pieces = []
+        for t in ids:
+            piece = self._stream.step(self._tok, int(t))
+            if piece is None:
+                self.ends.append(None)
+                continue
+            pieces.append(piece)
+            self.length += len(piece)
+            self.ends.append(self.length)
+        return "".join(pieces)
+
+
+class StopStringChecker:
+    """`EngineRequest.stop_check` for stop strings: called with the request's whole output so far
+    (a list that only grows), returns None, or the number of tokens to keep when a stop string
+    appears (the longest token prefix whose text ends at or before the stop string's start)."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str]):
+        if not stops or any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        self._tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self._carry_len = max(len(s) for s in self.stops) - 1
+        self._reset()
+
+    def _reset(self) -> None:
+        self._detok = StreamDetokenizer(self._tokenizer)
+        self._carry = ""  # the last _carry_len characters already searched
+
+    def __call__(self, ids: list[int]) -> int | None:
+        seen = len(self._detok.ends)
+        if len(ids) < seen:  # not the same growing output: start over
+            self._reset()
+            seen = 0
+        before = self._detok.length
+        new = self._detok.push(ids[seen:])
+        if not new:
+            return None
+        window = self._carry + new
+        base = before - len(self._carry)  # text position of window[0]
+        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
+        self._carry = window[-self._carry_len:] if self._carry_len else ""
+        if not hits:
+            return None
+        cut = base + min(hits)
+        keep = 0
+        for k, end in enumerate(self._detok.ends, 1):
+            if end is not None:
+                if end > cut:
+                    break
+                keep = k
+        return keep
