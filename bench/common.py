@@ -178,11 +178,11 @@ def embedded_target_dir() -> str:
 def load_bench_target(*, use_embedded: bool = True, seed: int = 0) -> BenchTarget:
     """The embedded target (float32, with its tokenizer) if its config.json exists and
     `use_embedded`; otherwise a random Qwen3 of the embedded shape (RANDOM_TARGET_SHAPE)."""
-    from specjax import hf
+    from specjax import checkpoints
     path = embedded_target_dir()
     if use_embedded and os.path.isfile(os.path.join(path, "config.json")):
-        model, cfg = hf.load_target(path, dtype="float32")
-        tok = hf.load_tokenizer(path)
+        model, cfg = checkpoints.load_target(path, dtype="float32")
+        tok = checkpoints.load_tokenizer(path)
         desc = (f"embedded target ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
                 f"vocab {cfg.vocab_size}) from specjax/assets/pystd/target, float32")
         return BenchTarget(model, cfg, "embedded", desc, tok, path)

@@ -7,7 +7,7 @@ speculation, at batch 1 and 8 on repetitive and ordinary code prompts.
 
 Target: the embedded default (specjax/assets/pystd/target) when it exists, else a random Qwen3 of
 the same shape (the results say which). transformers runs the very same weights: the specjax
-target is exported with `specjax.hf.export_target` and loaded with
+target is exported with `specjax.checkpoints.export_target` and loaded with
 `transformers.Qwen3ForCausalLM.from_pretrained` (torch float32, CPU, KV cache, greedy,
 `torch.set_num_threads(os.cpu_count())`). Both sides ignore eos (specjax: an LLM built with no eos
 ids; transformers: `min_new_tokens = max_new_tokens`), so every request yields exactly
@@ -165,17 +165,17 @@ def specjax_pass(llm, prompts: list[list[int]], new_tokens: int) -> dict[str, An
 
 
 class HFRunner:
-    """transformers CausalLM on the same weights (exported by specjax.hf.export_target)."""
+    """transformers CausalLM on the same weights (exported by specjax.checkpoints.export_target)."""
 
     def __init__(self, target: BenchTarget, tmp_dir: str):
         import torch
         import transformers
 
-        from specjax import hf
+        from specjax import checkpoints
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         self.torch = torch
-        hf.export_target(target.model, target.config, tmp_dir, dtype="float32")
+        checkpoints.export_target(target.model, target.config, tmp_dir, dtype="float32")
         self.model = transformers.Qwen3ForCausalLM.from_pretrained(
             tmp_dir, dtype=torch.float32, local_files_only=True).eval()
         self.attn = getattr(self.model.config, "_attn_implementation", "unknown")

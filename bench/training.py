@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--samples", type=int, default=96, help="samples in the cache built for the comparison")
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     args = ap.parse_args(argv)
-    from specjax import hf
+    from specjax import checkpoints
     from specjax.training import features as feat
     from specjax.training.config import load_train_config
     from train.train_draft import build
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> None:
 
     tmp = tempfile.mkdtemp(prefix="specjax-bench-cache-")
     try:
-        target, tcfg = hf.load_target(cfg.model.target, dtype=cfg.model.target_dtype)
-        tok = hf.load_tokenizer(cfg.model.target)
+        target, tcfg = checkpoints.load_target(cfg.model.target, dtype=cfg.model.target_dtype)
+        tok = checkpoints.load_tokenizer(cfg.model.target)
         samples = feat.read_jsonl_samples(cfg.data.train_jsonl, tok, max_length=cfg.data.max_length,
                                           min_loss_tokens=cfg.data.min_loss_tokens)[:args.samples]
         t0 = time.perf_counter()

@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 def load_target(path: str, *, dtype: str = "float32", mesh: Any = None):
     """Load a Hugging Face Qwen3 checkpoint directory -> (model, TargetConfig). `model(tokens, positions)` gives logits."""
-    from specjax.hf import load_target as _load
+    from specjax.checkpoints import load_target as _load
     return _load(path, dtype=dtype, mesh=mesh)
 
 

@@ -42,10 +42,10 @@ def tiny_llm(*, drafter: str | None = "ngram", max_num_seqs: int = 4, max_model_
 
 def export_tiny_target(out_dir: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
     """Save a tiny random target as a Hugging Face checkpoint directory (config.json + safetensors)."""
-    from specjax import hf
+    from specjax import checkpoints
 
     model, cfg = tiny_target(seed)
-    hf.export_target(model, cfg, out_dir)
+    checkpoints.export_target(model, cfg, out_dir)
     return pathlib.Path(out_dir)
 
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from specjax import hf
+from specjax import checkpoints
 from specjax.config import ConfigError, TargetConfig
 from specjax.decoding.sampling import SamplingArrays
 from specjax.drafters import registry
@@ -158,7 +158,7 @@ def test_save_load_is_bit_exact(kind, target, tmp_path):
         np.testing.assert_array_equal(a[path][1], b[path][1], err_msg=path)
     if kind == "ngram":
         assert (loaded.gamma, loaded.max_ngram, loaded.min_ngram) == (GAMMA, 2, 1)
-        assert not os.path.exists(os.path.join(out, hf.SAFE_WEIGHTS))
+        assert not os.path.exists(os.path.join(out, checkpoints.SAFE_WEIGHTS))
     else:
         assert loaded.config == d.config
     ta, qa, ca = _run(d, target)
@@ -173,7 +173,7 @@ def test_save_load_is_bit_exact(kind, target, tmp_path):
 def test_bfloat16_file_dtype_and_sharded_files(target, tmp_path):
     d = _make("dspark", target)
     out = registry.save_drafter(d, tmp_path / "bf16", dtype="bfloat16", max_shard_bytes=4096)
-    assert os.path.exists(os.path.join(out, hf.SAFE_INDEX))
+    assert os.path.exists(os.path.join(out, checkpoints.SAFE_INDEX))
     cfg = json.loads(open(os.path.join(out, "config.json")).read())
     assert cfg["torch_dtype"] == "bfloat16" and "num_target_layers" not in cfg  # no target given
     loaded = registry.load_drafter(out, dtype="bfloat16")
@@ -206,7 +206,7 @@ def test_saved_dspark_directory_has_deepspec_names_and_fields(target, tmp_path):
         "enable_confidence_head": True, "confidence_head_with_markov": True,
         "target_model_name_or_path": "tiny"}
     assert cfg["confidence_temperatures"] == pytest.approx([0.7, 1.3, 2.1])
-    with hf.SafetensorsDir(out) as reader:
+    with checkpoints.SafetensorsDir(out) as reader:
         shapes = {k: reader.tensor_shape(k) for k in reader}
     assert shapes == _deepspec_shapes("dspark-rnn", num_layers=2)
     import transformers  # DeepSpec's eval.py reads the draft config with AutoConfig
@@ -242,7 +242,7 @@ def _deepspec_shapes(variant: str, num_layers: int) -> dict[str, tuple[int, ...]
 
 def _ours(hf_name: str) -> tuple[str, bool]:
     """(our variable path, transposed?) of a DeepSpec tensor name, written out independently of
-    specjax.hf: torch Linear weights [out, in] are our kernels [in, out]."""
+    specjax.checkpoints: torch Linear weights [out, in] are our kernels [in, out]."""
     if hf_name in ("embed_tokens.weight", "markov_head.markov_w1.weight"):
         return hf_name[:-len("weight")] + "embedding", False
     if hf_name.endswith("norm.weight") or hf_name.endswith(".bias"):
@@ -323,7 +323,7 @@ def test_deepspec_directory_loads_with_transposes(variant, dialect, target, tmp_
 def test_specforge_midlayer_eagle3_without_embedding_takes_it_from_target(target, tmp_path):
     d = _make("eagle3", target)
     out = registry.save_drafter(d, tmp_path / "e3")
-    with hf.SafetensorsDir(out) as reader:
+    with checkpoints.SafetensorsDir(out) as reader:
         tensors = {k: reader[k] for k in reader}
     assert "layers.0.self_attn.q_proj.weight" in tensors  # DeepSpec's Qwen3Eagle3Model names
     renamed = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()
@@ -373,10 +373,10 @@ def _edit_config(path, **changes) -> None:
 
 
 def _edit_tensors(path, edit) -> None:
-    with hf.SafetensorsDir(path) as reader:
+    with checkpoints.SafetensorsDir(path) as reader:
         tensors = {k: reader[k] for k in reader}
     edit(tensors)
-    save_file(tensors, os.path.join(path, hf.SAFE_WEIGHTS), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(path, checkpoints.SAFE_WEIGHTS), metadata={"format": "pt"})
 
 
 def test_missing_directory_and_config_json_are_named(dspark_dir, tmp_path):
@@ -436,7 +436,7 @@ def test_missing_tensor_dir_and_missing_or_bad_fields(dspark_dir, tmp_path):
         registry.load_drafter(dspark_dir)
     _edit_config(dspark_dir, layer_types=None)
     registry.load_drafter(dspark_dir)  # repaired: loads again
-    os.remove(os.path.join(dspark_dir, hf.SAFE_WEIGHTS))
+    os.remove(os.path.join(dspark_dir, checkpoints.SAFE_WEIGHTS))
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         registry.load_drafter(dspark_dir)
 
@@ -483,19 +483,19 @@ def test_save_rejects_a_mismatched_target_and_conflicting_extras(target, tmp_pat
 
 def test_export_drafter_entry_point(target, tmp_path):
     d = _make("dflash", target)
-    out = hf.export_drafter(d, d.config, tmp_path / "exp", target_config=TCFG)
+    out = registry.export_drafter(d, d.config, tmp_path / "exp", target_config=TCFG)
     assert registry.load_drafter(out).config == d.config
     with pytest.raises(ValueError, match="not the drafter's own config"):
-        hf.export_drafter(d, dataclasses.replace(d.config, block_size=5), tmp_path / "bad")
+        registry.export_drafter(d, dataclasses.replace(d.config, block_size=5), tmp_path / "bad")
 
 
 def test_set_confidence_temperatures_in_place(target, tmp_path):
     out = registry.save_drafter(_make("dspark", target), tmp_path / "sts")
-    hf.set_confidence_temperatures(out, [1.0, 2.0, 4.0])
+    checkpoints.set_confidence_temperatures(out, [1.0, 2.0, 4.0])
     np.testing.assert_allclose(registry.load_drafter(out).confidence_temperatures[...], [1, 2, 4])
     flash = registry.save_drafter(_make("dflash", target), tmp_path / "flash")
     with pytest.raises(ConfigError, match="confidence head"):
-        hf.set_confidence_temperatures(flash, [1.0, 2.0, 4.0])
+        checkpoints.set_confidence_temperatures(flash, [1.0, 2.0, 4.0])
 
 
 # ------------------------------------------------------------------------------------------------

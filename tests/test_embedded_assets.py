@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from specjax import embedded as emb
-from specjax import hf
+from specjax import checkpoints
 from specjax.config import ConfigError
 
 MAX_EXPORT_BYTES = 12 * 10**6
@@ -22,14 +22,14 @@ def _dir_bytes(path: str) -> int:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = hf.load_tokenizer(emb.target_dir())
+    tok = checkpoints.load_tokenizer(emb.target_dir())
     assert tok is not None, f"no tokenizer files in {emb.target_dir()}"
     return tok
 
 
 @pytest.fixture(scope="module")
 def target():
-    return hf.load_target(emb.target_dir(), dtype="float32")
+    return checkpoints.load_target(emb.target_dir(), dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -37,19 +37,19 @@ def _engine_config(gamma: int | None, policy: str):
 
 @pytest.fixture(scope="module")
 def target():
-    from specjax import hf
+    from specjax import checkpoints
 
-    return hf.load_target(emb.target_dir())
+    return checkpoints.load_target(emb.target_dir())
 
 
 @pytest.fixture(scope="module")
 def plain_tokens(target):
     """Greedy continuations by the target's own KV-cache loop (independent of the engine)."""
-    from specjax import hf
+    from specjax import checkpoints
     from specjax.api import encode_text
 
     model, tcfg = target
-    tok = hf.load_tokenizer(emb.target_dir())
+    tok = checkpoints.load_tokenizer(emb.target_dir())
     eos = tok.eos_token_id
     return [emb.greedy_generate(model, encode_text(tok, p), MAX_TOKENS, eos_token_id=eos)
             for p in PROMPTS]

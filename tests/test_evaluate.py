@@ -32,7 +32,7 @@ def setup(tmp_path_factory):
     from flax import nnx
 
     from serving_fixtures import export_tiny_target, tiny_chat_tokenizer
-    from specjax import hf
+    from specjax import checkpoints
     from specjax.drafters.block import BlockDrafterConfig
     from specjax.drafters.dspark import make_block_drafter
     from specjax.drafters.registry import save_drafter
@@ -43,7 +43,7 @@ def setup(tmp_path_factory):
     tok.chat_template = ("{% for m in messages %}w4 {{ m['content'] }} {% endfor %}"
                          "{% if add_generation_prompt %}w5{% endif %}")
     tok.save_pretrained(target)
-    model, tcfg = hf.load_target(target)
+    model, tcfg = checkpoints.load_target(target)
     cfg = BlockDrafterConfig.from_target(tcfg, target_layer_ids=(0, 1), mask_token_id=3, num_draft_layers=1,
                                          block_size=GAMMA, markov_rank=8, confidence_head=True)
     drafter = make_block_drafter(model, tcfg, cfg, nnx.Rngs(0))

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
-from specjax.hf import export_target
+from specjax.checkpoints import export_target
 from specjax.models.decoder import CausalLM
 from specjax.training import features as feat
 
@@ -255,7 +255,7 @@ def test_offline_cache_run_matches_online_run(target, tmp_path):
             f.write(json.dumps({"input_ids": ids.tolist(), "loss_mask": mask.tolist()}) + "\n")
     cache_dir = tmp_path / "cache"
     loaded = feat.read_jsonl_samples([data], None, max_length=32, min_loss_tokens=1)
-    from specjax.hf import load_target
+    from specjax.checkpoints import load_target
 
     t2, _ = load_target(tdir)
     feat.build_cache(cache_dir, t2, loaded, tap_layers=TAPS,

@@ -14,7 +14,7 @@ try:
 except ImportError:  # tests/ itself on sys.path
     from hf_fixtures import make_tiny_qwen3
 
-from specjax import hf
+from specjax import checkpoints
 from specjax.config import ConfigError
 
 
@@ -31,9 +31,9 @@ def ckpt(base, tmp_path):
 
 
 def _rewrite_tensors(path, edit) -> None:
-    tensors = dict(hf.read_safetensors_dir(path))
+    tensors = dict(checkpoints.read_safetensors_dir(path))
     edit(tensors)
-    save_file(tensors, os.path.join(path, hf.SAFE_WEIGHTS), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(path, checkpoints.SAFE_WEIGHTS), metadata={"format": "pt"})
 
 
 def _edit_config(path, **changes) -> None:
@@ -46,27 +46,27 @@ def _edit_config(path, **changes) -> None:
 
 
 def test_base_checkpoint_loads(ckpt):
-    model, cfg = hf.load_target(ckpt)  # the damage in the other tests is what fails them
+    model, cfg = checkpoints.load_target(ckpt)  # the damage in the other tests is what fails them
     assert cfg.vocab_size == 61 and model.lm_head is not None
 
 
 def test_missing_config_json_names_the_path(ckpt):
     os.remove(ckpt / "config.json")
     with pytest.raises(ConfigError, match="config.json") as e:
-        hf.load_target(ckpt)
+        checkpoints.load_target(ckpt)
     assert str(ckpt) in str(e.value)
 
 
 def test_missing_directory_names_the_path(tmp_path):
     with pytest.raises(ConfigError, match="does not exist") as e:
-        hf.load_target(tmp_path / "nowhere")
+        checkpoints.load_target(tmp_path / "nowhere")
     assert "nowhere" in str(e.value)
 
 
 def test_unsupported_architecture_is_named(ckpt):
     _edit_config(ckpt, architectures=["LlamaForCausalLM"])
     with pytest.raises(ConfigError, match="LlamaForCausalLM"):
-        hf.load_target(ckpt)
+        checkpoints.load_target(ckpt)
 
 
 def test_wrong_shape_names_key_and_shapes(ckpt):
@@ -77,7 +77,7 @@ def test_wrong_shape_names_key_and_shapes(ckpt):
 
     _rewrite_tensors(ckpt, edit)
     with pytest.raises(ValueError) as e:
-        hf.load_target(ckpt)
+        checkpoints.load_target(ckpt)
     msg = str(e.value)
     assert key in msg and "[12, 32]" in msg and "[16, 32]" in msg
 
@@ -85,14 +85,14 @@ def test_wrong_shape_names_key_and_shapes(ckpt):
 def test_missing_tensor_is_named(ckpt):
     _rewrite_tensors(ckpt, lambda t: t.pop("model.layers.0.post_attention_layernorm.weight"))
     with pytest.raises(ValueError, match="missing tensor") as e:
-        hf.load_target(ckpt)
+        checkpoints.load_target(ckpt)
     assert "model.layers.0.post_attention_layernorm.weight" in str(e.value)
 
 
 def test_untied_checkpoint_without_lm_head_is_refused(ckpt):
     _rewrite_tensors(ckpt, lambda t: t.pop("lm_head.weight"))
     with pytest.raises(ValueError, match="lm_head.weight"):
-        hf.load_target(ckpt)
+        checkpoints.load_target(ckpt)
 
 
 def test_unexpected_extra_tensor_is_named(ckpt):
@@ -101,7 +101,7 @@ def test_unexpected_extra_tensor_is_named(ckpt):
 
     _rewrite_tensors(ckpt, edit)
     with pytest.raises(ValueError, match="unexpected") as e:
-        hf.load_target(ckpt)
+        checkpoints.load_target(ckpt)
     assert "model.layers.0.self_attn.q_proj.bias" in str(e.value)
 
 
@@ -111,12 +111,12 @@ def test_harmless_extras_are_ignored(ckpt):
         t["model.rotary_emb.inv_freq"] = np.ones((4,), np.float32)
 
     _rewrite_tensors(ckpt, edit)
-    hf.load_target(ckpt)
+    checkpoints.load_target(ckpt)
 
 
 def test_tied_config_ignores_a_stored_lm_head_copy(ckpt):
     _edit_config(ckpt, tie_word_embeddings=True)
-    model, cfg = hf.load_target(ckpt)
+    model, cfg = checkpoints.load_target(ckpt)
     assert cfg.tie_word_embeddings and model.lm_head is None
 
 
@@ -126,40 +126,40 @@ def test_bare_backbone_names_load_like_prefixed_ones(ckpt, base):
             t[k[len("model."):]] = t.pop(k)
 
     _rewrite_tensors(ckpt, edit)
-    model, _ = hf.load_target(ckpt)
-    ref, _ = hf.load_target(base)
+    model, _ = checkpoints.load_target(ckpt)
+    ref, _ = checkpoints.load_target(base)
     np.testing.assert_array_equal(np.asarray(model.model.layers[1].mlp.up_proj.kernel[...]),
                                   np.asarray(ref.model.layers[1].mlp.up_proj.kernel[...]))
 
 
 def test_pytorch_bin_only_dir_is_refused(ckpt):
-    os.remove(ckpt / hf.SAFE_WEIGHTS)
+    os.remove(ckpt / checkpoints.SAFE_WEIGHTS)
     (ckpt / "pytorch_model.bin").write_bytes(b"not a pickle; must never be opened")
     with pytest.raises(ValueError, match="safetensors is required") as e:
-        hf.load_target(ckpt)
+        checkpoints.load_target(ckpt)
     assert "pytorch_model.bin" in str(e.value)
 
 
 def test_no_weights_at_all_is_named(ckpt):
-    os.remove(ckpt / hf.SAFE_WEIGHTS)
+    os.remove(ckpt / checkpoints.SAFE_WEIGHTS)
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        hf.load_target(ckpt)
+        checkpoints.load_target(ckpt)
 
 
 def test_index_listing_a_missing_shard_is_named(tmp_path):
     path = make_tiny_qwen3(tmp_path, vocab=61, max_shard_size="20KB")
-    index = json.loads((path / hf.SAFE_INDEX).read_text())
+    index = json.loads((path / checkpoints.SAFE_INDEX).read_text())
     shard = sorted(set(index["weight_map"].values()))[0]
     os.remove(path / shard)
     with pytest.raises(FileNotFoundError, match=shard):
-        hf.load_target(path)
+        checkpoints.load_target(path)
 
 
 def test_yarn_rope_scaling_is_refused_naming_the_type(ckpt):
     _edit_config(ckpt, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
                                         "original_max_position_embeddings": 32768})
     with pytest.raises(ConfigError, match="yarn"):
-        hf.load_target(ckpt)
+        checkpoints.load_target(ckpt)
 
 
 def test_yarn_rope_scaling_old_dialect_is_refused(ckpt):
@@ -169,14 +169,14 @@ def test_yarn_rope_scaling_old_dialect_is_refused(ckpt):
     d.update(rope_theta=1e6, rope_scaling={"type": "yarn", "factor": 4.0})
     cfg_path.write_text(json.dumps(d))
     with pytest.raises(ConfigError, match="yarn"):
-        hf.load_target(ckpt)
+        checkpoints.load_target(ckpt)
 
 
 def test_export_refuses_a_model_that_does_not_match_the_config(ckpt, tmp_path):
     import dataclasses
 
-    model, cfg = hf.load_target(ckpt)
+    model, cfg = checkpoints.load_target(ckpt)
     wrong = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size * 2)
     with pytest.raises(ValueError, match="do not match the config"):
-        hf.export_target(model, wrong, tmp_path / "out")
-    assert not (tmp_path / "out" / hf.SAFE_WEIGHTS).exists()
+        checkpoints.export_target(model, wrong, tmp_path / "out")
+    assert not (tmp_path / "out" / checkpoints.SAFE_WEIGHTS).exists()

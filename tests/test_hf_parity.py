@@ -17,7 +17,8 @@ try:
 except ImportError:  # tests/ itself on sys.path
     from hf_fixtures import hf_forward, load_hf_model, make_tiny_qwen3, make_tiny_tokenizer
 
-from specjax import hf
+from specjax import checkpoints
+from specjax.checkpoints import common
 from specjax.config import TargetConfig
 from specjax.models.layers import Embed, Linear, RMSNorm
 
@@ -68,7 +69,7 @@ def _batch(seed: int, lengths=(11, 4, 8)):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_and_taps_match_transformers(ckpts, name):
     path = ckpts[name]
-    model, cfg = hf.load_target(path)
+    model, cfg = checkpoints.load_target(path)
     assert cfg.tie_word_embeddings == CONFIGS[name]["tie"]
     assert (model.lm_head is None) == cfg.tie_word_embeddings
     tokens, positions, valid = _batch(seed=len(name))
@@ -92,7 +93,7 @@ def test_logits_and_taps_match_transformers(ckpts, name):
 @pytest.mark.parametrize("name", ["untied_gqa4_3layers", "tied_linear_rope"])
 def test_incremental_equals_full(ckpts, name):
     """Prefill (per-row prompt lengths) then (a) one 5-token step, (b) single-token steps."""
-    model, cfg = hf.load_target(ckpts[name])
+    model, cfg = checkpoints.load_target(ckpts[name])
     fwd = _jit_forward(model)
     b, t, k = 3, 13, 5
     tokens = np.random.RandomState(7).randint(3, VOCAB, size=(b, t)).astype(np.int32)
@@ -137,16 +138,16 @@ def test_incremental_equals_full(ckpts, name):
 @pytest.mark.parametrize("name", ["untied_gqa1", "tied_linear_rope"])
 def test_export_round_trip_loads_in_transformers(ckpts, name, tmp_path):
     src = ckpts[name]
-    model, cfg = hf.load_target(src)
+    model, cfg = checkpoints.load_target(src)
     tok_dir = make_tiny_tokenizer(tmp_path / "tok", vocab=VOCAB)
     out_dir = tmp_path / "export"
-    hf.export_target(model, cfg, out_dir, tokenizer_dir=tok_dir)
+    checkpoints.export_target(model, cfg, out_dir, tokenizer_dir=tok_dir)
     for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
               "generation_config.json"):
         assert (out_dir / f).exists(), f
     # same tensor names as transformers' own save (no lm_head when tied)
-    src_names = {n for n, _ in hf.read_safetensors_dir(src)}
-    assert {n for n, _ in hf.read_safetensors_dir(out_dir)} == src_names
+    src_names = {n for n, _ in checkpoints.read_safetensors_dir(src)}
+    assert {n for n, _ in checkpoints.read_safetensors_dir(out_dir)} == src_names
     assert ("lm_head.weight" in src_names) == (not cfg.tie_word_embeddings)
     tokens, _, valid = _batch(seed=5)
     ok = np.arange(tokens.shape[1])[None, :] < valid[:, None]
@@ -155,22 +156,22 @@ def test_export_round_trip_loads_in_transformers(ckpts, name, tmp_path):
     assert exported.config.tie_word_embeddings == cfg.tie_word_embeddings
     got, _ = hf_forward(exported, tokens, valid)
     np.testing.assert_allclose(got[ok], ref[ok], atol=1e-6, rtol=0)
-    model2, cfg2 = hf.load_target(out_dir)
+    model2, cfg2 = checkpoints.load_target(out_dir)
     assert cfg2 == cfg
-    tok = hf.load_tokenizer(out_dir)
+    tok = checkpoints.load_tokenizer(out_dir)
     assert tok is not None and tok("w5 w7 w90")["input_ids"][-3:] == [5, 7, 90]
-    assert hf.load_tokenizer(src) is None  # no tokenizer files there
+    assert checkpoints.load_tokenizer(src) is None  # no tokenizer files there
 
 
 def test_bf16_checkpoint_loads(tmp_path):
     path = make_tiny_qwen3(tmp_path, dtype="bfloat16", vocab=VOCAB, seed=9)
-    with hf.SafetensorsDir(path) as reader:
+    with checkpoints.SafetensorsDir(path) as reader:
         name = "model.layers.0.self_attn.q_proj.weight"
         arr = reader[name]
         assert arr.dtype == jnp.dtype("bfloat16")
-        raw = hf._read_raw(reader.file_of(name), name)  # header-parsing fallback agrees
+        raw = common._read_raw(reader.file_of(name), name)  # header-parsing fallback agrees
         np.testing.assert_array_equal(raw.astype(np.float32), arr.astype(np.float32))
-    model, cfg = hf.load_target(path)
+    model, cfg = checkpoints.load_target(path)
     assert model.model.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(model.model.layers[0].self_attn.q_proj.kernel[...]),
                                   arr.astype(np.float32).T)
@@ -179,21 +180,21 @@ def test_bf16_checkpoint_loads(tmp_path):
     ref, _ = hf_forward(path, tokens, valid)  # transformers upcasts the bf16 weights to float32
     got = _jit_forward(model)(jnp.asarray(tokens), jnp.asarray(positions), valid=jnp.asarray(valid))
     np.testing.assert_allclose(np.asarray(got.logits)[ok], ref[ok], atol=1e-4, rtol=0)
-    model_bf16, _ = hf.load_target(path, dtype="bfloat16")
+    model_bf16, _ = checkpoints.load_target(path, dtype="bfloat16")
     assert model_bf16.model.embed_tokens.embedding[...].dtype == jnp.bfloat16
 
 
 def test_sharded_checkpoint_and_bf16_sharded_export(tmp_path):
     path = make_tiny_qwen3(tmp_path, vocab=VOCAB, max_shard_size="20KB", seed=12)
-    assert (path / hf.SAFE_INDEX).exists() and not (path / hf.SAFE_WEIGHTS).exists()
-    model, cfg = hf.load_target(path)
+    assert (path / checkpoints.SAFE_INDEX).exists() and not (path / checkpoints.SAFE_WEIGHTS).exists()
+    model, cfg = checkpoints.load_target(path)
     out_dir = tmp_path / "export_bf16"
-    hf.export_target(model, cfg, out_dir, dtype="bfloat16", max_shard_bytes=8_000)
-    index = json.loads((out_dir / hf.SAFE_INDEX).read_text())
+    checkpoints.export_target(model, cfg, out_dir, dtype="bfloat16", max_shard_bytes=8_000)
+    index = json.loads((out_dir / checkpoints.SAFE_INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and all((out_dir / s).exists() for s in shards)
     assert json.loads((out_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    model2, _ = hf.load_target(out_dir)  # bf16 on disk, float32 params
+    model2, _ = checkpoints.load_target(out_dir)  # bf16 on disk, float32 params
     k1 = np.asarray(model.model.layers[1].mlp.down_proj.kernel[...])
     k2 = np.asarray(model2.model.layers[1].mlp.down_proj.kernel[...])
     np.testing.assert_array_equal(k2, k1.astype(jnp.bfloat16).astype(np.float32))
@@ -208,15 +209,15 @@ def test_sharded_checkpoint_and_bf16_sharded_export(tmp_path):
 def test_write_safetensors_shards_and_reads_back(tmp_path):
     rng = np.random.RandomState(0)
     tensors = {f"t{i}": rng.randn(10, 20).astype(np.float32) for i in range(5)}  # 800 B each
-    files = hf.write_safetensors(tmp_path, iter(tensors.items()), max_shard_bytes=1700)
-    assert files[-1] == hf.SAFE_INDEX and len(files) == 4  # shards of 2, 2, 1 tensors
-    back = dict(hf.read_safetensors_dir(tmp_path))
+    files = checkpoints.write_safetensors(tmp_path, iter(tensors.items()), max_shard_bytes=1700)
+    assert files[-1] == checkpoints.SAFE_INDEX and len(files) == 4  # shards of 2, 2, 1 tensors
+    back = dict(checkpoints.read_safetensors_dir(tmp_path))
     assert back.keys() == tensors.keys()
     for k in tensors:
         np.testing.assert_array_equal(back[k], tensors[k])
-    files = hf.write_safetensors(tmp_path, tensors)  # rewrite as one file: stale shards removed
-    assert files == [hf.SAFE_WEIGHTS]
-    assert sorted(os.listdir(tmp_path)) == [hf.SAFE_WEIGHTS]
+    files = checkpoints.write_safetensors(tmp_path, tensors)  # rewrite as one file: stale shards removed
+    assert files == [checkpoints.SAFE_WEIGHTS]
+    assert sorted(os.listdir(tmp_path)) == [checkpoints.SAFE_WEIGHTS]
 
 
 def _config_dicts():
@@ -239,7 +240,7 @@ def test_config_dialects_load_the_same(ckpts, tmp_path):
         dst.mkdir()
         shutil.copyfile(src / "model.safetensors", dst / "model.safetensors")
         (dst / "config.json").write_text(json.dumps(d))
-        loaded.append(hf.load_target(dst))
+        loaded.append(checkpoints.load_target(dst))
     (m_old, c_old), (m_new, c_new) = loaded
     assert c_old == c_new
     assert (c_old.rope_type, c_old.rope_factor, c_old.rope_theta) == ("linear", 2.0, 1e6)
@@ -266,8 +267,8 @@ class _ToyDrafter(nnx.Module):
 
 def test_generic_key_map_round_trip_for_drafter_style_names():
     a = _ToyDrafter(nnx.Rngs(0))
-    key_map = hf.KeyMap(prefix_map={"proj.": "confidence_head.proj."})
-    tensors = hf.module_to_hf_tensors(a, key_map=key_map)
+    key_map = checkpoints.KeyMap(prefix_map={"proj.": "confidence_head.proj."})
+    tensors = checkpoints.module_to_hf_tensors(a, key_map=key_map)
     assert set(tensors) == {"fc.weight", "norm.weight", "markov_head.markov_w1.weight",
                             "markov_head.markov_w2.weight", "confidence_head.proj.weight",
                             "confidence_head.proj.bias"}
@@ -275,7 +276,7 @@ def test_generic_key_map_round_trip_for_drafter_style_names():
     assert tensors["markov_head.markov_w1.weight"].shape == (11, 3)  # embedding: no transpose
     assert tensors["markov_head.markov_w2.weight"].shape == (11, 3)
     b = nnx.eval_shape(lambda: _ToyDrafter(nnx.Rngs(1)))
-    report = hf.load_params_into(b, dict(tensors, **{"rotary_emb.inv_freq": np.ones(2)}),
+    report = checkpoints.load_params_into(b, dict(tensors, **{"rotary_emb.inv_freq": np.ones(2)}),
                                  key_map=key_map)
     assert report.ignored == ("rotary_emb.inv_freq",)
     flat_a, flat_b = nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))
@@ -284,21 +285,21 @@ def test_generic_key_map_round_trip_for_drafter_style_names():
         assert pa == pb
         np.testing.assert_array_equal(np.asarray(va.get_value()), np.asarray(vb.get_value()))
     # rename returning None leaves a param out of the checkpoint
-    skip_map = hf.KeyMap(rename=lambda n: None if n.startswith("markov_head.") else n)
-    assert "markov_head.markov_w1.weight" not in hf.module_to_hf_tensors(a, key_map=skip_map)
+    skip_map = checkpoints.KeyMap(rename=lambda n: None if n.startswith("markov_head.") else n)
+    assert "markov_head.markov_w1.weight" not in checkpoints.module_to_hf_tensors(a, key_map=skip_map)
     c = _ToyDrafter(nnx.Rngs(2))
-    rep = hf.load_params_into(c, {k: v for k, v in tensors.items() if k.startswith(("fc", "norm"))},
-                              key_map=hf.KeyMap(rename=lambda n: n if n.startswith(("fc", "norm"))
+    rep = checkpoints.load_params_into(c, {k: v for k, v in tensors.items() if k.startswith(("fc", "norm"))},
+                              key_map=checkpoints.KeyMap(rename=lambda n: n if n.startswith(("fc", "norm"))
                                                 else None))
     assert set(rep.skipped) == {"markov_head.markov_w1.embedding", "markov_head.markov_w2.kernel",
                                 "proj.kernel", "proj.bias"}
     np.testing.assert_array_equal(np.asarray(c.fc.kernel[...]), np.asarray(a.fc.kernel[...]))
     # part of a larger checkpoint: unexpected tensors are an error unless ignore_unexpected
-    only_fc = hf.KeyMap(rename=lambda n: n if n.startswith("fc.") else None)
+    only_fc = checkpoints.KeyMap(rename=lambda n: n if n.startswith("fc.") else None)
     with pytest.raises(ValueError, match="unexpected"):
-        hf.load_params_into(_ToyDrafter(nnx.Rngs(3)), tensors, key_map=only_fc)
+        checkpoints.load_params_into(_ToyDrafter(nnx.Rngs(3)), tensors, key_map=only_fc)
     d = _ToyDrafter(nnx.Rngs(3))
-    rep = hf.load_params_into(d, tensors, key_map=only_fc, ignore_unexpected=True)
+    rep = checkpoints.load_params_into(d, tensors, key_map=only_fc, ignore_unexpected=True)
     assert rep.loaded == ("fc.weight",) and len(rep.ignored) == 5
     np.testing.assert_array_equal(np.asarray(d.fc.kernel[...]), np.asarray(a.fc.kernel[...]))
 
@@ -306,7 +307,7 @@ def test_generic_key_map_round_trip_for_drafter_style_names():
 def test_mesh_placement_uses_logical_axes(ckpts):
     sharding = pytest.importorskip("specjax.sharding")
     mesh = sharding.serve_mesh(data=1, tensor=1)
-    model, _ = hf.load_target(ckpts["untied_gqa1"], mesh=mesh, rules="serve")
+    model, _ = checkpoints.load_target(ckpts["untied_gqa1"], mesh=mesh, rules="serve")
     var = model.model.layers[0].self_attn.q_proj.kernel
     kernel = var[...]
     assert isinstance(kernel.sharding, jax.sharding.NamedSharding)
@@ -314,7 +315,7 @@ def test_mesh_placement_uses_logical_axes(ckpts):
     assert kernel.sharding.spec == sharding.partition_spec(
         var.get_metadata()["logical_axes"], kernel.shape, mesh, "serve")
     assert kernel.sharding.spec != jax.sharding.PartitionSpec()  # q_heads -> tensor
-    ref, _ = hf.load_target(ckpts["untied_gqa1"])
+    ref, _ = checkpoints.load_target(ckpts["untied_gqa1"])
     tokens, positions, _ = _batch(seed=4)
     got = _jit_forward(model)(jnp.asarray(tokens), jnp.asarray(positions)).logits
     want = _jit_forward(ref)(jnp.asarray(tokens), jnp.asarray(positions)).logits
@@ -329,8 +330,8 @@ def test_sharded_target_on_2x4_mesh_equals_single_device(ckpts):
     assert len(jax.devices()) >= 8
     mesh = sharding.make_mesh((2, 4), ("data", "tensor"))
     path = ckpts["untied_gqa1"]
-    single, _ = hf.load_target(path)
-    sharded, _ = hf.load_target(path, mesh=mesh, rules="serve")
+    single, _ = checkpoints.load_target(path)
+    sharded, _ = checkpoints.load_target(path, mesh=mesh, rules="serve")
     q = sharded.model.layers[0].self_attn.q_proj.kernel[...]
     assert len(q.sharding.device_set) == 8 and q.sharding.spec[1] == "tensor"
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, size=(4, 9)), jnp.int32)

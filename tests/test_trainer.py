@@ -261,7 +261,7 @@ def test_grad_accumulation_equals_full_batch():
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory):
     from specjax.config import TargetConfig
-    from specjax.hf import export_target
+    from specjax.checkpoints import export_target
     from specjax.models.decoder import CausalLM
 
     cfg = TargetConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=3,

@@ -51,19 +51,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
 
-    from specjax import hf
+    from specjax import checkpoints
     from specjax.drafters.block import default_target_layer_ids
     from specjax.training import features as feat
 
     try:
-        tcfg = hf.read_target_config(args.target)
+        tcfg = checkpoints.read_target_config(args.target)
         layers = args.layers or default_target_layer_ids(tcfg.num_hidden_layers)
         for lid in layers:
             if not -1 <= lid < tcfg.num_hidden_layers:
                 raise ConfigError(f"--layers: layer {lid} out of range [-1, "
                                   f"{tcfg.num_hidden_layers}) for {args.target}")
         tok_dir = args.tokenizer or args.target
-        tokenizer = hf.load_tokenizer(tok_dir)
+        tokenizer = checkpoints.load_tokenizer(tok_dir)
         samples = feat.read_jsonl_samples(args.data, tokenizer, max_length=args.max_length,
                                           min_loss_tokens=args.min_loss_tokens,
                                           system_prompt=args.system_prompt)
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(est), flush=True)
     if args.estimate:
         return 0
-    target, tcfg = hf.load_target(args.target, dtype=args.dtype)
+    target, tcfg = checkpoints.load_target(args.target, dtype=args.dtype)
     report = feat.build_cache(
         args.out, target, samples, tap_layers=layers,
         identity=feat.target_identity(args.target, tcfg), tokenizer_name=str(tok_dir) if

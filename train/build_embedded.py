@@ -112,9 +112,9 @@ class Build:
     def select_regen_prompts(self) -> int:
         """Train prompts of <= --regen-prompt-tokens tokens (file order), each --regen-samples
         times (ids "<prompt index>.<sample>"), first --regen-rows rows."""
-        from specjax import hf
+        from specjax import checkpoints
 
-        tok = hf.load_tokenizer(self.target)
+        tok = checkpoints.load_tokenizer(self.target)
         rows = emb.load_prompts("train")
         short = [(i, r["prompt"]) for i, r in enumerate(rows)
                  if len(tok(r["prompt"], add_special_tokens=False)["input_ids"])

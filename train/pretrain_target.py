@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
     from flax import nnx
 
-    from specjax import hf
+    from specjax import checkpoints
     from specjax.models.decoder import CausalLM
     from specjax.training.config import CheckpointConfig, LoggingConfig, OptimizerConfig
     from specjax.training.trainer import EpochBatches, Trainer
@@ -244,14 +244,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for f in os.listdir(target_out):  # stale files of an earlier build
             if os.path.isfile(os.path.join(target_out, f)):
                 os.remove(os.path.join(target_out, f))
-    hf.export_target(trained, tcfg, target_out, tokenizer_dir=tok_dir, dtype=cfg.export_dtype)
+    checkpoints.export_target(trained, tcfg, target_out, tokenizer_dir=tok_dir, dtype=cfg.export_dtype)
     emb.write_generation_config(target_out, eos_id)
     for f in os.listdir(target_out):
         os.chmod(os.path.join(target_out, f), 0o644)
 
-    served, _ = hf.load_target(target_out, dtype="float32")
+    served, _ = checkpoints.load_target(target_out, dtype="float32")
     latency = _decode_latency_ms(served, layers=1)
-    tok_hf = hf.load_tokenizer(target_out)
+    tok_hf = checkpoints.load_tokenizer(target_out)
     counts = build_prompts(files_train, files_held, tok, cfg, out)
     samples = []
     for rec in emb.read_prompts(os.path.join(out, "prompts", "heldout.jsonl"))[:3]:

@@ -63,7 +63,7 @@ class Run(NamedTuple):
 
 def build(cfg: TrainConfig, *, mesh=None) -> Run:
     """Everything a run needs (trainer, data iterator, drafter config); nothing trained yet."""
-    from specjax import hf
+    from specjax import checkpoints
     from specjax.training import features as feat
     from specjax.training.config import BLOCK_KINDS
     from specjax.training.objectives import make_objective
@@ -74,7 +74,7 @@ def build(cfg: TrainConfig, *, mesh=None) -> Run:
     if dc.mode == "cache" and mc.kind not in BLOCK_KINDS:
         raise ConfigError(f"data.mode 'cache' supports kinds {BLOCK_KINDS}; kind {mc.kind!r} "
                           f"trains online (data.mode: online)")
-    target, tcfg = hf.load_target(mc.target, dtype=mc.target_dtype)
+    target, tcfg = checkpoints.load_target(mc.target, dtype=mc.target_dtype)
     target_graphdef, aux = nnx.split(target)
     obj = make_objective(mc, target, tcfg, target_graphdef=target_graphdef,
                          feature_dtype=jnp.bfloat16)
@@ -84,7 +84,7 @@ def build(cfg: TrainConfig, *, mesh=None) -> Run:
                                    expect_hidden=tcfg.hidden_size, expect_target=identity)
         aux, target_graphdef = None, None
     else:
-        tok = hf.load_tokenizer(dc.tokenizer or mc.target)
+        tok = checkpoints.load_tokenizer(dc.tokenizer or mc.target)
         samples = feat.read_jsonl_samples(
             dc.train_jsonl, tok, max_length=dc.max_length, min_loss_tokens=dc.min_loss_tokens,
             system_prompt=dc.system_prompt, enable_thinking=dc.enable_thinking)
@@ -104,9 +104,9 @@ def build(cfg: TrainConfig, *, mesh=None) -> Run:
 def _export(trainer, state, dcfg, out_dir: str, *, target: str | None = None,
             dtype: str | None = None) -> None:
     """Hugging Face style export (config.json + safetensors, DeepSpec names) of the drafter."""
-    from specjax import hf
+    from specjax.drafters import registry
 
-    hf.export_drafter(trainer.model(state), dcfg, out_dir, target_config=target, dtype=dtype)
+    registry.export_drafter(trainer.model(state), dcfg, out_dir, target_config=target, dtype=dtype)
     print(f"exported the drafter to {out_dir}")
 
 

@@ -12,8 +12,9 @@ shards with `model.safetensors.index.json`). `load_drafter` dispatches on `archi
     works too) or "SpecjaxStandaloneDrafter" -> StandaloneDrafter
     "SpecjaxNGramDrafter"                  -> NGramDrafter (config.json only, no tensors)
 
-Tensor names and config fields are documented (and implemented) in `specjax.hf`, the only module
-that knows Hugging Face names. `save_drafter` writes the same layouts, so save -> load is exact.
+Tensor names and config fields are documented (and implemented) in
+`specjax.checkpoints.drafters`; `specjax.checkpoints` is the only package that knows external
+names. `save_drafter` writes the same layouts, so save -> load is exact.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import hf
+from specjax import checkpoints
 from specjax.config import ConfigError, TargetConfig
 
 DRAFTER_KINDS = ("dspark", "eagle3", "mtp", "standalone", "ngram")
@@ -75,18 +76,18 @@ def _target_frozen_value(leaf: str, target_model: Any) -> jax.Array:
     return target_model.lm_head.kernel[...]
 
 
-def _fill(module: nnx.Module, reader: hf.SafetensorsDir, key_map: hf.KeyMap, *, source: str,
-          target_model: Any, mesh: Any, rules: Any, allow_extra=()) -> None:
+def _fill(module: nnx.Module, reader: checkpoints.SafetensorsDir, key_map: checkpoints.KeyMap, *,
+          source: str, target_model: Any, mesh: Any, rules: Any, allow_extra=()) -> None:
     """Load `module`'s stored variables from `reader`. Frozen copies of the target's embedding /
     lm_head that the checkpoint lacks are taken from `target_model` when it is given."""
     from specjax.drafters.block import Frozen
 
     if target_model is not None:
-        missing = [e for e in hf.param_entries(module, key_map)
+        missing = [e for e in checkpoints.param_entries(module, key_map)
                    if isinstance(e.variable, Frozen) and e.hf_name is not None
                    and e.hf_name not in reader]
         if missing:
-            key_map = hf.skip_tensors(key_map, {e.hf_name for e in missing})
+            key_map = checkpoints.skip_tensors(key_map, {e.hf_name for e in missing})
             for e in missing:
                 value = _target_frozen_value(e.path.rsplit(".", 1)[-1], target_model)
                 want = tuple(e.variable.get_value().shape)
@@ -94,8 +95,8 @@ def _fill(module: nnx.Module, reader: hf.SafetensorsDir, key_map: hf.KeyMap, *, 
                     raise ValueError(f"{source}: tensor '{e.hf_name}' is absent and the target's "
                                      f"copy has shape {list(value.shape)}, expected {list(want)}")
                 e.variable.set_value(jnp.asarray(value, e.variable.get_value().dtype))
-    hf.load_params_into(module, reader, key_map=key_map, mesh=mesh, rules=rules, source=source,
-                        allow_extra=allow_extra)
+    checkpoints.load_params_into(module, reader, key_map=key_map, mesh=mesh, rules=rules,
+                                 source=source, allow_extra=allow_extra)
 
 
 def _check_concrete(module: nnx.Module, source: str) -> None:
@@ -112,16 +113,16 @@ def _load_dspark(path: str, d: Mapping[str, Any], source: str, tcfg, tmodel, *, 
                  compute_dtype, gamma, mesh, rules):
     from specjax.drafters.dspark import DSparkDrafter
 
-    cfg = hf.block_drafter_config_from_hf(d, source=source)
+    cfg = checkpoints.block_drafter_config_from_hf(d, source=source)
     _check_target(cfg.check_target, tcfg, source)
     _check_gamma(gamma, cfg.block_size, cfg.variant)
-    temps = hf.confidence_temperatures_from_hf(d, cfg.block_size, source) \
+    temps = checkpoints.confidence_temperatures_from_hf(d, cfg.block_size, source) \
         if cfg.confidence_head else None
     drafter = nnx.eval_shape(lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0), dtype=compute_dtype,
                                                    param_dtype=dtype))
-    with hf.SafetensorsDir(path) as reader:
-        _fill(drafter, reader, hf.dspark_key_map(), source=path, target_model=tmodel, mesh=mesh,
-              rules=rules)
+    with checkpoints.SafetensorsDir(path) as reader:
+        _fill(drafter, reader, checkpoints.dspark_key_map(), source=path, target_model=tmodel,
+              mesh=mesh, rules=rules)
     if cfg.confidence_head:
         drafter.confidence_temperatures.set_value(jnp.ones((cfg.block_size,), jnp.float32))
         if temps is not None:
@@ -135,15 +136,15 @@ def _load_eagle3(path: str, d: Mapping[str, Any], source: str, tcfg, tmodel, *, 
 
     from specjax.drafters.eagle3 import Eagle3Drafter
 
-    cfg = hf.eagle3_config_from_hf(d, source=source)
+    cfg = checkpoints.eagle3_config_from_hf(d, source=source)
     if gamma is not None:
         cfg = dataclasses.replace(cfg, gamma=int(gamma))
     _check_target(cfg.check_target, tcfg, source)
     drafter = nnx.eval_shape(lambda: Eagle3Drafter(cfg, rngs=nnx.Rngs(0), dtype=compute_dtype,
                                                    param_dtype=dtype))
-    with hf.SafetensorsDir(path) as reader:
-        allow = hf.eagle3_vocab_map_extras(reader, cfg.vocab_size, path)
-        key_map = hf.eagle3_key_map(hf.eagle3_layout(reader.keys()))
+    with checkpoints.SafetensorsDir(path) as reader:
+        allow = checkpoints.eagle3_vocab_map_extras(reader, cfg.vocab_size, path)
+        key_map = checkpoints.eagle3_key_map(checkpoints.eagle3_layout(reader.keys()))
         _fill(drafter, reader, key_map, source=path, target_model=tmodel, mesh=mesh, rules=rules,
               allow_extra=allow)
     return drafter
@@ -153,14 +154,14 @@ def _load_mtp(path: str, d: Mapping[str, Any], source: str, tcfg, tmodel, *, dty
               compute_dtype, gamma, mesh, rules):
     from specjax.drafters.mtp import MTPDrafter
 
-    cfg = hf.mtp_config_from_hf(d, source=source)
+    cfg = checkpoints.mtp_config_from_hf(d, source=source)
     _check_target(cfg.check_target, tcfg, source)
     _check_gamma(gamma, 1, "MTP-1")
     drafter = nnx.eval_shape(lambda: MTPDrafter(cfg, rngs=nnx.Rngs(0), dtype=compute_dtype,
                                                 param_dtype=dtype))
-    with hf.SafetensorsDir(path) as reader:
-        _fill(drafter, reader, hf.mtp_key_map(), source=path, target_model=tmodel, mesh=mesh,
-              rules=rules)
+    with checkpoints.SafetensorsDir(path) as reader:
+        _fill(drafter, reader, checkpoints.mtp_key_map(), source=path, target_model=tmodel,
+              mesh=mesh, rules=rules)
     return drafter
 
 
@@ -168,13 +169,13 @@ def _load_standalone(path: str, d: Mapping[str, Any], source: str, tcfg, tmodel,
                      compute_dtype, gamma, mesh, rules):
     from specjax.drafters.standalone import StandaloneDrafter
 
-    lm_cfg, saved_gamma = hf.standalone_config_from_hf(d, source=source)
+    lm_cfg, saved_gamma = checkpoints.standalone_config_from_hf(d, source=source)
     if tcfg is not None and lm_cfg.vocab_size != tcfg.vocab_size:
         raise ConfigError(f"{source}: drafter is incompatible with the target: draft model field "
                           f"'vocab_size' ({lm_cfg.vocab_size}) differs from the target's "
                           f"({tcfg.vocab_size})")
-    model = hf.load_target_weights(path, lm_cfg, dtype=dtype, compute_dtype=compute_dtype,
-                                   mesh=mesh, rules=rules)
+    model = checkpoints.load_target_weights(path, lm_cfg, dtype=dtype,
+                                            compute_dtype=compute_dtype, mesh=mesh, rules=rules)
     return StandaloneDrafter(model, int(gamma) if gamma is not None else saved_gamma)
 
 
@@ -182,7 +183,7 @@ def _load_ngram(path: str, d: Mapping[str, Any], source: str, tcfg, tmodel, *, d
                 compute_dtype, gamma, mesh, rules):
     from specjax.drafters.ngram import NGramDrafter
 
-    f = hf.ngram_config_from_hf(d, source=source)
+    f = checkpoints.ngram_config_from_hf(d, source=source)
     vocab = f["vocab_size"]
     if tcfg is not None:
         if vocab is not None and vocab != tcfg.vocab_size:
@@ -206,8 +207,8 @@ _LOADERS = {"dspark": _load_dspark, "eagle3": _load_eagle3, "mtp": _load_mtp,
 
 def drafter_kind(path: str | os.PathLike) -> str:
     """The kind ("dspark", "eagle3", "mtp", "standalone", "ngram") of a drafter directory."""
-    d, source = hf.read_drafter_config(path)
-    return hf.drafter_architecture(d, source)
+    d, source = checkpoints.read_drafter_config(path)
+    return checkpoints.drafter_architecture(d, source)
 
 
 def load_drafter(path: str | os.PathLike, *, target: Any = None, dtype: Any = "float32",
@@ -222,11 +223,12 @@ def load_drafter(path: str | os.PathLike, *, target: Any = None, dtype: Any = "f
     dtype: parameter dtype (tensors are cast on load); compute_dtype: activations (default dtype).
     gamma: proposal length for drafters where it is free (Eagle3, standalone, n-gram; default from
         config.json); for DSpark/DFlash and MTP-1 it must equal the fixed one if given.
-    mesh, rules: place each tensor with the NamedSharding of its logical axes (see `specjax.hf`).
+    mesh, rules: place each tensor with the NamedSharding of its logical axes
+        (see `specjax.checkpoints.load_params_into`).
     """
     path = os.fspath(path)
-    d, source = hf.read_drafter_config(path)
-    kind = hf.drafter_architecture(d, source)
+    d, source = checkpoints.read_drafter_config(path)
+    kind = checkpoints.drafter_architecture(d, source)
     tcfg, tmodel = _target_parts(target)
     if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer))
                               or gamma < 1):
@@ -247,8 +249,8 @@ def _param_dtype(module: nnx.Module) -> Any:
 
 def save_drafter(drafter: nnx.Module, out_dir: str | os.PathLike, *, target_config: Any = None,
                  dtype: Any = None, extra_config: Mapping[str, Any] | None = None,
-                 num_anchors: int = hf.DEFAULT_NUM_ANCHORS,
-                 max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES) -> str:
+                 num_anchors: int = checkpoints.DEFAULT_NUM_ANCHORS,
+                 max_shard_bytes: int = checkpoints.DEFAULT_MAX_SHARD_BYTES) -> str:
     """Write `drafter` to `out_dir` as config.json + safetensors; returns out_dir.
 
     target_config: the target's TargetConfig, HF config mapping, checkpoint directory or model.
@@ -269,40 +271,52 @@ def save_drafter(drafter: nnx.Module, out_dir: str | os.PathLike, *, target_conf
     out_dir = os.fspath(out_dir)
     file_dtype = dtype if dtype is not None else _param_dtype(drafter)
     if isinstance(drafter, NGramDrafter):
-        d = hf.ngram_hf_config(drafter.vocab_size, drafter.gamma, drafter.max_ngram,
-                               drafter.min_ngram, extra=extra_config)
-        hf.write_config_json(out_dir, d)
+        d = checkpoints.ngram_hf_config(drafter.vocab_size, drafter.gamma, drafter.max_ngram,
+                                        drafter.min_ngram, extra=extra_config)
+        checkpoints.write_config_json(out_dir, d)
         return out_dir
     if isinstance(drafter, BlockBackbone):
         temps = None
         if drafter.confidence_head is not None:
             temps = np.asarray(jax.device_get(drafter.confidence_temperatures[...]), np.float64)
             temps = None if np.all(temps == 1.0) else temps.tolist()
-        d = hf.block_drafter_hf_config(drafter.config, target_config, dtype=file_dtype,
-                                       num_anchors=num_anchors, confidence_temperatures=temps,
-                                       extra=extra_config)
-        key_map = hf.dspark_key_map()
+        d = checkpoints.block_drafter_hf_config(drafter.config, target_config, dtype=file_dtype,
+                                                num_anchors=num_anchors,
+                                                confidence_temperatures=temps, extra=extra_config)
+        key_map = checkpoints.dspark_key_map()
     elif isinstance(drafter, Eagle3Drafter):
-        d = hf.eagle3_hf_config(drafter.config, target_config, dtype=file_dtype, extra=extra_config)
-        key_map = hf.eagle3_key_map("deepspec")
+        d = checkpoints.eagle3_hf_config(drafter.config, target_config, dtype=file_dtype,
+                                         extra=extra_config)
+        key_map = checkpoints.eagle3_key_map("deepspec")
     elif isinstance(drafter, MTPDrafter):
-        d = hf.mtp_hf_config(drafter.config, target_config, dtype=file_dtype, extra=extra_config)
-        key_map = hf.mtp_key_map()
+        d = checkpoints.mtp_hf_config(drafter.config, target_config, dtype=file_dtype,
+                                      extra=extra_config)
+        key_map = checkpoints.mtp_key_map()
     elif isinstance(drafter, StandaloneDrafter):
         if target_config is not None:
-            tcfg = hf.target_hf_base(target_config)[1]
+            tcfg = checkpoints.target_hf_base(target_config)[1]
             drafter.check_target(tcfg)
-        d = hf.standalone_hf_config(drafter.model.config, drafter.gamma, dtype=file_dtype,
-                                    extra=extra_config)
-        key_map = hf.standalone_key_map()
+        d = checkpoints.standalone_hf_config(drafter.model.config, drafter.gamma,
+                                             dtype=file_dtype, extra=extra_config)
+        key_map = checkpoints.standalone_key_map()
     else:
         raise ValueError(f"save_drafter: unsupported drafter type {type(drafter).__name__} "
                          f"(supported: DSparkDrafter/DFlash, Eagle3Drafter, MTPDrafter, "
                          f"StandaloneDrafter, NGramDrafter)")
-    hf.write_safetensors(out_dir, hf.iter_hf_tensors(drafter, key_map=key_map, dtype=dtype),
-                         max_shard_bytes=max_shard_bytes)
-    hf.write_config_json(out_dir, d)
+    tensors = checkpoints.iter_hf_tensors(drafter, key_map=key_map, dtype=dtype)
+    checkpoints.write_safetensors(out_dir, tensors, max_shard_bytes=max_shard_bytes)
+    checkpoints.write_config_json(out_dir, d)
     return out_dir
 
 
-__all__ = ["DRAFTER_KINDS", "drafter_kind", "load_drafter", "save_drafter"]
+def export_drafter(drafter: nnx.Module, config: Any, out_dir: str | os.PathLike,
+                   **kwargs: Any) -> str:
+    """`save_drafter` after checking that `config` (if given) is the drafter's own config
+    (a trainer's export: the config it trained with must be what the file describes)."""
+    own = getattr(drafter, "config", None)
+    if config is not None and own is not None and config != own:
+        raise ValueError(f"config {config} is not the drafter's own config {own}")
+    return save_drafter(drafter, out_dir, **kwargs)
+
+
+__all__ = ["DRAFTER_KINDS", "drafter_kind", "export_drafter", "load_drafter", "save_drafter"]

@@ -367,7 +367,7 @@ def run_evaluation(target_dir: str | None, drafters: Sequence[str], data_paths: 
     dataset name. max_model_len: default the longest prompt + max_new_tokens (at most the target's
     max_position_embeddings). engine_config: overrides the engine shape entirely (its policy must
     be "fixed")."""
-    from specjax import hf
+    from specjax import checkpoints
     from specjax.api import LLM
     from specjax.eval import plots
 
@@ -379,9 +379,9 @@ def run_evaluation(target_dir: str | None, drafters: Sequence[str], data_paths: 
     if embedded:
         from specjax import embedded as emb
         target_dir = emb.target_dir()
-    model, tcfg = hf.load_target(target_dir, dtype=dtype)
+    model, tcfg = checkpoints.load_target(target_dir, dtype=dtype)
     tok_dir = tokenizer_dir or target_dir
-    tokenizer = hf.load_tokenizer(tok_dir)
+    tokenizer = checkpoints.load_tokenizer(tok_dir)
     if tokenizer is None:
         raise ValueError(f"no tokenizer files in {tok_dir} (pass --tokenizer)")
     caps = dict(caps or {})
@@ -468,7 +468,7 @@ def run_calibration(target_dir: str | None, drafter_dir: str, prompt_paths: Sequ
     accepted prefix, fits `fit_sts`, and (with `save`) writes calibration.json beside the drafter
     and its config.json `confidence_temperatures`, so loading the directory applies them.
     Returns (result, path of calibration.json or None)."""
-    from specjax import hf
+    from specjax import checkpoints
     from specjax.api import LLM
     from specjax.drafters.registry import load_drafter
 
@@ -481,9 +481,9 @@ def run_calibration(target_dir: str | None, drafter_dir: str, prompt_paths: Sequ
         target_dir = emb.target_dir()
     if not os.path.isdir(drafter_dir):
         raise ValueError(f"drafter directory does not exist: {drafter_dir}")
-    model, tcfg = hf.load_target(target_dir, dtype=dtype)
+    model, tcfg = checkpoints.load_target(target_dir, dtype=dtype)
     tok_dir = tokenizer_dir or target_dir
-    tokenizer = hf.load_tokenizer(tok_dir)
+    tokenizer = checkpoints.load_tokenizer(tok_dir)
     if tokenizer is None:
         raise ValueError(f"no tokenizer files in {tok_dir} (pass --tokenizer)")
     drafter = load_drafter(drafter_dir, target=model)

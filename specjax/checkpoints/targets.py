@@ -1,0 +1,115 @@
+"""Hugging Face target checkpoints: config.json + safetensors <-> a `CausalLM`, and tokenizers.
+
+Target tensor names are the Hugging Face ones of `Qwen3ForCausalLM`, `LlamaForCausalLM` and
+`Qwen2ForCausalLM` (they coincide; the families differ in which tensors exist: Qwen3 adds
+`self_attn.{q_norm,k_norm}.weight`, Qwen2 `self_attn.{q,k,v}_proj.bias`, a tied model has no
+`lm_head.weight`), derived from our module paths by `common.TARGET_KEY_MAP`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.checkpoints.common import (DEFAULT_MAX_SHARD_BYTES, TARGET_KEY_MAP, KeyMap,
+                                        SafetensorsDir, iter_hf_tensors, load_params_into,
+                                        param_entries, write_safetensors)
+from specjax.config import ConfigError, TargetConfig, read_json
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json",
+                   "tokenizer.model", "chat_template.jinja", "chat_template.json")
+_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def read_target_config(path: str | os.PathLike) -> TargetConfig:
+    """TargetConfig from `<path>/config.json` (both rope dialects)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint directory does not exist: {path}")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ConfigError(f"no config.json in {path} (expected {cfg_path})")
+    return TargetConfig.from_hf_dict(read_json(cfg_path), source=cfg_path)
+
+
+def _abstract_target(cfg: TargetConfig, dtype, compute_dtype):
+    from specjax.models.decoder import CausalLM
+
+    return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=compute_dtype,
+                                                   param_dtype=dtype))
+
+
+def load_target(path: str | os.PathLike, *, dtype="float32", compute_dtype=None, mesh=None,
+                rules=None):
+    """Load a Hugging Face Qwen3 checkpoint directory -> (CausalLM, TargetConfig).
+
+    The model is built abstractly and filled tensor by tensor (cast to `dtype`; computation in
+    `compute_dtype`, default `dtype`), each placed with its NamedSharding when `mesh` is given.
+    Only safetensors are read.
+    """
+    path = os.fspath(path)
+    cfg = read_target_config(path)
+    return load_target_weights(path, cfg, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh,
+                               rules=rules), cfg
+
+
+def load_target_weights(path: str | os.PathLike, cfg: TargetConfig, *, dtype="float32",
+                        compute_dtype=None, mesh=None, rules=None):
+    """A CausalLM of config `cfg` filled from the safetensors in `path` (see
+    `load_target`; the config is given, e.g. parsed from a drafter's config.json)."""
+    path = os.fspath(path)
+    model = _abstract_target(cfg, dtype, compute_dtype or dtype)
+    with SafetensorsDir(path) as reader:
+        key_map = TARGET_KEY_MAP
+        allow: list[str] = []
+        if "model.embed_tokens.weight" not in reader and "embed_tokens.weight" in reader:
+            key_map = KeyMap(prefix_map={"model.": ""})  # bare backbone names
+        if cfg.tie_word_embeddings:
+            allow.append("lm_head.weight")  # tied: HF ignores a stored copy as well
+        load_params_into(model, reader, key_map=key_map, mesh=mesh, rules=rules,
+                         source=path, allow_extra=allow)
+    return model
+
+
+def export_target(model, config: TargetConfig, out_dir: str | os.PathLike, *,
+                  tokenizer_dir: str | os.PathLike | None = None, dtype="float32",
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+    """Write `config.json` + safetensors (+ tokenizer files from `tokenizer_dir`) so that
+    `transformers.Qwen3ForCausalLM.from_pretrained(out_dir)` loads the model. Returns out_dir."""
+    out_dir = os.fspath(out_dir)
+    expected = {e.path: tuple(e.variable.get_value().shape)
+                for e in param_entries(_abstract_target(config, "float32", "float32"))}
+    got = {e.path: tuple(e.variable.get_value().shape) for e in param_entries(model)}
+    if expected != got:
+        diff = sorted(set(expected.items()) ^ set(got.items()))[:6]
+        raise ValueError(f"model params do not match the config (first differences: {diff})")
+    os.makedirs(out_dir, exist_ok=True)
+    hf = config.to_hf_dict()
+    hf["torch_dtype"] = str(jnp.dtype(dtype))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    write_safetensors(out_dir, iter_hf_tensors(model, dtype=dtype), max_shard_bytes=max_shard_bytes)
+    if tokenizer_dir is not None:
+        tokenizer_dir = os.fspath(tokenizer_dir)
+        if not os.path.isdir(tokenizer_dir):
+            raise FileNotFoundError(f"tokenizer_dir does not exist: {tokenizer_dir}")
+        for fname in TOKENIZER_FILES:
+            src = os.path.join(tokenizer_dir, fname)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(out_dir, fname))
+    return out_dir
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """A transformers tokenizer from local files only (no remote code); None if `path` has none."""
+    path = os.fspath(path)
+    if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f))
+                                          for f in _TOKENIZER_MARKERS):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
