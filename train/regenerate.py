@@ -5,9 +5,10 @@ Usage: `python -m train.regenerate --target DIR --prompts prompts.jsonl --out tr
 
 Rows: {"turns": [...]}, {"conversations": [{"role", "content"}, ...]} or {"prompt": "..."}; see
 `specjax.training.regenerate`. ShareGPT prompts (deduplicated, length-filtered, evaluation
-prompts removed, held-out split recorded) come from `python -m train.prepare_sharegpt`. Output rows are written in input order; failing rows go to
-`<out stem>.errors.jsonl` with their line and the reason. Rerun the same command after an
-interruption (even kill -9) to continue: no row is duplicated or lost.
+prompts removed, held-out split recorded) come from `python -m train.prepare_sharegpt`. Output rows
+are written in input order; failing rows go to `<out stem>.errors.jsonl` with their line and the
+reason. Rerun the same command after an interruption (even kill -9) to continue: no row is
+duplicated or lost.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
 
-    from specjax import checkpoints
+    from specjax import hf
     from specjax.api import LLM, SamplingParams
     from specjax.config import ConfigError
     from specjax.training.regenerate import regenerate
@@ -61,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens)
-        tcfg = checkpoints.read_target_config(args.target)
+        tcfg = hf.read_target_config(args.target)
         max_len = args.max_model_len or min(8192, tcfg.max_position_embeddings)
         if max_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {max_len}")
