@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
 
-    from specjax import hf
+    from specjax import checkpoints
     from specjax.api import LLM, SamplingParams
     from specjax.config import ConfigError
     from specjax.training.regenerate import regenerate
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens)
-        tcfg = hf.read_target_config(args.target)
+        tcfg = checkpoints.read_target_config(args.target)
         max_len = args.max_model_len or min(8192, tcfg.max_position_embeddings)
         if max_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {max_len}")
