@@ -1,0 +1,110 @@
+"""Streaming detokenization (tokenizers' DecodeStream) and stop strings on it, with a byte-level BPE
+tokenizer trained here (so emoji and CJK characters are split across several byte tokens)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specjax.detokenize import StopStringChecker, StreamDetokenizer
+
+TEXT = "hello 世界! 😀 naïve 🇯🇵 fox — the quick 你好 brown 🧪🧪 world"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """A transformers fast tokenizer over a small byte-level BPE (most non-ASCII bytes stay single tokens)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|end|>"], show_progress=False)
+    t.train_from_iterator(["hello world the quick brown fox"] * 20 + ["世界 你好"] * 3, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|end|>")
+
+
+def _ids(tok, text=TEXT):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_streamed_text_equals_the_final_decode_across_split_characters(tok):
+    ids = _ids(tok)
+    assert tok.decode(ids) == TEXT
+    # the property is only tested if characters really are split across tokens
+    split = [i for i in ids if tok.decode([i]) == "\ufffd"]
+    assert len(split) >= 8
+    for sizes in ([1], [2], [3, 1, 4], [len(ids)]):  # deltas of different sizes, as rounds deliver them
+        d = StreamDetokenizer(tok)
+        pieces, k, j = [], 0, 0
+        while k < len(ids):
+            n = sizes[j % len(sizes)]
+            pieces.append(d.push(ids[k:k + n]))
+            k, j = k + n, j + 1
+        assert "".join(pieces) == TEXT == tok.decode(ids, skip_special_tokens=True)
+        assert not any("\ufffd" in p for p in pieces)  # never a partial character on the wire
+        assert d.length == len(TEXT) and len(d.ends) == len(ids) and d.ends[-1] == len(TEXT)
+        assert sum(e is None for e in d.ends) >= len(split) // 2  # tokens ending inside a character
+
+
+def test_negative_control_naive_delta_decoding_breaks_characters(tok):
+    """Decoding each delta on its own (what a streaming server must not do) garbles split characters:
+    the comparison above would catch it."""
+    ids = _ids(tok)
+    naive = "".join(tok.decode(ids[k:k + 2]) for k in range(0, len(ids), 2))
+    assert naive != TEXT and "\ufffd" in naive
+
+
+def test_special_tokens_are_skipped_like_the_final_decode(tok):
+    end = tok.convert_tokens_to_ids("<|end|>")
+    ids = _ids(tok, "fox 😀") + [end] + _ids(tok, " world")
+    d = StreamDetokenizer(tok)
+    assert "".join(d.push([i]) for i in ids) == tok.decode(ids, skip_special_tokens=True) == "fox 😀 world"
+
+
+def _reference_keep(tok, ids, stops):
+    """The quadratic definition: the longest token prefix whose decoded text ends at or before the
+    first stop string, counting only prefixes that end on a whole character."""
+    text = tok.decode(ids)
+    hits = [text.find(s) for s in stops if s in text]
+    if not hits:
+        return None
+    cut = min(hits)
+    keep = 0
+    for k in range(len(ids) + 1):
+        prefix = tok.decode(ids[:k])
+        if len(prefix) <= cut and not prefix.endswith("\ufffd"):
+            keep = k
+    return keep
+
+
+@pytest.mark.parametrize("stop", ["世界", "😀", "fox", "🧪🧪", "ve 🇯", "quick 你", "zzz"])
+def test_stop_checker_matches_the_quadratic_definition(tok, stop):
+    ids = _ids(tok)
+    rng = random.Random(stop)
+    check, k, got = StopStringChecker(tok, [stop]), 0, None
+    while k < len(ids) and got is None:  # the engine calls it with the whole output after each round
+        k = min(len(ids), k + rng.randint(1, 4))
+        got = check(ids[:k])
+    want = _reference_keep(tok, ids[:k], [stop])
+    assert got == want
+    if stop in TEXT:
+        kept = tok.decode(ids[:got])
+        assert stop not in kept and TEXT.startswith(kept) and "\ufffd" not in kept
+        assert len(kept) > TEXT.index(stop) - 8  # nothing much before the stop string was lost
+    else:
+        assert got is None
+
+
+def test_stop_checker_finds_a_stop_string_spanning_two_calls_and_restarts_on_a_new_output(tok):
+    ids = _ids(tok, "abc the quick brown fox")
+    check = StopStringChecker(tok, ["quick brown"])
+    cut = len(_ids(tok, "abc the quick"))  # "quick" in the first call, " brown" in the next
+    assert check(ids[:cut]) is None
+    keep = check(ids)
+    assert tok.decode(ids[:keep]) == "abc the"  # the token " quick" carries the space
+    assert check(ids[:2]) is None  # a shorter list: a different output, searched afresh
+    with pytest.raises(ValueError, match="non-empty"):
+        StopStringChecker(tok, [""])
