@@ -1,12 +1,15 @@
 """Run every benchmark, then rebuild docs/BENCHMARKS.md from the per-benchmark Markdown results.
 
     python -m bench.run_all [--only decode drafters] [--skip training] [--docs-only] [--timeout 1800]
+    python -m bench.run_all --section scheduler   # refresh one section of the page, nothing else
 
 Each benchmark module that exists (bench/decode.py, drafters, scheduler and, when present,
 training, frontier, embedded) runs as its own subprocess `python -m bench.<name>`, so one failure
 or crash does not stop the rest; the exit code is non-zero if any failed. Afterwards
 docs/BENCHMARKS.md is regenerated from bench/results/<name>.md (plus a link to the JSON and the
-PNG), each section with the command that made it. `--docs-only` only regenerates the document.
+PNG), each section with the command that made it. `--docs-only` only regenerates the document;
+`--section NAME` replaces (or adds) just the section of bench/results/NAME.md and leaves the rest of
+the page as it is.
 """
 from __future__ import annotations
 
@@ -184,6 +187,34 @@ def write_docs(results_dir: str = RESULTS_DIR, docs_path: str = DOCS_PATH) -> st
     return docs_path
 
 
+def write_section(name: str, results_dir: str = RESULTS_DIR, docs_path: str = DOCS_PATH) -> str:
+    """Replace the section of `name` in docs/BENCHMARKS.md (found by its link to `name`.md) with one
+    rebuilt from results/`name`.md, or append it (and list it under Contents) if the page has none;
+    every other section stays as it is. Builds the whole page when there is none. Returns the path."""
+    docs_dir = os.path.dirname(os.path.abspath(docs_path))
+    new = section(name, results_dir, docs_dir)
+    if new is None:
+        raise ValueError(f"no results to document: {os.path.join(results_dir, name + '.md')} does not exist")
+    if not os.path.isfile(docs_path):
+        return write_docs(results_dir, docs_path)
+    with open(docs_path, encoding="utf-8") as f:
+        text = f.read()
+    new = new.rstrip() + "\n"
+    link = f"[{name}](#{_anchor(new)})"
+    i = text.find(f"[`{name}.md`](")
+    if i >= 0:
+        start = text.rfind("\n## ", 0, i) + 1
+        end = text.find("\n## ", i)
+        text = text[:start] + new + ("\n" + text[end + 1:] if end >= 0 else "")
+        text = re.sub(rf"\[{re.escape(name)}\]\(#[^)]*\)", lambda _: link, text, count=1)
+    else:
+        text = text.rstrip() + "\n\n" + new
+        text = re.sub(r"^(Contents: .*)$", lambda m: f"{m.group(1)}, {link}", text, count=1, flags=re.MULTILINE)
+    with open(docs_path, "w", encoding="utf-8") as f:
+        f.write(text.rstrip() + "\n")
+    return docs_path
+
+
 def _anchor(section_md: str) -> str:
     """GitHub's anchor for a section's `## Title` line."""
     title = section_md.splitlines()[0][3:].strip().lower()
@@ -196,9 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run just these benchmarks")
     parser.add_argument("--skip", nargs="+", choices=BENCHMARKS, default=[], help="benchmarks not to run")
     parser.add_argument("--docs-only", action="store_true", help="only rebuild docs/BENCHMARKS.md")
+    parser.add_argument("--section", metavar="NAME",
+                        help="only replace (or add) the section of bench/results/NAME.md in docs/BENCHMARKS.md")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per benchmark")
     args = parser.parse_args(argv)
     os.chdir(REPO_ROOT)
+    if args.section:
+        print(f"wrote {write_section(args.section)}", flush=True)
+        return 0
     runs: list[dict[str, Any]] = []
     if not args.docs_only:
         names = [n for n in (args.only or BENCHMARKS) if n not in args.skip]

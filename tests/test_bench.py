@@ -194,3 +194,29 @@ def test_goal_rows_judge_never_below_plain_from_paired_runs():
     assert row[1].startswith("min median 1.00 (C=4") and row[2] == "yes"
     rows = {r[0]: r for r in goal_rows(res, paired={1: [0.9, 0.95, 0.97], 4: [1.0, 1.0, 1.0]})}
     assert rows["best confidence never below plain (confidence_async vs plain, paired runs)"][2] == "no"
+
+
+def test_write_section_replaces_one_section_and_keeps_the_rest(tmp_path):
+    res_dir, docs = tmp_path / "results", tmp_path / "docs" / "BENCHMARKS.md"
+    res_dir.mkdir()
+    (res_dir / "decode.md").write_text("# Decode\n\nold decode\n")
+    (res_dir / "scheduler.md").write_text("# Sched\n\nold sched\n")
+    run_all.write_docs(str(res_dir), str(docs))
+    # others' results changed too, but only the named section may be rebuilt
+    (res_dir / "decode.md").write_text("# Decode\n\nNEW decode\n")
+    (res_dir / "scheduler.md").write_text("# Scheduler latency\n\nCommand: `python -m bench.scheduler --calls 9`\n\nNEW sched\n")
+    run_all.write_section("scheduler", str(res_dir), str(docs))
+    text = docs.read_text()
+    assert "old decode" in text and "NEW decode" not in text
+    assert "NEW sched" in text and "old sched" not in text and "## Sched\n" not in text
+    assert "Command: `python -m bench.scheduler --calls 9`" in text
+    assert "[scheduler](#scheduler-latency)" in text
+    # a section the page lacks is appended and listed under Contents
+    (res_dir / "gpu_check.md").write_text("# GPU check\n\nnot yet run\n")
+    run_all.write_section("gpu_check", str(res_dir), str(docs))
+    text = docs.read_text()
+    assert text.index("NEW sched") < text.index("## GPU check") and "[gpu_check](#gpu-check)" in text
+    run_all.write_section("gpu_check", str(res_dir), str(docs))  # idempotent
+    assert docs.read_text() == text
+    with pytest.raises(ValueError, match="nope.md"):
+        run_all.write_section("nope", str(res_dir), str(docs))

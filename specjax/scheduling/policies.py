@@ -161,18 +161,20 @@ def _objective_curve(
     return num / np.repeat(stair_t[1 : g + 2], np.diff(bounds))
 
 
-def _lengths_of_first(a_gr: np.ndarray, n: int, v: float, n_above: int) -> np.ndarray:
-    """ell_r of the first n ranked candidates, int32 [R], given v = the n-th largest survival and
-    n_above = how many survivals exceed v: all of those, then the first n - n_above candidates
-    equal to v in position-major order."""
-    g, R = a_gr.shape
-    if n == 0:
-        return np.zeros(R, dtype=LENGTH_DTYPE)
+def _admitted_gr(a_gr: np.ndarray, n: int, v: float, n_above: int) -> np.ndarray:
+    """Mask bool [gamma, R] of the first n >= 1 ranked candidates, given v = the n-th largest
+    survival and n_above = how many survivals exceed v: all of those, then the first n - n_above
+    candidates equal to v in position-major order."""
     flat = a_gr.ravel()
     admitted = flat > v
     if n > n_above:
         admitted[np.flatnonzero(flat == v)[: n - n_above]] = True
-    return admitted.reshape(g, R).sum(axis=0, dtype=LENGTH_DTYPE)
+    return admitted.reshape(a_gr.shape)
+
+
+def _lengths(admitted_gr: np.ndarray) -> np.ndarray:
+    """ell_r from a prefix-closed admitted mask [gamma, R]: int32 [R]."""
+    return admitted_gr.sum(axis=0, dtype=LENGTH_DTYPE)
 
 
 class _Ranked:
@@ -182,7 +184,8 @@ class _Ranked:
 
     def __init__(self, c_rg: np.ndarray, cost_table: CostTable) -> None:
         self.a_gr = _survival_gr(c_rg)
-        self.neg_sorted = np.sort(-self.a_gr.ravel())
+        self.neg_sorted = np.negative(self.a_gr.ravel())
+        self.neg_sorted.sort()
         self.ranks = _first_ranks(self.a_gr, self.neg_sorted)
         self.obj = _objective_curve(c_rg.shape[0], self.neg_sorted, self.ranks,
                                     cost_table.staircase(c_rg.shape[0]))
@@ -191,23 +194,21 @@ class _Ranked:
         """Largest position among the first n ranked candidates."""
         return int(self.ranks.searchsorted(n, side="left"))
 
-    def lengths(self, n: int) -> np.ndarray:
-        """ell_r of the first n ranked candidates, int32 [R]."""
+    def admitted(self, n: int) -> np.ndarray:
+        """Mask bool [gamma, R] of the first n ranked candidates."""
         if n == 0:
-            return np.zeros(self.a_gr.shape[1], dtype=LENGTH_DTYPE)
+            return np.zeros(self.a_gr.shape, dtype=bool)
         v = -self.neg_sorted[n - 1]
-        n_above = int(self.neg_sorted.searchsorted(-v, side="left"))
-        return _lengths_of_first(self.a_gr, n, v, n_above)
+        return _admitted_gr(self.a_gr, n, v, int(self.neg_sorted.searchsorted(-v, side="left")))
 
 
 def _top_k_lengths(c_rg: np.ndarray, k: int) -> np.ndarray:
-    """ell_r of the first k ranked candidates of c_rg (k <= R * gamma), int32 [R]; a partial sort."""
+    """ell_r of the first k ranked candidates of c_rg (1 <= k <= R * gamma), int32 [R]; a partial
+    sort instead of a full one."""
     a_gr = _survival_gr(c_rg)
-    if k == 0:
-        return np.zeros(c_rg.shape[0], dtype=LENGTH_DTYPE)
     flat = a_gr.ravel()
-    v = -np.partition(-flat, k - 1)[k - 1]
-    return _lengths_of_first(a_gr, k, v, int(np.count_nonzero(flat > v)))
+    v = np.partition(flat, flat.size - k)[flat.size - k]  # the k-th largest survival
+    return _lengths(_admitted_gr(a_gr, k, v, int(np.count_nonzero(flat > v))))
 
 
 def _confidence(c_rg: np.ndarray, cost_table: CostTable) -> np.ndarray:
@@ -218,10 +219,10 @@ def _confidence(c_rg: np.ndarray, cost_table: CostTable) -> np.ndarray:
     ranked = _Ranked(c_rg[:, :g], cost_table)
     obj = ranked.obj
     stop = obj[1:] <= obj[:-1]  # non-improvement when admitting candidate n
-    n = int(np.argmax(stop))
+    n = int(stop.argmax())
     if not stop[n]:
         n = obj.size - 1  # every admission improved
-    return ranked.lengths(n)
+    return _lengths(ranked.admitted(n))
 
 
 def _global_argmax(c_rg: np.ndarray, cost_table: CostTable) -> tuple[_Ranked | None, int, int, int]:
@@ -233,7 +234,7 @@ def _global_argmax(c_rg: np.ndarray, cost_table: CostTable) -> tuple[_Ranked | N
     if R == 0 or g == 0:
         return None, 0, 0, g
     ranked = _Ranked(c_rg[:, :g], cost_table)
-    n = int(np.argmax(ranked.obj))
+    n = int(ranked.obj.argmax())
     return ranked, n, ranked.max_position(n), g
 
 
@@ -241,7 +242,7 @@ def _anticipating(c_rg: np.ndarray, cost_table: CostTable) -> np.ndarray:
     ranked, n, _, _ = _global_argmax(c_rg, cost_table)
     if ranked is None:
         return np.zeros(c_rg.shape[0], dtype=LENGTH_DTYPE)
-    return ranked.lengths(n)
+    return _lengths(ranked.admitted(n))
 
 
 def _async_capacity(old_rg: np.ndarray, cost_table: CostTable) -> tuple[int, int]:
@@ -367,12 +368,11 @@ def anticipating_global_search_LOSSY(
     return _anticipating(c, table)
 
 
-def _theta(a_rg: np.ndarray, ell: np.ndarray, cost_table: CostTable) -> float:
-    """Theta(ell) from survivals a_rg [R, >= max ell] (any memory layout: the admitted survivals are
-    summed in row-major order, so every caller gets the same bits)."""
-    R = ell.shape[0]
-    admitted = np.arange(a_rg.shape[1])[None, :] < ell[:, None]
-    return float((R + a_rg[admitted].sum()) / cost_table.seconds(R, 1 + int(ell.max())))
+def _theta(a_rg: np.ndarray, admitted_rg: np.ndarray, max_ell: int, cost_table: CostTable) -> float:
+    """Theta from survivals a_rg [R, G] and the admitted mask [R, G] (any memory layout: the
+    admitted survivals are summed in row-major order, so every caller gets the same bits)."""
+    R = a_rg.shape[0]
+    return float((R + a_rg[admitted_rg].sum()) / cost_table.seconds(R, 1 + max_ell))
 
 
 def expected_tokens_per_second(confidences: Any, lengths: Any, cost_table: CostTable) -> float:
@@ -387,7 +387,8 @@ def expected_tokens_per_second(confidences: Any, lengths: Any, cost_table: CostT
         raise ValueError("expected_tokens_per_second needs at least one request")
     if ell.min() < 0 or ell.max() > G:
         raise ValueError(f"lengths must lie in 0..{G}, found [{ell.min()}, {ell.max()}]")
-    return _theta(np.cumprod(c, axis=1), ell, table)
+    admitted = np.arange(G)[None, :] < ell[:, None]
+    return _theta(np.cumprod(c, axis=1), admitted, int(ell.max()), table)
 
 
 def async_plan(
@@ -407,8 +408,8 @@ def async_plan(
     ranked, n, max_ell, g = _global_argmax(old, table)
     cap = min(g, table.bucket_for(R, 1 + max_ell)[1] - 1)
     if ranked is None:  # no usable positions: nothing is drafted
-        return 0, cap, _theta(np.zeros((R, 0)), np.zeros(R, dtype=LENGTH_DTYPE), table)
-    return n, cap, _theta(ranked.a_gr.T, ranked.lengths(n), table)
+        return 0, cap, _theta(np.zeros((R, 0)), np.zeros((R, 0), dtype=bool), 0, table)
+    return n, cap, _theta(ranked.a_gr.T, ranked.admitted(n).T, max_ell, table)
 
 
 # ---- entry point --------------------------------------------------------------------------------
