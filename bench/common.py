@@ -17,11 +17,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 DEFAULT_OUT_DIR = os.path.join("bench", "results")
 
-# The embedded default target's shape (specjax.embedded.PretrainModel); used for the random
-# stand-in when the trained target is not there yet.
-RANDOM_TARGET_SHAPE = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
-                           max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True)
+# The embedded default target's shape (SmolLM2-135M-Instruct, Llama family); used for a random
+# stand-in when its package is not installed.
+RANDOM_TARGET_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                           max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                           architecture="LlamaForCausalLM", model_type="llama", qk_norm=False)
 
 
 # ------------------------------------------------------------------------------------------ progress
@@ -165,26 +166,17 @@ class BenchTarget:
     path: str | None = None
 
 
-def embedded_target_dir() -> str:
-    """The embedded target's directory (`specjax.embedded.target_dir()`, or its documented place)."""
-    try:
-        from specjax import embedded
-        return embedded.target_dir()
-    except Exception:  # noqa: BLE001 - the module is optional: fall back to the documented location
-        import specjax
-        return os.path.join(os.path.dirname(specjax.__file__), "assets", "pystd", "target")
-
-
 def load_bench_target(*, use_embedded: bool = True, seed: int = 0) -> BenchTarget:
-    """The embedded target (float32, with its tokenizer) if its config.json exists and
-    `use_embedded`; otherwise a random Qwen3 of the embedded shape (RANDOM_TARGET_SHAPE)."""
-    from specjax import checkpoints
-    path = embedded_target_dir()
-    if use_embedded and os.path.isfile(os.path.join(path, "config.json")):
+    """The embedded default target (SmolLM2-135M-Instruct from its GGUF, dequantized to float32,
+    with its tokenizer) when its package is installed and `use_embedded`; otherwise a random model
+    of the same shape (RANDOM_TARGET_SHAPE)."""
+    from specjax import checkpoints, default_target
+    if use_embedded and default_target.is_installed():
+        path = default_target.gguf_path()
         model, cfg = checkpoints.load_target(path, dtype="float32")
         tok = checkpoints.load_tokenizer(path)
-        desc = (f"embedded target ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-                f"vocab {cfg.vocab_size}) from specjax/assets/pystd/target, float32")
+        desc = (f"{default_target.NAME} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+                f"vocab {cfg.vocab_size}) from the {default_target.PACKAGE} GGUF (Q4_1) dequantized to float32")
         return BenchTarget(model, cfg, "embedded", desc, tok, path)
     from flax import nnx
 
@@ -192,11 +184,11 @@ def load_bench_target(*, use_embedded: bool = True, seed: int = 0) -> BenchTarge
     from specjax.models.decoder import CausalLM
     cfg = TargetConfig(**RANDOM_TARGET_SHAPE)
     model = CausalLM(cfg, rngs=nnx.Rngs(seed))
-    why = "the embedded target does not exist yet" if use_embedded else "--random-target"
-    desc = (f"random Qwen3 built on the spot ({why}): hidden {cfg.hidden_size}, {cfg.num_hidden_layers} "
-            f"layers, {cfg.num_attention_heads} heads, {cfg.num_key_value_heads} kv heads, head_dim "
-            f"{cfg.head_dim}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}, tied, "
-            f"float32, seed {seed}")
+    why = f"{default_target.PACKAGE} is not installed" if use_embedded else "--random-target"
+    desc = (f"random {cfg.model_type} model of {default_target.NAME}'s shape built on the spot ({why}): "
+            f"hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
+            f"{cfg.num_key_value_heads} kv heads, head_dim {cfg.head_dim}, intermediate "
+            f"{cfg.intermediate_size}, vocab {cfg.vocab_size}, tied, float32, seed {seed}")
     return BenchTarget(model, cfg, "random", desc)
 
 
@@ -260,5 +252,5 @@ def pyplot():
 
 
 __all__ = ["BenchTarget", "DEFAULT_OUT_DIR", "RANDOM_TARGET_SHAPE", "Timing", "command_line",
-           "embedded_target_dir", "load_average", "load_bench_target", "log", "machine_info", "md_table",
+           "load_average", "load_bench_target", "log", "machine_info", "md_table",
            "pyplot", "time_fn", "time_interleaved", "write_results"]
