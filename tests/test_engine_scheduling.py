@@ -12,14 +12,33 @@ from engine_fixtures import (BigramDrafter, chi_square_pvalue, exact_continuatio
 V, GAMMA, PROMPT = 8, 3, [1, 5, 2]
 # Appendix A of the paper for one request: steps/s SPS(1)=1.0, SPS(2)=0.5, SPS(3)=0.45
 ONE_REQUEST = CostTable.from_seconds({(1, 1): 1.0, (1, 2): 2.0, (1, 3): 1 / 0.45, (1, 4): 2.5})
+# One request whose verify cost grows slowly enough that Algorithm 1 drafts: with the test drafter's
+# confidences (0.24..0.79) it verifies 0, 1, 2 and 3 tokens in thousands of rounds each (measured), and
+# the anticipating search on the same table drafts differently (its bias is caught below).
+DRAFTING_ROW = CostTable.from_seconds({(1, 1): 1.0, (1, 2): 1.6, (1, 3): 1.9, (1, 4): 2.0})
+MIN_ROUNDS_PER_LENGTH = 1000  # each verified length 1..GAMMA occurs at least this often in a chi-square run
 
 
-def per_row(policy):
-    """A host policy that schedules every row as if alone under the Appendix A cost table."""
+def per_row(policy, table=DRAFTING_ROW):
+    """A host policy that schedules every row as if alone under a one-request cost table."""
     def fn(conf_rg):
-        return np.concatenate([prefix_schedule(conf_rg[r:r + 1], ONE_REQUEST, policy, gamma=GAMMA)
+        return np.concatenate([prefix_schedule(conf_rg[r:r + 1], table, policy, gamma=GAMMA)
                                for r in range(conf_rg.shape[0])])
     return fn
+
+
+def count_lengths(eng) -> np.ndarray:
+    """Start counting the verified lengths of the engine's rounds; returns counts[ell] (updated live)."""
+    counts = np.zeros(GAMMA + 1, np.int64)
+
+    def on_round(info):
+        np.add.at(counts, np.asarray(info["ell"], np.int64), 1)
+    eng.on_round = on_round
+    return counts
+
+
+def assert_drafted_at_every_length(counts: np.ndarray) -> None:
+    assert (counts[1:] >= MIN_ROUNDS_PER_LENGTH).all(), f"verified-length counts {counts.tolist()}"
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +51,11 @@ def exact(model):
     return exact_continuations(model, PROMPT, 3)
 
 
-def make_engine(model, policy, *, schedule_fn=None, cost_table=None, plain_seconds=None):
+def make_engine(model, policy, *, schedule_fn=None, cost_table=None, plain_seconds=None, tokens_buckets=(1, 2, 4),
+                threshold=None):
     cfg = EngineConfig(max_slots=256, max_len=12, policy=policy, gamma=GAMMA, slots_buckets=(256,),
-                       tokens_buckets=(1, 2, 4), prefill_buckets=(4,), max_prefill=4, prefill_batch_buckets=(256,))
+                       tokens_buckets=tokens_buckets, prefill_buckets=(4,), max_prefill=4,
+                       prefill_batch_buckets=(256,), threshold=threshold)
     eng = Engine(model, BigramDrafter(V, GAMMA, confidence=True, seed=7), cfg, progress=False,
                  schedule_fn=schedule_fn)
     if cost_table is not None:
@@ -49,13 +70,23 @@ def test_appendix_a_single_request_verifies_nothing():
     assert prefix_schedule(np.array([[0.8, 0.9, 0.9]]), ONE_REQUEST, "confidence").tolist() == [0]
 
 
+def test_drafting_row_table_drafts_where_appendix_a_does_not():
+    c = np.array([[0.79, 0.77, 0.77]])
+    assert prefix_schedule(c, ONE_REQUEST, "confidence").tolist() == [0]
+    assert prefix_schedule(c, DRAFTING_ROW, "confidence").tolist() == [3]
+
+
 def test_algorithm1_per_row_is_exact(model, exact):
     eng = make_engine(model, "confidence", schedule_fn=per_row("confidence"))
+    counts = count_lengths(eng)
     samples = sample_continuations(eng, PROMPT, 20000, 3)
-    assert chi_square_pvalue(samples, exact) > 1e-3
+    assert_drafted_at_every_length(counts)  # lossless while drafting, not plain decoding in disguise
+    p = chi_square_pvalue(samples, exact)
+    assert p > 1e-3, f"output differs from the target distribution (chi-square p={p:.2e})"
 
 
 def test_anticipating_scheduler_is_caught(model, exact):
+    """The same table and drafter, scheduled by a global search that looks at later confidences."""
     eng = make_engine(model, "confidence", schedule_fn=per_row("anticipating_global_search_LOSSY"))
     samples = sample_continuations(eng, PROMPT, 20000, 3, seed0=10**6)
     assert chi_square_pvalue(samples, exact) < 1e-3, "an anticipating scheduler passed: the test has no teeth"
@@ -65,10 +96,30 @@ def staircase(meta):
     return CostTable.from_seconds({(256, 1): 1.0, (256, 2): 1.2, (256, 4): 1.5}, meta=meta)
 
 
+def shallow_staircase(meta):
+    """A 256-row step whose cost barely grows with tokens per slot, so Algorithm 1 admits drafts over the
+    whole batch; the jump to 4 tokens per slot is the dearest step, so rounds stop at various lengths."""
+    return CostTable.from_seconds({(256, 1): 1.0, (256, 2): 1.0001, (256, 3): 1.0002, (256, 4): 1.0008},
+                                  meta=meta)
+
+
 def test_engine_confidence_policy_is_exact(model, exact):
-    eng = make_engine(model, "confidence", cost_table=staircase)
+    eng = make_engine(model, "confidence", cost_table=shallow_staircase, tokens_buckets=(1, 2, 3, 4))
+    counts = count_lengths(eng)
     samples = sample_continuations(eng, PROMPT, 20000, 3, seed0=2 * 10**6)
-    assert chi_square_pvalue(samples, exact) > 1e-3
+    assert_drafted_at_every_length(counts)
+    p = chi_square_pvalue(samples, exact)
+    assert p > 1e-3, f"output differs from the target distribution (chi-square p={p:.2e})"
+
+
+def test_engine_threshold_policy_is_exact(model, exact):
+    # the test drafter's confidences: three tokens >= 0.7, five below, so leading runs of every length
+    eng = make_engine(model, "threshold", threshold=0.7)
+    counts = count_lengths(eng)
+    samples = sample_continuations(eng, PROMPT, 20000, 3, seed0=5 * 10**6)
+    assert_drafted_at_every_length(counts)
+    p = chi_square_pvalue(samples, exact)
+    assert p > 1e-3, f"output differs from the target distribution (chi-square p={p:.2e})"
 
 
 def test_engine_confidence_async_policy_is_exact(model, exact):
