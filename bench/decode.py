@@ -1,14 +1,15 @@
 """Benchmark decoding throughput: specjax plain decoding vs transformers `generate`, and n-gram
-speculation, at batch 1 and 8 on repetitive and ordinary code prompts.
+speculation, at batch 1 and 8 on ordinary (chat) and repetitive (code) prompts.
 
     python -m bench.decode [--batches 1 8] [--prompts 8] [--prompt-len 64] [--new-tokens 128]
                            [--gamma 4] [--repeats 3] [--torch-threads 2 1] [--hf-prompts 1]
                            [--out-dir bench/results]
 
-Target: the embedded default (specjax/assets/pystd/target) when it exists, else a random Qwen3 of
-the same shape (the results say which). transformers runs the very same weights: the specjax
-target is exported with `specjax.checkpoints.export_target` and loaded with
-`transformers.Qwen3ForCausalLM.from_pretrained` (torch float32, CPU, KV cache, greedy,
+Target: the embedded default (SmolLM2-135M-Instruct, its GGUF dequantized to float32) when its
+package is installed, else a random model of the same shape (the results say which). transformers
+runs the very same dequantized weights: the specjax target is exported with
+`specjax.checkpoints.export_target` and loaded with `transformers.AutoModelForCausalLM.from_pretrained`
+(torch float32, CPU, KV cache, greedy,
 `torch.set_num_threads(os.cpu_count())`). Both sides ignore eos (specjax: an LLM built with no eos
 ids; transformers: `min_new_tokens = max_new_tokens`), so every request yields exactly
 `--new-tokens` tokens. transformers is measured with `os.cpu_count()` torch threads and with 1
@@ -19,9 +20,10 @@ timed end to end, prefill included; the measurements of one batch size are inter
 pass so they share the background load. Engine compile time (warm-up) is reported separately and
 excluded.
 
-Prompts are exactly `--prompt-len` tokens: "ordinary" = held-out stdlib code (the embedded prompt
-file if present, else the first lines of stdlib modules), "repetitive" = code with repeated lines
-and structures (generated). With the random target there is no tokenizer, so text becomes byte ids.
+Prompts are exactly `--prompt-len` tokens: "ordinary" = chat prompts (mt-bench, gsm8k and
+humaneval first turns from ../shared/data/eval under the chat template; stdlib code for a random
+stand-in), "repetitive" = code with repeated lines and structures (generated). With the random
+target there is no tokenizer, so text becomes byte ids.
 
 Writes decode.json, decode.md and decode.png to the output directory.
 """
@@ -69,17 +71,29 @@ def repetitive_texts() -> list[str]:
     return blocks
 
 
-def ordinary_texts() -> tuple[list[str], str, str]:
-    """Held-out code prompts: the embedded prompt file if present (their last tokens are kept), else
-    the first lines of stdlib modules. Returns (texts, where they came from, "tail" or "head")."""
-    try:
-        from specjax import embedded
-        path = embedded.prompts_path("heldout")
-        if os.path.isfile(path):
-            texts = [r["prompt"] for r in embedded.load_prompts("heldout")]
-            return texts, f"embedded held-out prompts ({os.path.relpath(path)}), last tokens kept", "tail"
-    except Exception as e:  # noqa: BLE001 - the embedded assets are optional here
-        log(f"embedded prompts unavailable ({type(e).__name__}: {e}); using stdlib module heads")
+EVAL_SETS = ("mt-bench", "gsm8k", "humaneval")
+
+
+def eval_dir() -> str:
+    """`../shared/data/eval` beside the checkout (read in place, never copied)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(os.path.dirname(root), "shared", "data", "eval")
+
+
+def ordinary_texts(tokenizer: Any = None) -> tuple[list[str], str, str]:
+    """Chat prompts: the first turns of mt-bench, gsm8k and humaneval (taken in turn) under the
+    target's chat template, their last tokens kept (so every prompt ends where the assistant's
+    answer starts). Without a tokenizer (a random stand-in target) or the prompt files, the first
+    lines of stdlib modules. Returns (texts, where they came from, "tail" or "head")."""
+    d = eval_dir()
+    if tokenizer is not None and all(os.path.isfile(os.path.join(d, f"{n}.jsonl")) for n in EVAL_SETS):
+        from specjax.io import read_jsonl
+        sets = [[r["turns"][0] for r in read_jsonl(os.path.join(d, f"{n}.jsonl"))] for n in EVAL_SETS]
+        turns = [t for group in zip(*sets) for t in group]  # mt-bench, gsm8k, humaneval, mt-bench, ...
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                               add_generation_prompt=True) for t in turns]
+        return texts, (f"first turns of {', '.join(EVAL_SETS)} ({os.path.relpath(d)}) in turn, under the "
+                       "chat template, last tokens kept"), "tail"
     root = sysconfig.get_paths()["stdlib"]
     texts = []
     for m in STDLIB_MODULES:
@@ -176,7 +190,7 @@ class HFRunner:
         transformers.utils.logging.disable_progress_bar()
         self.torch = torch
         checkpoints.export_target(target.model, target.config, tmp_dir, dtype="float32")
-        self.model = transformers.Qwen3ForCausalLM.from_pretrained(
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
             tmp_dir, dtype=torch.float32, local_files_only=True).eval()
         self.attn = getattr(self.model.config, "_attn_implementation", "unknown")
 
@@ -246,7 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     target = load_bench_target(use_embedded=not args.random_target)
     log(f"target: {target.description}")
     encode, enc_desc = make_encoder(target)
-    ord_texts, ord_desc, ord_keep = ordinary_texts()
+    ord_texts, ord_desc, ord_keep = ordinary_texts(target.tokenizer)
     prompt_sets = {
         "ordinary": encode_fixed(ord_texts, encode, args.prompts, args.prompt_len, "ordinary", keep=ord_keep),
         "repetitive": encode_fixed(repetitive_texts(), encode, args.prompts, args.prompt_len, "repetitive"),
