@@ -4,6 +4,12 @@
 
 See `specjax.serving.batch_job` for the row formats and the resume/shard rules. Prints a JSON
 summary on stdout when done.
+
+Multi-host: run the same command on every host with `--coordinator-address HOST:PORT
+--num-processes N --process-id I` (or on a TPU pod slice / SLURM with their own settings, see
+`specjax.distributed`): process I takes input lines I, I+N, ... and writes
+`<output stem>.shard-I-of-N.jsonl`. After a crash, rerun the same command on every host: each
+process finishes its own shard. `--shard I/N --distributed off` finishes one shard on any machine.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import argparse
 import json
 import sys
 
+from specjax import distributed as dist
 from specjax.serving.cli import add_llm_args, build_llm
 
 
@@ -29,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_llm_args(p)
+    dist.add_distributed_args(p)
     return p
 
 
@@ -38,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from specjax.serving.batch_job import Shard, run_batch_job
 
     try:
+        dist.initialize_from_args(args)
         shard = Shard.parse(args.shard) if args.shard else None
         defaults = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   max_tokens=args.max_tokens)

@@ -9,6 +9,11 @@ embedding and lm_head (`specjax.training.objectives`), and trains it on an offli
 or {"prompt", "completion"} JSONL (`data.mode: online`: the frozen target runs inside the jitted
 step). Resumes from the latest checkpoint in `checkpoint.directory`;
 SIGTERM / SIGINT save a checkpoint and exit with status 0.
+
+Multi-host (one process per host, `specjax.distributed`): run the same command on every host with
+`--coordinator-address HOST:PORT --num-processes N --process-id I` (or on a TPU pod slice / SLURM
+with their own settings); the mesh spans every process's devices and each process reads and feeds
+only its slice of every global batch. Process 0 writes the logs, the config copy and the export.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import jax.numpy as jnp
 import yaml
 from flax import nnx
 
+from specjax import distributed as dist
 from specjax import sharding as shd
 from specjax.config import ConfigError
 from specjax.training.config import TrainConfig, load_train_config, train_config_dict
@@ -47,6 +53,10 @@ class _SampleList:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids, _ in self.samples]
 
     def __getitem__(self, i: int):
         ids, mask = self.samples[i]
@@ -92,22 +102,28 @@ def build(cfg: TrainConfig, *, mesh=None) -> Run:
     del target
     collate = functools.partial(collate_block_batch, buckets=dc.length_buckets,
                                 max_length=dc.max_length)
-    data = EpochBatches(dataset, dc.batch_size, seed=dc.seed, collate=collate,
-                        shuffle=dc.shuffle)
-    total = cfg.schedule.resolve_total_steps(data.steps_per_epoch)
+    steps_per_epoch = EpochBatches(dataset, dc.batch_size).steps_per_epoch
+    total = cfg.schedule.resolve_total_steps(steps_per_epoch)
     trainer = Trainer(obj.drafter, obj.loss_fn, optimizer=cfg.optimizer, total_steps=total,
                       mesh=mesh, aux=aux, grad_accum_steps=dc.grad_accum_steps, seed=cfg.seed,
                       checkpoint=cfg.checkpoint, logging=cfg.logging)
+    # every process walks the same global batches and reads only the rows its devices hold
+    data = EpochBatches(dataset, dc.batch_size, seed=dc.seed, collate=collate,
+                        shuffle=dc.shuffle, rows=trainer.process_rows(dc.batch_size))
     return Run(trainer, data, obj.drafter_config, obj.tap_layers, target_graphdef)
 
 
 def _export(trainer, state, dcfg, out_dir: str, *, target: str | None = None,
             dtype: str | None = None) -> None:
-    """Hugging Face style export (config.json + safetensors, DeepSpec names) of the drafter."""
+    """Hugging Face style export (config.json + safetensors, DeepSpec names) of the drafter,
+    written by process 0 (the parameters are first gathered onto every process)."""
     from specjax.drafters import registry
 
-    registry.export_drafter(trainer.model(state), dcfg, out_dir, target_config=target, dtype=dtype)
-    print(f"exported the drafter to {out_dir}")
+    if jax.process_count() > 1:
+        state = jax.jit(lambda s: s, out_shardings=shd.replicated(trainer.mesh))(state)
+    if dist.is_primary():
+        registry.export_drafter(trainer.model(state), dcfg, out_dir, target_config=target, dtype=dtype)
+        print(f"exported the drafter to {out_dir}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,20 +136,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="stop after this many optimizer steps in total (default: the schedule's)")
     p.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
                    help="tensor dtype of the export (default: the parameters' own)")
+    dist.add_distributed_args(p)
     args = p.parse_args(argv)
     try:
+        dist.initialize_from_args(args)
         cfg = load_train_config(args.config, args.overrides)
         trainer, data, dcfg = build(cfg)[:3]
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    os.makedirs(cfg.checkpoint.directory, exist_ok=True)
-    with open(os.path.join(cfg.checkpoint.directory, "train_config.yaml"), "w") as f:
-        yaml.safe_dump(train_config_dict(cfg), f, sort_keys=False)
+    if dist.is_primary():
+        os.makedirs(cfg.checkpoint.directory, exist_ok=True)
+        with open(os.path.join(cfg.checkpoint.directory, "train_config.yaml"), "w") as f:
+            yaml.safe_dump(train_config_dict(cfg), f, sort_keys=False)
     print(json.dumps({"run": cfg.name, "total_steps": trainer.total_steps,
                       "steps_per_epoch": data.steps_per_epoch,
                       "grad_accum_steps": trainer.grad_accum_steps,
-                      "devices": len(trainer.mesh.devices.flat)}), flush=True)
+                      "devices": len(trainer.mesh.devices.flat),
+                      "process": f"{jax.process_index()}/{jax.process_count()}",
+                      "batch_rows": data.rows.tolist()}), flush=True)
     try:
         result = trainer.fit(data, total_steps=args.steps)
     finally:

@@ -193,10 +193,17 @@ class EpochBatches:
     yields floor(N / batch_size) batches (the remainder is dropped), then streams into epoch e+1.
     Position = {"epoch", "index"}: the next sample index into epoch e's order. `dataset` needs
     `__len__` and `__getitem__` (or `read(indices) -> list`); `collate(list) -> batch`.
+
+    Data-parallel over processes: `rows` (`Trainer.process_rows(batch_size)`) are the positions of
+    each global batch that this process reads and feeds; every process walks the same order. When
+    the dataset has `lengths` (tokens per sample), the collate is called as
+    `collate(items, longest=L)` with L the longest sample of the whole global batch, so that every
+    process pads to the same shape. `global_batch_size` is then `batch_size` (None otherwise).
     """
 
     def __init__(self, dataset: Any, batch_size: int, *, seed: int = 42,
-                 collate: Callable[[list[Any]], Any] | None = None, shuffle: bool = True):
+                 collate: Callable[..., Any] | None = None, shuffle: bool = True,
+                 rows: Sequence[int] | None = None):
         n = len(dataset)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -212,6 +219,18 @@ class EpochBatches:
         self.index = 0
         self._order: np.ndarray | None = None
         self._order_epoch = -1
+        self.rows: np.ndarray | None = None
+        self.global_batch_size: int | None = None
+        self._lengths: np.ndarray | None = None
+        if rows is not None:
+            self.rows = np.asarray(rows, np.int64)
+            if self.rows.ndim != 1 or not len(self.rows) or self.rows.min() < 0 \
+                    or self.rows.max() >= batch_size:
+                raise ValueError(f"rows must be positions in a batch of {batch_size}, got "
+                                 f"{self.rows.tolist()}")
+            self.global_batch_size = batch_size
+            lengths = getattr(dataset, "lengths", None)
+            self._lengths = None if lengths is None else np.asarray(lengths, np.int64)
 
     def order(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
@@ -243,8 +262,11 @@ class EpochBatches:
 
     def __next__(self) -> Any:
         idx = self.next_indices()
+        mine = idx if self.rows is None else idx[self.rows]
         read = getattr(self.dataset, "read", None)
-        items = read(list(idx)) if callable(read) else [self.dataset[int(i)] for i in idx]
+        items = read(list(mine)) if callable(read) else [self.dataset[int(i)] for i in mine]
+        if self._lengths is not None:
+            return self.collate(items, longest=int(self._lengths[idx].max()))
         return self.collate(items)
 
 
@@ -286,6 +308,17 @@ class MetricsLogger:
 
 # ------------------------------------------------------------------------------------------------
 # the trainer
+
+
+def _preemption_reached(step: int) -> bool:
+    """True on every process at the same step once any process got a preemption notice
+    (SIGTERM), when JAX's distributed preemption service runs."""
+    from jax.experimental import multihost_utils
+
+    try:
+        return multihost_utils.reached_preemption_sync_point(step)
+    except RuntimeError:  # the preemption service is disabled (jax_enable_preemption_service)
+        return False
 
 
 @dataclasses.dataclass
@@ -377,31 +410,59 @@ class Trainer:
         """The module with `state`'s parameters (and the frozen variables)."""
         return nnx.merge(self.graphdef, state.params, self.frozen[0])
 
-    def batch_sharding(self, x: Any) -> NamedSharding:
+    def batch_sharding(self, shape: Sequence[int]) -> NamedSharding:
+        """The sharding of a global batch leaf of `shape` ([M, B, ...] when accumulating)."""
         lead = 1 if self.grad_accum_steps > 1 else 0
-        axes = (None,) * lead + ("batch",) + (None,) * (np.ndim(x) - lead - 1)
-        return shd.named_sharding(self.mesh, axes, np.shape(x), self.rules)
+        axes = (None,) * lead + ("batch",) + (None,) * (len(shape) - lead - 1)
+        return shd.named_sharding(self.mesh, axes, tuple(shape), self.rules)
 
-    def put_batch(self, batch: Any) -> Any:
-        """Host batch -> device arrays split over data+fsdp (leading [M] axis when accumulating:
-        leaves of B*M rows are reshaped to [M, B, ...])."""
+    def _accum_shape(self, rows: int, rest: Sequence[int]) -> tuple[int, ...]:
         m = self.grad_accum_steps
+        if rows % m:
+            raise ValueError(f"batch leaf with {rows} rows is not divisible by "
+                             f"grad_accum_steps={m}")
+        return ((m, rows // m) if m > 1 else (rows,)) + tuple(rest)
 
+    def process_rows(self, global_batch_size: int) -> np.ndarray:
+        """Positions in a global batch of `global_batch_size` rows (all micro-steps) that this
+        process feeds to `put_batch`, in order: all of them on one process, a slice per process
+        under data parallelism (processes holding replicas feed the same rows)."""
+        from specjax.distributed import process_rows
+
+        shape = self._accum_shape(global_batch_size, ())
+        axis = len(shape) - 1
+        local = process_rows(self.batch_sharding(shape), shape, axis=axis)
+        per_micro = shape[axis]
+        return np.concatenate([m * per_micro + local for m in range(self.grad_accum_steps)])
+
+    def put_batch(self, batch: Any, global_batch_size: int | None = None) -> Any:
+        """Host batch -> global device arrays split over data+fsdp (leading [M] axis when
+        accumulating: leaves of B*M rows are reshaped to [M, B, ...]).
+
+        `global_batch_size` None: `batch` is the whole global batch (identical on every process).
+        Otherwise `batch` holds only this process's `process_rows(global_batch_size)` rows and
+        the global arrays are assembled with `jax.make_array_from_process_local_data`."""
         def put(x):
-            x = np.asarray(x) if not isinstance(x, jax.Array) else x
-            if m > 1:
-                if x.shape[0] % m:
-                    raise ValueError(f"batch leaf with {x.shape[0]} rows is not divisible by "
-                                     f"grad_accum_steps={m}")
-                x = x.reshape((m, x.shape[0] // m) + tuple(x.shape[1:]))
-            return jax.device_put(x, self.batch_sharding(x))
+            x = np.asarray(x)
+            rows = x.shape[0] if global_batch_size is None else global_batch_size
+            shape = self._accum_shape(rows, x.shape[1:])
+            sharding = self.batch_sharding(shape)
+            if global_batch_size is None:
+                return jax.device_put(x.reshape(shape), sharding)
+            want = len(self.process_rows(global_batch_size))
+            if x.shape[0] != want:
+                raise ValueError(f"this process feeds {want} of the {global_batch_size} rows of "
+                                 f"each global batch, got a batch leaf of {x.shape[0]} rows")
+            local = x.reshape(self._accum_shape(x.shape[0], x.shape[1:]))
+            return jax.make_array_from_process_local_data(sharding, local, shape)
 
         return jax.tree.map(put, batch)
 
-    def step(self, state: TrainState, batch: Any, rng: Array | None = None,
-             ) -> tuple[TrainState, dict[str, Array]]:
-        """One optimizer step (jitted; `state` is donated). `rng` None: fold_in(state.rng, step)."""
-        return self._step(self.frozen, state, self.put_batch(batch), rng)
+    def step(self, state: TrainState, batch: Any, rng: Array | None = None, *,
+             global_batch_size: int | None = None) -> tuple[TrainState, dict[str, Array]]:
+        """One optimizer step (jitted; `state` is donated). `rng` None: fold_in(state.rng, step).
+        `global_batch_size`: see `put_batch` (None: `batch` is the whole global batch)."""
+        return self._step(self.frozen, state, self.put_batch(batch, global_batch_size), rng)
 
     # -------------------------------------------------------------------------- checkpoints
     @property
@@ -477,24 +538,29 @@ class Trainer:
         Resumes from the latest checkpoint when `state` is None. Saves every `save_every` steps
         and at the end. SIGTERM / SIGINT: finish the current step, save, return status
         "preempted". A non-finite loss raises NonFiniteLossError naming the step (the last good
-        checkpoint stays; the bad state is never saved).
+        checkpoint stays; the bad state is never saved). With several processes, SIGTERM is left
+        to JAX's preemption service: a notice reaching any process stops every process after the
+        same step (`multihost_utils.reached_preemption_sync_point`), which all save together.
         """
         total = self.total_steps if total_steps is None else int(total_steps)
         state = self.restore_or_init(data) if state is None else state
         step = start = int(jax.device_get(state.step))
         log_cfg, ck = self.logging_cfg, self.checkpoint_cfg
+        primary = jax.process_index() == 0  # the one process that logs and shows progress
+        global_batch_size = getattr(data, "global_batch_size", None)
         logger = None
-        if log_cfg is not None and (log_cfg.jsonl or log_cfg.tensorboard):
+        if primary and log_cfg is not None and (log_cfg.jsonl or log_cfg.tensorboard):
             logger = MetricsLogger(log_cfg.directory, jsonl=log_cfg.jsonl,
                                    tensorboard=log_cfg.tensorboard)
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (log_cfg is not None and log_cfg.progress))
+                   disable=not (primary and log_cfg is not None and log_cfg.progress))
         old_handlers = {}
         self._stop_signal = None
+        multi = jax.process_count() > 1
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGINT,) if multi else (signal.SIGTERM, signal.SIGINT):
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
         status = "completed"
         last: dict[str, float] = {}
@@ -504,7 +570,7 @@ class Trainer:
             while step < total:
                 batch = next(data)
                 position = data.position() if hasattr(data, "position") else {}
-                state, metrics = self.step(state, batch)
+                state, metrics = self.step(state, batch, global_batch_size=global_batch_size)
                 if not bool(jax.device_get(metrics["finite"])):
                     self.wait()
                     good = self.latest_checkpoint()
@@ -533,6 +599,8 @@ class Trainer:
                 if ck is not None and (step % ck.save_every == 0 or step == total):
                     self.save(state, position, step=step)
                     saved_at = step
+                if multi and self._stop_signal is None and _preemption_reached(step):
+                    self._stop_signal = signal.SIGTERM
                 if self._stop_signal is not None:
                     if ck is not None and saved_at != step:
                         self.save(state, position, step=step)
@@ -560,11 +628,14 @@ class Trainer:
 
 
 def collate_block_batch(samples: Sequence[Mapping[str, Any]], buckets: Sequence[int], *,
-                        max_length: int | None = None) -> dict[str, np.ndarray]:
+                        max_length: int | None = None, longest: int | None = None,
+                        ) -> dict[str, np.ndarray]:
     """Right-pad samples (dicts with input_ids, loss_mask and, from a cache, taps and hidden)
     to the smallest bucket that fits the longest -> input_ids int32 [B,S], loss_mask uint8 [B,S],
     valid int32 [B] (+ taps [B,S,L*H], hidden [B,S,H] in their stored dtype). Padding has
-    loss_mask 0, so it is never an anchor or a label (reference §6.3)."""
+    loss_mask 0, so it is never an anchor or a label (reference §6.3). `longest`: the longest
+    sample of the global batch when these samples are one process's slice of it (all processes
+    then pad to the same bucket)."""
     from specjax.training.data import bucket_length
 
     if not samples:
@@ -572,6 +643,8 @@ def collate_block_batch(samples: Sequence[Mapping[str, Any]], buckets: Sequence[
     cut = (lambda a: a[:max_length]) if max_length else (lambda a: a)
     ids = [cut(np.asarray(s["input_ids"])) for s in samples]
     n = max(len(a) for a in ids)
+    if longest is not None:
+        n = max(n, min(longest, max_length) if max_length else longest)
     s_pad = bucket_length(n, buckets)
     out = {"input_ids": np.zeros((len(ids), s_pad), np.int32),
            "loss_mask": np.zeros((len(ids), s_pad), np.uint8),
@@ -633,8 +706,9 @@ def block_drafter_loss(*, num_anchors: int, alpha_ce: float = 0.1, alpha_tv: flo
     [B,S,H] (offline cache) or nothing more (online: `aux` holds the target's parameters, run
     through `target_graphdef` at `tap_layers`). Per step: up to `num_anchors` anchors per row
     sampled from `rng`; the drafter (`specjax.drafters.dspark.DSparkDrafter`) gives draft logits
-    with teacher-forced previous tokens; target logits = frozen lm_head(target hidden at a+j).
-    Vocabulary-sized work runs `chunk_anchors` anchors at a time when set.
+    with teacher-forced previous tokens; target logits = frozen lm_head(target hidden at a+j)
+    (with a draft vocabulary: restricted to its tokens, and labels outside it leave the CE out;
+    `specjax.training.losses`). Vocabulary-sized work runs `chunk_anchors` anchors at a time.
     """
     from specjax.training import data as tdata
     from specjax.training import losses
@@ -656,7 +730,7 @@ def block_drafter_loss(*, num_anchors: int, alpha_ce: float = 0.1, alpha_tv: flo
             raise ValueError("batch has no 'taps'/'hidden' and no online target was configured")
         kk = model.gamma
         anchors, keep = tdata.sample_anchors(rng, lm, num_anchors)
-        labels = tdata.block_labels(ids, anchors, keep, kk)
+        labels = model.draft_labels(tdata.block_labels(ids, anchors, keep, kk))  # -1: not draftable
         emask = tdata.eval_mask(lm, anchors, keep, kk)
         h = model.backbone_hidden(taps, ids, anchors, keep)  # [B, A, K, H]
         prev = model.teacher_prev_tokens(ids, anchors)  # [B, A, K]
@@ -672,7 +746,7 @@ def block_drafter_loss(*, num_anchors: int, alpha_ce: float = 0.1, alpha_tv: flo
         ce, l1 = _chunked_over_anchors(terms, (h, prev, t_hidden, labels), chunk_anchors)
         loss, metrics = losses.dspark_loss_from_terms(
             ce, l1, emask, conf if alpha_conf > 0 else None, alpha_ce=alpha_ce,
-            alpha_tv=alpha_tv, alpha_conf=alpha_conf, decay=decay)
+            alpha_tv=alpha_tv, alpha_conf=alpha_conf, decay=decay, ce_mask_bak=labels >= 0)
         metrics = dict(metrics)
         keep_f = keep.astype(jnp.float32)
         cand = tdata.anchor_candidates(lm).astype(jnp.float32)

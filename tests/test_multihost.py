@@ -1,0 +1,264 @@
+"""Multi-host on JAX's distributed runtime: settings from flags / environment / schedulers, and real
+2-process runs on loopback (one CPU device per process, gloo collectives): a data-parallel
+training step equals the single-process step on the same global batch; a batch job writes
+disjoint per-process shards, and after one process is SIGKILLed a rerun finishes its shard without
+duplicates. The 2-process tests start real programs (`train.train_draft`, `serve.batch`): about
+20-40 s each on 2 cores, mostly two interpreters importing jax and compiling in parallel."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import distributed as dist
+
+try:
+    from tests.serving_fixtures import export_tiny_target, read_jsonl, write_jsonl
+except ImportError:  # tests/ itself on sys.path
+    from serving_fixtures import export_tiny_target, read_jsonl, write_jsonl
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(cache_dir: pathlib.Path) -> dict[str, str]:
+    """One CPU device per process; a compilation cache shared by the processes and reruns."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "TPU_"))}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
+                         "--xla_llvm_disable_expensive_passes=true",
+               JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    for k in (dist.ENV_ADDRESS, dist.ENV_COUNT, dist.ENV_ID):
+        env.pop(k, None)
+    return env
+
+
+def _launch(module: str, args: list[str], n: int, env: dict[str, str], logs: pathlib.Path,
+            ) -> list[subprocess.Popen]:
+    """`n` processes of `python -m module args` joined on a fresh loopback coordinator."""
+    addr = f"127.0.0.1:{_free_port()}"
+    procs = []
+    for i in range(n):
+        out = open(logs / f"{module}.{i}.{addr.rsplit(':', 1)[1]}.log", "wb")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", module, *args, "--coordinator-address", addr,
+             "--num-processes", str(n), "--process-id", str(i)],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
+        procs[-1].log_path = out.name  # type: ignore[attr-defined]
+        out.close()
+    return procs
+
+
+def _log(p: subprocess.Popen) -> str:
+    return pathlib.Path(p.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.time() + timeout
+    try:
+        for p in procs:
+            p.wait(max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{_log(p)[-4000:]}"
+
+
+# ------------------------------------------------------------------------------------------------
+# settings
+
+
+def test_settings_from_flags_environment_and_schedulers():
+    r = dist.resolve
+    assert not r(env={}).enabled  # a plain run stays single-process
+    s = r(coordinator_address="10.0.0.1:1234", num_processes=4, process_id=3, env={})
+    assert (s.enabled, s.coordinator_address, s.num_processes, s.process_id) == (True, "10.0.0.1:1234", 4, 3)
+    env = {"JAX_COORDINATOR_ADDRESS": "h0:99", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    assert r(env=env) == dist.DistributedSettings(True, "h0:99", 2, 1, "flags / environment")
+    assert r(process_id=0, env=env).process_id == 0  # a flag wins over the environment
+    assert not r(num_processes=1, env={}).enabled and not r(env=env, mode="off").enabled
+    # schedulers: JAX reads their variables itself (no explicit values passed on)
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2",
+             "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+    assert r(env=slurm) == dist.DistributedSettings(True, None, None, None, "SLURM")
+    assert not r(env=dict(slurm, SLURM_NTASKS="1")).enabled  # a one-task job stays single
+    assert r(env={"TPU_WORKER_HOSTNAMES": "a,b,c,d"}).source == "TPU hosts"
+    assert not r(env={"TPU_WORKER_HOSTNAMES": "a"}).enabled
+    assert r(env={}, mode="on") == dist.DistributedSettings(True, None, None, None, "jax auto-detection")
+    # bad settings name the flag and its variable
+    with pytest.raises(ValueError, match="--coordinator-address"):
+        r(num_processes=2, process_id=0, env={})
+    with pytest.raises(ValueError, match="--process-id"):
+        r(coordinator_address="h:1", num_processes=2, env={})
+    with pytest.raises(ValueError, match=r"--process-id \(JAX_PROCESS_ID\) must be in \[0, 2\)"):
+        r(coordinator_address="h:1", num_processes=2, process_id=2, env={})
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES must be an integer"):
+        r(env={"JAX_NUM_PROCESSES": "two"})
+    # initialize() leaves a disabled run alone (this test process is not distributed)
+    assert not dist.initialize(r(env={})).enabled and not jax.distributed.is_initialized()
+
+
+def test_process_rows_follow_the_batch_sharding():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from specjax import sharding as shd
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (emulated) devices")
+    mesh = shd.make_mesh((2, 4), ("data", "fsdp"))
+    # one process holds every device here: all rows, in order
+    rows = dist.process_rows(NamedSharding(mesh, PartitionSpec(("data", "fsdp"))), (16, 3))
+    assert rows.tolist() == list(range(16))
+
+
+# ------------------------------------------------------------------------------------------------
+# two processes
+
+
+def _tiny_run(tmp_path: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
+    rng = np.random.default_rng(3)
+    data = tmp_path / "train.jsonl"
+    with open(data, "w") as f:
+        for _ in range(8):
+            s = int(rng.integers(10, 30))
+            ids = rng.integers(3, 63, s).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 3 + [1] * (s - 3)}) + "\n")
+    cfg = {
+        "name": "mh", "seed": 1,
+        "model": {"kind": "dspark", "target": str(target), "mask_token_id": 63,
+                  "target_layer_ids": [-1, 1], "num_draft_layers": 1, "block_size": 3,
+                  "markov_rank": 4, "confidence_head": True, "num_anchors": 4,
+                  "compute_dtype": "float32", "target_dtype": "float32"},
+        "optimizer": {"learning_rate": 3e-3, "warmup_ratio": 0.0},
+        "schedule": {"total_steps": 4},
+        "data": {"mode": "online", "train_jsonl": [str(data)], "max_length": 32,
+                 "min_loss_tokens": 1, "batch_size": 4, "length_buckets": [16, 32]},
+        "checkpoint": {"directory": str(tmp_path / "ckpt"), "save_every": 1000},
+        "logging": {"directory": str(tmp_path / "logs"), "every": 1, "progress": False,
+                    "tensorboard": False},
+    }
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _parse(log: str) -> tuple[dict, dict]:
+    head = next(json.loads(x) for x in log.splitlines() if x.startswith('{"run"'))
+    done = next(x for x in log.splitlines() if x.startswith("done: "))
+    return head, json.loads(done.split("last metrics ", 1)[1])
+
+
+def test_two_process_data_parallel_step_equals_single_process(tmp_path):
+    from specjax import sharding as shd
+    from specjax.training.config import load_train_config
+    from train.train_draft import build
+
+    target = export_tiny_target(tmp_path / "target")
+    cfg_path = _tiny_run(tmp_path, target)
+    procs = _launch("train.train_draft", ["--config", str(cfg_path), "--steps", "1"], 2,
+                    _env(tmp_path / "jit"), tmp_path)
+    try:  # meanwhile, the same step on this one process over the whole global batch
+        mesh = shd.make_mesh((1, 1, 1), shd.TRAIN_AXES, devices=jax.devices()[:1])
+        run = build(load_train_config(cfg_path), mesh=mesh)
+        tr = run.trainer
+        assert run.data.rows.tolist() == [0, 1, 2, 3]
+        batch = next(run.data)
+        state, metrics = tr.step(tr.init_state(), batch, global_batch_size=4)
+        jax.block_until_ready(state)
+    finally:
+        _wait_all(procs, timeout=240)
+    (h0, m0), (h1, m1) = (_parse(_log(p)) for p in procs)
+    # the processes shared one mesh of 2 devices and fed different halves of the global batch
+    assert (h0["process"], h1["process"], h0["devices"]) == ("0/2", "1/2", 2)
+    assert h0["batch_rows"] == [0, 1] and h1["batch_rows"] == [2, 3]
+    assert m0["loss"] == m1["loss"]
+    # only process 0 logs
+    assert len((tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()) == 1
+    assert float(metrics["loss"]) == pytest.approx(m0["loss"], abs=1e-5)
+    assert float(metrics["grad_norm"]) == pytest.approx(m0["grad_norm"], rel=1e-5)
+    multi, _ = tr.restore(1)  # the checkpoint the two processes saved together
+    assert int(multi.step) == 1
+    moved = 0.0
+    for a, b, p0 in zip(jax.tree.leaves(state.params), jax.tree.leaves(multi.params),
+                        jax.tree.leaves(tr.params0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+        moved = max(moved, float(np.max(np.abs(np.asarray(a) - np.asarray(p0)))))
+    assert moved > 1e-4  # the step really changed the parameters
+    # negative control: had both processes fed the first half, the loss would differ
+    half = {k: np.concatenate([v[:2], v[:2]]) for k, v in batch.items()}
+    _, wrong = tr.step(tr.init_state(), half, global_batch_size=4)
+    assert abs(float(wrong["loss"]) - m0["loss"]) > 1e-3
+    tr.close()
+
+
+def _lines(path: pathlib.Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def test_two_process_batch_job_shards_and_kill_rerun(tmp_path):
+    target = export_tiny_target(tmp_path / "target")
+    n = 40
+    rows = [{"id": f"m{i}", "prompt": [3 + (i * 7 + k) % 50 for k in range(3 + i % 5)]}
+            for i in range(n)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, rows)
+    args = [str(inp), "-o", str(out), "--target", str(target), "--max-num-seqs", "2",
+            "--max-model-len", "128", "--max-prefill", "32", "--slots-buckets", "2",
+            "--tokens-buckets", "1", "--prefill-buckets", "32", "--max-tokens", "48",
+            "--temperature", "0", "--no-progress"]
+    env = _env(tmp_path / "jit")
+    shard = [tmp_path / f"out.shard-{i}-of-2.jsonl" for i in range(2)]
+    p0, p1 = _launch("serve.batch", args, 2, env, tmp_path)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and p1.poll() is None and _lines(shard[1]) < 2:
+            time.sleep(0.005)
+        p1.send_signal(signal.SIGKILL)  # one host dies mid-job
+        p1.wait(30)
+        partial = _lines(shard[1])
+        # the other process finishes its own shard (then waits for its peer at shutdown)
+        while time.time() < deadline and p0.poll() is None and _lines(shard[0]) < n // 2:
+            time.sleep(0.05)
+        assert _lines(shard[0]) == n // 2, _log(p0)[-3000:]
+    finally:
+        for p in (p0, p1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert p1.returncode == -signal.SIGKILL
+    assert 2 <= partial < n // 2, f"the kill should land mid-shard ({partial} rows written)"
+
+    # rerun the same command on every process: each finishes only what its shard lacks
+    procs = _launch("serve.batch", args, 2, env, tmp_path)
+    _wait_all(procs, timeout=240)
+    s0, s1 = (json.loads(_log(p).strip().splitlines()[-1]) for p in procs)
+    assert (s0["shard"], s0["skipped_done"], s0["completed"]) == ("0/2", n // 2, 0)
+    assert (s1["shard"], s1["skipped_done"], s1["completed"]) == ("1/2", partial, n // 2 - partial)
+    got = [[r["id"] for r in read_jsonl(p)] for p in shard]
+    assert got[0] == [f"m{i}" for i in range(0, n, 2)]  # process i took lines i, i+2, ...
+    assert sorted(got[1]) == sorted(f"m{i}" for i in range(1, n, 2))
+    assert sorted(got[0] + got[1]) == sorted(f"m{i}" for i in range(n))  # every row exactly once
+    assert all(r["token_ids"] for p in shard for r in read_jsonl(p))
+    assert not out.exists()
