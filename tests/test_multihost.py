@@ -262,3 +262,44 @@ def test_two_process_batch_job_shards_and_kill_rerun(tmp_path):
     assert sorted(got[0] + got[1]) == sorted(f"m{i}" for i in range(n))  # every row exactly once
     assert all(r["token_ids"] for p in shard for r in read_jsonl(p))
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# target cache built by several processes
+
+
+def test_build_cache_parts_read_as_one_cache(tmp_path, monkeypatch):
+    from specjax.config import ConfigError
+    from specjax.training import cache_parts
+    from train import build_cache
+
+    target = export_tiny_target(tmp_path / "target")
+    rng = np.random.default_rng(5)
+    rows = []
+    for _ in range(5):
+        s = int(rng.integers(6, 20))
+        rows.append({"input_ids": rng.integers(3, 63, s).tolist(), "loss_mask": [0] + [1] * (s - 1)})
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    args = ["--target", str(target), "--data", str(tmp_path / "d.jsonl"), "--layers=-1,1",
+            "--min-loss-tokens", "1", "--dtype", "float32", "--batch-size", "2", "--quiet"]
+    assert build_cache.main(args + ["--out", str(tmp_path / "one")]) == 0
+    for i in (1, 0):  # process i of 2, as jax.process_index() / process_count() report it
+        monkeypatch.setattr(dist, "process_shard", lambda i=i: (i, 2))
+        assert build_cache.main(args + ["--out", str(tmp_path / "two")]) == 0
+        if i == 1:  # one part alone is not a cache yet
+            with pytest.raises(ConfigError, match=r"parts \['part-0-of-2'\] of 2 are missing"):
+                cache_parts.open_target_cache(tmp_path / "two")
+    assert sorted(os.listdir(tmp_path / "two")) == ["part-0-of-2", "part-1-of-2"]
+    assert cache_parts.part_range(5, 0, 2) == (0, 2) and cache_parts.part_range(5, 1, 2) == (2, 5)
+    one = cache_parts.open_target_cache(tmp_path / "one", expect_layers=(-1, 1))
+    two = cache_parts.open_target_cache(tmp_path / "two", expect_layers=(-1, 1))
+    assert isinstance(two, cache_parts.PartedTargetCache) and len(two) == len(one) == 5
+    assert two.lengths.tolist() == one.lengths.tolist() == [len(r["input_ids"]) for r in rows]
+    order = [4, 0, 3, 1, 2]  # across both parts, in the order asked
+    for a, b, k in zip(one.read(order), two.read(order), order):
+        assert a["input_ids"].tolist() == b["input_ids"].tolist() == rows[k]["input_ids"]
+        for name in ("taps", "hidden"):
+            np.testing.assert_allclose(np.asarray(a[name], np.float32), np.asarray(b[name], np.float32),
+                                       rtol=2e-2, atol=2e-2)
+    with pytest.raises(IndexError, match="out of range"):
+        two.read([5])

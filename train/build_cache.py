@@ -7,6 +7,12 @@ Tokenises the JSONL records (chat `conversations`/`messages` with the target's c
 stores its hidden taps at `--layers` plus its final-normed hidden state per token (see
 `specjax.training.features`). `--estimate` prints the bytes the cache will take and exits without
 writing anything. An interrupted build continues where it stopped when rerun.
+
+Multi-host: run the same command on every host with `--coordinator-address HOST:PORT
+--num-processes N --process-id I` (or on a TPU pod slice / SLURM with their own settings, see
+`specjax.distributed`). Process I caches its contiguous share of the samples in
+`<out>/part-I-of-N` (each part resumable on its own); training reads `<out>` with all N parts in
+order as one cache (`specjax.training.cache_parts`).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import json
 import sys
 from typing import Sequence
 
+from specjax import distributed as dist
 from specjax.config import ConfigError
 
 
@@ -49,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--estimate", action="store_true",
                    help="print the bytes the cache needs and exit without writing")
     p.add_argument("--quiet", action="store_true")
+    dist.add_distributed_args(p)
     args = p.parse_args(argv)
 
     from specjax import checkpoints
@@ -56,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specjax.training import features as feat
 
     try:
+        dist.initialize_from_args(args)
         tcfg = checkpoints.read_target_config(args.target)
         layers = args.layers or default_target_layer_ids(tcfg.num_hidden_layers)
         for lid in layers:
@@ -86,15 +95,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(est), flush=True)
     if args.estimate:
         return 0
+    from specjax.training.cache_parts import part_dir, part_range
+
+    index, count = dist.process_shard()
+    lo, hi = part_range(len(samples), index, count)
+    out_dir = part_dir(args.out, index, count)
+    if lo == hi:
+        print(f"error: {len(samples)} samples leave process {index} of {count} nothing to "
+              "cache; run fewer processes", file=sys.stderr)
+        return 2
     target, tcfg = checkpoints.load_target(args.target, dtype=args.dtype)
+    part = {} if count == 1 else {"part": [index, count], "sample_range": [lo, hi]}
     report = feat.build_cache(
-        args.out, target, samples, tap_layers=layers,
+        out_dir, target, samples[lo:hi], tap_layers=layers,
         identity=feat.target_identity(args.target, tcfg), tokenizer_name=str(tok_dir) if
         tokenizer is not None else "", batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens, chunk_tokens=args.chunk_tokens,
         shard_bytes=args.shard_mb * 2**20,
         extra_manifest={"source_jsonl_paths": list(args.data), "max_length": args.max_length,
-                        "min_loss_tokens": args.min_loss_tokens},
+                        "min_loss_tokens": args.min_loss_tokens, **part},
         progress=not args.quiet)
     print(json.dumps({"out": report.path, "complete": report.complete,
                       "samples_written": report.samples_written,

@@ -75,6 +75,7 @@ def build(cfg: TrainConfig, *, mesh=None) -> Run:
     """Everything a run needs (trainer, data iterator, drafter config); nothing trained yet."""
     from specjax import checkpoints
     from specjax.training import features as feat
+    from specjax.training.cache_parts import open_target_cache
     from specjax.training.config import BLOCK_KINDS
     from specjax.training.objectives import make_objective
     from specjax.training.trainer import EpochBatches, Trainer, collate_block_batch
@@ -90,8 +91,8 @@ def build(cfg: TrainConfig, *, mesh=None) -> Run:
                          feature_dtype=jnp.bfloat16)
     if dc.mode == "cache":
         identity = feat.target_identity(mc.target, tcfg)
-        dataset = feat.TargetCache(dc.cache_dir, expect_layers=obj.tap_layers,
-                                   expect_hidden=tcfg.hidden_size, expect_target=identity)
+        dataset = open_target_cache(dc.cache_dir, expect_layers=obj.tap_layers,
+                                    expect_hidden=tcfg.hidden_size, expect_target=identity)
         aux, target_graphdef = None, None
     else:
         tok = checkpoints.load_tokenizer(dc.tokenizer or mc.target)
