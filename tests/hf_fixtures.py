@@ -1,6 +1,7 @@
-"""Tiny random Hugging Face Qwen3 checkpoints for tests (torch is used only here and in tests).
+"""Tiny random Hugging Face checkpoints for tests (torch is used only here and in tests).
 
-`make_tiny_qwen3(tmp_path, ...)` builds a `transformers.Qwen3ForCausalLM` with random weights
+`make_tiny_lm(tmp_path, family, ...)` builds a `transformers` Qwen3 / Llama / Qwen2 CausalLM
+(`make_tiny_qwen3`: the Qwen3 one) with random weights
 (norm weights perturbed too, so a swapped or missing norm is visible), saves it with
 `save_pretrained` (safetensors) and returns the directory. `hf_forward` runs a saved (or in-memory)
 model on right-padded numpy tokens and returns numpy logits and hidden states.
@@ -19,39 +20,51 @@ import transformers
 transformers.utils.logging.disable_progress_bar()  # quiet save_pretrained / from_pretrained
 
 
-def make_tiny_qwen3(tmp_path: str | pathlib.Path, *, tie: bool = False, heads: int = 4,
-                    kv_heads: int = 2, head_dim: int = 16, hidden: int = 32, layers: int = 2,
-                    vocab: int = 97, intermediate: int = 64,
-                    rope_scaling: dict[str, Any] | None = None, rope_theta: float = 10000.0,
-                    seed: int = 0, dtype: str = "float32", max_shard_size: str | None = None,
-                    subdir: str = "tiny_qwen3") -> pathlib.Path:
-    """Save a random tiny CausalLM under tmp_path/subdir and return that directory.
+_FAMILIES = {  # model_type -> (config class, model class)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
 
-    `rope_scaling` e.g. {"rope_type": "linear", "factor": 2.0}; `dtype` "float32" or "bfloat16"
-    (the saved tensor dtype); `max_shard_size` (e.g. "20KB") writes a sharded checkpoint.
+
+def make_tiny_lm(tmp_path: str | pathlib.Path, family: str = "qwen3", *, tie: bool = False,
+                 heads: int = 4, kv_heads: int = 2, head_dim: int = 16, hidden: int = 32,
+                 layers: int = 2, vocab: int = 97, intermediate: int = 64,
+                 rope_scaling: dict[str, Any] | None = None, rope_theta: float = 10000.0,
+                 seed: int = 0, dtype: str = "float32", max_shard_size: str | None = None,
+                 max_positions: int = 256, subdir: str | None = None) -> pathlib.Path:
+    """Save a random tiny `{Qwen3,Llama,Qwen2}ForCausalLM` under tmp_path/subdir; return that dir.
+
+    `family` "qwen3", "llama" or "qwen2" (Qwen2 has q/k/v biases, also randomised);
+    `rope_scaling` e.g. {"rope_type": "linear", "factor": 2.0} or a llama3 dict; `dtype`
+    "float32" or "bfloat16" (the saved tensor dtype); `max_shard_size` (e.g. "20KB") writes a
+    sharded checkpoint.
     """
     rope = {"rope_type": "default", "rope_theta": float(rope_theta)}
     if rope_scaling:
         rope.update({k: v for k, v in rope_scaling.items() if k != "type"})
         rope["rope_type"] = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    cfg = transformers.Qwen3Config(
+    config_cls, model_cls = (getattr(transformers, n) for n in _FAMILIES[family])
+    cfg = config_cls(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, max_position_embeddings=256, rms_norm_eps=1e-6,
+        head_dim=head_dim, max_position_embeddings=max_positions, rms_norm_eps=1e-6,
         tie_word_embeddings=tie, rope_parameters=rope, bos_token_id=1, eos_token_id=2,
         initializer_range=0.02)
     torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 1:  # RMSNorm weights: around one, but distinct per norm
+            if p.ndim == 1 and name.endswith(".bias"):  # q/k/v biases: O(1) shifts
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif p.ndim == 1:  # RMSNorm weights: around one, but distinct per norm
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             else:  # scale so that logits are O(1) and every weight matters
                 p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(p.shape[1]))
     if tie:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    out = pathlib.Path(tmp_path) / subdir
+    out = pathlib.Path(tmp_path) / (subdir or f"tiny_{family}")
     if dtype != "float32":
         model = model.to(getattr(torch, dtype))
     kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
@@ -59,9 +72,15 @@ def make_tiny_qwen3(tmp_path: str | pathlib.Path, *, tie: bool = False, heads: i
     return out
 
 
-def load_hf_model(path: str | pathlib.Path) -> transformers.Qwen3ForCausalLM:
-    """Load a saved checkpoint in float32 with eager attention (local files only)."""
-    return transformers.Qwen3ForCausalLM.from_pretrained(
+def make_tiny_qwen3(tmp_path: str | pathlib.Path, *, subdir: str = "tiny_qwen3",
+                    **kw: Any) -> pathlib.Path:
+    """`make_tiny_lm` of the Qwen3 family."""
+    return make_tiny_lm(tmp_path, "qwen3", subdir=subdir, **kw)
+
+
+def load_hf_model(path: str | pathlib.Path) -> transformers.PreTrainedModel:
+    """Load a saved checkpoint (any family) in float32 with eager attention (local files only)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager", local_files_only=True).eval()
 
 

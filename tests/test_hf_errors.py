@@ -64,8 +64,11 @@ def test_missing_directory_names_the_path(tmp_path):
 
 
 def test_unsupported_architecture_is_named(ckpt):
-    _edit_config(ckpt, architectures=["LlamaForCausalLM"])
-    with pytest.raises(ConfigError, match="LlamaForCausalLM"):
+    _edit_config(ckpt, architectures=["MistralForCausalLM"])
+    with pytest.raises(ConfigError, match="'MistralForCausalLM'.*supported: Qwen3ForCausalLM"):
+        checkpoints.load_target(ckpt)
+    _edit_config(ckpt, architectures=["LlamaForCausalLM"])  # a family that disagrees with model_type
+    with pytest.raises(ConfigError, match="model_type 'qwen3' does not match.*LlamaForCausalLM"):
         checkpoints.load_target(ckpt)
 
 

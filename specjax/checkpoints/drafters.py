@@ -21,8 +21,9 @@ MTP-1, architectures ["SpecjaxMTPDrafter"] (DeepSeek-V3 MTP layer names): embed_
   enorm.weight, hnorm.weight, eh_proj.weight [H, 2H], input_layernorm.weight, self_attn.*,
   post_attention_layernorm.weight, mlp.*, shared_head.norm.weight, shared_head.head.weight.
 Standalone draft LM: a plain CausalLM checkpoint (model.*, lm_head.weight) whose
-  config.json adds `"specjax_drafter": "standalone"` (architectures ["Qwen3ForCausalLM"], so
-  transformers loads it as is; "SpecjaxStandaloneDrafter" is read too).
+  config.json adds `"specjax_drafter": "standalone"` (architectures ["Qwen3ForCausalLM"],
+  ["LlamaForCausalLM"] or ["Qwen2ForCausalLM"], so transformers loads it as is;
+  "SpecjaxStandaloneDrafter" is read too).
 N-gram, architectures ["SpecjaxNGramDrafter"]: config.json only, no tensors.
 
 config.json: the target's Qwen3 config deep-copied (both rope dialects are read: transformers
@@ -47,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.checkpoints.common import KeyMap, write_config_json
-from specjax.config import ConfigError, TargetConfig, read_json
+from specjax.config import SUPPORTED_ARCHITECTURES, ConfigError, TargetConfig, read_json
 
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
 EAGLE3_ARCHITECTURE = "Qwen3Eagle3Model"
@@ -59,6 +60,7 @@ NGRAM_ARCHITECTURE = "SpecjaxNGramDrafter"
 GAMMA_FIELD = "num_speculative_tokens"
 CONFIDENCE_TEMPERATURES_FIELD = "confidence_temperatures"
 DEFAULT_NUM_ANCHORS = 512
+_CAUSAL_LMS = tuple(a for a in SUPPORTED_ARCHITECTURES if a.endswith("ForCausalLM"))
 _EAGLE3_VOCAB_MAPS = ("d2t", "t2d")  # SpecForge/EAGLE3 reduced-vocabulary maps
 
 
@@ -147,10 +149,10 @@ def drafter_architecture(d: Mapping[str, Any], source: str = "config.json") -> s
         return "mtp"
     if arch == NGRAM_ARCHITECTURE:
         return "ngram"
-    if arch == STANDALONE_ARCHITECTURE or arch == "Qwen3ForCausalLM":
+    if arch == STANDALONE_ARCHITECTURE or arch in _CAUSAL_LMS:
         return "standalone"
     known = [DSPARK_ARCHITECTURE, EAGLE3_ARCHITECTURE, *EAGLE3_ARCHITECTURE_ALIASES,
-             MTP_ARCHITECTURE, STANDALONE_ARCHITECTURE, "Qwen3ForCausalLM", NGRAM_ARCHITECTURE]
+             MTP_ARCHITECTURE, STANDALONE_ARCHITECTURE, *_CAUSAL_LMS, NGRAM_ARCHITECTURE]
     raise ConfigError(f"{source}: unsupported drafter architecture {arch!r} "
                       f"(supported: {', '.join(known)})")
 
@@ -339,9 +341,10 @@ def mtp_config_from_hf(d: Mapping[str, Any], *, source: str = "config.json"):
 
 def standalone_config_from_hf(d: Mapping[str, Any], *, source: str = "config.json",
                               default_gamma: int = 4) -> tuple[TargetConfig, int]:
-    """(the draft LM's TargetConfig, gamma) of a standalone drafter config.json: a CausalLM
-    config (with or without `specjax_drafter: "standalone"`); gamma = `num_speculative_tokens`
-    or `default_gamma`."""
+    """(the draft LM's TargetConfig, gamma) of a standalone drafter config.json: a Qwen3, Llama
+    or Qwen2 CausalLM config (with or without `specjax_drafter: "standalone"`; architectures
+    `SpecjaxStandaloneDrafter` takes the family from `model_type`, default qwen3); gamma =
+    `num_speculative_tokens` or `default_gamma`."""
     if drafter_architecture(d, source) != "standalone":
         raise ConfigError(f"{source}: architectures {d.get('architectures')!r} is not a standalone "
                           f"draft LM")
@@ -349,7 +352,10 @@ def standalone_config_from_hf(d: Mapping[str, Any], *, source: str = "config.jso
     if marker is not None and marker != "standalone":
         raise ConfigError(f"{source}: field '{STANDALONE_FIELD}' must be 'standalone', "
                           f"got {marker!r}")
-    tc = TargetConfig.from_hf_dict({**d, "architectures": ["Qwen3ForCausalLM"]}, source=source)
+    lm = dict(d)
+    if d["architectures"][0] == STANDALONE_ARCHITECTURE:
+        lm["architectures"] = []  # the family comes from model_type
+    tc = TargetConfig.from_hf_dict(lm, source=source)
     if d.get(GAMMA_FIELD) is not None:
         return tc, _int_field(d, GAMMA_FIELD, source, minimum=1)
     return tc, default_gamma

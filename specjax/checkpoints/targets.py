@@ -45,7 +45,7 @@ def _abstract_target(cfg: TargetConfig, dtype, compute_dtype):
 
 def load_target(path: str | os.PathLike, *, dtype="float32", compute_dtype=None, mesh=None,
                 rules=None):
-    """Load a Hugging Face Qwen3 checkpoint directory -> (CausalLM, TargetConfig).
+    """Load a Hugging Face Qwen3 / Llama / Qwen2 checkpoint directory -> (CausalLM, TargetConfig).
 
     The model is built abstractly and filled tensor by tensor (cast to `dtype`; computation in
     `compute_dtype`, default `dtype`), each placed with its NamedSharding when `mesh` is given.
@@ -79,7 +79,8 @@ def export_target(model, config: TargetConfig, out_dir: str | os.PathLike, *,
                   tokenizer_dir: str | os.PathLike | None = None, dtype="float32",
                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
     """Write `config.json` + safetensors (+ tokenizer files from `tokenizer_dir`) so that
-    `transformers.Qwen3ForCausalLM.from_pretrained(out_dir)` loads the model. Returns out_dir."""
+    transformers' `AutoModelForCausalLM.from_pretrained(out_dir)` loads the model as its family's
+    `{Qwen3,Llama,Qwen2}ForCausalLM`. Returns out_dir."""
     out_dir = os.fspath(out_dir)
     expected = {e.path: tuple(e.variable.get_value().shape)
                 for e in param_entries(_abstract_target(config, "float32", "float32"))}

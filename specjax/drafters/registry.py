@@ -8,8 +8,9 @@ shards with `model.safetensors.index.json`). `load_drafter` dispatches on `archi
     "Qwen3Eagle3Model" (DeepSpec; also "Eagle3DraftModel" and SpecForge's
     "LlamaForCausalLMEagle3")              -> Eagle3Drafter
     "SpecjaxMTPDrafter"                    -> MTPDrafter (MTP-1)
-    "Qwen3ForCausalLM" (written with `"specjax_drafter": "standalone"`; a plain Qwen3 checkpoint
-    works too) or "SpecjaxStandaloneDrafter" -> StandaloneDrafter
+    "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM" (written with
+    `"specjax_drafter": "standalone"`; a plain checkpoint of these works too) or
+    "SpecjaxStandaloneDrafter"             -> StandaloneDrafter
     "SpecjaxNGramDrafter"                  -> NGramDrafter (config.json only, no tensors)
 
 Tensor names and config fields are documented (and implemented) in
