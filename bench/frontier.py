@@ -182,11 +182,11 @@ def paired_ratios(engines: dict, prompts, levels: list[int], max_tokens: int, re
 
 
 def _prompts(target) -> list[list[int]]:
-    import json
     from specjax import embedded
+    from specjax.io import read_jsonl
     path = embedded.prompts_path()
     if target.tokenizer is not None and os.path.exists(path):
-        rows = [json.loads(line) for line in open(path) if line.strip()][:64]
+        rows = read_jsonl(path)[:64]
         return [target.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"][-48:] for r in rows]
     rng = np.random.default_rng(0)
     return [list(rng.integers(0, target.config.vocab_size, size=32)) for _ in range(16)]

@@ -60,6 +60,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from specjax.config import ConfigError, TargetConfig, from_dict, load_yaml, read_json, to_dict
+from specjax.io import JsonlError, iter_jsonl
 
 ASSET_NAME = "pystd"
 DRAFTER_NAMES = ("dspark", "dspark-rnn", "dflash", "eagle3", "mtp1", "standalone")
@@ -708,17 +709,13 @@ def read_prompts(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"prompt file not found: {path}")
     out = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{i}: invalid JSON ({e})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                raise ConfigError(f"{path}:{i}: each line needs a string field 'prompt'")
-            out.append(rec)
+    try:
+        for row in iter_jsonl(path):
+            if not isinstance(row.value, dict) or not isinstance(row.value.get("prompt"), str):
+                raise ConfigError(f"{path}:{row.line}: each line needs a string field 'prompt'")
+            out.append(row.value)
+    except JsonlError as e:
+        raise ConfigError(str(e)) from None
     return out
 
 

@@ -38,6 +38,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from specjax import embedded as emb
+from specjax.io import read_jsonl
 
 DRAFTER_ORDER = ("dspark", "calibrate", "dflash", "eagle3", "mtp1", "standalone", "dspark-rnn")
 STAGES = ("target", "regen") + DRAFTER_ORDER
@@ -206,8 +207,7 @@ def _write_drafter_provenance(name: str, run: str, out: str, cfg: str) -> None:
     metrics_path = os.path.join(run, "logs", "metrics.jsonl")
     last: dict[str, Any] = {}
     if os.path.exists(metrics_path):
-        with open(metrics_path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = read_jsonl(metrics_path)
         if rows:
             last = rows[-1]
     cfg_path = os.path.join(run, "checkpoints", "train_config.yaml")

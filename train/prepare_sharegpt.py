@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Any, Sequence
 
+from specjax.io import write_atomic
+
 
 def load_tokenizer(path: str) -> Any:
     """A transformers tokenizer from local files: a directory, or a GGUF file's own tokenizer."""
@@ -36,11 +38,7 @@ def load_tokenizer(path: str) -> Any:
 
 
 def _write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.config import read_json
+from specjax.io import write_json_atomic
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -485,9 +486,5 @@ def write_config_json(out_dir: str | os.PathLike, d: Mapping[str, Any]) -> str:
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "config.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(d, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, d, indent=2)
     return path

@@ -30,6 +30,7 @@ import numpy as np
 
 from specjax.eval import rounds as rd
 from specjax.eval.metrics import acceptance_metrics, confidence_metrics
+from specjax.io import iter_jsonl, write_atomic
 from specjax.scheduling.calibration import apply_sts
 
 EVAL_SEED = 980406
@@ -107,17 +108,10 @@ def read_prompt_file(path: str | os.PathLike) -> tuple[str, list[str]]:
     if not os.path.isfile(path):
         raise ValueError(f"dataset file does not exist: {path}")
     kinds, texts = set(), []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-            kind, text = first_user_turn(obj, f"{path}:{n}")
-            kinds.add(kind)
-            texts.append(text)
+    for row in iter_jsonl(path):
+        kind, text = first_user_turn(row.value, f"{path}:{row.line}")
+        kinds.add(kind)
+        texts.append(text)
     if not texts:
         raise ValueError(f"{path}: no rows")
     if len(kinds) > 1:
@@ -626,11 +620,7 @@ def write_results(results: dict[str, Any], out_dir: str) -> None:
     """results.json (NaN -> null) and results.md, each written atomically."""
     for name, text in (("results.json", json.dumps(jsonable(results), indent=2) + "\n"),
                        ("results.md", results_markdown(results))):
-        path = os.path.join(out_dir, name)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        write_atomic(os.path.join(out_dir, name), text)
 
 
 __all__ = ["DEFAULT_CAPS", "DOMAINS", "EVAL_SEED", "Dataset", "DrafterSpec", "EvalSettings", "cap_rows",

@@ -19,6 +19,7 @@ import numpy as np
 
 from specjax.config import ConfigError
 from specjax.eval.metrics import ece, prefix_survival_labels
+from specjax.io import write_json_atomic
 
 STS_FORMAT = "specjax-sts"
 STS_VERSION = 1
@@ -95,12 +96,7 @@ def save_sts(path: str | os.PathLike, temps: Any, meta: dict[str, Any] | None = 
         raise ValueError("temps must be a non-empty list of finite temperatures > 0")
     doc = {"format": STS_FORMAT, "version": STS_VERSION, "temperatures": [float(x) for x in t],
            "meta": dict(meta or {})}
-    path = os.fspath(path)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, doc, indent=2, sort_keys=True)
 
 
 def load_sts(path: str | os.PathLike) -> tuple[np.ndarray, dict[str, Any]]:

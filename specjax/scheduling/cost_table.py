@@ -22,6 +22,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from specjax.io import write_json_atomic
+
 FORMAT_NAME = "specjax.cost_table"
 FORMAT_VERSION = 1
 
@@ -299,12 +301,7 @@ class CostTable:
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write the table (with its metadata) as JSON; the file is replaced atomically."""
-        text = json.dumps(self.to_dict(), indent=1, allow_nan=False)
-        path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_dict(), indent=1, allow_nan=False)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "cost table") -> "CostTable":

