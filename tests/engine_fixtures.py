@@ -86,11 +86,14 @@ def exact_continuations(model: CausalLM, prompt: list[int], n: int, temperature:
 
 def chi_square_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float],
                       min_expected: float = 5.0) -> float:
-    """Chi-square goodness of fit; cells with small expected counts are pooled into one."""
+    """Chi-square goodness of fit; cells with small expected counts are pooled into one. A sample that
+    the exact distribution gives probability zero (e.g. a token a top-k filter removes) makes it 0."""
     n = len(samples)
     counts: dict[tuple[int, ...], int] = {}
     for s in samples:
         counts[s] = counts.get(s, 0) + 1
+    if any(exact.get(k, 0.0) <= 0.0 for k in counts):
+        return 0.0  # an impossible outcome was observed; pooling would hide it
     obs, exp = [], []
     pool_o, pool_e = 0.0, 0.0
     for k, p in exact.items():
