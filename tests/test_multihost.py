@@ -1,6 +1,7 @@
 """Multi-host on JAX's distributed runtime: settings from flags / environment / schedulers, and real
 2-process runs on loopback (one CPU device per process, gloo collectives): a data-parallel
-training step equals the single-process step on the same global batch; a batch job writes
+training step equals the single-process step on the same global batch, and a SIGTERM to one
+process stops both after the same step with a checkpoint; a batch job writes
 disjoint per-process shards, and after one process is SIGKILLed a rerun finishes its shard without
 duplicates. The 2-process tests start real programs (`train.train_draft`, `serve.batch`): about
 20-40 s each on 2 cores, mostly two interpreters importing jax and compiling in parallel."""
@@ -150,10 +151,10 @@ def _tiny_run(tmp_path: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
                   "markov_rank": 4, "confidence_head": True, "num_anchors": 4,
                   "compute_dtype": "float32", "target_dtype": "float32"},
         "optimizer": {"learning_rate": 3e-3, "warmup_ratio": 0.0},
-        "schedule": {"total_steps": 4},
+        "schedule": {"total_steps": 10**6},
         "data": {"mode": "online", "train_jsonl": [str(data)], "max_length": 32,
                  "min_loss_tokens": 1, "batch_size": 4, "length_buckets": [16, 32]},
-        "checkpoint": {"directory": str(tmp_path / "ckpt"), "save_every": 1000},
+        "checkpoint": {"directory": str(tmp_path / "ckpt"), "save_every": 1, "keep": 1000},
         "logging": {"directory": str(tmp_path / "logs"), "every": 1, "progress": False,
                     "tensorboard": False},
     }
@@ -164,21 +165,20 @@ def _tiny_run(tmp_path: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def _parse(log: str) -> tuple[dict, dict]:
-    head = next(json.loads(x) for x in log.splitlines() if x.startswith('{"run"'))
-    done = next(x for x in log.splitlines() if x.startswith("done: "))
-    return head, json.loads(done.split("last metrics ", 1)[1])
+def _head(log: str) -> dict:
+    return next(json.loads(x) for x in log.splitlines() if x.startswith('{"run"'))
 
 
-def test_two_process_data_parallel_step_equals_single_process(tmp_path):
+def test_two_process_data_parallel_step_equals_single_process_and_sigterm_stops_both(tmp_path):
     from specjax import sharding as shd
     from specjax.training.config import load_train_config
     from train.train_draft import build
 
     target = export_tiny_target(tmp_path / "target")
     cfg_path = _tiny_run(tmp_path, target)
-    procs = _launch("train.train_draft", ["--config", str(cfg_path), "--steps", "1"], 2,
-                    _env(tmp_path / "jit"), tmp_path)
+    metrics_log = tmp_path / "logs" / "metrics.jsonl"
+    procs = _launch("train.train_draft", ["--config", str(cfg_path)], 2, _env(tmp_path / "jit"),
+                    tmp_path)
     try:  # meanwhile, the same step on this one process over the whole global batch
         mesh = shd.make_mesh((1, 1, 1), shd.TRAIN_AXES, devices=jax.devices()[:1])
         run = build(load_train_config(cfg_path), mesh=mesh)
@@ -187,15 +187,26 @@ def test_two_process_data_parallel_step_equals_single_process(tmp_path):
         batch = next(run.data)
         state, metrics = tr.step(tr.init_state(), batch, global_batch_size=4)
         jax.block_until_ready(state)
+        # a preemption notice (SIGTERM) to one process stops both after the same step
+        deadline = time.time() + 240
+        while time.time() < deadline and all(p.poll() is None for p in procs) and (
+                not metrics_log.exists() or metrics_log.read_text().count("\n") < 2):
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGTERM)
     finally:
         _wait_all(procs, timeout=240)
-    (h0, m0), (h1, m1) = (_parse(_log(p)) for p in procs)
+    logs = [_log(p) for p in procs]
+    h0, h1 = (_head(x) for x in logs)
     # the processes shared one mesh of 2 devices and fed different halves of the global batch
     assert (h0["process"], h1["process"], h0["devices"]) == ("0/2", "1/2", 2)
     assert h0["batch_rows"] == [0, 1] and h1["batch_rows"] == [2, 3]
-    assert m0["loss"] == m1["loss"]
-    # only process 0 logs
-    assert len((tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()) == 1
+    stops = [int(x.split("preempted at step ")[1].split(";")[0]) for x in logs]
+    assert stops[0] == stops[1] >= 2 and "received SIGTERM" in logs[0]
+    assert str(stops[0]) in os.listdir(tmp_path / "ckpt")
+    # only process 0 logs: one line per step
+    rows = [json.loads(x) for x in metrics_log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, stops[0] + 1))
+    m0 = rows[0]
     assert float(metrics["loss"]) == pytest.approx(m0["loss"], abs=1e-5)
     assert float(metrics["grad_norm"]) == pytest.approx(m0["grad_norm"], rel=1e-5)
     multi, _ = tr.restore(1)  # the checkpoint the two processes saved together
