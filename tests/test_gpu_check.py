@@ -1,0 +1,96 @@
+"""bench.gpu_check stays runnable: its tiny CPU preset runs every phase through the real engine and
+writes JSON + Markdown + PNG and a docs section; the budget watchdog stops a run and still writes.
+
+The tiny run is the slowest test here (about 30 s on an idle 2-core CPU, mostly compiling its nine
+executables): it is the only thing that exercises the GPU check's code before a GPU is lent.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
+OTHER_SECTION = "## Scheduler latency\n\nCommand: `python -m bench.scheduler` — results: " \
+                "[`scheduler.json`](x), [`scheduler.md`](x)\n\nkept as it is\n"
+
+
+def _run(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SPECJAX_COMPILATION_CACHE=str(tmp_path / "jit"), PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _docs(tmp_path: Path) -> Path:
+    docs = tmp_path / "docs" / "BENCHMARKS.md"
+    docs.parent.mkdir()
+    docs.write_text("# Benchmarks\n\nContents: [scheduler](#scheduler-latency)\n\n" + OTHER_SECTION)
+    return docs
+
+
+def test_tiny_run_measures_every_phase_and_writes_outputs(tmp_path):
+    out, docs = tmp_path / "out", _docs(tmp_path)
+    proc = _run(tmp_path, "--tiny", "--quiet", "--out-dir", str(out), "--docs", str(docs))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads((out / "gpu_check.json").read_text())
+    p = gpu_check.PRESETS["tiny"]
+    assert res["complete"] and res["stopped"] is None
+    assert set(res["phases"]) == {"build", "plain", "curve", "fixed"}
+    curve = {(c["slots"], c["tokens"]): c["seconds"] for c in res["cost_curve"]}
+    assert set(curve) == {(s, t) for s in p.slots for t in p.tokens} and all(v > 0 for v in curve.values())
+    assert set(res["plain_round_seconds"]) == {str(s) for s in p.slots}
+    got = {(r["engine"], r["concurrency"]): r for r in res["throughput"]}
+    assert set(got) == {(e, c) for e in gpu_check.ENGINES for c in p.concurrency}
+    for (engine, c), r in got.items():
+        # no stop token: every request generates exactly max_tokens
+        assert r["requests"] == 2 * c and r["tokens"] == 2 * c * p.max_tokens, (engine, c)
+        assert r["tokens_per_s"] > 0
+    assert got[("plain", 1)]["tau"] == 1.0 and got[("dspark-fixed", 1)]["tau"] > 1.0
+    assert (out / "gpu_check.png").read_bytes()[:4] == b"\x89PNG"
+    md = (out / "gpu_check.md").read_text()
+    assert "Command: `python -m bench.gpu_check --tiny`" in md and "complete" in md
+    text = docs.read_text()
+    assert "kept as it is" in text and "## GPU check: tiny-shaped target" in text
+    assert "[gpu_check](#gpu-check-tiny-shaped-target-random-weights)" in text
+
+
+def test_budget_stops_the_run_and_keeps_what_was_measured(tmp_path):
+    out, docs = tmp_path / "out", _docs(tmp_path)
+    proc = _run(tmp_path, "--tiny", "--quiet", "--budget", "1", "--out-dir", str(out), "--docs", str(docs),
+                timeout=300)
+    assert proc.returncode == gpu_check.EXIT_STOPPED, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads((out / "gpu_check.json").read_text())
+    assert not res["complete"] and "budget ran out" in res["stopped"]
+    assert "**partial**" in (out / "gpu_check.md").read_text()
+    assert (out / "gpu_check.png").is_file() and "## GPU check" in docs.read_text()
+
+
+def test_dry_run_writes_the_plan_marked_not_yet_run(tmp_path):
+    out, docs = tmp_path / "out", _docs(tmp_path)
+    (out).mkdir()
+    (out / "gpu_check.png").write_bytes(b"an older picture")
+    assert gpu_check.main(["--dry-run", "--out-dir", str(out), "--docs", str(docs)]) == 0
+    md = (out / "gpu_check.md").read_text()
+    assert "Command: `python -m bench.gpu_check`" in md and "Not yet run on GPU" in md
+    assert "hidden 2560, 36 layers, 32/8 heads x 128, MLP 9728, vocab 151936" in md
+    assert not (out / "gpu_check.png").exists()  # no stale picture next to a plan
+    text = docs.read_text()
+    assert "kept as it is" in text and "Not yet run on GPU" in text
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--tokens", "1,2,4,8,16"], "exceeds gamma"),
+    (["--concurrency", "1,256"], "exceeds the largest slots bucket"),
+    (["--slots", "8,1"], "increasing"),
+    (["--budget", "0"], "--budget"),
+])
+def test_bad_flags_name_the_flag(tmp_path, capsys, args, match):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--dry-run", "--out-dir", str(tmp_path), "--docs", "", *args])
+    assert match in str(e.value) + capsys.readouterr().err
