@@ -21,7 +21,8 @@ expected accepted tokens per second is
   argmax of Theta over the sorted prefix sets, no early stop); the K slots are filled by a top-K over
   the current a. K and the cap never depend on current draft tokens, and a top-K with ties toward
   earlier positions ranks (r, k) before every later position of the same row, so this is lossless
-  too, and the executed bucket is known before the round starts.
+  too, and the executed bucket is known before the round starts. `async_plan` is the engine's whole
+  host plan for such a round (K, cap and the Theta of the schedule on the old confidences) in one pass.
 * `anticipating_global_search_LOSSY`: the global argmax on the *current* confidences. It is biased
   (it looks at c[r, k+1], which depends on the token at k) and exists to demonstrate that bias.
 
