@@ -237,3 +237,41 @@ def test_kill_9_then_rerun_leaves_no_duplicate_and_no_gap(target_dir, tmp_path):
         if "conversations" in r:
             roles = [m["role"] for m in r["conversations"]]
             assert roles[-1] == "assistant" and roles.count("assistant") == roles.count("user")
+
+
+def test_shards_split_rows_resume_and_together_equal_one_process(llm, tmp_path):
+    from specjax.serving.batch_job import Shard
+    from specjax.training.regenerate import regenerate
+
+    src = _write(tmp_path / "prompts.jsonl", ROWS)
+    whole = regenerate(llm, str(src), str(tmp_path / "one.jsonl"), sampling=_sp(), seed=3,
+                       shard=Shard(0, 1), progress=False)
+    assert whole.output_path == str(tmp_path / "one.jsonl")
+    out = tmp_path / "out.jsonl"
+    # shard 1 of 2 stops after one row, then resumes
+    first = regenerate(llm, str(src), str(out), sampling=_sp(), seed=3, shard=Shard(1, 2), limit=1,
+                       progress=False)
+    assert (first.shard, first.rows, first.completed, first.errors) == ("1/2", 3, 1, 0)
+    rest = regenerate(llm, str(src), str(out), sampling=_sp(), seed=3, shard=Shard(1, 2), progress=False)
+    assert (rest.skipped_done, rest.completed, rest.errors) == (1, 2, 0)
+    zero = regenerate(llm, str(src), str(out), sampling=_sp(), seed=3, shard=Shard(0, 2), progress=False)
+    assert (zero.shard, zero.completed, zero.errors) == ("0/2", 2, 1)  # row 2 is the malformed line
+    assert not out.exists()
+    parts = [read_jsonl(tmp_path / f"out.shard-{i}-of-2.jsonl") for i in range(2)]
+    assert [r["id"] for r in parts[0]] == ["a", 7] and [r["id"] for r in parts[1]] == [1, 3, 5]
+    errs = read_jsonl(tmp_path / "out.shard-0-of-2.errors.jsonl")
+    assert [(e["index"], e["line"]) for e in errs] == [(2, 3)]
+    # row seeds are global: the shards hold exactly the rows one process wrote
+    by_id = {r["id"]: r for r in read_jsonl(tmp_path / "one.jsonl")}
+    assert sorted(map(str, by_id)) == sorted(str(r["id"]) for p in parts for r in p)
+    for p in parts:
+        for r in p:
+            assert r == by_id[r["id"]]
+    # a shard file is checked against its own rows on resume: shard 1's file as shard 0's output
+    import shutil
+
+    (tmp_path / "wrong").mkdir()
+    shutil.copy(tmp_path / "out.shard-1-of-2.jsonl", tmp_path / "wrong" / "x.shard-0-of-2.jsonl")
+    with pytest.raises(ValueError, match="does not continue"):
+        regenerate(llm, str(src), str(tmp_path / "wrong" / "x.jsonl"), sampling=_sp(), seed=3,
+                   shard=Shard(0, 2), progress=False)

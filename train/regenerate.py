@@ -9,6 +9,12 @@ prompts removed, held-out split recorded) come from `python -m train.prepare_sha
 are written in input order; failing rows go to `<out stem>.errors.jsonl` with their line and the
 reason. Rerun the same command after an interruption (even kill -9) to continue: no row is
 duplicated or lost.
+
+Multi-host: run the same command on every host with `--coordinator-address HOST:PORT
+--num-processes N --process-id I` (or on a TPU pod slice / SLURM with their own settings, see
+`specjax.distributed`): process I regenerates rows I, I+N, ... into `<out stem>.shard-I-of-N.jsonl`
+(train on all the shards: `data.train_jsonl` takes a list). `--shard I/N --distributed off`
+finishes one shard on any machine.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ import argparse
 import json
 import sys
 from typing import Sequence
+
+from specjax import distributed as dist
 
 
 def _on_off(text: str) -> bool:
@@ -52,14 +60,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="process at most this many rows in this run")
     p.add_argument("--dtype", default="float32", help="target dtype (float32 or bfloat16)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--shard", default=None, help="i/n: take rows with index %% n == i "
+                                                 "(default: jax.process_index()/process_count())")
+    dist.add_distributed_args(p)
     args = p.parse_args(argv)
 
     from specjax import checkpoints
     from specjax.api import LLM, SamplingParams
     from specjax.config import ConfigError
+    from specjax.serving.batch_job import Shard
     from specjax.training.regenerate import regenerate
 
     try:
+        dist.initialize_from_args(args)
+        shard = Shard.parse(args.shard) if args.shard else None
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens)
         tcfg = checkpoints.read_target_config(args.target)
@@ -74,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   progress=not args.quiet)
         summary = regenerate(llm, args.prompts, args.out, errors_path=args.errors, sampling=sp,
                              enable_thinking=args.thinking, seed=args.seed, window=args.window,
-                             limit=args.limit, progress=not args.quiet)
+                             limit=args.limit, shard=shard, progress=not args.quiet)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,11 @@ fsynced line. Finished rows wait in a bounded reorder buffer (`window` rows admi
 written) until every earlier row is written. So after `kill -9` the two files together hold exactly
 the first K rows of the input: a rerun cuts a torn last line, counts K, checks that the files match
 the input's first K rows, and continues from row K (no duplicate, no gap, same order).
+
+Sharding (one process per host): with `shard=(i, n)` this process regenerates the rows whose
+0-based index is i modulo n into `<output stem>.shard-<i>-of-<n>.jsonl` (and its own errors file),
+with the same ordering and resume rules within its shard. Row indices, ids and seeds stay global,
+so the shards together hold exactly the rows one process would have written.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from typing import Any, Iterator
 
 from specjax.api import SamplingParams, encode_chat, encode_text
 from specjax.io import DurableAppender, JsonlLine, iter_jsonl, read_jsonl
+from specjax.serving.batch_job import Shard, shard_output_path
 
 QWEN3_DEFAULTS = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=4096)
 ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
@@ -144,7 +150,8 @@ class RegenSummary:
 
     output_path: str
     errors_path: str
-    rows: int = 0  # non-blank input rows
+    shard: str = "0/1"  # "i/n": this process's rows (index % n == i)
+    rows: int = 0  # non-blank input rows of the shard
     skipped_done: int = 0  # written by earlier runs
     completed: int = 0
     errors: int = 0
@@ -165,28 +172,32 @@ def default_errors_path(output: str) -> str:
     return f"{stem}.errors.jsonl"
 
 
-def _input_rows(path: str) -> Iterator[tuple[int, JsonlLine]]:
-    """(row index, line) of every non-blank input line; an undecodable line has `error` set."""
-    yield from enumerate(iter_jsonl(path, strict=False))
+def _input_rows(path: str, shard: Shard = Shard()) -> Iterator[tuple[int, JsonlLine]]:
+    """(row index, line) of every non-blank input line of `shard` (index % count == shard
+    index); an undecodable line has `error` set."""
+    for index, row in enumerate(iter_jsonl(path, strict=False)):
+        if index % shard.count == shard.index:
+            yield index, row
 
 
 def _check_resume(input_path: str, out_rows: list[dict[str, Any]], err_rows: list[dict[str, Any]],
-                  out_path: str, err_path: str) -> int:
-    """Rows already done (K); ValueError if the files are not exactly the input's first K rows."""
+                  out_path: str, err_path: str, shard: Shard = Shard()) -> int:
+    """Rows already done (K); ValueError if the files are not exactly the shard's first K rows."""
     done = len(out_rows) + len(err_rows)
     err_idx = []
     for r in err_rows:
         if not isinstance(r.get("index"), int):
             raise ValueError(f"{err_path}: row without an integer 'index' was not written by regenerate")
         err_idx.append(r["index"])
-    if sorted(err_idx) != err_idx or len(set(err_idx)) != len(err_idx) or any(not 0 <= i < done for i in err_idx):
+    first = {shard.index + k * shard.count for k in range(done)}  # the shard's first K rows
+    if sorted(err_idx) != err_idx or len(set(err_idx)) != len(err_idx) or any(i not in first for i in err_idx):
         raise ValueError(f"{err_path}: error rows {err_idx} do not fit the {done} rows already written "
                          f"(was {out_path} or {err_path} edited or replaced?)")
     errs = set(err_idx)
     outs = iter(out_rows)
     n_rows = 0
-    for index, row in _input_rows(input_path):
-        if index >= done:
+    for index, row in _input_rows(input_path, shard):
+        if index not in first:
             break
         n_rows += 1
         if index in errs:
@@ -210,13 +221,14 @@ def request_seed(seed: int, index: int, turn: int) -> int:
 def regenerate(llm: Any, input_path: str, output_path: str, *, errors_path: str | None = None,
                sampling: SamplingParams = QWEN3_DEFAULTS, enable_thinking: bool | None = False,
                seed: int = 0, window: int | None = None, limit: int | None = None,
-               progress: bool = True) -> RegenSummary:
+               shard: Shard | None = None, progress: bool = True) -> RegenSummary:
     """Regenerate (or resume regenerating) `input_path` into `output_path` (module docstring).
 
     llm: a `specjax.LLM` with a tokenizer (chat rows need its chat template); sampling: every
     request's parameters (its `seed` is ignored: seeds derive from `seed`); window: rows admitted
     but not yet written (default 4 x max_num_seqs; bounds the reorder buffer); limit: process at
-    most this many rows in this run."""
+    most this many rows in this run; shard: this process's rows (default
+    jax.process_index()/process_count(); the output gets a shard suffix when count > 1)."""
     from tqdm.auto import tqdm
 
     if not os.path.isfile(input_path):
@@ -230,15 +242,18 @@ def regenerate(llm: Any, input_path: str, output_path: str, *, errors_path: str 
     window = window or 4 * engine.cfg.max_slots
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    shard = shard or Shard.from_jax()
+    output_path = shard_output_path(output_path, shard)
     err_path = errors_path or default_errors_path(output_path)
     if os.path.abspath(err_path) == os.path.abspath(output_path):
         raise ValueError(f"the errors file must differ from the output file ({output_path})")
     resumed = dict(objects=True, repair_torn_tail=True, missing_ok=True)
     out_rows = read_jsonl(output_path, **resumed)
     err_rows = read_jsonl(err_path, **resumed)
-    done = _check_resume(input_path, out_rows, err_rows, output_path, err_path)
-    summary = RegenSummary(output_path=output_path, errors_path=err_path)
-    total = sum(1 for _ in _input_rows(input_path))
+    done = _check_resume(input_path, out_rows, err_rows, output_path, err_path, shard)
+    summary = RegenSummary(output_path=output_path, errors_path=err_path,
+                           shard=f"{shard.index}/{shard.count}")
+    total = sum(1 for _ in _input_rows(input_path, shard))
     summary.rows, summary.skipped_done = total, done
     todo = total - done if limit is None else min(total - done, limit)
     max_len = engine.cfg.max_len
@@ -249,14 +264,15 @@ def regenerate(llm: Any, input_path: str, output_path: str, *, errors_path: str 
     ready: dict[int, Item] = {}  # finished (or failed) rows waiting for their turn to be written
     by_req: dict[int, Item] = {}  # id(EngineRequest) -> its row
     open_rows = 0  # admitted and not yet written
-    next_write = done
+    next_write = done  # position in the shard of the next row to write
+    first_todo = shard.index + done * shard.count  # its row index
     t0 = time.perf_counter()
     bar = tqdm(total=todo, desc="regenerate", unit="row", disable=not progress)
 
     def flush() -> None:
         nonlocal next_write, open_rows
-        while next_write in ready:
-            item = ready.pop(next_write)
+        while (index := shard.index + next_write * shard.count) in ready:
+            item = ready.pop(index)
             if item.error is None:
                 out.append(item.record())
                 summary.completed += 1
@@ -330,7 +346,7 @@ def regenerate(llm: Any, input_path: str, output_path: str, *, errors_path: str 
         except row_errors as e:
             fail(item, str(e))
 
-    rows = _input_rows(input_path)
+    rows = _input_rows(input_path, shard)
     admitted = 0
     exhausted = todo == 0
     last_post = 0.0
@@ -338,7 +354,7 @@ def regenerate(llm: Any, input_path: str, output_path: str, *, errors_path: str 
         while True:
             while not exhausted and open_rows < window:
                 nxt = next(rows, None) if admitted < todo else None
-                while nxt is not None and nxt[0] < done:  # written by an earlier run
+                while nxt is not None and nxt[0] < first_todo:  # written by an earlier run
                     nxt = next(rows, None)
                 if nxt is None:
                     exhausted = True
