@@ -119,17 +119,50 @@ def test_settings_from_flags_environment_and_schedulers():
     assert not dist.initialize(r(env={})).enabled and not jax.distributed.is_initialized()
 
 
-def test_process_rows_follow_the_batch_sharding():
+class _Held:
+    """A sharding stand-in whose addressable devices hold the given index tuples."""
+
+    def __init__(self, *indices):
+        self.indices = indices
+
+    def addressable_devices_indices_map(self, shape):
+        return {f"dev{k}": ix for k, ix in enumerate(self.indices)}
+
+
+def test_process_rows_follow_the_batch_sharding(monkeypatch):
     from jax.sharding import NamedSharding, PartitionSpec
+    from flax import nnx
 
     from specjax import sharding as shd
+    from specjax.training.config import OptimizerConfig
+    from specjax.training.trainer import Trainer
 
-    if len(jax.devices()) < 8:
-        pytest.skip("needs 8 (emulated) devices")
-    mesh = shd.make_mesh((2, 4), ("data", "fsdp"))
-    # one process holds every device here: all rows, in order
-    rows = dist.process_rows(NamedSharding(mesh, PartitionSpec(("data", "fsdp"))), (16, 3))
-    assert rows.tolist() == list(range(16))
+    # the rows this process's devices hold, sorted, replicas counted once
+    held = _Held((slice(4, 6), slice(None)), (slice(0, 2), slice(None)), (slice(4, 6), slice(None)))
+    assert dist.process_rows(held, (8, 3)).tolist() == [0, 1, 4, 5]
+    assert dist.process_rows(_Held((slice(None), slice(2, 4))), (2, 6), axis=1).tolist() == [2, 3]
+    if len(jax.devices()) >= 8:  # one process holds every device: all rows, in order
+        mesh = shd.make_mesh((2, 4), ("data", "fsdp"))
+        rows = dist.process_rows(NamedSharding(mesh, PartitionSpec(("data", "fsdp"))), (16, 3))
+        assert rows.tolist() == list(range(16))
+
+    class Tiny(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(np.ones((3,), np.float32))
+
+    def loss_fn(model, batch, rng, aux):
+        return (batch["x"] @ model.w[...]).mean(), {}
+
+    tr = Trainer(Tiny(), loss_fn, optimizer=OptimizerConfig(), total_steps=2, grad_accum_steps=2)
+    assert tr.process_rows(8).tolist() == list(range(8))  # one process feeds everything
+    x = np.arange(24, dtype=np.float32).reshape(8, 3)
+    put = tr.put_batch({"x": x}, global_batch_size=8)["x"]
+    np.testing.assert_array_equal(np.asarray(put), x.reshape(2, 4, 3))  # [M, B, ...]
+    with pytest.raises(ValueError, match="feeds 8 of the 8 rows of each global batch, got .* 6 rows"):
+        tr.put_batch({"x": x[:6]}, global_batch_size=8)
+    # with accumulation, a process feeding rows 1 and 3 of each micro-batch feeds them in every one
+    monkeypatch.setattr(dist, "process_rows", lambda sharding, shape, axis=0: np.array([1, 3]))
+    assert tr.process_rows(8).tolist() == [1, 3, 5, 7]
 
 
 # ------------------------------------------------------------------------------------------------

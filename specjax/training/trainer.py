@@ -443,7 +443,7 @@ class Trainer:
         Otherwise `batch` holds only this process's `process_rows(global_batch_size)` rows and
         the global arrays are assembled with `jax.make_array_from_process_local_data`."""
         def put(x):
-            x = np.asarray(x)
+            x = x if isinstance(x, jax.Array) else np.asarray(x)
             rows = x.shape[0] if global_batch_size is None else global_batch_size
             shape = self._accum_shape(rows, x.shape[1:])
             sharding = self.batch_sharding(shape)
