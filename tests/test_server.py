@@ -375,3 +375,34 @@ def test_async_engine_waiting_limit_counts_queued_requests(srv):
         eng.shutdown()
     assert a.error == b.error == "engine shut down" and eng.num_open == 0
     assert inner.on_round is not eng._on_round  # handed back
+
+
+def test_a_waiting_client_that_disconnects_has_its_request_aborted(srv):
+    """Not streamed: the handler polls the connection while it waits and aborts a gone client's request."""
+    eng = srv["app"].engine
+    with side_server(srv, limits=ServerLimits(max_tokens=120)) as (url, api):
+        aborts0 = _abort_count(srv["url"])
+        host, port = url.rsplit("/", 1)[1].split(":")
+        inner = eng.engine
+        slow_round = inner.on_round
+
+        def slow(info):  # 0.1 s per round: the request outlives the 1 s poll
+            time.sleep(0.1)
+            if slow_round is not None:
+                slow_round(info)
+        inner.on_round = slow
+        try:
+            sock = __import__("socket").create_connection((host, int(port)), timeout=30)
+            body = json.dumps({"prompt": [5, 6], "max_tokens": 120, "temperature": 0}).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            deadline = time.time() + 20
+            while eng.engine.num_active == 0 and time.time() < deadline:
+                time.sleep(0.01)
+            sock.close()
+            while (eng.num_open or _abort_count(srv["url"]) == aborts0) and time.time() < deadline:
+                time.sleep(0.02)
+        finally:
+            inner.on_round = slow_round
+        assert _abort_count(srv["url"]) == aborts0 + 1
+        assert eng.num_open == 0 and not eng.engine.has_work()

@@ -79,7 +79,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _error_response(err: APIError) -> JSONResponse:
-    headers = {"Connection": "close"} if err.status in (411, 413) else None
+    headers = {"Connection": "close"} if err.status == 413 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 

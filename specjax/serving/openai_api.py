@@ -67,6 +67,35 @@ class ClientGone(Exception):
     """The client disconnected while its request was running (the request was aborted)."""
 
 
+class _Waiter:
+    """Awaits one request's events under its deadline (504 and abort after it); with `is_disconnected`,
+    also asks every `_POLL_S` seconds whether the client is still there (abort and `ClientGone` if not)."""
+
+    def __init__(self, engine: AsyncEngine, stream: RequestStream, timeout_s: float,
+                 is_disconnected: Callable[[], Awaitable[bool]] | None):
+        self.engine, self.stream, self.timeout_s, self.is_disconnected = engine, stream, timeout_s, is_disconnected
+        now = time.monotonic()
+        self.deadline, self.poll_at = now + timeout_s, now + _POLL_S
+
+    async def next(self) -> StreamEvent:
+        while True:
+            now = time.monotonic()
+            left = self.deadline - now
+            if left <= 0:
+                self.engine.abort(self.stream)
+                raise APIError(504, f"the request did not finish within {self.timeout_s} s", type="timeout")
+            if self.is_disconnected is not None and now >= self.poll_at:
+                self.poll_at = now + _POLL_S
+                if await self.is_disconnected():
+                    self.engine.abort(self.stream)
+                    raise ClientGone()
+            wait = left if self.is_disconnected is None else min(left, max(self.poll_at - now, 1e-3))
+            try:
+                return await self.stream.aget(timeout=wait)
+            except TimeoutError:
+                continue
+
+
 # fields we do not implement: a non-default value is refused rather than silently ignored
 _UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
                 "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
@@ -235,22 +264,6 @@ class OpenAIApp:
             return APIError(400, ev.error or "rejected")
         return APIError(503 if not self.engine.is_alive else 500, ev.error or "failed", type="server_error")
 
-    async def _next_event(self, stream: RequestStream, deadline: float,
-                          is_disconnected: Callable[[], Awaitable[bool]] | None) -> StreamEvent:
-        """The stream's next event; aborts the request on timeout (504) or when the client is gone."""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.engine.abort(stream)
-                raise APIError(504, f"the request did not finish within {self.limits.request_timeout_s} s",
-                               type="timeout")
-            try:
-                return await stream.aget(timeout=min(left, _POLL_S) if is_disconnected else left)
-            except TimeoutError:
-                if is_disconnected is not None and await is_disconnected():
-                    self.engine.abort(stream)
-                    raise ClientGone() from None
-
     async def complete(self, body: Any, *, chat: bool,
                        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
                        ) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]] | None, Callable[[], None]]:
@@ -263,16 +276,18 @@ class OpenAIApp:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         stream = self._submit(parsed, rid)
         abort = lambda: self.engine.abort(stream)  # noqa: E731
-        deadline = time.monotonic() + self.limits.request_timeout_s
+        waiter = _Waiter(self.engine, stream, self.limits.request_timeout_s, is_disconnected)
         try:
-            first = await self._next_event(stream, deadline, is_disconnected)
+            first = await waiter.next()
             if first.error is not None:  # the first event decides between an error and a 200 answer
                 raise self._failed(first)
             if parsed.stream:
-                return None, self._chunks(parsed, stream, rid, chat, first, deadline), abort
+                detok = StreamDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+                waiter.is_disconnected = None  # the HTTP layer notices a gone stream reader itself
+                return None, self._chunks(parsed, stream, rid, chat, first, waiter, detok), abort
             ev = first
             while not ev.finished:
-                ev = await self._next_event(stream, deadline, is_disconnected)
+                ev = await waiter.next()
             if ev.error is not None:
                 raise self._failed(ev)
         except BaseException:
@@ -291,10 +306,9 @@ class OpenAIApp:
                 "spec_metrics": request_spec_metrics(req.metrics)}, None, abort
 
     async def _chunks(self, parsed: _Parsed, stream: RequestStream, rid: str, chat: bool, ev: StreamEvent,
-                      deadline: float) -> AsyncIterator[dict[str, Any]]:
+                      waiter: _Waiter, detok: StreamDetokenizer | None) -> AsyncIterator[dict[str, Any]]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
-        detok = StreamDetokenizer(self.tokenizer) if self.tokenizer is not None else None
 
         def chunk(text: str, ids: list[int], finish: str | None, first: bool = False) -> dict[str, Any]:
             c: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": ids, "logprobs": None}
@@ -333,7 +347,7 @@ class OpenAIApp:
             yield chunk(text, list(ev.token_ids), None, first)
             first = False
             try:
-                ev = await self._next_event(stream, deadline, None)
+                ev = await waiter.next()
             except APIError as e:  # timed out mid-stream (the request was aborted)
                 yield e.body()
                 return
