@@ -113,8 +113,9 @@ def one_request(port: int, prompt: list[int], max_tokens: int, timeout: float) -
 
 
 def run_level(port: int, clients: int, n_requests: int, max_tokens: int, prompt_len: int, bound_s: float,
-              timeout: float) -> dict[str, Any]:
-    """`clients` closed-loop client threads sharing `n_requests` requests (stops early at `bound_s`)."""
+              timeout: float, vocab_size: int = TINY_SHAPE["vocab_size"]) -> dict[str, Any]:
+    """`clients` closed-loop client threads sharing `n_requests` requests (stops early at `bound_s`);
+    prompts are random token ids in [3, vocab_size)."""
     lock = threading.Lock()
     issued = [0]
     results: list[dict[str, Any]] = []
@@ -128,7 +129,7 @@ def run_level(port: int, clients: int, n_requests: int, max_tokens: int, prompt_
                 if issued[0] >= n_requests or time.perf_counter() > deadline:
                     return
                 issued[0] += 1
-            prompt = [int(t) for t in rng.integers(3, TINY_SHAPE["vocab_size"], size=prompt_len)]
+            prompt = [int(t) for t in rng.integers(3, vocab_size, size=prompt_len)]
             r = one_request(port, prompt, max_tokens, timeout)
             with lock:
                 results.append(r)

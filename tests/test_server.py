@@ -406,3 +406,23 @@ def test_a_waiting_client_that_disconnects_has_its_request_aborted(srv):
             inner.on_round = slow_round
         assert _abort_count(srv["url"]) == aborts0 + 1
         assert eng.num_open == 0 and not eng.engine.has_work()
+
+
+def test_bench_server_load_client_counts_tokens_latencies_and_errors(srv):
+    """bench.server_load's closed-loop client against this server: every streamed request counted with
+    its TTFT and ITL; with the waiting limit at 0 every request is an error (the goal check can fail)."""
+    from bench import server_load
+
+    level = server_load.run_level(srv["port"], clients=4, n_requests=12, max_tokens=8, prompt_len=5, bound_s=60,
+                                  timeout=60, vocab_size=64)
+    assert (level["requests"], level["completed"], level["errors"]) == (12, 12, 0)
+    assert level["tokens_per_s"] == pytest.approx(8 * level["requests_per_s"])
+    assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"] and 0 <= level["itl_ms_p50"] <= level["itl_ms_p99"]
+    eng = srv["app"].engine
+    saved, eng.max_waiting = eng.max_waiting, 0
+    try:
+        bad = server_load.run_level(srv["port"], clients=2, n_requests=4, max_tokens=8, prompt_len=5, bound_s=60,
+                                    timeout=60, vocab_size=64)
+    finally:
+        eng.max_waiting = saved
+    assert (bad["completed"], bad["errors"]) == (0, 4) and "HTTP 503" in bad["error_examples"][0]
