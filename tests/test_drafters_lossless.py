@@ -1,12 +1,14 @@
 """Every drafter runs in the engine with exact verification (Monte-Carlo chi-square on a tiny target),
 and an oracle drafter (a copy of the target) has every greedy draft accepted."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from specjax.config import TargetConfig
 from specjax.decoding.engine import EngineRequest
+from specjax.drafters.base import DraftBlock
 from specjax.drafters.block import BlockDrafterConfig
 from specjax.drafters.dspark import make_block_drafter
 from specjax.drafters.eagle3 import Eagle3Config, make_eagle3_drafter
@@ -14,7 +16,8 @@ from specjax.drafters.mtp import MTPConfig, make_mtp_drafter
 from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.standalone import StandaloneDrafter
 
-from engine_fixtures import chi_square_pvalue, exact_continuations, sample_continuations, small_engine, tiny_target
+from engine_fixtures import (BigramDrafter, chi_square_pvalue, exact_continuations, sample_continuations,
+                             small_engine, tiny_target)
 
 V, GAMMA, PROMPT = 8, 3, [1, 5, 2, 1, 5]
 
@@ -51,18 +54,48 @@ def make(kind: str, target):
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dspark-rnn", "dflash", "eagle3", "mtp1", "standalone", "ngram"])
-def test_drafter_in_engine_is_exact(kind, model, exact):
-    drafter = make(kind, model)
+class MisreportingDrafter(nnx.Module):
+    """Negative control: samples its tokens from the inner drafter's q but reports a flatter q
+    (q ** 0.5, renormalised), as a drafter that samples at one temperature and reports another."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.gamma, self.tap_layers, self.needs_hidden = inner.gamma, inner.tap_layers, inner.needs_hidden
+
+    def init_state(self, slots, max_len):
+        return self.inner.init_state(slots, max_len)
+
+    def commit(self, state, update):
+        return self.inner.commit(state, update)
+
+    def propose(self, state, anchor_b, position_b, sampling, key_b) -> DraftBlock:
+        block = self.inner.propose(state, anchor_b, position_b, sampling, key_b)
+        flat = jnp.sqrt(block.q)
+        return block._replace(q=flat / flat.sum(-1, keepdims=True))
+
+
+def engine_pvalue(drafter, model, exact, seed0: int = 0) -> float:
+    """Chi-square p-value of the engine's first three tokens (T = 0.9) with this drafter."""
     g = drafter.gamma
     eng = small_engine(model, drafter, slots=256, max_len=16, prefill=8, gamma=g,
                        tokens_buckets=tuple(sorted({1, 2, g + 1})), prefill_batch=256)
     ells = []
     eng.on_round = lambda info: ells.extend(info["ell"])
-    samples = sample_continuations(eng, PROMPT, 12000, 3, temperature=0.9, extra=g)
-    p = chi_square_pvalue(samples, exact_continuations_cached(model, exact, 0.9))
-    assert p > 1e-3, f"{kind}: engine output differs from the target distribution (p={p:.2e})"
+    samples = sample_continuations(eng, PROMPT, 12000, 3, temperature=0.9, extra=g, seed0=seed0)
     assert max(ells) == g  # full blocks were verified
+    return chi_square_pvalue(samples, exact_continuations_cached(model, exact, 0.9))
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dspark-rnn", "dflash", "eagle3", "mtp1", "standalone", "ngram"])
+def test_drafter_in_engine_is_exact(kind, model, exact):
+    p = engine_pvalue(make(kind, model), model, exact)
+    assert p > 1e-3, f"{kind}: engine output differs from the target distribution (p={p:.2e})"
+
+
+def test_drafter_misreporting_q_is_caught(model, exact):
+    # the bigram test drafter's q is sharp (the random drafters' are nearly uniform), so flattening it matters
+    p = engine_pvalue(MisreportingDrafter(BigramDrafter(V, GAMMA, scale=3.0)), model, exact, seed0=10**6)
+    assert p < 1e-3, f"a drafter reporting a q it did not sample from passed (p={p:.2e}): the test has no teeth"
 
 
 _EXACT_09 = {}
