@@ -7,7 +7,8 @@ __version__ = "0.1.0"
 
 
 def load_target(path: str, *, dtype: str = "float32", mesh: Any = None):
-    """Load a Hugging Face Qwen3 checkpoint directory -> (model, TargetConfig). `model(tokens, positions)` gives logits."""
+    """Load a target -> (model, TargetConfig) from a Hugging Face Qwen3 / Llama / Qwen2 checkpoint
+    directory or a `.gguf` file (dequantized). `model(tokens, positions)` gives logits."""
     from specjax.checkpoints import load_target as _load
     return _load(path, dtype=dtype, mesh=mesh)
 

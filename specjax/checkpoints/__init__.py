@@ -4,6 +4,7 @@
     targets    Hugging Face target directories (Qwen3 / Llama / Qwen2): load, export, tokenizer
     drafters   drafter key maps (DeepSpec names) and config.json dialects
                (loading and saving by architecture: `specjax.drafters.registry`)
+    gguf       llama.cpp GGUF files (llama, qwen2, qwen3): metadata -> config, dequantized tensors
 
 The names below are the public API; import them from here.
 """
@@ -28,6 +29,8 @@ from specjax.checkpoints.drafters import (CONFIDENCE_TEMPERATURES_FIELD, DEFAULT
                                           read_drafter_config, set_confidence_temperatures,
                                           standalone_config_from_hf, standalone_hf_config,
                                           standalone_key_map, dspark_key_map, target_hf_base)
+from specjax.checkpoints.gguf import (SUPPORTED_GGUF_ARCHITECTURES, SUPPORTED_QUANT_TYPES,
+                                      GGUFError, is_gguf)
 from specjax.checkpoints.targets import (TOKENIZER_FILES, export_target, load_target,
                                          load_target_weights, load_tokenizer, read_target_config)
 
@@ -45,6 +48,7 @@ __all__ = [
     "ngram_config_from_hf", "ngram_hf_config", "read_drafter_config",
     "set_confidence_temperatures", "standalone_config_from_hf", "standalone_hf_config",
     "standalone_key_map", "dspark_key_map", "target_hf_base",
+    "SUPPORTED_GGUF_ARCHITECTURES", "SUPPORTED_QUANT_TYPES", "GGUFError", "is_gguf",
     "TOKENIZER_FILES", "export_target", "load_target", "load_target_weights", "load_tokenizer",
     "read_target_config",
 ]

@@ -1,4 +1,5 @@
-"""Hugging Face target checkpoints: config.json + safetensors <-> a `CausalLM`, and tokenizers.
+"""Target checkpoints: a Hugging Face directory (config.json + safetensors) or a `.gguf` file
+(`specjax.checkpoints.gguf`) -> a `CausalLM`; export as a Hugging Face directory; tokenizers.
 
 Target tensor names are the Hugging Face ones of `Qwen3ForCausalLM`, `LlamaForCausalLM` and
 `Qwen2ForCausalLM` (they coincide; the families differ in which tensors exist: Qwen3 adds
@@ -17,6 +18,8 @@ from flax import nnx
 from specjax.checkpoints.common import (DEFAULT_MAX_SHARD_BYTES, TARGET_KEY_MAP, KeyMap,
                                         SafetensorsDir, iter_hf_tensors, load_params_into,
                                         param_entries, write_safetensors)
+from specjax.checkpoints.gguf import (GGUFFile, is_gguf, load_gguf_tokenizer, open_gguf_target,
+                                      read_gguf_config)
 from specjax.config import ConfigError, TargetConfig, read_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -26,8 +29,10 @@ _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "
 
 
 def read_target_config(path: str | os.PathLike) -> TargetConfig:
-    """TargetConfig from `<path>/config.json` (both rope dialects)."""
+    """TargetConfig from `<path>/config.json` (both rope dialects) or a `.gguf` file's metadata."""
     path = os.fspath(path)
+    if is_gguf(path):
+        return read_gguf_config(GGUFFile(path))
     if not os.path.isdir(path):
         raise ConfigError(f"checkpoint directory does not exist: {path}")
     cfg_path = os.path.join(path, "config.json")
@@ -36,22 +41,29 @@ def read_target_config(path: str | os.PathLike) -> TargetConfig:
     return TargetConfig.from_hf_dict(read_json(cfg_path), source=cfg_path)
 
 
-def _abstract_target(cfg: TargetConfig, dtype, compute_dtype):
+def abstract_target(cfg: TargetConfig, dtype, compute_dtype):
+    """A `CausalLM` of `cfg` built with `nnx.eval_shape` (no weights materialised)."""
     from specjax.models.decoder import CausalLM
 
     return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=compute_dtype,
-                                                   param_dtype=dtype))
+                                           param_dtype=dtype))
 
 
 def load_target(path: str | os.PathLike, *, dtype="float32", compute_dtype=None, mesh=None,
                 rules=None):
-    """Load a Hugging Face Qwen3 / Llama / Qwen2 checkpoint directory -> (CausalLM, TargetConfig).
+    """Load a Qwen3 / Llama / Qwen2 target -> (CausalLM, TargetConfig) from a Hugging Face
+    checkpoint directory or a `.gguf` file (dequantized to float32 on load).
 
     The model is built abstractly and filled tensor by tensor (cast to `dtype`; computation in
     `compute_dtype`, default `dtype`), each placed with its NamedSharding when `mesh` is given.
-    Only safetensors are read.
+    Only safetensors and GGUF are read (never pickles).
     """
     path = os.fspath(path)
+    if is_gguf(path):
+        cfg, tensors = open_gguf_target(path)
+        model = abstract_target(cfg, dtype, compute_dtype or dtype)
+        load_params_into(model, tensors, mesh=mesh, rules=rules, source=path)
+        return model, cfg
     cfg = read_target_config(path)
     return load_target_weights(path, cfg, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh,
                                rules=rules), cfg
@@ -62,7 +74,7 @@ def load_target_weights(path: str | os.PathLike, cfg: TargetConfig, *, dtype="fl
     """A CausalLM of config `cfg` filled from the safetensors in `path` (see
     `load_target`; the config is given, e.g. parsed from a drafter's config.json)."""
     path = os.fspath(path)
-    model = _abstract_target(cfg, dtype, compute_dtype or dtype)
+    model = abstract_target(cfg, dtype, compute_dtype or dtype)
     with SafetensorsDir(path) as reader:
         key_map = TARGET_KEY_MAP
         allow: list[str] = []
@@ -78,12 +90,13 @@ def load_target_weights(path: str | os.PathLike, cfg: TargetConfig, *, dtype="fl
 def export_target(model, config: TargetConfig, out_dir: str | os.PathLike, *,
                   tokenizer_dir: str | os.PathLike | None = None, dtype="float32",
                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
-    """Write `config.json` + safetensors (+ tokenizer files from `tokenizer_dir`) so that
-    transformers' `AutoModelForCausalLM.from_pretrained(out_dir)` loads the model as its family's
-    `{Qwen3,Llama,Qwen2}ForCausalLM`. Returns out_dir."""
+    """Write `config.json` + safetensors (+ the tokenizer of `tokenizer_dir`: a tokenizer
+    directory, whose files are copied, or a `.gguf` file, whose tokenizer and chat template are
+    saved) so that transformers' `AutoModelForCausalLM.from_pretrained(out_dir)` loads the model
+    as its family's `{Qwen3,Llama,Qwen2}ForCausalLM`. Returns out_dir."""
     out_dir = os.fspath(out_dir)
     expected = {e.path: tuple(e.variable.get_value().shape)
-                for e in param_entries(_abstract_target(config, "float32", "float32"))}
+                for e in param_entries(abstract_target(config, "float32", "float32"))}
     got = {e.path: tuple(e.variable.get_value().shape) for e in param_entries(model)}
     if expected != got:
         diff = sorted(set(expected.items()) ^ set(got.items()))[:6]
@@ -94,7 +107,9 @@ def export_target(model, config: TargetConfig, out_dir: str | os.PathLike, *,
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     write_safetensors(out_dir, iter_hf_tensors(model, dtype=dtype), max_shard_bytes=max_shard_bytes)
-    if tokenizer_dir is not None:
+    if tokenizer_dir is not None and is_gguf(tokenizer_dir):
+        load_gguf_tokenizer(tokenizer_dir).save_pretrained(out_dir)
+    elif tokenizer_dir is not None:
         tokenizer_dir = os.fspath(tokenizer_dir)
         if not os.path.isdir(tokenizer_dir):
             raise FileNotFoundError(f"tokenizer_dir does not exist: {tokenizer_dir}")
@@ -106,8 +121,11 @@ def export_target(model, config: TargetConfig, out_dir: str | os.PathLike, *,
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """A transformers tokenizer from local files only (no remote code); None if `path` has none."""
+    """A transformers tokenizer from local files only (no remote code): a tokenizer directory, or
+    the tokenizer and chat template stored in a `.gguf` file; None if a directory has none."""
     path = os.fspath(path)
+    if is_gguf(path):
+        return load_gguf_tokenizer(path)
     if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f))
                                           for f in _TOKENIZER_MARKERS):
         return None
