@@ -16,6 +16,11 @@ through `stop_gradient`, so even a gradient w.r.t. all variables is zero there.
 The sequential (Markov / RNN) head and the confidence head live in `specjax.drafters.dspark`;
 `BlockBackbone` alone is the DFlash drafter (no heads), `dspark.DSparkDrafter` adds them.
 Attribute names mirror the Hugging Face / DeepSpec checkpoint names (reference §2.6).
+
+Draft vocabulary (`draft_vocab_size` N > 0, an extension of ours: DeepSpec has none, and a config
+without the field is the full vocabulary): the lm_head holds the target head's columns of the N
+draft tokens, the sequential head is N wide, tokens are sampled as draft indices and proposed as
+target ids, and the q handed to verification is zero outside the subset (`specjax.drafters.vocab`).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
 from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.drafters.dims import (check_same_width, check_tap_layers, drafter_rope, layer_config,
                                    validate_layer_dims, validate_tap_layer_ids)
@@ -61,7 +67,8 @@ class BlockDrafterConfig:
     output), concatenated in this order. `block_size` is gamma (slots per block = draft tokens per
     proposal). `markov_rank` 0 means no sequential head (DFlash); `markov_head_type` is "vanilla"
     (W2 W1[x_{k-1}]) or "rnn". `confidence_head_with_markov` feeds W1[x_{k-1}] to the confidence
-    head as well as the backbone hidden state (needs markov_rank > 0).
+    head as well as the backbone hidden state (needs markov_rank > 0). `draft_vocab_size` N > 0
+    drafts over N of the target's tokens (module docstring); 0 = the full vocabulary.
     """
 
     vocab_size: int
@@ -82,9 +89,11 @@ class BlockDrafterConfig:
     rope_theta: float = 1_000_000.0
     rope_type: str = "default"
     rope_factor: float = 1.0
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         validate_layer_dims(self)
+        dv.validate_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
         for name in ("num_draft_layers", "block_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -105,6 +114,11 @@ class BlockDrafterConfig:
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def out_vocab_size(self) -> int:
+        """Width of the lm_head and the sequential head's output: N, or V without a subset."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def variant(self) -> str:
@@ -172,6 +186,21 @@ class FrozenLMHead(nnx.Module):
     def __call__(self, h: Array) -> Array:
         w = jax.lax.stop_gradient(self.kernel[...]).astype(self.dtype)
         return jnp.dot(h.astype(self.dtype), w).astype(jnp.float32)
+
+
+def copy_frozen_from_target(embed: FrozenEmbed, head: FrozenLMHead, target_model: Any,
+                            vocab: "dv.DraftVocab | None" = None) -> None:
+    """Copy a CausalLM's input embedding and output head into frozen copies, in place (a tied
+    target's lm_head is its embedding transposed); with a draft vocabulary the head gets only
+    the columns of its tokens."""
+    emb_vh = target_model.model.embed_tokens.embedding[...]
+    want = embed.embedding[...].shape
+    if emb_vh.shape != want:
+        raise ConfigError(f"target embedding shape {emb_vh.shape} does not match the drafter's "
+                          f"[vocab_size, hidden_size] = {want}")
+    head_hv = emb_vh.T if target_model.lm_head is None else target_model.lm_head.kernel[...]
+    embed.embedding[...] = jnp.asarray(emb_vh, embed.embedding[...].dtype)
+    head.kernel[...] = jnp.asarray(dv.head_columns(head_hv, vocab), head.kernel[...].dtype)
 
 
 def attend_context_and_block(q_bthd: Array, k_ctx_bshd: Array, v_ctx_bshd: Array,
@@ -264,7 +293,9 @@ class BlockBackbone(nnx.Module):
         self.layers = nnx.List([DraftDecoderLayer(lcfg, rngs=rngs, **kw)
                                 for _ in range(cfg.num_draft_layers)])
         self.norm = RMSNorm(h, eps=cfg.rms_norm_eps, **kw)
-        self.lm_head = FrozenLMHead(h, cfg.vocab_size, rngs=rngs, **kw)
+        self.lm_head = FrozenLMHead(h, cfg.out_vocab_size, rngs=rngs, **kw)
+        self.draft_vocab = (dv.DraftVocab(cfg.vocab_size, cfg.draft_vocab_size)
+                            if cfg.draft_vocab_size else nnx.data(None))
         # Filled in by dspark.DSparkDrafter (declared as data so a subclass may assign modules).
         self.markov_head = nnx.data(None)
         self.confidence_head = nnx.data(None)
@@ -280,17 +311,23 @@ class BlockBackbone(nnx.Module):
         return self.hidden_norm(self.fc(taps_bsf))
 
     def lm_logits(self, h_xh: Array) -> Array:
-        """Frozen lm_head applied to backbone hidden [..., H] -> float32 logits [..., V]."""
+        """Frozen lm_head applied to hidden [..., H] -> float32 logits [..., N] (N = V without a
+        draft vocabulary; with one, the target's logits restricted to the draft tokens)."""
         return self.lm_head(h_xh)
 
+    def draft_labels(self, labels: Array) -> Array:
+        """Target-id labels -> indices into the draft logits (-1: outside the draft vocabulary)."""
+        return dv.draft_labels(self.draft_vocab, labels)
+
     def head_bias(self, h_xkh: Array, prev_xk: Array) -> Array | None:
-        """Sequential-head logit bias [..., K, V] (float32) with teacher-forced prev tokens."""
+        """Sequential-head logit bias [..., K, N] (float32) with teacher-forced prev tokens
+        (target ids)."""
         if self.markov_head is None:
             return None
-        return self.markov_head.bias_sequence(h_xkh, prev_xk)
+        return self.markov_head.bias_sequence(h_xkh, dv.draft_index(self.draft_vocab, prev_xk))
 
     def draft_logits(self, h_xkh: Array, prev_xk: Array) -> Array:
-        """z_k = lm_head(h_k) + head bias(prev_k): float32 [..., K, V]; chunk over leading axes."""
+        """z_k = lm_head(h_k) + head bias(prev_k): float32 [..., K, N]; chunk over leading axes."""
         z = self.lm_logits(h_xkh)
         bias = self.head_bias(h_xkh, prev_xk)
         return z if bias is None else z + bias
@@ -301,7 +338,7 @@ class BlockBackbone(nnx.Module):
             return None
         extra = None
         if self.config.confidence_head_with_markov:
-            extra = self.markov_head.embed_prev(prev_xk)
+            extra = self.markov_head.embed_prev(dv.draft_index(self.draft_vocab, prev_xk))
         return self.confidence_head(h_xkh, extra)
 
     # ------------------------------------------------------------------ training
@@ -350,7 +387,7 @@ class BlockBackbone(nnx.Module):
                       ) -> tuple[Array, Array | None, Array | None]:
         """Training forward over A anchors per sequence.
 
-        Returns (hidden [B,A,K,H], logits [B,A,K,V] float32 or None if not `with_logits`,
+        Returns (hidden [B,A,K,H], logits [B,A,K,N] float32 or None if not `with_logits`,
         confidence logits [B,A,K] float32 or None). `prev_tokens_bak` defaults to the teacher-forced
         [anchor, labels[..., :K-1]] (labels[j] = ids[a+j+1]); with `with_logits=False` a trainer can
         compute `draft_logits(h, prev)` itself in chunks over anchors.
@@ -406,36 +443,39 @@ class BlockBackbone(nnx.Module):
 
     def propose_with_logits(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
                             sampling: SamplingArrays, key_b: Array) -> tuple[DraftBlock, Array]:
-        """`propose`, also returning the draft logits z [B, K, V] (float32) the q came from."""
+        """`propose`, also returning the draft logits z [B, K, V] (float32) the q came from
+        (-inf outside a draft vocabulary)."""
         b = anchor_b.shape[0]
+        vocab = self.draft_vocab
         h = self.block_hidden(state, anchor_b, position_b)  # [B, K, H]
-        u = self.lm_logits(h)  # [B, K, V]
+        u = self.lm_logits(h)  # [B, K, N]
         head = self.markov_head
         carry0 = (head.init_carry((b,), h.dtype) if head is not None else None,
-                  anchor_b.astype(jnp.int32))
+                  dv.draft_index(vocab, anchor_b))
 
         def step(carry, xs):
-            head_carry, prev_b = carry
-            k, u_bv, h_bh = xs
-            z = u_bv
+            head_carry, prev_b = carry  # prev_b: draft index of the previous token
+            k, u_bn, h_bh = xs
+            z = u_bn
             if head is not None:
                 head_carry, bias = head.step(head_carry, h_bh, prev_b)
                 z = z + bias
             q = probs_from_logits(z, sampling)
-            tok = sample(round_key(key_b, k), q)
-            return (head_carry, tok), (tok, q, z)
+            d = sample(round_key(key_b, k), q)  # a draft index
+            return (head_carry, d), (d, q, z)
 
         xs = (jnp.arange(self.gamma, dtype=jnp.int32), jnp.swapaxes(u, 0, 1), jnp.swapaxes(h, 0, 1))
-        _, (tok_kb, q_kbv, z_kbv) = jax.lax.scan(step, carry0, xs)
-        tokens = jnp.swapaxes(tok_kb, 0, 1)
+        _, (d_kb, q_kbn, z_kbn) = jax.lax.scan(step, carry0, xs)
+        tokens = dv.target_ids(vocab, jnp.swapaxes(d_kb, 0, 1))
         conf = None
         if self.confidence_head is not None:
             prev = jnp.concatenate([anchor_b.astype(jnp.int32)[:, None], tokens[:, :-1]], axis=1)
             c_logit = self.confidence_logits(h, prev)
             temps = self.confidence_temperatures[...].astype(jnp.float32)
             conf = jax.nn.sigmoid(c_logit / temps[None, :])
-        block = DraftBlock(tokens=tokens, q=jnp.swapaxes(q_kbv, 0, 1), confidence=conf)
-        return block, jnp.swapaxes(z_kbv, 0, 1)
+        q = dv.full_probs(vocab, jnp.swapaxes(q_kbn, 0, 1))
+        block = DraftBlock(tokens=tokens, q=q, confidence=conf)
+        return block, dv.full_logits(vocab, jnp.swapaxes(z_kbn, 0, 1))
 
     def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
                 sampling: SamplingArrays, key_b: Array) -> DraftBlock:
@@ -445,4 +485,5 @@ class BlockBackbone(nnx.Module):
 
 
 __all__ = ["BlockBackbone", "BlockDrafterConfig", "Calibration", "DraftDecoderLayer", "Frozen",
-           "FrozenEmbed", "FrozenLMHead", "attend_context_and_block", "default_target_layer_ids"]
+           "FrozenEmbed", "FrozenLMHead", "attend_context_and_block", "copy_frozen_from_target",
+           "default_target_layer_ids"]

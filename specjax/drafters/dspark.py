@@ -10,6 +10,10 @@
 
 Previous tokens: teacher-forced in training (prev = [anchor, labels[:K-1]]), the sampled draft
 tokens at inference (prev = [anchor, sampled[:-1]]).
+
+With a draft vocabulary of N tokens the heads read and write draft indices: W1 has N + 1 rows (row
+N stands for every target token outside the subset, e.g. an anchor the drafter could not have
+proposed) and W2 maps r -> N.
 """
 from __future__ import annotations
 
@@ -18,29 +22,33 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.config import ConfigError, TargetConfig
-from specjax.drafters.block import BlockBackbone, BlockDrafterConfig, Calibration
+from specjax.config import TargetConfig
+from specjax.drafters.block import (BlockBackbone, BlockDrafterConfig, Calibration,
+                                    copy_frozen_from_target)
+from specjax.drafters.vocab import install_draft_vocab
 from specjax.models.layers import Embed, Linear
 
 Array = jax.Array
 
 
-def _markov_tables(vocab: int, rank: int, *, rngs: nnx.Rngs, dtype, param_dtype) -> tuple[Embed, Linear]:
+def _markov_tables(vocab: int, rank: int, out_vocab: int | None, *, rngs: nnx.Rngs, dtype,
+                   param_dtype) -> tuple[Embed, Linear]:
     w1 = Embed(vocab, rank, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     w1.embedding = nnx.Param(w1.embedding[...], logical_axes=("vocab", "rank"))
-    w2 = Linear(rank, vocab, logical_axes=("rank", "vocab"), rngs=rngs, dtype=dtype,
+    w2 = Linear(rank, out_vocab or vocab, logical_axes=("rank", "vocab"), rngs=rngs, dtype=dtype,
                 param_dtype=param_dtype)
     return w1, w2
 
 
 class MarkovHead(nnx.Module):
-    """Vanilla rank-r Markov transition bias W2 W1[x_{k-1}] (reference §3.2)."""
+    """Vanilla rank-r Markov transition bias W2 W1[x_{k-1}] (reference §3.2); W1 has `vocab`
+    rows, W2 `out_vocab` (default `vocab`) outputs."""
 
     def __init__(self, vocab: int, rank: int, *, rngs: nnx.Rngs, dtype="float32",
-                 param_dtype="float32"):
+                 param_dtype="float32", out_vocab: int | None = None):
         self.rank = rank
-        self.markov_w1, self.markov_w2 = _markov_tables(vocab, rank, rngs=rngs, dtype=dtype,
-                                                        param_dtype=param_dtype)
+        self.markov_w1, self.markov_w2 = _markov_tables(vocab, rank, out_vocab, rngs=rngs,
+                                                        dtype=dtype, param_dtype=param_dtype)
 
     def embed_prev(self, prev: Array) -> Array:
         """W1[prev] [..., r]."""
@@ -65,10 +73,10 @@ class RNNHead(nnx.Module):
     """Gated recurrent transition bias (reference §3.4, paper Eq. 6)."""
 
     def __init__(self, vocab: int, rank: int, hidden: int, *, rngs: nnx.Rngs, dtype="float32",
-                 param_dtype="float32"):
+                 param_dtype="float32", out_vocab: int | None = None):
         self.rank = rank
-        self.markov_w1, self.markov_w2 = _markov_tables(vocab, rank, rngs=rngs, dtype=dtype,
-                                                        param_dtype=param_dtype)
+        self.markov_w1, self.markov_w2 = _markov_tables(vocab, rank, out_vocab, rngs=rngs,
+                                                        dtype=dtype, param_dtype=param_dtype)
         self.joint_proj = Linear(2 * rank + hidden, 3 * rank, logical_axes=("features", "rank"),
                                  use_bias=True, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
@@ -126,10 +134,14 @@ class DSparkDrafter(BlockBackbone):
         super().__init__(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if cfg.markov_rank > 0:
+            n = cfg.draft_vocab_size
+            rows = n + 1 if n else cfg.vocab_size  # + the "outside the draft vocabulary" row
+            kw["out_vocab"] = cfg.out_vocab_size
             if cfg.markov_head_type == "vanilla":
-                self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank, **kw)
+                self.markov_head = MarkovHead(rows, cfg.markov_rank, **kw)
             else:
-                self.markov_head = RNNHead(cfg.vocab_size, cfg.markov_rank, cfg.hidden_size, **kw)
+                self.markov_head = RNNHead(rows, cfg.markov_rank, cfg.hidden_size, **kw)
+            del kw["out_vocab"]
         if cfg.confidence_head:
             extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
             self.confidence_head = ConfidenceHead(cfg.hidden_size + extra, **kw)
@@ -151,20 +163,17 @@ DFlashDrafter = DSparkDrafter
 
 
 def make_block_drafter(target_model, target_config: TargetConfig, cfg: BlockDrafterConfig,
-                       rngs: nnx.Rngs | None = None, *, dtype="float32",
-                       param_dtype="float32") -> DSparkDrafter:
+                       rngs: nnx.Rngs | None = None, *, dtype="float32", param_dtype="float32",
+                       draft_ids=None) -> DSparkDrafter:
     """Build a DSpark/DFlash drafter and copy the target's embedding and lm_head into its frozen
-    copies (a tied target's lm_head is its embedding transposed)."""
+    copies (a tied target's lm_head is its embedding transposed). `draft_ids`: the target ids of
+    the draft vocabulary ([draft_vocab_size], e.g. from `vocab.build_draft_vocab`), required
+    exactly when cfg.draft_vocab_size > 0."""
     cfg.check_target(target_config)
     drafter = DSparkDrafter(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-    emb_vh = target_model.model.embed_tokens.embedding[...]
-    if emb_vh.shape != (cfg.vocab_size, cfg.hidden_size):
-        raise ConfigError(f"target embedding shape {emb_vh.shape} does not match the drafter's "
-                          f"[vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}]")
-    head_hv = emb_vh.T if target_model.lm_head is None else target_model.lm_head.kernel[...]
-    pd = drafter.embed_tokens.embedding[...].dtype
-    drafter.embed_tokens.embedding[...] = jnp.asarray(emb_vh, pd)
-    drafter.lm_head.kernel[...] = jnp.asarray(head_hv, pd)
+    install_draft_vocab(drafter, cfg.draft_vocab_size, draft_ids)
+    copy_frozen_from_target(drafter.embed_tokens, drafter.lm_head, target_model,
+                            drafter.draft_vocab)
     return drafter
 
 

@@ -32,6 +32,11 @@ Our NNX attribute paths are exactly these module paths (Linear `kernel` <-> HF `
 
 `PairCacheDrafter` (the pending-feature cache, propose loop and step-0 training forward) is shared
 with `specjax.drafters.mtp.MTPDrafter`.
+
+Draft vocabulary (`draft_vocab_size` N > 0, EAGLE-3's reduced vocabulary): `lm_head` holds the
+target head's columns of the N draft tokens; each step samples a draft index, feeds the target id
+`d2t[index]` to the next step and hands verification q scattered into the full vocabulary (zero
+elsewhere). The maps are stored as EAGLE-3's `d2t` / `t2d` tensors (`specjax.drafters.vocab`).
 """
 from __future__ import annotations
 
@@ -44,10 +49,12 @@ from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
 from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.drafters.dims import (check_same_width, check_tap_layers, layer_config, target_dims,
                                    validate_layer_dims, validate_tap_layer_ids)
-from specjax.drafters.block import Frozen, FrozenEmbed, FrozenLMHead, attend_context_and_block
+from specjax.drafters.block import (Frozen, FrozenEmbed, FrozenLMHead, attend_context_and_block,
+                                    copy_frozen_from_target)
 from specjax.models import cache as kvc
 from specjax.models.layers import Linear, RMSNorm, SwiGLU, gqa_attention
 from specjax.models.decoder import Attention
@@ -72,9 +79,11 @@ class Eagle3Config:
     rope_theta: float = 1_000_000.0
     rope_type: str = "default"
     rope_factor: float = 1.0
+    draft_vocab_size: int = 0  # N > 0: draft over N target tokens (EAGLE-3 d2t/t2d); 0 = all
 
     def __post_init__(self) -> None:
         validate_layer_dims(self)
+        dv.validate_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
         object.__setattr__(self, "target_layer_ids", validate_tap_layer_ids(self.target_layer_ids))
         for name in ("gamma", "ttt_length"):
             v = getattr(self, name)
@@ -86,6 +95,10 @@ class Eagle3Config:
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def out_vocab_size(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
 
     @classmethod
     def from_target(cls, target: TargetConfig, *, target_layer_ids: tuple[int, ...],
@@ -101,19 +114,6 @@ class Eagle3Config:
         """Raise ConfigError if this drafter cannot read `target` (widths or layer ids differ)."""
         check_same_width(self, target)
         check_tap_layers(self.target_layer_ids, target)
-
-
-def copy_frozen_from_target(embed: FrozenEmbed, head: FrozenLMHead, target_model: Any) -> None:
-    """Copy a Qwen3ForCausalLM's input embedding and output head into frozen copies, in place
-    (a tied target's lm_head is its embedding transposed)."""
-    emb_vh = target_model.model.embed_tokens.embedding[...]
-    want = embed.embedding[...].shape
-    if emb_vh.shape != want:
-        raise ConfigError(f"target embedding shape {emb_vh.shape} does not match the drafter's "
-                          f"[vocab_size, hidden_size] = {want}")
-    head_hv = emb_vh.T if target_model.lm_head is None else target_model.lm_head.kernel[...]
-    embed.embedding[...] = jnp.asarray(emb_vh, embed.embedding[...].dtype)
-    head.kernel[...] = jnp.asarray(head_hv, head.kernel[...].dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,8 +171,9 @@ class PairCacheDrafter(nnx.Module):
 
     Subclasses define `_features(update)` ([B, T, H] per committed position), `_attn_input(feat,
     tok)` -> (attention input, residual), `_attention()` (the Attention module), `_finish(residual,
-    attn_out)` (layer output, H wide, before the final norm), `_logits(out)` (float32 [.., V]) and
-    the attributes `gamma`, `hidden_size`, `num_kv_heads`, `head_dim`, `dtype`.
+    attn_out)` (layer output, H wide, before the final norm), `_logits(out)` (float32 [.., N]) and
+    the attributes `gamma`, `hidden_size`, `num_kv_heads`, `head_dim`, `dtype`, `draft_vocab`
+    (a `vocab.DraftVocab` of N tokens, or None: N = V).
     """
 
     gamma: int
@@ -249,8 +250,10 @@ class PairCacheDrafter(nnx.Module):
 
     def propose_with_logits(self, state: PairCacheState, anchor_b: Array, position_b: Array,
                             sampling: SamplingArrays, key_b: Array) -> tuple[DraftBlock, Array]:
-        """`propose`, also returning the draft logits [B, gamma, V] (float32) each q came from."""
+        """`propose`, also returning the draft logits [B, gamma, V] (float32) each q came from
+        (-inf outside a draft vocabulary)."""
         b = anchor_b.shape[0]
+        vocab = self.draft_vocab
         g = self.gamma
         lengths = state.lengths[:b]
         k_ctx, v_ctx = state.k[:b], state.v[:b]
@@ -261,26 +264,26 @@ class PairCacheDrafter(nnx.Module):
         buf = jnp.zeros((b, g, self.num_kv_heads, self.head_dim), k_ctx.dtype)
 
         def step(carry, k):
-            feat_bh, tok_b, dk, dv = carry
+            feat_bh, tok_b, dk, dv_ = carry
             pos = (base_pos + k)[:, None]
             x_in, res = self._attn_input(feat_bh[:, None, :], tok_b[:, None])
             q = attn.queries(x_in, pos)
             kk, vv = attn.keys_values(x_in, pos)
             dk = jax.lax.dynamic_update_slice_in_dim(dk, kk.astype(dk.dtype), k, axis=1)
-            dv = jax.lax.dynamic_update_slice_in_dim(dv, vv.astype(dv.dtype), k, axis=1)
+            dv_ = jax.lax.dynamic_update_slice_in_dim(dv_, vv.astype(dv_.dtype), k, axis=1)
             mask_blk = jnp.broadcast_to((jnp.arange(g) <= k)[None, None, :], (b, 1, g))
-            a = attend_context_and_block(q, k_ctx, v_ctx, mask_ctx, dk, dv, mask_blk)
+            a = attend_context_and_block(q, k_ctx, v_ctx, mask_ctx, dk, dv_, mask_blk)
             out = self._finish(res, a)  # [B, 1, H]
-            z = self._logits(out)[:, 0]  # [B, V] float32
-            q_bv = probs_from_logits(z, sampling)
-            nxt = sample(round_key(key_b, k), q_bv)
-            return (out[:, 0].astype(feat_bh.dtype), nxt, dk, dv), (nxt, q_bv, z)
+            z = self._logits(out)[:, 0]  # [B, N] float32
+            q_bn = probs_from_logits(z, sampling)
+            nxt = dv.target_ids(vocab, sample(round_key(key_b, k), q_bn))
+            return (out[:, 0].astype(feat_bh.dtype), nxt, dk, dv_), (nxt, q_bn, z)
 
         carry0 = (state.pending[:b], anchor_b.astype(jnp.int32), buf, buf)
-        _, (tok_gb, q_gbv, z_gbv) = jax.lax.scan(step, carry0, jnp.arange(g, dtype=jnp.int32))
-        block = DraftBlock(tokens=jnp.swapaxes(tok_gb, 0, 1), q=jnp.swapaxes(q_gbv, 0, 1),
-                           confidence=None)
-        return block, jnp.swapaxes(z_gbv, 0, 1)
+        _, (tok_gb, q_gbn, z_gbn) = jax.lax.scan(step, carry0, jnp.arange(g, dtype=jnp.int32))
+        block = DraftBlock(tokens=jnp.swapaxes(tok_gb, 0, 1),
+                           q=dv.full_probs(vocab, jnp.swapaxes(q_gbn, 0, 1)), confidence=None)
+        return block, dv.full_logits(vocab, jnp.swapaxes(z_gbn, 0, 1))
 
     def propose(self, state: PairCacheState, anchor_b: Array, position_b: Array,
                 sampling: SamplingArrays, key_b: Array) -> DraftBlock:
@@ -348,7 +351,9 @@ class Eagle3Drafter(PairCacheDrafter):
         self.fc = Linear(cfg.num_taps * h, h, logical_axes=("features", "embed"), rngs=rngs, **kw)
         self.midlayer = Eagle3DecoderLayer(layer_config(cfg), rngs=rngs, **kw)
         self.norm = RMSNorm(h, eps=cfg.rms_norm_eps, **kw)
-        self.lm_head = FrozenLMHead(h, cfg.vocab_size, rngs=rngs, **kw)
+        self.lm_head = FrozenLMHead(h, cfg.out_vocab_size, rngs=rngs, **kw)
+        self.draft_vocab = (dv.DraftVocab(cfg.vocab_size, cfg.draft_vocab_size)
+                            if cfg.draft_vocab_size else nnx.data(None))
 
     # hooks -------------------------------------------------------------------------------------
     def fused_features(self, taps_bsf: Array) -> Array:
@@ -416,22 +421,23 @@ class Eagle3Drafter(PairCacheDrafter):
         return jnp.stack(outs, axis=0)
 
     def ttt_forward(self, taps_bsf: Array, input_ids_bs: Array, horizon: int | None = None) -> Array:
-        """Training-time-test logits [K, B, S, V] (float32); see `ttt_hidden`. Step k's logits at
+        """Training-time-test logits [K, B, S, N] (float32); see `ttt_hidden`. Step k's logits at
         row t predict ids[t+k+2]: pass them to `specjax.training.losses.eagle3_loss` with target
-        logits lm_head(target_final_hidden[t+1]) at row t."""
+        logits lm_head(target_final_hidden[t+1]) at row t (restricted to the draft vocabulary)."""
         return self._logits(self.ttt_hidden(taps_bsf, input_ids_bs, horizon))
 
 
 def make_eagle3_drafter(target_model: Any, cfg: Eagle3Config, rngs: nnx.Rngs | None = None, *,
-                        dtype="float32", param_dtype="float32") -> Eagle3Drafter:
+                        dtype="float32", param_dtype="float32", draft_ids=None) -> Eagle3Drafter:
     """Build an Eagle3 drafter for `target_model` (a CausalLM) with its embedding and
-    lm_head copied into the frozen copies."""
+    lm_head copied into the frozen copies; `draft_ids` [draft_vocab_size] when N > 0."""
     cfg.check_target(target_model.config)
     d = Eagle3Drafter(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-    copy_frozen_from_target(d.embed_tokens, d.lm_head, target_model)
+    dv.install_draft_vocab(d, cfg.draft_vocab_size, draft_ids)
+    copy_frozen_from_target(d.embed_tokens, d.lm_head, target_model, d.draft_vocab)
     return d
 
 
 __all__ = ["Eagle3Attention", "Eagle3Config", "Eagle3DecoderLayer", "Eagle3Drafter", "Frozen",
            "PairCacheDrafter", "PairCacheState", "attend_causal_plus_diagonal",
-           "copy_frozen_from_target", "make_eagle3_drafter", "shift_left"]
+           "make_eagle3_drafter", "shift_left"]

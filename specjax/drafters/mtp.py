@@ -13,6 +13,9 @@ Checkpoint names follow DeepSeek-V3's MTP layer layout (relative to the layer pr
 `post_attention_layernorm.weight`, `mlp.{gate,up,down}_proj.weight`, `shared_head.norm.weight`,
 `shared_head.head.weight` (frozen copy of the target's lm_head), `embed_tokens.weight` (frozen copy
 of the target's embedding). Our NNX attribute paths are exactly these module paths.
+
+Draft vocabulary (`draft_vocab_size` N > 0): `shared_head.head` holds the target head's columns of
+the N draft tokens and q is scattered into the full vocabulary (see `specjax.drafters.vocab`).
 """
 from __future__ import annotations
 
@@ -24,10 +27,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import TargetConfig
+from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate
-from specjax.drafters.block import FrozenEmbed, FrozenLMHead
+from specjax.drafters.block import FrozenEmbed, FrozenLMHead, copy_frozen_from_target
 from specjax.drafters.dims import check_same_width, layer_config, target_dims, validate_layer_dims
-from specjax.drafters.eagle3 import PairCacheDrafter, copy_frozen_from_target
+from specjax.drafters.eagle3 import PairCacheDrafter
 from specjax.models.layers import Linear, RMSNorm, SwiGLU
 from specjax.models.decoder import Attention
 
@@ -48,9 +52,15 @@ class MTPConfig:
     rope_theta: float = 1_000_000.0
     rope_type: str = "default"
     rope_factor: float = 1.0
+    draft_vocab_size: int = 0  # N > 0: draft over N target tokens; 0 = the full vocabulary
 
     def __post_init__(self) -> None:
         validate_layer_dims(self)
+        dv.validate_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
+
+    @property
+    def out_vocab_size(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
 
     @classmethod
     def from_target(cls, target: TargetConfig, **overrides: Any) -> "MTPConfig":
@@ -103,7 +113,9 @@ class MTPDrafter(PairCacheDrafter):
         self.self_attn = Attention(lcfg, rngs=rngs, **kw)
         self.post_attention_layernorm = RMSNorm(h, eps=eps, **kw)
         self.mlp = SwiGLU(h, cfg.intermediate_size, rngs=rngs, **kw)
-        self.shared_head = SharedHead(h, cfg.vocab_size, eps=eps, rngs=rngs, **kw)
+        self.shared_head = SharedHead(h, cfg.out_vocab_size, eps=eps, rngs=rngs, **kw)
+        self.draft_vocab = (dv.DraftVocab(cfg.vocab_size, cfg.draft_vocab_size)
+                            if cfg.draft_vocab_size else nnx.data(None))
 
     # hooks -------------------------------------------------------------------------------------
     def _features(self, update: ContextUpdate) -> Array:
@@ -132,7 +144,7 @@ class MTPDrafter(PairCacheDrafter):
 
     # training ----------------------------------------------------------------------------------
     def train_forward(self, hidden_bsh: Array, input_ids_bs: Array) -> Array:
-        """Logits [B, S, V] (float32): row t predicts ids[t+2] from (hidden[t], ids[t+1]), causal
+        """Logits [B, S, N] (float32): row t predicts ids[t+2] from (hidden[t], ids[t+1]), causal
         over rows (the last row is paired with token 0 and has no target)."""
         if hidden_bsh.shape[:2] != input_ids_bs.shape or hidden_bsh.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_bsh {hidden_bsh.shape} must be [B, S, H={self.hidden_size}] "
@@ -141,14 +153,16 @@ class MTPDrafter(PairCacheDrafter):
 
 
 def make_mtp_drafter(target_model: Any, cfg: MTPConfig | None = None,
-                     rngs: nnx.Rngs | None = None, *, dtype="float32",
-                     param_dtype="float32") -> MTPDrafter:
+                     rngs: nnx.Rngs | None = None, *, dtype="float32", param_dtype="float32",
+                     draft_ids=None) -> MTPDrafter:
     """Build an MTP drafter for `target_model` (a CausalLM; dims copied when `cfg` is
-    None) with its embedding and lm_head copied into the frozen copies."""
+    None) with its embedding and lm_head copied into the frozen copies; `draft_ids`
+    [draft_vocab_size] when N > 0."""
     cfg = cfg if cfg is not None else MTPConfig.from_target(target_model.config)
     cfg.check_target(target_model.config)
     d = MTPDrafter(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-    copy_frozen_from_target(d.embed_tokens, d.shared_head.head, target_model)
+    dv.install_draft_vocab(d, cfg.draft_vocab_size, draft_ids)
+    copy_frozen_from_target(d.embed_tokens, d.shared_head.head, target_model, d.draft_vocab)
     return d
 
 

@@ -198,7 +198,9 @@ class ModelConfig:
     steps, `ttt_decay`), "mtp" (MTP-1 on the target's final hidden state) and "standalone" (a
     small Qwen3 LM of the `draft_*` dimensions, distilled from the target). The block-only fields
     (markov / confidence heads, anchors) are ignored for the other kinds; `num_draft_layers` is
-    the layer count of Eagle3 (1 supported) and of the standalone LM.
+    the layer count of Eagle3 (1 supported) and of the standalone LM. `draft_vocab_size` N > 0
+    makes a dspark / dflash / eagle3 / mtp drafter propose over the N most frequent tokens of
+    the training data (`specjax.drafters.vocab`); 0 = the full vocabulary.
     """
 
     kind: str = "dspark"
@@ -221,6 +223,7 @@ class ModelConfig:
     param_dtype: str = "float32"  # master weights
     target_dtype: str = "bfloat16"  # the frozen target (online mode)
     init_seed: int = 0
+    draft_vocab_size: int = 0
     # eagle3: decay of the per-step TTT loss weights (the unroll horizon is block_size)
     ttt_decay: float = 0.8
     # standalone: the draft LM's dimensions (vocabulary, RoPE and EOS are the target's)
@@ -254,6 +257,13 @@ class ModelConfig:
                   "draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim")
         if not 0.0 < self.ttt_decay <= 1.0:
             raise ConfigError(f"field 'ttt_decay' must be in (0, 1], got {self.ttt_decay!r}")
+        if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
+                or self.draft_vocab_size < 0:
+            raise ConfigError(f"field 'draft_vocab_size' must be an integer >= 0 (0 = full "
+                              f"vocabulary), got {self.draft_vocab_size!r}")
+        if self.kind == "standalone" and self.draft_vocab_size:
+            raise ConfigError("field 'draft_vocab_size' is not supported for kind 'standalone' "
+                              "(its own LM head is already small)")
         if self.kind in BLOCK_KINDS and self.confidence_head and self.alpha_conf == 0:
             raise ConfigError("field 'alpha_conf' is 0 but confidence_head is true: the head "
                               "would never be trained")

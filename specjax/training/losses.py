@@ -6,6 +6,14 @@
 * `eagle3_loss`: Eagle3 training-time-test soft cross-entropy (reference §4).
 * `mtp_loss`: one-token-ahead (MTP style) CE + TV with a padding mask.
 
+Draft vocabularies (`specjax.drafters.vocab`): draft logits are N wide, target logits are the
+target's restricted to the same N tokens, and labels are draft indices with -1 for a token outside
+the subset. As EAGLE-3 does, the distribution terms compare against the target restricted to the
+draft vocabulary and renormalised there, and a label the drafter cannot emit drops out of the
+cross-entropy (a -1 label gives CE 0 and is excluded from its weighted mean); without a subset
+nothing changes. The TV term (and c*) then measures the gap to the renormalised target: it
+overstates the real acceptance probability by at most the target mass outside the subset.
+
 Vocabulary-sized work (log-softmax, two softmaxes, L1) is reduced to one scalar per slot right away;
 with `chunk_anchors` (or `chunk_tokens`) it runs over slices of the anchor axis inside a rematerialised
 `lax.map`, so neither the forward nor the backward pass holds more than one chunk of float32
@@ -37,7 +45,8 @@ def position_weights(gamma: int, decay: float = 4.0) -> Array:
 
 
 def _ce_l1(z_xv: Array, t_xv: Array, labels_x: Array) -> tuple[Array, Array]:
-    """CE(-log p_d[label]) and ||p_d - p_t||_1 per row, all in float32; target side constant."""
+    """CE(-log p_d[label]) (0 where label < 0: outside a draft vocabulary) and ||p_d - p_t||_1
+    per row, all in float32; target side constant."""
     z = z_xv.astype(jnp.float32)
     t = jax.lax.stop_gradient(t_xv.astype(jnp.float32))
     lse = jax.nn.logsumexp(z, axis=-1)
@@ -45,7 +54,8 @@ def _ce_l1(z_xv: Array, t_xv: Array, labels_x: Array) -> tuple[Array, Array]:
     z_label = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
     p_d = jnp.exp(z - lse[..., None])
     p_t = jax.nn.softmax(t, axis=-1)
-    return lse - z_label, jnp.sum(jnp.abs(p_d - p_t), axis=-1)
+    ce = jnp.where(labels_x >= 0, lse - z_label, 0.0)
+    return ce, jnp.sum(jnp.abs(p_d - p_t), axis=-1)
 
 
 def _map_over_axis1(fn: Callable[..., tuple[Array, ...]], arrays: tuple[Array, ...], chunk: int | None,
@@ -82,8 +92,9 @@ def dspark_slot_terms(draft_logits_bakv: Array, target_logits_bakv: Array, label
                       chunk_anchors: int | None = None) -> tuple[Array, Array]:
     """Per-slot cross-entropy and L1 distance, each float32 [B, A, K].
 
-    ce = -log softmax(draft)[label]; l1 = ||softmax(draft) - softmax(target)||_1 (gradient flows into
-    the draft logits only). `chunk_anchors` bounds the float32 temporaries to [B, chunk, K, V].
+    ce = -log softmax(draft)[label] (0 for a label < 0); l1 = ||softmax(draft) - softmax(target)||_1
+    (gradient flows into the draft logits only). `chunk_anchors` bounds the float32 temporaries to
+    [B, chunk, K, V].
     """
     _check_ndim("draft_logits_bakv", draft_logits_bakv, 4)
     _check_same_shape("target_logits_bakv", target_logits_bakv, draft_logits_bakv.shape)
@@ -105,8 +116,10 @@ def bce_with_logits(logits: Array, labels: Array) -> Array:
 def dspark_loss_from_terms(ce_bak: Array, l1_bak: Array, eval_mask_bak: Array,
                            conf_logits_bak: Array | None = None, *, alpha_ce: float = 0.1,
                            alpha_tv: float = 0.9, alpha_conf: float = 1.0, decay: float = 4.0,
-                           ) -> tuple[Array, dict[str, Array]]:
-    """DSpark loss and diagnostics from per-slot terms (see `dspark_loss`)."""
+                           ce_mask_bak: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """DSpark loss and diagnostics from per-slot terms (see `dspark_loss`). `ce_mask_bak`: slots
+    whose label the drafter can emit (labels >= 0 under a draft vocabulary); the CE mean runs
+    over those only, and the metric `label_in_vocab` reports their share of the valid slots."""
     _check_ndim("ce_bak", ce_bak, 3)
     _check_same_shape("l1_bak", l1_bak, ce_bak.shape)
     _check_same_shape("eval_mask_bak", eval_mask_bak, ce_bak.shape)
@@ -116,7 +129,8 @@ def dspark_loss_from_terms(ce_bak: Array, l1_bak: Array, eval_mask_bak: Array,
     mask = eval_mask_bak.astype(jnp.float32)
     w = mask * position_weights(gamma, decay)
     denom = jnp.sum(w) + _EPS
-    ce = jnp.sum(w * ce_bak) / denom
+    w_ce = w if ce_mask_bak is None else w * ce_mask_bak.astype(jnp.float32)
+    ce = jnp.sum(w_ce * ce_bak) / (jnp.sum(w_ce) + _EPS)
     tv = jnp.sum(w * l1_bak) / denom
     loss = alpha_ce * ce + alpha_tv * tv
 
@@ -129,6 +143,9 @@ def dspark_loss_from_terms(ce_bak: Array, l1_bak: Array, eval_mask_bak: Array,
     tau = jnp.sum((1.0 + jnp.sum(survival, axis=-1)) * blocks) / jnp.maximum(jnp.sum(blocks), 1.0)
 
     metrics: dict[str, Array] = {"ce": ce, "tv": tv}
+    if ce_mask_bak is not None:
+        metrics["label_in_vocab"] = (jnp.sum(valid * ce_mask_bak.astype(jnp.float32))
+                                     / jnp.maximum(jnp.sum(valid), 1.0))
     if conf_logits_bak is not None:
         conf = jnp.sum(w * bce_with_logits(conf_logits_bak, c_star)) / denom
         loss = loss + alpha_conf * conf
@@ -155,7 +172,8 @@ def dspark_loss(draft_logits_bakv: Array, target_logits_bakv: Array, labels_bak:
     Args:
       draft_logits_bakv: draft logits [B, A, K, V] (Markov bias already added), any float dtype.
       target_logits_bakv: target logits [B, A, K, V] for the same slots (target hidden at a + j).
-      labels_bak: int [B, A, K] ground-truth ids (input_ids[a + j + 1]).
+      labels_bak: int [B, A, K] ground-truth ids (input_ids[a + j + 1]); under a draft vocabulary
+        draft indices, -1 outside it (excluded from the CE mean).
       eval_mask_bak: [B, A, K] validity (bool or float; 0 excludes prompt, padding, dummy blocks).
       conf_logits_bak: confidence-head logits [B, A, K] or None (no confidence term).
       chunk_anchors: process the vocabulary terms this many anchors at a time (memory bound).
@@ -168,7 +186,8 @@ def dspark_loss(draft_logits_bakv: Array, target_logits_bakv: Array, labels_bak:
     ce, l1 = dspark_slot_terms(draft_logits_bakv, target_logits_bakv, labels_bak,
                                chunk_anchors=chunk_anchors)
     return dspark_loss_from_terms(ce, l1, eval_mask_bak, conf_logits_bak, alpha_ce=alpha_ce,
-                                  alpha_tv=alpha_tv, alpha_conf=alpha_conf, decay=decay)
+                                  alpha_tv=alpha_tv, alpha_conf=alpha_conf, decay=decay,
+                                  ce_mask_bak=labels_bak >= 0)
 
 
 def dflash_loss(draft_logits_bakv: Array, target_logits_bakv: Array, labels_bak: Array,
@@ -258,8 +277,9 @@ def mtp_loss(draft_logits_btv: Array, target_logits_btv: Array, labels_bt: Array
     """Masked-mean alpha_ce*CE + alpha_tv*TV for a one-token-ahead drafter.
 
     `draft_logits_btv[b, t]` predicts `labels_bt[b, t]` and is matched to `target_logits_btv[b, t]`;
-    `mask_bt` (bool or float weights) excludes padding. Metrics: loss, ce, tv, accept_rate
-    (mean clamp(1 - L1/2, 0, 1) over masked positions).
+    `mask_bt` (bool or float weights) excludes padding; a label < 0 (outside a draft vocabulary)
+    is left out of the CE mean only. Metrics: loss, ce, tv, accept_rate (mean clamp(1 - L1/2, 0,
+    1) over masked positions).
     """
     _check_ndim("draft_logits_btv", draft_logits_btv, 3)
     _check_same_shape("target_logits_btv", target_logits_btv, draft_logits_btv.shape)
@@ -268,7 +288,8 @@ def mtp_loss(draft_logits_btv: Array, target_logits_btv: Array, labels_bt: Array
     ce, l1 = _map_over_axis1(_ce_l1, (draft_logits_btv, target_logits_btv, labels_bt), chunk_tokens)
     w = mask_bt.astype(jnp.float32)
     denom = jnp.sum(w) + _EPS
-    ce_m = jnp.sum(w * ce) / denom
+    w_ce = w * (labels_bt >= 0).astype(jnp.float32)
+    ce_m = jnp.sum(w_ce * ce) / (jnp.sum(w_ce) + _EPS)
     tv_m = jnp.sum(w * l1) / denom
     loss = alpha_ce * ce_m + alpha_tv * tv_m
     valid = (w > 0).astype(jnp.float32)

@@ -15,6 +15,13 @@ completion tokens the drafter is supervised on.
 Alignment (S = sequence length, `lm` = loss mask, `hid` = the target's final-normed hidden):
     eagle3 / mtp: row t predicts ids[t+2]; target logits lm_head(hid[t+1]); weight lm[t+2].
     standalone:   row t predicts ids[t+1]; target logits lm_head(hid[t]);   weight lm[t+1].
+
+Draft vocabulary (`draft_vocab_size` N > 0, `draft_ids` from `specjax.drafters.vocab`): the
+drafter's frozen head has the target head's N columns, so "target logits" are the target's
+restricted to the draft tokens (EAGLE-3's rule; see `specjax.training.losses`). Eagle3 drops a
+position whose label lies outside the subset from every TTT step (EAGLE-3 masks by the target's
+top token; the label is what the training text holds); dspark / dflash / mtp leave such slots out
+of the cross-entropy only.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
+from specjax.drafters import vocab as dv
 from specjax.training.config import BLOCK_KINDS, ModelConfig
 
 Array = jax.Array
@@ -71,9 +79,10 @@ def eagle3_objective(*, target_graphdef: Any, tap_layers: tuple[int, ...], horiz
         ids, lm, valid = _batch_arrays(batch)
         taps, hid, _ = _target_forward(aux, target_graphdef, ids, valid, tuple(tap_layers))
         taps_bsf = jnp.concatenate(taps, axis=-1).astype(feature_dtype)
-        step_logits = model.ttt_forward(taps_bsf, ids, horizon)  # [K, B, S, V]
-        t_logits = model.lm_head(shift_left(hid.astype(feature_dtype), 1))  # [B, S, V]
-        mask = shift_left(lm, 2)
+        step_logits = model.ttt_forward(taps_bsf, ids, horizon)  # [K, B, S, N]
+        t_logits = model.lm_head(shift_left(hid.astype(feature_dtype), 1))  # [B, S, N]
+        in_vocab = dv.draft_labels(model.draft_vocab, shift_left(ids, 2)) >= 0
+        mask = shift_left(lm, 2) * in_vocab.astype(jnp.float32)
         return losses.eagle3_loss(step_logits, t_logits, mask, decay=decay,
                                   chunk_tokens=chunk_tokens)
 
@@ -90,9 +99,10 @@ def mtp_objective(*, target_graphdef: Any, alpha_ce: float = 0.1, alpha_tv: floa
         ids, lm, valid = _batch_arrays(batch)
         _, hid, _ = _target_forward(aux, target_graphdef, ids, valid, ())
         hid = hid.astype(feature_dtype)
-        z = model.train_forward(hid, ids)  # [B, S, V]
+        z = model.train_forward(hid, ids)  # [B, S, N]
         t_logits = model.shared_head.head(shift_left(hid, 1))
-        return losses.mtp_loss(z, t_logits, shift_left(ids, 2), shift_left(lm, 2),
+        labels = dv.draft_labels(model.draft_vocab, shift_left(ids, 2))
+        return losses.mtp_loss(z, t_logits, labels, shift_left(lm, 2),
                                alpha_ce=alpha_ce, alpha_tv=alpha_tv, chunk_tokens=chunk_tokens)
 
     return loss_fn
@@ -135,10 +145,16 @@ def standalone_config(mc: ModelConfig, tcfg: TargetConfig) -> TargetConfig:
 
 
 def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_graphdef: Any,
-                   feature_dtype: Any = jnp.bfloat16) -> Objective:
-    """The drafter of kind `mc.kind` (frozen parts copied from `target`) and its online loss."""
+                   feature_dtype: Any = jnp.bfloat16, draft_ids: Any = None) -> Objective:
+    """The drafter of kind `mc.kind` (frozen parts copied from `target`) and its online loss.
+    `draft_ids`: the draft vocabulary's target ids, required when mc.draft_vocab_size > 0
+    (`specjax.drafters.vocab.build_draft_vocab` over the training data's token counts)."""
     rngs = nnx.Rngs(mc.init_seed)
     kw = dict(dtype=mc.compute_dtype, param_dtype=mc.param_dtype)
+    if mc.kind != "standalone":
+        kw["draft_ids"] = draft_ids
+    elif draft_ids is not None:
+        raise ConfigError("draft_ids were given for kind 'standalone' (no draft vocabulary)")
     if mc.kind in BLOCK_KINDS:
         from specjax.drafters.block import BlockDrafterConfig, default_target_layer_ids
         from specjax.drafters.dspark import make_block_drafter
@@ -150,7 +166,8 @@ def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_g
             num_draft_layers=mc.num_draft_layers, block_size=mc.block_size,
             markov_rank=mc.markov_rank, markov_head_type=mc.markov_head_type,
             confidence_head=mc.confidence_head,
-            confidence_head_with_markov=mc.confidence_head_with_markov and mc.markov_rank > 0)
+            confidence_head_with_markov=mc.confidence_head_with_markov and mc.markov_rank > 0,
+            draft_vocab_size=mc.draft_vocab_size)
         drafter = make_block_drafter(target, tcfg, dcfg, rngs=rngs, **kw)
         loss_fn = block_drafter_loss(
             num_anchors=mc.num_anchors, alpha_ce=mc.alpha_ce, alpha_tv=mc.alpha_tv,
@@ -168,7 +185,8 @@ def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_g
         layer_ids = tuple(mc.target_layer_ids) or default_target_layer_ids(
             tcfg.num_hidden_layers, 3)
         ecfg = Eagle3Config.from_target(tcfg, target_layer_ids=layer_ids, gamma=mc.block_size,
-                                        ttt_length=mc.block_size, step_loss_decay=mc.ttt_decay)
+                                        ttt_length=mc.block_size, step_loss_decay=mc.ttt_decay,
+                                        draft_vocab_size=mc.draft_vocab_size)
         drafter = make_eagle3_drafter(target, ecfg, rngs, **kw)
         loss_fn = eagle3_objective(target_graphdef=target_graphdef, tap_layers=layer_ids,
                                    horizon=mc.block_size, decay=mc.ttt_decay,
@@ -177,7 +195,7 @@ def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_g
     if mc.kind == "mtp":
         from specjax.drafters.mtp import MTPConfig, make_mtp_drafter
 
-        mcfg = MTPConfig.from_target(tcfg)
+        mcfg = MTPConfig.from_target(tcfg, draft_vocab_size=mc.draft_vocab_size)
         drafter = make_mtp_drafter(target, mcfg, rngs, **kw)
         loss_fn = mtp_objective(target_graphdef=target_graphdef, alpha_ce=mc.alpha_ce,
                                 alpha_tv=mc.alpha_tv, chunk_tokens=mc.chunk_anchors,
