@@ -165,6 +165,31 @@ def test_process_rows_follow_the_batch_sharding(monkeypatch):
     assert tr.process_rows(8).tolist() == [1, 3, 5, 7]
 
 
+def test_epoch_batches_read_a_slice_padded_like_the_global_batch():
+    import functools
+
+    from specjax.training.trainer import EpochBatches, collate_block_batch
+
+    class Samples:
+        def __init__(self, lengths):
+            self.lengths = lengths
+
+        def __len__(self):
+            return len(self.lengths)
+
+        def __getitem__(self, i):
+            return {"input_ids": np.full(self.lengths[i], i), "loss_mask": np.ones(self.lengths[i])}
+
+    data = Samples([5, 20, 6, 7])
+    collate = functools.partial(collate_block_batch, buckets=(8, 32))
+    got = [next(EpochBatches(data, 2, collate=collate, shuffle=False, rows=[r])) for r in (0, 1)]
+    # each process reads only its own sample, padded to the bucket of the batch's longest (20)
+    assert [g["input_ids"][0, 0] for g in got] == [0, 1] and [g["valid"][0] for g in got] == [5, 20]
+    assert got[0]["input_ids"].shape == got[1]["input_ids"].shape == (1, 32)
+    alone = collate([data[0]])  # negative control: padded on its own it would be shorter
+    assert alone["input_ids"].shape == (1, 8)
+
+
 # ------------------------------------------------------------------------------------------------
 # two processes
 

@@ -224,8 +224,10 @@ class EpochBatches:
         self._lengths: np.ndarray | None = None
         if rows is not None:
             self.rows = np.asarray(rows, np.int64)
-            if self.rows.ndim != 1 or not len(self.rows) or self.rows.min() < 0 \
-                    or self.rows.max() >= batch_size:
+            if self.rows.ndim == 1 and not len(self.rows):
+                raise ValueError("this process feeds no row of the global batch: the training "
+                                 "mesh holds none of its devices (mesh sizes vs devices per host)")
+            if self.rows.ndim != 1 or self.rows.min() < 0 or self.rows.max() >= batch_size:
                 raise ValueError(f"rows must be positions in a batch of {batch_size}, got "
                                  f"{self.rows.tolist()}")
             self.global_batch_size = batch_size
