@@ -4,7 +4,8 @@
     python -m bench.run_all --section scheduler   # refresh one section of the page, nothing else
 
 Each benchmark module that exists (bench/decode.py, drafters, scheduler and, when present,
-training, frontier, embedded, server_load) runs as its own subprocess `python -m bench.<name>`, so one failure
+training, frontier, embedded, server_load, verify_cost, startup) runs as its own subprocess
+`python -m bench.<name>`, so one failure
 or crash does not stop the rest; the exit code is non-zero if any failed. Afterwards
 docs/BENCHMARKS.md is regenerated from bench/results/<name>.md (plus a link to the JSON and the
 PNG), each section with the command that made it. `--docs-only` only regenerates the document;
@@ -24,7 +25,8 @@ from typing import Any
 
 from bench.common import load_average, machine_info
 
-BENCHMARKS = ("decode", "drafters", "scheduler", "training", "frontier", "embedded", "server_load")
+BENCHMARKS = ("decode", "verify_cost", "startup", "drafters", "scheduler", "training", "frontier", "embedded",
+              "server_load")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join("bench", "results")
 DOCS_PATH = os.path.join("docs", "BENCHMARKS.md")
