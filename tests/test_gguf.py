@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+from typing import Any
 
 import gguf
 import jax
@@ -45,9 +46,11 @@ def _gguf_names(n_layers: int) -> dict[str, str]:
 
 def write_gguf(path, tensors_hf: dict[str, np.ndarray], cfg: TargetConfig, *,
                quant: gguf.GGMLQuantizationType | None = None, arch: str | None = None,
-               permute: bool = True, drop_keys=(), dtypes: dict[str, np.dtype] | None = None):
+               permute: bool = True, drop_keys=(), types: dict[str, Any] | None = None):
     """Write HF-named float32 tensors of a model of config `cfg` as llama.cpp would: its names,
-    Llama Q/K rows permuted, 2-D matrices quantized with `quant` (norms and biases stay F32)."""
+    Llama Q/K rows permuted, 2-D matrices quantized with `quant` (norms and biases stay F32).
+    `types` overrides per llama.cpp name: a GGML type (quantized by gguf), a numpy dtype (stored
+    as such) or (raw bytes, GGML type) for types gguf cannot quantize."""
     arch = arch or cfg.model_type
     w = gguf.GGUFWriter(os.fspath(path), arch)
     meta = {
@@ -73,10 +76,13 @@ def write_gguf(path, tensors_hf: dict[str, np.ndarray], cfg: TargetConfig, *,
         if permute and part in ("attn_q", "attn_k"):
             heads = cfg.num_attention_heads if part == "attn_q" else cfg.num_key_value_heads
             arr = ggufc.permute_qk_rows(arr, heads)
-        if dtypes and name in dtypes:
-            w.add_tensor(name, arr.astype(dtypes[name]))
-        elif quant is not None and arr.ndim == 2:
-            w.add_tensor(name, gguf.quants.quantize(arr, quant), raw_dtype=quant)
+        spec = (types or {}).get(name, quant if arr.ndim == 2 else None)
+        if isinstance(spec, tuple):
+            w.add_tensor(name, spec[0], raw_dtype=spec[1])
+        elif isinstance(spec, gguf.GGMLQuantizationType):
+            w.add_tensor(name, gguf.quants.quantize(arr, spec), raw_dtype=spec)
+        elif spec is not None:
+            w.add_tensor(name, arr.astype(spec))
         else:
             w.add_tensor(name, arr)
     w.write_header_to_file()
@@ -175,6 +181,53 @@ def test_tied_qwen2_file_with_biases_loads(tmp_path):
     np.testing.assert_array_equal(_logits(got, _TOKENS), _logits(model, _TOKENS))
 
 
+def test_every_supported_quantization_type_loads(tmp_path):
+    """A file mixing every supported type, as real GGUFs do: each tensor loads as gguf's own
+    dequantization of what was written (K-quants, which gguf cannot quantize, as random valid
+    blocks: bytes < 0x3C keep every f16 scale finite)."""
+    T = gguf.GGMLQuantizationType
+    cfg = TargetConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       architecture="LlamaForCausalLM", model_type="llama", qk_norm=False,
+                       rms_norm_eps=1e-5, rope_theta=10000.0)
+    from specjax.models.decoder import CausalLM
+
+    tensors = checkpoints.module_to_hf_tensors(CausalLM(cfg, rngs=nnx.Rngs(5)))
+    rng = np.random.default_rng(0)
+    plan = {"token_embd.weight": T.F16, "output.weight": T.BF16, "blk.0.attn_q.weight": T.Q4_0,
+            "blk.0.attn_k.weight": T.Q4_1, "blk.0.attn_v.weight": T.Q5_0,
+            "blk.0.attn_output.weight": T.Q5_1, "blk.0.ffn_gate.weight": T.Q8_0,
+            "blk.0.ffn_up.weight": T.F32, "blk.0.ffn_down.weight": T.Q2_K,
+            "blk.1.attn_v.weight": T.Q3_K, "blk.1.attn_output.weight": T.Q4_K,
+            "blk.1.ffn_gate.weight": T.Q5_K, "blk.1.ffn_up.weight": T.Q6_K}
+    assert sorted(t.name for t in plan.values()) == sorted(ggufc.SUPPORTED_QUANT_TYPES)
+    names = _gguf_names(cfg.num_hidden_layers)
+    types, expected = {}, {}
+    for hf, arr in tensors.items():
+        name, qtype = names[hf], plan.get(names[hf])
+        if qtype is None:
+            continue
+        if qtype.name.endswith("_K"):
+            raw = rng.integers(0, 0x3C, gguf.quants.quant_shape_to_byte_shape(arr.shape, qtype),
+                               dtype=np.uint8)
+            types[name] = (raw, qtype)
+            expected[hf] = gguf.quants.dequantize(raw, qtype)
+        else:
+            types[name] = qtype
+            heads = {"attn_q": 4, "attn_k": 2}.get(name.split(".")[-2])  # permuted when written
+            stored = arr if heads is None else ggufc.permute_qk_rows(arr, heads)
+            deq = gguf.quants.dequantize(gguf.quants.quantize(stored, qtype), qtype)
+            deq = deq.reshape(arr.shape)
+            expected[hf] = deq if heads is None else ggufc.unpermute_qk_rows(deq, heads)
+    path = write_gguf(tmp_path / "mixed.gguf", tensors, cfg, types=types)
+    got = checkpoints.module_to_hf_tensors(checkpoints.load_target(path)[0])
+    for hf, want in expected.items():
+        assert np.all(np.isfinite(want)), hf
+        np.testing.assert_array_equal(got[hf], want.reshape(got[hf].shape), err_msg=hf)
+    assert not np.array_equal(got["model.layers.0.self_attn.q_proj.weight"],
+                              tensors["model.layers.0.self_attn.q_proj.weight"])  # 4-bit: lossy
+
+
 # ------------------------------------------------------------------------------------------------
 # bad input: each gets its named error
 
@@ -202,7 +255,7 @@ def test_unknown_architecture_is_named(source, tmp_path):
 def test_unsupported_quantization_type_is_named(source, tmp_path):
     _, cfg, tensors = source
     path = write_gguf(tmp_path / "f64.gguf", tensors, cfg,
-                      dtypes={"blk.1.ffn_up.weight": np.float64})
+                      types={"blk.1.ffn_up.weight": np.float64})
     with pytest.raises(ggufc.GGUFError, match=r"'blk\.1\.ffn_up\.weight'.*F64.*supported: F32"):
         checkpoints.load_target(path)
 

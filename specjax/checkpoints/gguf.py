@@ -106,9 +106,6 @@ class GGUFFile:
                                 f"{end}, the file has {size}")
         self.tensors = {t.name: t for t in self._reader.tensors}
 
-    def has(self, key: str) -> bool:
-        return key in self._reader.fields
-
     def value(self, key: str, default: Any = ...) -> Any:
         """A metadata value; GGUFError names the key (and file) when it is missing."""
         field = self._reader.fields.get(key)
@@ -122,15 +119,21 @@ class GGUFFile:
         """numpy shape (outermost first) of tensor `name`."""
         return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
 
-    def read(self, name: str) -> np.ndarray:
-        """Tensor `name` dequantized to float32, numpy shape (outermost first)."""
-        from gguf import GGMLQuantizationType, quants
+    def check_type(self, name: str) -> None:
+        """GGUFError unless tensor `name` has a supported (dequantizable) type."""
+        from gguf import GGMLQuantizationType
 
-        t = self.tensors[name]
-        kind = GGMLQuantizationType(t.tensor_type).name
+        kind = GGMLQuantizationType(self.tensors[name].tensor_type).name
         if kind not in SUPPORTED_QUANT_TYPES:
             raise GGUFError(f"{self.path}: tensor '{name}' has quantization type {kind}, which is "
                             f"not supported (supported: {', '.join(SUPPORTED_QUANT_TYPES)})")
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` dequantized to float32, numpy shape (outermost first)."""
+        from gguf import quants
+
+        self.check_type(name)
+        t = self.tensors[name]
         arr = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
         return arr.reshape(self.shape(name))
 
@@ -227,6 +230,8 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         if unknown:
             raise GGUFError(f"{f.path}: tensor(s) {unknown[:8]} have no counterpart in a "
                             f"{cfg.architecture}")
+        for name in f.tensors:  # before any tensor is dequantized
+            f.check_type(name)
 
     def _heads(self, gguf_name: str) -> int | None:
         if self._cfg.model_type not in _PERMUTED_ARCHITECTURES:
