@@ -244,3 +244,51 @@ def test_objectives_train_a_subset_drafter(kind):
     assert np.isfinite(float(loss)) and float(loss) > 0
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
     assert sum(float(jnp.abs(g).sum()) for g in jax.tree.leaves(grads)) > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _propose(d, model):
+    st = d.init_state(2, 16)
+    h = model.config.hidden_size
+    upd = ContextUpdate(tokens=jnp.array([[1, 3, 7, 0]] * 2, jnp.int32),
+                        positions=jnp.tile(jnp.arange(4, dtype=jnp.int32), (2, 1)),
+                        taps=jnp.ones((2, 4, 2 * h)), hidden=jnp.ones((2, 4, h)),
+                        n_valid=jnp.full((2,), 3, jnp.int32))
+    return d.propose(d.commit(st, upd), jnp.array([0, 5], jnp.int32), jnp.full((2,), 3, jnp.int32),
+                     SamplingArrays.broadcast(2, 1.0), jax.random.split(jax.random.key(3), 2))
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3", "mtp1"])
+def test_subset_drafter_save_load_round_trip(kind, model, tmp_path):
+    import json
+
+    from safetensors.numpy import load_file
+
+    from specjax.drafters.registry import load_drafter, save_drafter
+
+    d = make(kind, model)
+    out = save_drafter(d, tmp_path / kind, target_config=model.config)
+    cfg = json.loads((tmp_path / kind / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 5 and cfg["vocab_size"] == V
+    t = load_file(str(tmp_path / kind / "model.safetensors"))
+    np.testing.assert_array_equal(t["d2t"], DRAFT_IDS - np.arange(5))
+    np.testing.assert_array_equal(np.flatnonzero(t["t2d"]), DRAFT_IDS)
+    back = load_drafter(out, target=model)
+    np.testing.assert_array_equal(back.draft_vocab.draft_ids(), DRAFT_IDS)
+    a, b = nnx.state(d), nnx.state(back)
+    for (pa, va), (pb, vb) in zip(jax.tree_util.tree_leaves_with_path(a),
+                                  jax.tree_util.tree_leaves_with_path(b)):
+        assert pa == pb
+        np.testing.assert_array_equal(va, vb, err_msg=str(pa))
+    pa, pb = _propose(d, model), _propose(back, model)
+    np.testing.assert_array_equal(pa.tokens, pb.tokens)
+    np.testing.assert_allclose(pa.q, pb.q, atol=1e-6)
+    # the maps must come with a draft_vocab_size config, and vice versa
+    del t["d2t"]
+    from safetensors.numpy import save_file
+    save_file(t, str(tmp_path / kind / "model.safetensors"))
+    with pytest.raises(ValueError, match="no tensor 'd2t'"):
+        load_drafter(out, target=model)

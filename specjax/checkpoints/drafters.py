@@ -37,6 +37,14 @@ Eagle3. Ours: `num_speculative_tokens` (proposal length of Eagle3 / standalone /
 `confidence_temperatures` (the STS calibration of a DSpark confidence head: one temperature per
 block slot; absent = all ones; `set_confidence_temperatures` updates it in place). These have
 no tensors, so a checkpoint with them still loads in DeepSpec, which ignores unknown fields.
+
+Draft vocabulary (`specjax.drafters.vocab`): a drafter over N < V target tokens writes
+`draft_vocab_size: N` (SpecForge's EAGLE-3 field; for DSpark/DFlash and MTP-1 an extension of
+ours: absent means the full vocabulary, so ordinary DeepSpec checkpoints load unchanged) and
+EAGLE-3's tensors `d2t` int64 [N] (target id = draft id + d2t[draft id]) and `t2d` bool [V]; its
+`lm_head.weight` (MTP: `shared_head.head.weight`) is [N, H] and a Markov head's
+`markov_w1.weight` [N+1, r] / `markov_w2.weight` [N, r]. A file whose `draft_vocab_size` equals
+`vocab_size` is a full-vocabulary drafter (its `d2t`/`t2d`, if any, must be identity maps).
 """
 from __future__ import annotations
 
@@ -99,22 +107,60 @@ def standalone_key_map() -> KeyMap:
     return KeyMap(prefix_map={"model.": ""})
 
 
-def eagle3_vocab_map_extras(tensors: Mapping[str, np.ndarray], vocab_size: int,
-                            source: str) -> list[str]:
-    """Names of SpecForge `d2t`/`t2d` tensors that may be ignored: only identity maps over the full
-    vocabulary are accepted (a reduced draft vocabulary is not supported: ValueError)."""
-    out = []
-    for name in _EAGLE3_VOCAB_MAPS:
-        if name not in tensors:
-            continue
-        arr = np.asarray(tensors[name])
-        identity = (arr.shape == (vocab_size,) and
-                    (not np.any(arr) if name == "d2t" else bool(np.all(arr))))
-        if not identity:
-            raise ValueError(f"{source}: tensor '{name}' {list(arr.shape)} maps a reduced draft "
-                             f"vocabulary; only the full vocabulary ({vocab_size}) is supported")
-        out.append(name)
-    return out
+def draft_vocab_tensors(tensors: Mapping[str, np.ndarray], vocab_size: int,
+                        draft_vocab_size: int, source: str) -> tuple[np.ndarray | None, list[str]]:
+    """(draft ids [N] or None, names of the `d2t`/`t2d` tensors present) of a checkpoint.
+
+    With draft_vocab_size 0 only identity maps over the full vocabulary may be present; with
+    N > 0 `d2t` is required and `t2d`, when present, must mark the same ids (ValueError)."""
+    from specjax.drafters import vocab as dv
+
+    present = [n for n in _EAGLE3_VOCAB_MAPS if n in tensors]
+    if draft_vocab_size == 0:
+        for name in present:
+            arr = np.asarray(tensors[name])
+            identity = (arr.shape == (vocab_size,) and
+                        (not np.any(arr) if name == "d2t" else bool(np.all(arr))))
+            if not identity:
+                raise ValueError(f"{source}: tensor '{name}' {list(arr.shape)} maps a reduced "
+                                 f"draft vocabulary but config.json has no 'draft_vocab_size' "
+                                 f"below vocab_size ({vocab_size})")
+        return None, present
+    if "d2t" not in tensors:
+        raise ValueError(f"{source}: config.json sets draft_vocab_size={draft_vocab_size} but the "
+                         f"checkpoint has no tensor 'd2t'")
+    ids = dv.draft_ids_from_tensors(np.asarray(tensors["d2t"]),
+                                    np.asarray(tensors["t2d"]) if "t2d" in tensors else None,
+                                    vocab_size, source)
+    if ids.size != draft_vocab_size:
+        raise ValueError(f"{source}: tensor 'd2t' has {ids.size} entries, config.json "
+                         f"draft_vocab_size is {draft_vocab_size}")
+    return ids, present
+
+
+def draft_vocab_hf_tensors(draft_ids: np.ndarray, vocab_size: int) -> list[tuple[str, np.ndarray]]:
+    """EAGLE-3's `d2t` (int64 offsets [N]) and `t2d` (bool [V]) tensors of a draft vocabulary."""
+    from specjax.drafters import vocab as dv
+
+    return [("d2t", dv.d2t_offsets(draft_ids)), ("t2d", dv.t2d_mask(draft_ids, vocab_size))]
+
+
+def _draft_vocab_size(d: Mapping[str, Any], vocab_size: int, source: str) -> int:
+    """config.json `draft_vocab_size`: absent or equal to vocab_size -> 0 (full vocabulary)."""
+    if d.get("draft_vocab_size") is None:
+        return 0
+    n = _int_field(d, "draft_vocab_size", source, minimum=1)
+    if n > vocab_size:
+        raise ConfigError(f"{source}: field 'draft_vocab_size' ({n}) exceeds 'vocab_size' "
+                          f"({vocab_size})")
+    return 0 if n == vocab_size else n
+
+
+def _set_draft_vocab_size(d: dict[str, Any], n: int) -> None:
+    if n:
+        d["draft_vocab_size"] = int(n)
+    else:
+        d.pop("draft_vocab_size", None)
 
 
 # -- config.json reading -----------------------------------------------------------------------
@@ -264,7 +310,8 @@ def block_drafter_config_from_hf(d: Mapping[str, Any], *, source: str = "config.
             num_draft_layers=tc.num_hidden_layers,
             block_size=_int_field(d, "block_size", source, minimum=1), markov_rank=rank,
             markov_head_type=head_type, confidence_head=conf,
-            confidence_head_with_markov=with_markov)
+            confidence_head_with_markov=with_markov,
+            draft_vocab_size=_draft_vocab_size(d, tc.vocab_size, source))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 
@@ -298,11 +345,6 @@ def eagle3_config_from_hf(d: Mapping[str, Any], *, source: str = "config.json"):
     if tc.num_hidden_layers != 1:
         raise ConfigError(f"{source}: field 'num_hidden_layers' must be 1 for an Eagle3 drafter, "
                           f"got {tc.num_hidden_layers}")
-    draft_vocab = d.get("draft_vocab_size")
-    if draft_vocab is not None and draft_vocab != tc.vocab_size:
-        raise ConfigError(f"{source}: field 'draft_vocab_size' ({draft_vocab}) differs from "
-                          f"'vocab_size' ({tc.vocab_size}); a reduced draft vocabulary is not "
-                          f"supported")
     src = d
     if d.get("target_layer_ids") is None and isinstance(d.get("eagle_config"), Mapping) and \
             d["eagle_config"].get("eagle_aux_hidden_state_layer_ids") is not None:
@@ -317,7 +359,8 @@ def eagle3_config_from_hf(d: Mapping[str, Any], *, source: str = "config.json"):
     gamma = _int_field(d, GAMMA_FIELD, source, minimum=1) if d.get(GAMMA_FIELD) is not None else ttt
     try:
         return Eagle3Config(**_layer_dims(tc), target_layer_ids=ids, gamma=gamma, ttt_length=ttt,
-                            step_loss_decay=float(decay))
+                            step_loss_decay=float(decay),
+                            draft_vocab_size=_draft_vocab_size(d, tc.vocab_size, source))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 
@@ -334,7 +377,8 @@ def mtp_config_from_hf(d: Mapping[str, Any], *, source: str = "config.json"):
         raise ConfigError(f"{source}: field 'num_hidden_layers' must be 1 for an MTP-1 drafter, "
                           f"got {tc.num_hidden_layers}")
     try:
-        return MTPConfig(**_layer_dims(tc))
+        return MTPConfig(**_layer_dims(tc),
+                         draft_vocab_size=_draft_vocab_size(d, tc.vocab_size, source))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 
@@ -478,6 +522,7 @@ def block_drafter_hf_config(cfg: Any, target_config: Any = None, *, dtype: Any =
              markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
              enable_confidence_head=bool(cfg.confidence_head),
              confidence_head_with_markov=bool(cfg.confidence_head_with_markov))
+    _set_draft_vocab_size(d, cfg.draft_vocab_size)
     if tcfg is not None:
         d["num_target_layers"] = tcfg.num_hidden_layers
     else:
@@ -506,6 +551,7 @@ def eagle3_hf_config(cfg: Any, target_config: Any = None, *, dtype: Any = "float
     d.update(target_layer_ids=list(cfg.target_layer_ids), ttt_length=cfg.ttt_length,
              step_loss_decay=float(cfg.step_loss_decay), draft_num_hidden_layers=1,
              **{GAMMA_FIELD: cfg.gamma})
+    _set_draft_vocab_size(d, cfg.draft_vocab_size)
     if tcfg is not None:
         d["num_target_layers"] = tcfg.num_hidden_layers
     else:
@@ -525,6 +571,7 @@ def mtp_hf_config(cfg: Any, target_config: Any = None, *, dtype: Any = "float32"
         cfg.check_target(tcfg)
     d = _draft_layers_dict(base, cfg, 1, MTP_ARCHITECTURE, dtype)
     d[GAMMA_FIELD] = 1
+    _set_draft_vocab_size(d, cfg.draft_vocab_size)
     if tcfg is not None:
         d["num_target_layers"] = tcfg.num_hidden_layers
     d = _merge_extra(d, extra)

@@ -19,6 +19,7 @@ names. `save_drafter` writes the same layouts, so save -> load is exact.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any, Callable, Mapping
 
@@ -67,18 +68,32 @@ def _check_gamma(gamma: int | None, fixed: int, kind: str) -> None:
                          f"{fixed} (set by its config.json)")
 
 
-def _target_frozen_value(leaf: str, target_model: Any) -> jax.Array:
-    """The target's input embedding [V, H] ('embedding') or output head [H, V] ('kernel')."""
+def _target_frozen_value(leaf: str, target_model: Any, vocab: Any = None) -> jax.Array:
+    """The target's input embedding [V, H] ('embedding') or output head [H, V] ('kernel'; only
+    the draft vocabulary's columns [H, N] when `vocab` is a `DraftVocab`)."""
+    from specjax.drafters.vocab import head_columns
+
     emb_vh = target_model.model.embed_tokens.embedding[...]
     if leaf == "embedding":
         return emb_vh
-    if target_model.lm_head is None:  # tied
-        return emb_vh.T
-    return target_model.lm_head.kernel[...]
+    head_hv = emb_vh.T if target_model.lm_head is None else target_model.lm_head.kernel[...]
+    return head_columns(head_hv, vocab)
+
+
+def _read_draft_vocab(drafter: nnx.Module, reader: checkpoints.SafetensorsDir, cfg: Any,
+                      source: str) -> list[str]:
+    """Install a checkpoint's draft vocabulary maps (d2t/t2d) into `drafter`; returns the names
+    of the map tensors present (they are not module parameters)."""
+    ids, present = checkpoints.draft_vocab_tensors(reader, cfg.vocab_size, cfg.draft_vocab_size,
+                                                   source)
+    if ids is not None:
+        drafter.draft_vocab.set_ids(ids)
+    return present
 
 
 def _fill(module: nnx.Module, reader: checkpoints.SafetensorsDir, key_map: checkpoints.KeyMap, *,
-          source: str, target_model: Any, mesh: Any, rules: Any, allow_extra=()) -> None:
+          source: str, target_model: Any, mesh: Any, rules: Any, allow_extra=(),
+          vocab: Any = None) -> None:
     """Load `module`'s stored variables from `reader`. Frozen copies of the target's embedding /
     lm_head that the checkpoint lacks are taken from `target_model` when it is given."""
     from specjax.drafters.block import Frozen
@@ -90,7 +105,7 @@ def _fill(module: nnx.Module, reader: checkpoints.SafetensorsDir, key_map: check
         if missing:
             key_map = checkpoints.skip_tensors(key_map, {e.hf_name for e in missing})
             for e in missing:
-                value = _target_frozen_value(e.path.rsplit(".", 1)[-1], target_model)
+                value = _target_frozen_value(e.path.rsplit(".", 1)[-1], target_model, vocab)
                 want = tuple(e.variable.get_value().shape)
                 if tuple(value.shape) != want:
                     raise ValueError(f"{source}: tensor '{e.hf_name}' is absent and the target's "
@@ -122,8 +137,9 @@ def _load_dspark(path: str, d: Mapping[str, Any], source: str, tcfg, tmodel, *, 
     drafter = nnx.eval_shape(lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0), dtype=compute_dtype,
                                                    param_dtype=dtype))
     with checkpoints.SafetensorsDir(path) as reader:
+        maps = _read_draft_vocab(drafter, reader, cfg, path)
         _fill(drafter, reader, checkpoints.dspark_key_map(), source=path, target_model=tmodel,
-              mesh=mesh, rules=rules)
+              mesh=mesh, rules=rules, allow_extra=maps, vocab=drafter.draft_vocab)
     if cfg.confidence_head:
         drafter.confidence_temperatures.set_value(jnp.ones((cfg.block_size,), jnp.float32))
         if temps is not None:
@@ -144,10 +160,10 @@ def _load_eagle3(path: str, d: Mapping[str, Any], source: str, tcfg, tmodel, *, 
     drafter = nnx.eval_shape(lambda: Eagle3Drafter(cfg, rngs=nnx.Rngs(0), dtype=compute_dtype,
                                                    param_dtype=dtype))
     with checkpoints.SafetensorsDir(path) as reader:
-        allow = checkpoints.eagle3_vocab_map_extras(reader, cfg.vocab_size, path)
+        maps = _read_draft_vocab(drafter, reader, cfg, path)
         key_map = checkpoints.eagle3_key_map(checkpoints.eagle3_layout(reader.keys()))
         _fill(drafter, reader, key_map, source=path, target_model=tmodel, mesh=mesh, rules=rules,
-              allow_extra=allow)
+              allow_extra=maps, vocab=drafter.draft_vocab)
     return drafter
 
 
@@ -161,8 +177,9 @@ def _load_mtp(path: str, d: Mapping[str, Any], source: str, tcfg, tmodel, *, dty
     drafter = nnx.eval_shape(lambda: MTPDrafter(cfg, rngs=nnx.Rngs(0), dtype=compute_dtype,
                                                 param_dtype=dtype))
     with checkpoints.SafetensorsDir(path) as reader:
+        maps = _read_draft_vocab(drafter, reader, cfg, path)
         _fill(drafter, reader, checkpoints.mtp_key_map(), source=path, target_model=tmodel,
-              mesh=mesh, rules=rules)
+              mesh=mesh, rules=rules, allow_extra=maps, vocab=drafter.draft_vocab)
     return drafter
 
 
@@ -261,7 +278,8 @@ def save_drafter(drafter: nnx.Module, out_dir: str | os.PathLike, *, target_conf
     dtype: tensor dtype in the file (default: each parameter's own, so save -> load is exact).
     extra_config: extra config.json fields (e.g. provenance); a conflicting value raises.
     num_anchors: DeepSpec's training field for DSpark/DFlash (its model class requires it).
-    A DSpark confidence head's STS temperatures go to config.json `confidence_temperatures`.
+    A DSpark confidence head's STS temperatures go to config.json `confidence_temperatures`; a
+    draft vocabulary goes to `draft_vocab_size` and the `d2t` / `t2d` tensors.
     """
     from specjax.drafters.block import BlockBackbone
     from specjax.drafters.eagle3 import Eagle3Drafter
@@ -305,6 +323,10 @@ def save_drafter(drafter: nnx.Module, out_dir: str | os.PathLike, *, target_conf
                          f"(supported: DSparkDrafter/DFlash, Eagle3Drafter, MTPDrafter, "
                          f"StandaloneDrafter, NGramDrafter)")
     tensors = checkpoints.iter_hf_tensors(drafter, key_map=key_map, dtype=dtype)
+    vocab = getattr(drafter, "draft_vocab", None)
+    if vocab is not None:  # EAGLE-3's d2t / t2d maps
+        tensors = itertools.chain(tensors, checkpoints.draft_vocab_hf_tensors(
+            vocab.draft_ids(), vocab.vocab_size))
     checkpoints.write_safetensors(out_dir, tensors, max_shard_bytes=max_shard_bytes)
     checkpoints.write_config_json(out_dir, d)
     return out_dir

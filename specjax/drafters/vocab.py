@@ -35,10 +35,10 @@ class VocabMap(nnx.Variable):
 
 
 def validate_draft_vocab_size(n: object, vocab_size: int) -> None:
-    """`draft_vocab_size`: 0 (the full vocabulary) or an integer in [1, vocab_size]."""
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= vocab_size:
+    """`draft_vocab_size`: 0 (the full vocabulary) or an integer in [1, vocab_size)."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < vocab_size:
         raise ConfigError(f"field 'draft_vocab_size' must be 0 (full vocabulary) or an integer in "
-                          f"[1, vocab_size={vocab_size}], got {n!r}")
+                          f"[1, vocab_size={vocab_size}), got {n!r}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,8 +171,8 @@ class DraftVocab(nnx.Module):
         ids = check_draft_ids(draft_ids, self.vocab_size, self.size)
         t2d = np.full((self.vocab_size,), self.size, np.int32)
         t2d[ids] = np.arange(self.size, dtype=np.int32)
-        self.d2t[...] = jnp.asarray(ids, jnp.int32)
-        self.t2d[...] = jnp.asarray(t2d)
+        self.d2t.set_value(jnp.asarray(ids, jnp.int32))  # also fills an abstract (eval_shape) module
+        self.t2d.set_value(jnp.asarray(t2d))
 
     def draft_ids(self) -> np.ndarray:
         """The target id of each draft index, int64 [N] (host copy)."""
