@@ -21,10 +21,11 @@ the machinery costs at this shape, not what a trained drafter would gain.
 
 A watchdog stops the run when the budget (--budget seconds, counted from the start) runs out and
 still writes everything measured so far, marking what is missing; such a run exits with status 3.
-Compiling the bucket executables of a 36-layer target is most of the time; they land in the
-persistent compilation cache (`specjax.compile_cache`), so running the command again on the same
-machine skips most of it and finishes what a stopped run left out. The tiny preset uses bfloat16
-too, so the CPU test covers the dtype path of the GPU run.
+Compiling the bucket executables of a 36-layer target is most of the time: --compile-threads of
+them compile at once (`Engine.warmup(threads=...)`; 1 compiles one at a time), and they land in
+the persistent compilation cache (`specjax.compile_cache`), so running the command again on the
+same machine skips most of it and finishes what a stopped run left out. The tiny preset uses
+bfloat16 too, so the CPU test covers the dtype path of the GPU run.
 Writes gpu_check.json, gpu_check.md and gpu_check.png into --out-dir and replaces the GPU section of
 --docs (docs/BENCHMARKS.md; the other sections stay as they are).
 """
@@ -271,7 +272,7 @@ def _throughput(rec: Recorder, engine, name: str, p: Preset, prompts) -> None:
               f"{rec.elapsed():.0f} s)", flush=True)
 
 
-def run(rec: Recorder, p: Preset, progress: bool) -> None:
+def run(rec: Recorder, p: Preset, progress: bool, threads: int) -> None:
     """The phases; each skipped with a note when the budget left is below its estimate."""
     import gc
 
@@ -300,7 +301,7 @@ def run(rec: Recorder, p: Preset, progress: bool) -> None:
 
     rec.begin("plain")
     eng = _engine(target, None, "plain", p, (1,), progress)
-    warm = eng.warmup()
+    warm = eng.warmup(threads=threads)
     per_key = warm / len(eng.warm_keys())
     plain = measure_plain_seconds(eng)
     rec.update(lambda r: r.update(plain_round_seconds={str(k): v for k, v in plain.items()}))
@@ -312,7 +313,7 @@ def run(rec: Recorder, p: Preset, progress: bool) -> None:
     eng = _engine(target, drafter, "confidence", p, p.tokens, progress)
     if fits("curve", len(eng.warm_keys())):
         rec.begin("curve")
-        warm = eng.warmup()  # compiles every bucket, then measures the cost table (the curve)
+        warm = eng.warmup(threads=threads)  # compiles every bucket, then measures the cost table (the curve)
         curve = [{"slots": s, "tokens": t, "seconds": sec} for (s, t), sec in sorted(eng.cost_table.as_dict().items())]
         rec.update(lambda r: r.update(cost_curve=curve))
         _throughput(rec, eng, "dspark-confidence", p, prompts)
@@ -323,7 +324,7 @@ def run(rec: Recorder, p: Preset, progress: bool) -> None:
     eng = _engine(target, drafter, "fixed", p, (1, p.gamma + 1), progress)
     if fits("fixed", len(eng.warm_keys())):
         rec.begin("fixed")
-        warm = eng.warmup()
+        warm = eng.warmup(threads=threads)
         _throughput(rec, eng, "dspark-fixed", p, prompts)
         rec.end("fixed", warmup_s=round(warm, 1))
 
@@ -352,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", help="Markdown page whose GPU section to rewrite; '' skips it "
                                    "(default docs/BENCHMARKS.md; --tiny: '')")
     ap.add_argument("--allow-cpu", action="store_true", help="run the qwen3-4b preset without a GPU")
+    ap.add_argument("--compile-threads", type=int, default=min(8, os.cpu_count() or 1),
+                    help="threads compiling bucket executables at once (default: min(8, CPUs))")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     name = "tiny" if args.tiny else args.preset
@@ -360,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("slots", "tokens", "concurrency"):
         if getattr(args, flag):
             over[flag] = _ints(getattr(args, flag), f"--{flag}")
+    if args.compile_threads < 1:
+        ap.error(f"--compile-threads must be >= 1, got {args.compile_threads}")
     if args.budget is not None:
         if not args.budget > 0:
             ap.error(f"--budget must be > 0 seconds, got {args.budget}")
@@ -380,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": NAME, "preset": name, "command": " ".join(shown), "dry_run": args.dry_run,
         "target": p.target, "dtype": p.dtype, "slots": list(p.slots), "tokens": list(p.tokens),
         "concurrency": list(p.concurrency), "prompt_len": p.prompt_len, "max_tokens": p.max_tokens,
-        "budget_s": p.budget_s, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "budget_s": p.budget_s, "compile_threads": args.compile_threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "drafter": {"layers": p.draft_layers, "gamma": p.gamma, "markov_rank": p.markov_rank, "taps": list(p.taps)},
         "phases": {}, "cost_curve": [], "plain_round_seconds": {}, "throughput": []}
     rec = Recorder(result, writer(out_dir, docs))
@@ -406,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     timer.daemon = True
     timer.start()
     try:
-        run(rec, p, progress=not args.quiet)
+        run(rec, p, progress=not args.quiet, threads=args.compile_threads)
     except Exception as e:  # noqa: BLE001 - record what failed, keep what was measured, then re-raise
         timer.cancel()
         rec.update(lambda r: r["phases"].get(rec.phase, {}).update(status=f"failed: {type(e).__name__}: {e}"))

@@ -168,3 +168,18 @@ def test_block_drafter_verified_below_its_block_reports_gamma_confidences():
     eng.run([EngineRequest("a", [1, 2, 3], max_tokens=9, temperature=0.0),
              EngineRequest("b", [4, 5], max_tokens=7, temperature=1.0, seed=1)])
     assert widths and set(widths) == {2}
+
+
+def test_threaded_warmup_compiles_every_key_and_decodes_exactly(model):
+    from specjax.decoding.engine import Engine, EngineConfig
+    cfg = EngineConfig(max_slots=2, max_len=40, policy="fixed", slots_buckets=(2,), tokens_buckets=(1, 2, 4),
+                       prefill_buckets=(8,), max_prefill=8, prefill_batch_buckets=(2,))
+    eng = Engine(model, BigramDrafter(V, 3), cfg, progress=False)
+    with pytest.raises(ValueError, match="threads must be a positive integer"):
+        eng.warmup(threads=0)
+    eng.warmup(threads=4)
+    compiled = {("prefill", k) for k in eng.exe_prefill.keys} | {("round", k) for k in eng.exe_fused.keys}
+    assert compiled == set(eng.warm_keys()) and len(compiled) == 4
+    ps = prompts()[:3]
+    out, _ = run_greedy(eng, ps, n=8)
+    assert out == [greedy_reference(model, p, 8) for p in ps]

@@ -62,11 +62,17 @@ class Executables:
         self._compiled: dict[Hashable, Any] = {}
         self.compile_seconds: dict[Hashable, float] = {}
 
-    def warm(self, key: Hashable, *abstract_args: Any) -> None:
-        if key in self._compiled:
+    def lower(self, key: Hashable, *abstract_args: Any) -> Any:
+        """Trace and lower the function for `key` (None when `key` is compiled already)."""
+        return None if key in self._compiled else self._jitted.lower(*abstract_args)
+
+    def install(self, key: Hashable, lowered: Any) -> None:
+        """Compile a `lower` result for `key`. XLA compiles without holding the GIL, so several
+        threads may install different keys at once."""
+        if lowered is None:
             return
         t0 = time.perf_counter()
-        self._compiled[key] = self._jitted.lower(*abstract_args).compile()
+        self._compiled[key] = lowered.compile()
         self.compile_seconds[key] = time.perf_counter() - t0
 
     def has(self, key: Hashable) -> bool:

@@ -480,45 +480,67 @@ class Engine:
                     keys += [("round", (sb, 1)), ("lite", (sb,))]  # rounds that skip drafting
         return keys
 
-    def warmup(self) -> float:
-        """Compile every bucket ahead (with progress). Returns seconds spent."""
+    def warmup(self, threads: int = 1) -> float:
+        """Compile every bucket ahead (with progress). Returns seconds spent.
+
+        Tracing runs in order on this thread; with `threads` > 1 that many threads then compile the
+        lowered executables at once (worth it where one compile is long and cores are many, e.g. a
+        deep target on a GPU host)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from tqdm.auto import tqdm
         from specjax import compile_cache
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
         compile_cache.enable()  # a second start loads the executables from disk
         t0 = time.perf_counter()
         A = bk.abstract
         state = (A(self.t_params), A(self.d_params), A(self.cache), A(self.dstate), A(self.anchors))
         stop = A(self._stop_ids)
         keys = self.warm_keys()
-        for fam, key in tqdm(keys, desc="compiling buckets", disable=not self.progress, leave=False):
+        jobs: list[tuple[bk.Executables, tuple[int, ...], Any]] = []
+        for fam, key in tqdm(keys, desc="tracing buckets", disable=not self.progress, leave=False):
             if fam == "prefill":
                 pb, plen = key
                 r = self._abstract_round_inputs(pb)
                 f = r["f"]
-                self.exe_prefill.warm(key, *state, f((pb, plen), jnp.int32), f((pb,), jnp.int32),
-                                      f((pb,), jnp.int32), f((pb,), jnp.int32), r["sa"], r["key"])
+                exe, args = self.exe_prefill, (*state, f((pb, plen), jnp.int32), f((pb,), jnp.int32),
+                                               f((pb,), jnp.int32), f((pb,), jnp.int32), r["sa"], r["key"])
             elif fam == "round":
                 sb, tb = key
                 r = self._abstract_round_inputs(sb)
-                self.exe_fused.warm(key, *state, r["ints"], r["floats"], r["key"], stop, r["f"]((tb,), jnp.int32))
+                exe, args = self.exe_fused, (*state, r["ints"], r["floats"], r["key"], stop, r["f"]((tb,), jnp.int32))
             elif fam == "lite":
                 (sb,) = key
                 r = self._abstract_round_inputs(sb)
-                self.exe_lite.warm(key, state[0], state[2], state[4], r["ints"], r["floats"], r["key"], stop)
+                exe, args = self.exe_lite, (state[0], state[2], state[4], r["ints"], r["floats"], r["key"], stop)
             elif fam == "draft":
                 (sb,) = key
                 r = self._abstract_round_inputs(sb)
-                self.exe_draft.warm(key, state[1], state[3], A(self.cache.lengths), state[4], r["ints"], r["floats"],
-                                    r["key"])
+                exe, args = self.exe_draft, (state[1], state[3], A(self.cache.lengths), state[4], r["ints"],
+                                             r["floats"], r["key"])
             else:
                 sb, tb = key
                 r = self._abstract_round_inputs(sb)
                 f = r["f"]
                 g = max(self.gamma, 1)
                 v = self.target_config.vocab_size
-                self.exe_verify.warm(key, *state, f((sb, g), jnp.int32), f((sb, g, v), jnp.float32),
-                                     f((sb, g), jnp.float32), r["ints"], r["floats"], r["key"], f((2,), jnp.int32),
-                                     stop, f((tb,), jnp.int32))
+                exe, args = self.exe_verify, (*state, f((sb, g), jnp.int32), f((sb, g, v), jnp.float32),
+                                              f((sb, g), jnp.float32), r["ints"], r["floats"], r["key"],
+                                              f((2,), jnp.int32), stop, f((tb,), jnp.int32))
+            jobs.append((exe, key, exe.lower(key, *args)))
+        bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not self.progress, leave=False)
+
+        def install(job) -> None:
+            job[0].install(job[1], job[2])
+            bar.update(1)
+        if threads == 1:
+            for job in jobs:
+                install(job)
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(install, jobs))  # list(): re-raises the first failure
+        bar.close()
         seconds = time.perf_counter() - t0
         if self.needs_cost_table:
             from specjax.decoding.profiling import measure_cost_table, measure_plain_seconds
