@@ -142,24 +142,15 @@ def _first_ranks(a_gr: np.ndarray, neg_sorted: np.ndarray) -> np.ndarray:
     return ranks
 
 
-def _objective_curve(
-    R: int, neg_sorted: np.ndarray, ranks: np.ndarray, stair_t: np.ndarray
-) -> np.ndarray:
-    """Theta after admitting the first n ranked candidates, for n = 0..N.
+def _running_sums(R: int, neg_sorted: np.ndarray) -> np.ndarray:
+    """R + the sum of the n largest survivals, for n = 0..N: float64 [N + 1].
 
-    The numerator is a running sum from R in ranked order, one survival at a time (tied survivals
-    are equal, so any order among them gives the same bits); the denominator is the staircase at
-    1 + (largest position among the first n), which steps up where a position first appears."""
-    n = neg_sorted.size
-    num = np.empty(n + 1)
+    A running sum in ranked order, one survival at a time (tied survivals are equal, so any order
+    among them gives the same bits)."""
+    num = np.empty(neg_sorted.size + 1)
     num[0] = R
     np.negative(neg_sorted, out=num[1:])
-    np.cumsum(num, out=num)
-    g = ranks.size
-    # n = 0 has max position 0; positions 1..k are present for n in (ranks[k-1], ranks[k]].
-    bounds = np.empty(g + 2, dtype=np.intp)
-    bounds[0], bounds[1:-1], bounds[-1] = -1, ranks, n
-    return num / np.repeat(stair_t[1 : g + 2], np.diff(bounds))
+    return np.cumsum(num, out=num)
 
 
 def _admitted_gr(a_gr: np.ndarray, n: int, v: float, n_above: int) -> np.ndarray:
@@ -179,17 +170,49 @@ def _lengths(admitted_gr: np.ndarray) -> np.ndarray:
 
 
 class _Ranked:
-    """Sorted survivals of a confidence block and the objective curve over its ranking."""
+    """Sorted survivals of a confidence block and Theta over its ranking.
 
-    __slots__ = ("a_gr", "neg_sorted", "ranks", "obj")
+    Theta after admitting the first n ranked candidates is num[n] / stair[1 + (largest position
+    among them)]; the denominator steps up where a position first appears, so positions 1..k are
+    present exactly for n in (ranks[k-1], ranks[k]] (segment k; segment 0 is n = 0, and the last
+    segment ends at N)."""
+
+    __slots__ = ("a_gr", "neg_sorted", "ranks", "num", "stair_t")
 
     def __init__(self, c_rg: np.ndarray, cost_table: CostTable) -> None:
+        R = c_rg.shape[0]
         self.a_gr = _survival_gr(c_rg)
         self.neg_sorted = np.negative(self.a_gr.ravel())
         self.neg_sorted.sort()
         self.ranks = _first_ranks(self.a_gr, self.neg_sorted)
-        self.obj = _objective_curve(c_rg.shape[0], self.neg_sorted, self.ranks,
-                                    cost_table.staircase(c_rg.shape[0]))
+        self.num = _running_sums(R, self.neg_sorted)
+        self.stair_t = cost_table.staircase(R)
+
+    def _segment_ends(self) -> np.ndarray:
+        """Last n of each segment 0..g: int [g + 1]."""
+        g = self.ranks.size
+        ends = np.empty(g + 1, dtype=np.intp)
+        ends[0], ends[1:g], ends[g] = 0, self.ranks[1:], self.num.size - 1
+        return ends
+
+    def objective(self) -> np.ndarray:
+        """Theta for n = 0..N: float64 [N + 1]."""
+        ends = self._segment_ends()
+        counts = np.diff(ends, prepend=-1)
+        return self.num / np.repeat(self.stair_t[1 : ends.size + 1], counts)
+
+    def best_prefix(self) -> int:
+        """The smallest n maximising Theta, i.e. argmax(objective()), from the segment ends: Theta
+        never decreases within a segment (same denominator, growing sum), so the maximum sits at
+        the end of the first segment reaching it, and only that segment is divided out."""
+        ends = self._segment_ends()
+        at_end = self.num[ends] / self.stair_t[1 : ends.size + 1]
+        k = int(at_end.argmax())
+        if k == 0:
+            return 0
+        lo = int(self.ranks[k - 1]) + 1
+        theta = self.num[lo : ends[k] + 1] / self.stair_t[1 + k]
+        return lo + int((theta == at_end[k]).argmax())
 
     def max_position(self, n: int) -> int:
         """Largest position among the first n ranked candidates."""
@@ -218,7 +241,7 @@ def _confidence(c_rg: np.ndarray, cost_table: CostTable) -> np.ndarray:
     if R == 0 or g == 0:
         return np.zeros(R, dtype=LENGTH_DTYPE)
     ranked = _Ranked(c_rg[:, :g], cost_table)
-    obj = ranked.obj
+    obj = ranked.objective()
     stop = obj[1:] <= obj[:-1]  # non-improvement when admitting candidate n
     n = int(stop.argmax())
     if not stop[n]:
@@ -235,7 +258,7 @@ def _global_argmax(c_rg: np.ndarray, cost_table: CostTable) -> tuple[_Ranked | N
     if R == 0 or g == 0:
         return None, 0, 0, g
     ranked = _Ranked(c_rg[:, :g], cost_table)
-    n = int(ranked.obj.argmax())
+    n = ranked.best_prefix()
     return ranked, n, ranked.max_position(n), g
 
 
