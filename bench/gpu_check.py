@@ -179,9 +179,10 @@ def _markdown(res: dict[str, Any]) -> str:
     lines += [md_table(["engine"] + [f"C={c}" for c in cs], rows, align="l" + "r" * len(cs)), ""]
     if res.get("phases"):
         lines += ["## Phases", ""]
-        rows = [[k, v.get("status", "?"), f"{v.get('seconds', 0):.0f}", v.get("note", "")]
+        rows = [[k, v.get("status", "?"), f"{v.get('seconds', 0):.0f}",
+                 f"{v['compile_s']:.0f}" if "compile_s" in v else "", v.get("note", "")]
                 for k, v in res["phases"].items()]
-        lines += [md_table(["phase", "status", "seconds", "note"], rows, align="llrl"), ""]
+        lines += [md_table(["phase", "status", "seconds", "of which compiling", "note"], rows, align="llrrl"), ""]
     return "\n".join(lines)
 
 
@@ -190,10 +191,15 @@ def _plot(res: dict[str, Any], path: str) -> None:
     plt = pyplot()
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
     curve = res.get("cost_curve", [])
+    plain_s = res.get("plain_round_seconds", {})
     for s in res["slots"]:
         pts = sorted((c["tokens"], c["seconds"] * 1e3) for c in curve if c["slots"] == s)
+        color = None
         if pts:
-            ax0.plot(*zip(*pts), marker="o", label=f"{s} slots")
+            color = ax0.plot(*zip(*pts), marker="o", label=f"{s} slots")[0].get_color()
+        if str(s) in plain_s:  # a plain round (no drafter) for comparison, at one token per slot
+            ax0.plot([1], [plain_s[str(s)] * 1e3], marker="x", ls="", color=color,
+                     label=f"{s} slots, plain round")
     ax0.set_xlabel("tokens per slot (bucket)")
     ax0.set_ylabel("ms per draft + verify round")
     ax0.set_title("verify cost curve")
@@ -306,7 +312,7 @@ def run(rec: Recorder, p: Preset, progress: bool, threads: int) -> None:
     plain = measure_plain_seconds(eng)
     rec.update(lambda r: r.update(plain_round_seconds={str(k): v for k, v in plain.items()}))
     _throughput(rec, eng, "plain", p, prompts)
-    rec.end("plain", warmup_s=round(warm, 1))
+    rec.end("plain", compile_s=round(warm, 1))
     del eng
     gc.collect()
 
@@ -317,7 +323,7 @@ def run(rec: Recorder, p: Preset, progress: bool, threads: int) -> None:
         curve = [{"slots": s, "tokens": t, "seconds": sec} for (s, t), sec in sorted(eng.cost_table.as_dict().items())]
         rec.update(lambda r: r.update(cost_curve=curve))
         _throughput(rec, eng, "dspark-confidence", p, prompts)
-        rec.end("curve", warmup_and_profile_s=round(warm, 1))
+        rec.end("curve", compile_s=round(warm, 1))
     del eng
     gc.collect()
 
@@ -326,7 +332,7 @@ def run(rec: Recorder, p: Preset, progress: bool, threads: int) -> None:
         rec.begin("fixed")
         warm = eng.warmup(threads=threads)
         _throughput(rec, eng, "dspark-fixed", p, prompts)
-        rec.end("fixed", warmup_s=round(warm, 1))
+        rec.end("fixed", compile_s=round(warm, 1))
 
 
 # ------------------------------------------------------------------------------------------ main
