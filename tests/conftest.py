@@ -8,6 +8,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# converted GGUF targets are cached for the session only (a later load of the same file reads it)
+os.environ.setdefault("SPECJAX_GGUF_CACHE", tempfile.mkdtemp(prefix="specjax-gguf-cache-"))
 
 import jax  # noqa: E402
 

@@ -8,10 +8,13 @@ Target tensor names are the Hugging Face ones of `Qwen3ForCausalLM`, `LlamaForCa
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import warnings
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -26,6 +29,71 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json",
                    "tokenizer.model", "chat_template.jinja", "chat_template.json")
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+GGUF_CACHE_ENV = "SPECJAX_GGUF_CACHE"
+_CACHE_OFF = ("off", "0", "false", "none", "")
+_CONVERSION_MARKER = "specjax_gguf_source.json"
+
+
+def gguf_cache_root() -> str | None:
+    """Where float32 Hugging Face copies of loaded `.gguf` targets are kept (parsing a GGUF's
+    vocabulary and dequantizing its tensors takes many seconds; a safetensors copy loads in a few):
+    `$SPECJAX_GGUF_CACHE` (`off` disables) or `$XDG_CACHE_HOME/specjax/gguf` (~/.cache/...)."""
+    env = os.environ.get(GGUF_CACHE_ENV)
+    if env is not None:
+        return None if env.strip().lower() in _CACHE_OFF else env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "specjax", "gguf")
+
+
+def _gguf_identity(path: str) -> dict[str, object]:
+    st = os.stat(path)
+    return {"path": os.path.realpath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def gguf_conversion_dir(path: str | os.PathLike) -> str | None:
+    """The cache directory for `path`'s converted copy (keyed by real path, size and mtime), or
+    None when the cache is off. It holds a copy only after a float32 load stored one."""
+    root = gguf_cache_root()
+    if root is None:
+        return None
+    ident = _gguf_identity(os.fspath(path))
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+    return os.path.join(root, f"{os.path.basename(os.fspath(path))}-{key}")
+
+
+def _cached_conversion(path: str) -> str | None:
+    d = gguf_conversion_dir(path)
+    if d is None or not os.path.isfile(os.path.join(d, _CONVERSION_MARKER)):
+        return None
+    try:
+        with open(os.path.join(d, _CONVERSION_MARKER)) as f:
+            if json.load(f) != _gguf_identity(path):
+                return None
+    except (OSError, ValueError):
+        return None
+    return d
+
+
+def _store_conversion(path: str, model, cfg: TargetConfig) -> None:
+    """Export a float32 GGUF target (+ its tokenizer) into the cache, all at once (a temporary
+    directory renamed into place); a failure only warns, loading already succeeded."""
+    d = gguf_conversion_dir(path)
+    if d is None or os.path.isdir(d):
+        return
+    tmp = f"{d}.tmp{os.getpid()}"
+    try:
+        export_target(model, cfg, tmp, dtype="float32")
+        try:
+            load_gguf_tokenizer(path).save_pretrained(tmp)
+        except Exception:  # noqa: BLE001 - a GGUF without a usable tokenizer: weights only
+            pass
+        with open(os.path.join(tmp, _CONVERSION_MARKER), "w") as f:
+            json.dump(_gguf_identity(path), f)
+        os.rename(tmp, d)
+    except OSError as e:
+        warnings.warn(f"could not cache the converted GGUF in {d}: {e}", stacklevel=3)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_target_config(path: str | os.PathLike) -> TargetConfig:
@@ -56,13 +124,19 @@ def load_target(path: str | os.PathLike, *, dtype="float32", compute_dtype=None,
 
     The model is built abstractly and filled tensor by tensor (cast to `dtype`; computation in
     `compute_dtype`, default `dtype`), each placed with its NamedSharding when `mesh` is given.
-    Only safetensors and GGUF are read (never pickles).
+    Only safetensors and GGUF are read (never pickles). A `.gguf` loaded in float32 is also
+    stored as a Hugging Face copy in the user cache (`gguf_cache_root`), which later loads read.
     """
     path = os.fspath(path)
     if is_gguf(path):
+        cached = _cached_conversion(path)
+        if cached is not None:  # the float32 copy a previous load stored (see gguf_cache_root)
+            return load_target(cached, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, rules=rules)
         cfg, tensors = open_gguf_target(path)
         model = abstract_target(cfg, dtype, compute_dtype or dtype)
         load_params_into(model, tensors, mesh=mesh, rules=rules, source=path)
+        if jnp.dtype(dtype) == jnp.float32 and jax.process_count() == 1:
+            _store_conversion(path, model, cfg)
         return model, cfg
     cfg = read_target_config(path)
     return load_target_weights(path, cfg, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh,
@@ -125,7 +199,9 @@ def load_tokenizer(path: str | os.PathLike):
     the tokenizer and chat template stored in a `.gguf` file; None if a directory has none."""
     path = os.fspath(path)
     if is_gguf(path):
-        return load_gguf_tokenizer(path)
+        cached = _cached_conversion(path)
+        tok = load_tokenizer(cached) if cached is not None else None
+        return tok if tok is not None else load_gguf_tokenizer(path)
     if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f))
                                           for f in _TOKENIZER_MARKERS):
         return None
