@@ -3,7 +3,7 @@
     python -m bench.run_all [--only decode drafters] [--skip training] [--docs-only] [--timeout 1800]
     python -m bench.run_all --section scheduler   # refresh one section of the page, nothing else
 
-Each benchmark module that exists (bench/decode.py, drafters, scheduler and, when present,
+Each benchmark module that exists (bench/decode.py, drafters, draft_vocab, scheduler and, when present,
 training, frontier, embedded, server_load, verify_cost, startup) runs as its own subprocess
 `python -m bench.<name>`, so one failure
 or crash does not stop the rest; the exit code is non-zero if any failed. Afterwards
@@ -25,8 +25,8 @@ from typing import Any
 
 from bench.common import load_average, machine_info
 
-BENCHMARKS = ("decode", "verify_cost", "startup", "drafters", "scheduler", "training", "frontier", "embedded",
-              "server_load")
+BENCHMARKS = ("decode", "verify_cost", "startup", "drafters", "draft_vocab", "scheduler", "training",
+              "frontier", "embedded", "server_load")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join("bench", "results")
 DOCS_PATH = os.path.join("docs", "BENCHMARKS.md")
