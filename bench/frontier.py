@@ -25,13 +25,13 @@ POLICIES = ("plain", "mtp1", "fixed-dflash", "fixed-dspark", "threshold", "confi
 
 def _drafters(target) -> tuple[dict[str, Any], str]:
     """Shipped DFlash / DSpark / MTP drafters when present, else untrained ones built on the spot."""
-    from specjax import embedded
+    from specjax import default_target
     from specjax.drafters import registry
     out, notes = {}, []
+    built = default_target.available_drafters() if target.source == "embedded" else []
     for name in ("dflash", "dspark", "mtp1"):
-        path = embedded.drafter_dir(name)
-        if target.source == "embedded" and os.path.exists(os.path.join(path, "config.json")):
-            out[name] = registry.load_drafter(path, target=target.model)
+        if name in built:
+            out[name] = registry.load_drafter(default_target.drafter_dir(name), target=target.model)
         else:
             notes.append(name)
     if notes:
@@ -182,12 +182,12 @@ def paired_ratios(engines: dict, prompts, levels: list[int], max_tokens: int, re
 
 
 def _prompts(target) -> list[list[int]]:
-    from specjax import embedded
-    from specjax.io import read_jsonl
-    path = embedded.prompts_path()
-    if target.tokenizer is not None and os.path.exists(path):
-        rows = read_jsonl(path)[:64]
-        return [target.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"][-48:] for r in rows]
+    """Chat prompts (first turns of mt-bench, gsm8k and humaneval under the chat template, last 48
+    tokens) for the real target; random token ids for a random stand-in."""
+    from bench.decode import ordinary_texts
+    texts, _, keep = ordinary_texts(target.tokenizer)
+    if target.tokenizer is not None and keep == "tail":
+        return [target.tokenizer(t, add_special_tokens=False)["input_ids"][-48:] for t in texts[:64]]
     rng = np.random.default_rng(0)
     return [list(rng.integers(0, target.config.vocab_size, size=32)) for _ in range(16)]
 
