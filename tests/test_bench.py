@@ -220,3 +220,29 @@ def test_write_section_replaces_one_section_and_keeps_the_rest(tmp_path):
     assert docs.read_text() == text
     with pytest.raises(ValueError, match="nope.md"):
         run_all.write_section("nope", str(res_dir), str(docs))
+
+
+def test_verify_cost_ratios_goal_and_markdown():
+    from bench import verify_cost as vc
+    curve = [{"rows": r, "tokens": t, "ms_median": base * f, "ms_min": base * f, "compile_s": 1.0,
+              "load_1min": 1.0}
+             for r, base in ((1, 10.0), (8, 40.0)) for t, f in ((1, 1.0), (8, 1.5))]
+    rat = vc.ratios(curve)
+    assert rat == {1: {1: 1.0, 8: 1.5}, 8: {1: 1.0, 8: 1.5}}
+    res = {"curve": curve, "ratios": rat, "target": "t", "cache_len": 512, "context": 256, "repeats": 3,
+           "load_1min": [1.0, 1.0], "machine": {"cpu_count": 2},
+           "goal": {"measured": 1.5, "met": 1.5 <= vc.GOAL_C8}, "notes": ""}
+    md = vc.markdown(res, "python -m bench.verify_cost")
+    assert "15.0 (1.50)" in md and "measured **1.50** — met" in md
+    res["goal"] = {"measured": 2.2, "met": False}
+    assert "not met" in vc.markdown(res, "x")
+
+
+def test_startup_markdown_judges_the_warm_start():
+    from bench import startup
+    starts = [{"wall_s": w, "import_s": 1.0, "load_s": 2.0, "engine_s": w - 4, "first_token_s": 1.0,
+               "load_1min": 0.5} for w in (90.0, 15.0)]
+    md = startup.markdown({"starts": starts, "warm_start_s": 15.0}, "python -m bench.startup")
+    assert "measured **15.0 s** — met" in md
+    md = startup.markdown({"starts": starts, "warm_start_s": 25.0}, "python -m bench.startup")
+    assert "not met" in md
