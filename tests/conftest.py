@@ -3,7 +3,16 @@ per-session persistent compilation cache, so engines with identical shapes compi
 import os
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_host_device_count(xla_flags: str | None, n: int = 8) -> str:
+    """XLA_FLAGS with the host device count set to n: other flags kept, any other count replaced."""
+    kept = [f for f in (xla_flags or "").split() if not f.startswith(DEVICE_COUNT_FLAG + "=")]
+    return " ".join(kept + [f"{DEVICE_COUNT_FLAG}={n}"])
+
+
+os.environ["XLA_FLAGS"] = with_host_device_count(os.environ.get("XLA_FLAGS"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

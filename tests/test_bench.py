@@ -14,19 +14,39 @@ from bench.decode import agreement, encode_fixed, repetitive_texts
 from bench.drafters import overheads
 
 
-def test_time_fn_counts_calls_and_measures_sleep():
-    calls = []
+class FakeClock:
+    """Stands in for bench.common's `time` module: perf_counter reads a clock that only `advance` moves."""
 
-    def fn():
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_time_fn_times_batches_of_calls_with_sync_inside(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(common, "time", clock)
+    calls, synced = [], []
+
+    def fn():  # call i (from 1) takes i ms
         calls.append(1)
-        import time
-        time.sleep(0.002)
+        clock.advance(0.001 * len(calls))
+        return len(calls)
 
-    t = common.time_fn(fn, warmup=2, repeats=3, inner=2)
+    def sync(r):  # waiting for the batch's last result costs 10 ms, inside the timed region
+        synced.append(r)
+        clock.advance(0.010)
+
+    t = common.time_fn(fn, warmup=2, repeats=3, inner=2, sync=sync)
     assert len(calls) == 2 + 3 * 2
-    assert len(t.samples) == 3
-    assert 0.0015 < t.median < 0.05
-    assert t.min <= t.median
+    assert synced == [1, 2, 4, 6, 8]  # each warmup call, then each batch's last result
+    # batches: calls 3+4, 5+6, 7+8 ms plus one 10 ms sync each, divided by inner = 2
+    np.testing.assert_allclose(t.samples, [0.0085, 0.0105, 0.0125])
+    assert t.median == pytest.approx(0.0105) and t.min == pytest.approx(0.0085)
     d = t.as_dict()
     assert d["repeats"] == 3 and d["inner"] == 2 and len(d["load_1min"]) == 2
 

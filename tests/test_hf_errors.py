@@ -5,8 +5,10 @@ import json
 import os
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import save_file
 
 try:
@@ -108,13 +110,23 @@ def test_unexpected_extra_tensor_is_named(ckpt):
     assert "model.layers.0.self_attn.q_proj.bias" in str(e.value)
 
 
-def test_harmless_extras_are_ignored(ckpt):
+def test_harmless_extras_are_ignored(ckpt, base):
     def edit(t):
         t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones((4,), np.float32)
         t["model.rotary_emb.inv_freq"] = np.ones((4,), np.float32)
 
     _rewrite_tensors(ckpt, edit)
-    checkpoints.load_target(ckpt)
+    model, cfg = checkpoints.load_target(ckpt)
+    ref, ref_cfg = checkpoints.load_target(base)
+    assert cfg == ref_cfg
+    # every parameter is the checkpoint's own (the inv_freq extras neither land anywhere nor shift
+    # anything), and the model computes what the clean checkpoint's does
+    got, want = nnx.to_flat_state(nnx.state(model, nnx.Param)), nnx.to_flat_state(nnx.state(ref, nnx.Param))
+    assert [k for k, _ in got] == [k for k, _ in want]
+    for (k, a), (_, b) in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(k))
+    ids = jnp.asarray([[1, 5, 9, 2]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(ref(ids)))
 
 
 def test_tied_config_ignores_a_stored_lm_head_copy(ckpt):
