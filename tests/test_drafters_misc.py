@@ -241,7 +241,7 @@ def test_standalone_copy_of_target_proposes_target_greedy_continuation(target):
 def test_standalone_rejects_bad_arguments(target):
     with pytest.raises(ValueError, match="gamma"):
         StandaloneDrafter(nnx.clone(target), gamma=0)
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="model must be a CausalLM"):
         StandaloneDrafter(object(), gamma=2)  # type: ignore[arg-type]
     other = TargetConfig(vocab_size=V + 1, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=8)
