@@ -1,4 +1,5 @@
-"""The embedded default's benchmarks (issue "Embedded default"): τ per shipped drafter on the held-out
+"""The earlier toy target's benchmarks (the pystd target in specjax/assets/pystd, measured before
+SmolLM2 became the default; kept reproducible until the real target's drafters are built): τ per shipped drafter on the held-out
 stdlib prompts (Table-1 protocol, gamma 7, temperature 1 and 0), per-position conditional acceptance
 (PNG), batch-1 wall-clock speedup over plain decoding per drafter, and the peer comparison with
 transformers' assisted generation (`generate(assistant_model=...)`) using our standalone drafter;
@@ -26,7 +27,9 @@ def _shipped() -> list[str]:
 
 def _table1(drafters, prompts_path, cap, max_tokens, temperature, out_dir) -> dict:
     from specjax.eval.evaluate import EvalSettings, run_evaluation
-    return run_evaluation(None, drafters, [prompts_path], out_dir, cap=cap,
+    from specjax import embedded
+    return run_evaluation(embedded.target_dir(), [embedded.drafter_dir(d) if d in embedded.DRAFTER_NAMES else d
+                                                  for d in drafters], [prompts_path], out_dir, cap=cap,
                           settings=EvalSettings(temperature=temperature, max_new_tokens=max_tokens), progress=False)
 
 
@@ -62,7 +65,10 @@ def _speed(name: str | None, prompts: list[str], max_tokens: int, temperature: f
     policy = "plain" if name is None else ("confidence" if name == SCHEDULED else "fixed")
     cfg = EngineConfig(max_slots=1, max_len=512, policy=policy, slots_buckets=(1,),
                        tokens_buckets=None, prefill_buckets=(256,), max_prefill=256, prefill_batch_buckets=(1,))
-    llm = LLM(drafter="dspark" if name == SCHEDULED else name, engine_config=cfg)
+    from specjax import embedded
+    d = "dspark" if name == SCHEDULED else name
+    llm = LLM(target=embedded.target_dir(), drafter=None if d is None else embedded.drafter_dir(d),
+              engine_config=cfg)
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
     llm.generate([prompts[0]], SamplingParams(temperature=temperature, max_tokens=8))
     t0 = time.perf_counter()

@@ -202,9 +202,9 @@ def resolve_drafter(spec: str, target_model: Any, *, gamma: int | None = None,
         return DrafterSpec("ngram", "ngram", NGramDrafter(target_model.config.vocab_size, gamma=gamma or 4))
     path = spec
     if embedded and not os.path.isdir(spec):
-        from specjax import embedded as emb
-        if spec in emb.DRAFTER_NAMES:
-            path = emb.drafter_dir(spec)
+        from specjax import default_target
+        if spec in default_target.DRAFTER_NAMES:
+            path = default_target.drafter_dir(spec)  # a clear error naming `make embedded` if unbuilt
     if not os.path.isdir(path):
         raise ValueError(f"drafter {spec!r} is neither 'ngram' nor a drafter directory")
     from specjax.drafters.registry import load_drafter
@@ -356,7 +356,8 @@ def run_evaluation(target_dir: str | None, drafters: Sequence[str], data_paths: 
     """The whole evaluation: load the target once, every drafter in turn, every dataset; write
     results.json, results.md, acceptance_by_position.png and reliability_<drafter>.png to out_dir.
 
-    target_dir: a Qwen3 checkpoint directory, or None for the embedded default. cap: every
+    target_dir: a Hugging Face directory or `.gguf` file (Qwen3 / Llama / Qwen2), or None for the
+    embedded default (SmolLM2-135M-Instruct). cap: every
     dataset's cap (default: the paper's per-dataset caps; all rows for unknown names); caps: per
     dataset name. max_model_len: default the longest prompt + max_new_tokens (at most the target's
     max_position_embeddings). engine_config: overrides the engine shape entirely (its policy must
@@ -371,8 +372,8 @@ def run_evaluation(target_dir: str | None, drafters: Sequence[str], data_paths: 
         raise ValueError("no dataset given")
     embedded = target_dir is None
     if embedded:
-        from specjax import embedded as emb
-        target_dir = emb.target_dir()
+        from specjax import default_target
+        target_dir = default_target.gguf_path()
     model, tcfg = checkpoints.load_target(target_dir, dtype=dtype)
     tok_dir = tokenizer_dir or target_dir
     tokenizer = checkpoints.load_tokenizer(tok_dir)
