@@ -3,23 +3,114 @@
 Times DSpark training steps on the embedded target (the configs/embedded/dspark.yaml drafter) with
 the frozen target run inside each step (online) and with features read from an offline cache built
 from the same samples; reports supervised tokens/s (real tokens per step / step time). Also the cache
-bytes per token for our target and, from the formula, for Qwen3-4B/8B/14B next to DeepSpec's.
+bytes per token for our target and, from the formula, for Qwen3-4B/8B/14B next to DeepSpec's, and
+random batch reads from a cache with and without a tensorstore cache pool (`--reads-only` measures
+just these and updates them in an existing bench/results/training.{json,md}).
 
-    python -m bench.training [--steps 12] [--samples 96]
+    python -m bench.training [--steps 12] [--samples 96] [--read-samples 512]
+    python -m bench.training --reads-only
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shutil
 import tempfile
 import time
 
 import numpy as np
 
-from bench.common import command_line, log, machine_info, md_table, pyplot, write_results
+from bench.common import command_line, log, machine_info, md_table, pyplot, time_interleaved, write_results
 
 QWEN3 = {"Qwen3-4B": (2560, 5), "Qwen3-8B": (4096, 5), "Qwen3-14B": (5120, 5)}  # hidden, tapped layers
+# cache pools compared for random reads: none (tensorstore's default context: every read fetches
+# the shard index again), one far smaller than the cache, and the reader's default
+READ_POOLS = {"none (before)": 0, "1 MiB": 2**20, "64 MiB (default)": None}
+READS_BEGIN, READS_END = "<!-- random-reads -->", "<!-- /random-reads -->"
+
+
+def _reads_cache(out_dir: str, n_samples: int, max_length: int = 256) -> dict:
+    """A target cache for the read benchmark: the pystd target's features of the first `n_samples`
+    asset training prompts (always in the repository), so it needs no prepared training data."""
+    from specjax import checkpoints, embedded as emb
+    from specjax.io import read_jsonl
+    from specjax.training import features as feat
+
+    target, tcfg = checkpoints.load_target(emb.target_dir(), dtype="bfloat16")
+    tok = checkpoints.load_tokenizer(emb.target_dir())
+    rows = read_jsonl(emb.prompts_path("train"), objects=True)[:n_samples]
+    samples = []
+    for row in rows:
+        ids = np.asarray(tok(row["prompt"], add_special_tokens=False)["input_ids"][:max_length], np.int32)
+        samples.append((ids, np.ones_like(ids, np.uint8)))
+    t0 = time.perf_counter()
+    feat.build_cache(out_dir, target, samples, tap_layers=(1, 3, 4),
+                     identity=feat.target_identity(emb.target_dir(), tcfg))
+    return {"samples": len(samples), "tokens": int(sum(len(s[0]) for s in samples)),
+            "bytes_on_disk": feat.stored_tensor_bytes(out_dir), "build_s": time.perf_counter() - t0}
+
+
+def _time_random_reads(cache_dir: str, batch: int, repeats: int) -> dict:
+    """ms to read `batch` random samples (`TargetCache.read`) per pool of READ_POOLS: the same index
+    sequence for each, timed round-robin so they share the background load; warm-up reads first."""
+    from specjax.training import features as feat
+
+    fns = {}
+    for name, pool in READ_POOLS.items():
+        cache, rng = feat.TargetCache(cache_dir, cache_pool_bytes=pool), np.random.default_rng(0)
+        fns[name] = lambda c=cache, r=rng: c.read(r.integers(0, len(c), batch))
+    timings = time_interleaved(fns, warmup=max(1, repeats // 4), repeats=repeats)
+    return {name: {"cache_pool_bytes": READ_POOLS[name], "ms_median": 1e3 * t.median, "ms_min": 1e3 * t.min,
+                   "load_1min": [t.load_before, t.load_after]} for name, t in timings.items()}
+
+
+def measure_reads(n_samples: int, batch: int, repeats: int, command: str) -> dict:
+    tmp = tempfile.mkdtemp(prefix="specjax-bench-reads-")
+    try:
+        log(f"reads: building a {n_samples}-sample cache")
+        built = _reads_cache(tmp, n_samples)
+        log(f"reads: {built['tokens']} tokens, {built['bytes_on_disk'] / 2**20:.0f} MiB; timing {repeats} batches")
+        timings = _time_random_reads(tmp, batch, repeats)
+        log("reads: " + ", ".join(f"{k} {v['ms_median']:.2f} ms" for k, v in timings.items()))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"command": command, "batch": batch, "repeats": repeats, "cache": built, "pools": timings}
+
+
+def reads_markdown(r: dict) -> str:
+    """The random-reads block of training.md (between READS_BEGIN and READS_END)."""
+    c = r["cache"]
+    rows = [[k, f"{v['ms_median']:.2f}", f"{v['ms_min']:.2f}", f"{v['load_1min'][0]:.1f}"]
+            for k, v in r["pools"].items()]
+    return (f"{READS_BEGIN}\nRandom reads from an offline cache, with and without a tensorstore cache pool "
+            f"(`TargetCache(cache_pool_bytes=...)`; data.cache_pool_bytes in training configs): "
+            f"{r['repeats']} timed reads of {r['batch']} random samples per pool, round-robin, from a cache of "
+            f"{c['samples']} samples ({c['tokens']} tokens, {c['bytes_on_disk'] / 2**20:.0f} MiB, sharded zarr; "
+            f"the OS page cache holds it in every case). Measured with `{r['command']}`.\n\n"
+            + md_table(["cache pool", "ms per batch (median)", "ms (min)", "load 1-min"], rows, "lrrr")
+            + f"{READS_END}\n")
+
+
+def _replace_reads(md: str, block: str) -> str:
+    """`md` with its random-reads block replaced by `block` (appended when it has none)."""
+    pat = re.compile(re.escape(READS_BEGIN) + ".*?" + re.escape(READS_END) + "\n?", re.S)
+    return pat.sub(lambda _: block, md) if pat.search(md) else md.rstrip("\n") + "\n\n" + block
+
+
+def update_reads(out_dir: str, reads: dict) -> None:
+    """--reads-only: put new read numbers into an existing training.json / training.md."""
+    paths = [os.path.join(out_dir, f"training.{ext}") for ext in ("json", "md")]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise SystemExit(f"--reads-only updates an existing result; missing {missing}: run bench.training first")
+    with open(paths[0], encoding="utf-8") as f:
+        result = json.load(f)
+    with open(paths[1], encoding="utf-8") as f:
+        md = f.read()
+    result["random_reads"] = reads
+    write_results("training", result, _replace_reads(md, reads_markdown(reads)), out_dir=out_dir)
 
 
 def _time_steps(run, steps: int) -> dict:
@@ -45,8 +136,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", default="configs/embedded/dspark.yaml")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--samples", type=int, default=96, help="samples in the cache built for the comparison")
+    ap.add_argument("--read-samples", type=int, default=512, help="samples in the cache of the read benchmark")
+    ap.add_argument("--read-batch", type=int, default=8, help="random samples per timed read")
+    ap.add_argument("--read-repeats", type=int, default=60, help="timed reads per cache pool")
+    ap.add_argument("--reads-only", action="store_true",
+                    help="measure only the random reads; update them in an existing training.json/.md")
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     args = ap.parse_args(argv)
+    reads = measure_reads(args.read_samples, args.read_batch, args.read_repeats,
+                          command_line("bench.training", argv))
+    if args.reads_only:
+        update_reads(args.out_dir, reads)
+        return
     from specjax import checkpoints
     from specjax.training import features as feat
     from specjax.training.config import load_train_config
@@ -96,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
           + "Cache bytes per token (ours: 5 + 2H(L+1): ids, loss mask, bf16 taps, bf16 final hidden; DeepSpec's "
             "6 + 2H(L+1) also stores an all-ones attention mask):\n\n"
           + md_table(["model", "H", "L (taps)", "specjax bytes/token", "DeepSpec bytes/token"], sizes, "lrrrr")
-          )
+          + "\n" + reads_markdown(reads))
 
     def plot(path):
         plt = pyplot()
@@ -109,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         plt.close(fig)
 
     write_results("training", {"machine": machine_info(), "online": res_online, "cache": res_cache,
-                               "cache_tokens": n_tokens, "cache_bytes_on_disk": on_disk, "sizes": sizes}, md,
+                               "cache_tokens": n_tokens, "cache_bytes_on_disk": on_disk, "sizes": sizes,
+                               "random_reads": reads}, md,
                   out_dir=args.out_dir, plot=plot)
 
 

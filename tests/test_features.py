@@ -15,6 +15,7 @@ from specjax.config import ConfigError, TargetConfig
 from specjax.checkpoints import export_target
 from specjax.models.decoder import CausalLM
 from specjax.training import features as feat
+from specjax.training.config import DataConfig
 
 V, H, LAYERS = 61, 16, 4
 TCFG = TargetConfig(vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=LAYERS,
@@ -296,3 +297,42 @@ def test_offline_cache_run_matches_online_run(target, tmp_path):
         cfg["model"]["target_layer_ids"] = [0, 1]
         cfg_path.write_text(yaml.safe_dump(cfg))
         build(load_train_config(cfg_path))
+
+
+def _overwrite_array_files(cache_dir, name: str) -> None:
+    """Zero every data file of one cache array in place (same sizes; zarr metadata kept)."""
+    import os
+
+    for root, _, files in os.walk(cache_dir / name):
+        for f in files:
+            if f != "zarr.json":
+                p = os.path.join(root, f)
+                size = os.path.getsize(p)
+                with open(p, "r+b") as fh:
+                    fh.write(b"\0" * size)
+
+
+def test_cache_pool_serves_repeated_reads_and_is_bounded(target, tmp_path):
+    """With a cache pool, a sample read once is served from memory (the files are not read again);
+    with none (pool 0, tensorstore's default) every read goes back to the files."""
+    samples = _samples()
+    feat.build_cache(tmp_path / "c", target, samples, tap_layers=TAPS, identity=_ident(), batch_size=4,
+                     chunk_tokens=16, shard_bytes=4096)
+    pooled = feat.TargetCache(tmp_path / "c", cache_pool_bytes=1 << 20)
+    unpooled = feat.TargetCache(tmp_path / "c", cache_pool_bytes=0)
+    for c in (pooled, unpooled):
+        first = c.read([2])[0]
+        np.testing.assert_array_equal(first["input_ids"], samples[2][0])
+    _overwrite_array_files(tmp_path / "c", "input_ids")  # the chunks and the shard indexes
+    np.testing.assert_array_equal(pooled.read([2])[0]["input_ids"], samples[2][0])
+    with pytest.raises(ValueError, match="shard index"):  # re-read from the files: a failed checksum
+        unpooled.read([2])
+    assert pooled.context["cache_pool"].to_json() == {"total_bytes_limit": 1 << 20}
+    assert feat.TargetCache(tmp_path / "c").context["cache_pool"].to_json() == {
+        "total_bytes_limit": feat.DEFAULT_CACHE_POOL_BYTES}
+    for bad in (-1, 1.5, True, "64MB"):
+        with pytest.raises(ConfigError, match="cache_pool_bytes"):
+            feat.TargetCache(tmp_path / "c", cache_pool_bytes=bad)
+        with pytest.raises(ConfigError, match="cache_pool_bytes"):  # the training config's field
+            DataConfig(cache_dir=str(tmp_path / "c"), cache_pool_bytes=bad)
+    assert DataConfig(cache_dir="c", cache_pool_bytes=1 << 20).cache_pool_bytes == 1 << 20

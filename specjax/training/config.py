@@ -115,8 +115,15 @@ class DataConfig:
     length_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
     seed: int = 42
     shuffle: bool = True
+    # tensorstore cache pool of each opened cache directory (mode cache): shard indexes and recently
+    # read chunks; None = specjax.training.features.DEFAULT_CACHE_POOL_BYTES, 0 = no pool
+    cache_pool_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cache_pool_bytes is not None and (isinstance(self.cache_pool_bytes, bool) or not isinstance(
+                self.cache_pool_bytes, int) or self.cache_pool_bytes < 0):
+            raise ConfigError(f"field 'cache_pool_bytes' must be an integer >= 0 (or null), got "
+                              f"{self.cache_pool_bytes!r}")
         if self.mode not in DATA_MODES:
             raise ConfigError(f"field 'mode' must be one of {DATA_MODES}, got {self.mode!r}")
         if self.mode == "cache" and not self.cache_dir:

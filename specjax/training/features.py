@@ -51,6 +51,8 @@ INDEX_ARRAY = "offsets"
 BYTES_PER_TOKEN_FIXED = 5  # input_ids int32 (4) + loss_mask uint8 (1)
 BYTES_PER_INDEX_ENTRY = 8  # offsets int64, N + 1 entries
 DEFAULT_SHARD_BYTES = 32 * 2**20
+# tensorstore cache pool of an opened cache (shard indexes and chunks, least recently used first out)
+DEFAULT_CACHE_POOL_BYTES = 64 * 2**20
 
 
 class CacheMismatchError(ConfigError):
@@ -210,11 +212,24 @@ def _create(path: str, dtype: str, shape: Sequence[int], *, chunk: int,
     return ts.open(spec, create=True, delete_existing=True).result()
 
 
-def _open(path: str) -> ts.TensorStore:
+def cache_context(cache_pool_bytes: int | None = None) -> ts.Context:
+    """A tensorstore Context whose cache pool holds at most `cache_pool_bytes` (None: the default
+    DEFAULT_CACHE_POOL_BYTES; 0: no caching, every read fetches the shard index again)."""
+    n = DEFAULT_CACHE_POOL_BYTES if cache_pool_bytes is None else cache_pool_bytes
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ConfigError(f"field 'cache_pool_bytes' must be an integer >= 0, got {cache_pool_bytes!r}")
+    return ts.Context({"cache_pool": {"total_bytes_limit": int(n)}})
+
+
+def _open(path: str, context: ts.Context | None = None) -> ts.TensorStore:
+    """Open an existing array. With a `context` (the reader's), cached shard indexes and chunks are
+    trusted after open: a complete cache is never rewritten in place."""
     if not os.path.isdir(path):
         raise ConfigError(f"cache array missing: {path}")
-    return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}},
-                   open=True).result()
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}
+    if context is not None:
+        spec["recheck_cached_data"] = "open"
+    return ts.open(spec, open=True, context=context).result()
 
 
 def _plan_hash(ids: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> str:
@@ -437,12 +452,14 @@ class TargetCache:
     `expect_layers`, `expect_hidden`, `expect_target` (a TargetIdentity; its `path` is compared
     only when `check_target_path`) raise CacheMismatchError naming the field that differs.
     `cache[i]` / `read([i, ...])` return dicts of numpy arrays: input_ids int32 [S],
-    loss_mask uint8 [S], taps bfloat16 [S, L*H], hidden bfloat16 [S, H].
+    loss_mask uint8 [S], taps bfloat16 [S, L*H], hidden bfloat16 [S, H]. Its arrays share one
+    tensorstore cache pool of `cache_pool_bytes` (see `cache_context`).
     """
 
     def __init__(self, path: str | os.PathLike, *, expect_layers: Sequence[int] | None = None,
                  expect_hidden: int | None = None, expect_target: TargetIdentity | None = None,
-                 check_target_path: bool = False):
+                 check_target_path: bool = False, cache_pool_bytes: int | None = None):
+        self.context = cache_context(cache_pool_bytes)
         self.path = os.path.normpath(os.fspath(path))
         if not os.path.isdir(self.path):
             raise ConfigError(f"target cache directory does not exist: {self.path}")
@@ -473,7 +490,7 @@ class TargetCache:
             if check_target_path and got.get("path") != expect_target.path:
                 raise CacheMismatchError(f"{man}: field 'target.path' is {got.get('path')!r}, the "
                                          f"trainer expects {expect_target.path!r}")
-        self.arrays = {n: _open(os.path.join(self.path, n)) for n in TOKEN_ARRAYS}
+        self.arrays = {n: _open(os.path.join(self.path, n), self.context) for n in TOKEN_ARRAYS}
         self.offsets = np.asarray(_open(os.path.join(self.path, INDEX_ARRAY)).read().result(),
                                   np.int64)
         if len(self.offsets) != m["num_samples"] + 1 or self.offsets[-1] != m["num_tokens"]:
