@@ -92,7 +92,8 @@ def build(cfg: TrainConfig, *, mesh=None) -> Run:
     if dc.mode == "cache":
         identity = feat.target_identity(mc.target, tcfg)
         dataset = open_target_cache(dc.cache_dir, expect_layers=obj.tap_layers,
-                                    expect_hidden=tcfg.hidden_size, expect_target=identity)
+                                    expect_hidden=tcfg.hidden_size, expect_target=identity,
+                                    cache_pool_bytes=dc.cache_pool_bytes)
         aux, target_graphdef = None, None
     else:
         tok = checkpoints.load_tokenizer(dc.tokenizer or mc.target)
