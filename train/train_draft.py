@@ -71,8 +71,9 @@ class Run(NamedTuple):
     target_graphdef: Any  # online mode: the frozen target's graph (its params are trainer aux)
 
 
-def build(cfg: TrainConfig, *, mesh=None) -> Run:
-    """Everything a run needs (trainer, data iterator, drafter config); nothing trained yet."""
+def build(cfg: TrainConfig, *, mesh=None, draft_ids=None) -> Run:
+    """Everything a run needs (trainer, data iterator, drafter config); nothing trained yet.
+    `draft_ids`: the draft vocabulary's target ids (required when model.draft_vocab_size > 0)."""
     from specjax import checkpoints
     from specjax.training import features as feat
     from specjax.training.cache_parts import open_target_cache
@@ -88,7 +89,7 @@ def build(cfg: TrainConfig, *, mesh=None) -> Run:
     target, tcfg = checkpoints.load_target(mc.target, dtype=mc.target_dtype)
     target_graphdef, aux = nnx.split(target)
     obj = make_objective(mc, target, tcfg, target_graphdef=target_graphdef,
-                         feature_dtype=jnp.bfloat16)
+                         feature_dtype=jnp.bfloat16, draft_ids=draft_ids)
     if dc.mode == "cache":
         identity = feat.target_identity(mc.target, tcfg)
         dataset = open_target_cache(dc.cache_dir, expect_layers=obj.tap_layers,
@@ -136,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    metavar="SECTION.FIELD=VALUE", help="override a config field (repeatable)")
     p.add_argument("--steps", type=int, default=None,
                    help="stop after this many optimizer steps in total (default: the schedule's)")
+    p.add_argument("--draft-vocab", default=None, metavar="JSON",
+                   help="draft vocabulary file ({\"draft_ids\": [...]}, written by the "
+                        "embedded build's vocab stage); needed when model.draft_vocab_size > 0")
     p.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
                    help="tensor dtype of the export (default: the parameters' own)")
     dist.add_distributed_args(p)
@@ -143,7 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         dist.initialize_from_args(args)
         cfg = load_train_config(args.config, args.overrides)
-        trainer, data, dcfg = build(cfg)[:3]
+        draft_ids = None
+        if args.draft_vocab:
+            from specjax.training.build import read_draft_vocab
+
+            draft_ids = read_draft_vocab(args.draft_vocab, size=cfg.model.draft_vocab_size)
+        trainer, data, dcfg = build(cfg, draft_ids=draft_ids)[:3]
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,212 @@
+"""train.build_embedded / specjax.training.build end to end at a tiny scale on a tiny random Llama
+target: ShareGPT JSON -> prompts -> regenerated answers -> offline cache -> draft vocabulary ->
+dspark (cache, Markov + confidence heads, draft vocabulary) and mtp1 (online) -> STS -> export;
+the exports load with the registry, BUILD.json records every stage, and stages resume.
+The pipeline test takes ~100 s on an idle 2-core machine (most of it compiling the engine for
+regeneration and calibration and the two training steps); it runs every stage once, in process.)"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import pytest
+import yaml
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+WORDS = [f"w{i}" for i in range(10, 64)]
+EVAL_PROMPT = "w20 w21 w22 w23"
+
+
+def _tiny_llama_target(root: pathlib.Path) -> pathlib.Path:
+    """A random 2-layer Llama (tied, vocab 64) exported with a chat-template word tokenizer."""
+    from flax import nnx
+
+    from serving_fixtures import TINY, tiny_chat_tokenizer
+    from specjax import checkpoints
+    from specjax.config import TargetConfig
+    from specjax.models.decoder import CausalLM
+
+    cfg = TargetConfig(**TINY, architecture="LlamaForCausalLM", model_type="llama", qk_norm=False,
+                       tie_word_embeddings=True, eos_token_ids=(2,), bos_token_id=1,
+                       max_position_embeddings=512)
+    d = root / "target"
+    checkpoints.export_target(CausalLM(cfg, rngs=nnx.Rngs(0)), cfg, d)
+    tiny_chat_tokenizer().save_pretrained(d)
+    return d
+
+
+def _sharegpt(root: pathlib.Path, n: int = 24) -> pathlib.Path:
+    """n conversations of 3-8 words (one is an evaluation prompt, one a duplicate) cut off inside
+    a last record, as the real file is."""
+    import random
+
+    rng = random.Random(0)
+    recs = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))},
+        {"from": "gpt", "value": "w30 w31"}]} for i in range(n)]
+    recs[3]["conversations"][0]["value"] = EVAL_PROMPT
+    recs[5]["conversations"][0]["value"] = recs[4]["conversations"][0]["value"]
+    text = json.dumps(recs)
+    path = root / "sharegpt.json"
+    path.write_text(text[: text.rfind("{\"id\"") + 30])  # the last record is truncated
+    return path
+
+
+def _configs(root: pathlib.Path) -> pathlib.Path:
+    common = {"optimizer": {"learning_rate": 0.003, "warmup_ratio": 0.0},
+              "schedule": {"total_steps": 1000},  # the build's --steps overrides it
+              "checkpoint": {"directory": "unused", "save_every": 2, "keep": 1,
+                             "async_save": False},
+              "logging": {"directory": "unused", "every": 1, "tensorboard": False,
+                          "progress": False}}
+    dspark = {"name": "tiny_dspark", "model": {
+        "kind": "dspark", "target": "unused", "mask_token_id": 3, "target_layer_ids": [0, 1],
+        "num_draft_layers": 1, "block_size": 4, "markov_rank": 8, "confidence_head": True,
+        "num_anchors": 8, "draft_vocab_size": 48, "compute_dtype": "float32",
+        "target_dtype": "float32"},
+        "data": {"mode": "cache", "cache_dir": "unused", "max_length": 64, "min_loss_tokens": 2,
+                 "batch_size": 4, "length_buckets": [64]}, **common}
+    mtp = {"name": "tiny_mtp", "model": {"kind": "mtp", "target": "unused",
+                                         "compute_dtype": "float32", "target_dtype": "float32"},
+           "data": {"mode": "online", "train_jsonl": ["unused"], "max_length": 64,
+                    "min_loss_tokens": 2, "batch_size": 4, "length_buckets": [64]}, **common}
+    d = root / "configs"
+    d.mkdir()
+    (d / "dspark.yaml").write_text(yaml.safe_dump(dspark))
+    (d / "mtp1.yaml").write_text(yaml.safe_dump(mtp))
+    return d
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("build")
+    eval_dir = root / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "set.jsonl").write_text(json.dumps({"turns": [EVAL_PROMPT]}) + "\n")
+    return {"root": root, "target": _tiny_llama_target(root), "sharegpt": _sharegpt(root),
+            "configs": _configs(root), "eval": eval_dir}
+
+
+def _argv(s, *extra: str) -> list[str]:
+    r = s["root"]
+    return ["--in-process", "--target", str(s["target"]), "--out-dir", str(r / "out"),
+            "--work-dir", str(r / "work"), "--config-dir", str(s["configs"]),
+            "--eval-dir", str(s["eval"]), "--sharegpt", str(s["sharegpt"]),
+            "--drafters", "dspark", "mtp1", "--scale", "smoke", "--rows", "6",
+            "--max-new-tokens", "12", "--prompt-max-tokens", "16", "--steps", "3",
+            "--calibrate-prompts", "2", "--calibrate-tokens", "6", "--heldout-fraction", "0.25",
+            "--regen-slots", "1", *extra]
+
+
+def test_pipeline_end_to_end_resumes_and_exports_loadable_drafters(setup):
+    from specjax import checkpoints
+    from specjax.drafters import registry
+    from specjax.io import read_jsonl
+    from train import build_embedded
+
+    s, work, out = setup, setup["root"] / "work", setup["root"] / "out"
+    assert build_embedded.main(_argv(s, "--stages", "prepare", "regenerate")) == 0
+    regen = work / "regen.jsonl"
+    rows = read_jsonl(regen)
+    assert len(rows) == 6 and all(r["conversations"][-1]["role"] == "assistant" for r in rows)
+    man = json.loads((work / "sharegpt" / "manifest.json").read_text())
+    assert man["read"]["finished"] is False  # the truncated last record was noticed, not fatal
+    assert man["prompts"]["dropped"].get("evaluation prompt") == 1
+    assert man["prompts"]["dropped"].get("duplicate") == 1
+
+    # resume by record: drop the last two answers; a rerun writes exactly those again
+    lines = regen.read_text().splitlines(keepends=True)
+    regen.write_text("".join(lines[:4]))
+    assert build_embedded.main(_argv(s, "--stages", "regenerate")) == 0
+    assert [r["id"] for r in read_jsonl(regen)] == [r["id"] for r in rows]
+    # complete: a third run does nothing (file untouched, stage skipped)
+    mtime = regen.stat().st_mtime_ns
+    record = json.loads((out / "BUILD.json").read_text())
+    assert record["stages"]["regenerate"]["runs"] == 2
+    assert build_embedded.main(_argv(s, "--stages", "regenerate")) == 0
+    assert regen.stat().st_mtime_ns == mtime
+    assert json.loads((out / "BUILD.json").read_text())["stages"]["regenerate"]["runs"] == 2
+
+    assert build_embedded.main(_argv(s)) == 0
+    record = json.loads((out / "BUILD.json").read_text())
+    for key in ("prepare", "regenerate", "cache", "vocab", "train/dspark", "train/mtp1",
+                "calibrate/dspark", "export"):
+        runs = 2 if key == "regenerate" else 1  # regenerate: the run above and its resume
+        assert record["stages"][key]["complete"] and record["stages"][key]["runs"] == runs, key
+    assert "calibrate/mtp1" not in record["stages"]  # no confidence head
+    assert 0 < record["data"]["draft_vocab_coverage"]["48"] <= 1.0
+    assert record["drafter_bytes_total"] == sum(record["drafter_bytes"].values()) > 0
+
+    target, tcfg = checkpoints.load_target(s["target"])
+    for name in ("dspark", "mtp1"):
+        d = out / "drafters" / name
+        drafter = registry.load_drafter(d, target=target)
+        info = json.loads((d / "training.json").read_text())
+        assert info["final_step"] == 3 and str(s["root"]) not in json.dumps(info)
+    # the shipped copy leaves out the target's embedding and head copies and loads the same
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    with checkpoints.SafetensorsDir(out / "drafters" / "dspark") as r:
+        assert "embed_tokens.weight" not in r and "lm_head.weight" not in r and "fc.weight" in r
+    with checkpoints.SafetensorsDir(work / "exports" / "dspark") as r:
+        assert "embed_tokens.weight" in r  # negative control: the trainer's full export has it
+    dspark = registry.load_drafter(out / "drafters" / "dspark", target=target)
+    full = registry.load_drafter(work / "exports" / "dspark", target=target)
+    trained = [jax.tree.leaves(nnx.state(m, nnx.Param)) for m in (dspark, full)]
+    assert len(trained[0]) == len(trained[1]) > 5
+    for a, b in zip(*trained):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the frozen copies come from the target itself (exact; the full export rounded them to bf16)
+    np.testing.assert_array_equal(np.asarray(dspark.embed_tokens.embedding[...]),
+                                  np.asarray(target.model.embed_tokens.embedding[...]))
+    assert dspark.draft_vocab.size == 48
+    assert (out / "drafters" / "dspark" / "calibration.json").is_file()
+    assert "confidence_temperatures" in json.loads((out / "drafters" / "dspark" /
+                                                    "config.json").read_text())
+    # the recorded split keeps evaluation prompts out and ships the held-out prompts
+    split = json.loads((out / "split.json").read_text())
+    held = read_jsonl(out / "prompts" / "heldout.jsonl")
+    assert held and [r["id"] for r in held] == split["heldout_ids"]
+    train_prompts = {r["turns"][0] for r in read_jsonl(work / "sharegpt" / "prompts.jsonl")}
+    assert EVAL_PROMPT not in train_prompts | {r["turns"][0] for r in held}
+
+    # a rerun of a finished build trains nothing again
+    steps_before = record["stages"]["train/dspark"]["runs"]
+    assert build_embedded.main(_argv(s, "--stages", "train")) == 0
+    again = json.loads((out / "BUILD.json").read_text())
+    assert again["stages"]["train/dspark"]["runs"] == steps_before
+
+
+def test_budget_refuses_an_oversized_export(setup, capsys):
+    """Negative control of the size budget: the same exports refused under a 0.01 MiB budget."""
+    from train import build_embedded
+
+    if not (setup["root"] / "work" / "exports" / "mtp1" / "config.json").is_file():
+        pytest.skip("needs the pipeline test's exports")
+    rc = build_embedded.main(_argv(setup, "--stages", "export", "--budget-mb", "0.01"))
+    assert rc == 1 and "over the 0.01 MiB budget" in capsys.readouterr().err
+
+
+def test_cache_drafters_must_share_tap_layers(setup, tmp_path):
+    from specjax.training import build as B
+
+    cfgs = tmp_path / "configs"
+    cfgs.mkdir()
+    for name, layers in (("a", [0, 1]), ("b", [1])):
+        (cfgs / f"{name}.yaml").write_text(yaml.safe_dump(
+            {"model": {"kind": "dflash", "target_layer_ids": layers}, "data": {"mode": "cache"}}))
+    s = B.BuildSettings(target=str(setup["target"]), out_dir=str(tmp_path / "o"),
+                        work_dir=str(tmp_path / "w"), config_dir=str(cfgs), drafters=("a", "b"),
+                        eval_dir=str(setup["eval"]), scale=B.SCALES["smoke"])
+    with pytest.raises(B.BuildError, match=r"b.yaml: model.target_layer_ids \[1\] differ"):
+        B.Build(s, runner=lambda step: 0)
+    with pytest.raises(B.BuildError, match="no training config"):
+        B.Build(B.BuildSettings(**{**s.__dict__, "drafters": ("zzz",)}), runner=lambda st: 0)
+    assert not os.path.exists(tmp_path / "o")
