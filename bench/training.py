@@ -110,7 +110,13 @@ def update_reads(out_dir: str, reads: dict) -> None:
     with open(paths[1], encoding="utf-8") as f:
         md = f.read()
     result["random_reads"] = reads
+    if READS_BEGIN not in md and "load" not in md.lower():  # docs showed the steps' load from the JSON
+        md = md.rstrip("\n") + "\n\n" + _steps_load_line(result)
     write_results("training", result, _replace_reads(md, reads_markdown(reads)), out_dir=out_dir)
+
+
+def _steps_load_line(result: dict) -> str:
+    return f"1-minute load average when the training steps were measured: {result['machine']['load_average'][0]:.1f}.\n"
 
 
 def _time_steps(run, steps: int) -> dict:
@@ -184,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [["specjax pystd target (ours)", h, n_layers, feat.bytes_per_token(h, n_layers), "-"]]
     for name, (hh, ll) in QWEN3.items():
         sizes.append([name, hh, ll, feat.bytes_per_token(hh, ll), 6 + 2 * hh * (ll + 1)])
+    machine = machine_info()
     md = (f"# Draft training throughput\n\nCommand: `{command_line('bench.training', argv)}`\n\n"
           f"DSpark drafter of `{args.config}` on the embedded target, batch {cfg.data.batch_size} x "
           f"{cfg.data.max_length} tokens, {cfg.model.num_anchors} anchors per sequence; {args.steps} timed steps.\n\n"
@@ -197,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
           + "Cache bytes per token (ours: 5 + 2H(L+1): ids, loss mask, bf16 taps, bf16 final hidden; DeepSpec's "
             "6 + 2H(L+1) also stores an all-ones attention mask):\n\n"
           + md_table(["model", "H", "L (taps)", "specjax bytes/token", "DeepSpec bytes/token"], sizes, "lrrrr")
-          + "\n" + reads_markdown(reads))
+          + "\n" + _steps_load_line({"machine": machine}) + "\n" + reads_markdown(reads))
 
     def plot(path):
         plt = pyplot()
@@ -209,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         fig.savefig(path, dpi=100)
         plt.close(fig)
 
-    write_results("training", {"machine": machine_info(), "online": res_online, "cache": res_cache,
+    write_results("training", {"machine": machine, "online": res_online, "cache": res_cache,
                                "cache_tokens": n_tokens, "cache_bytes_on_disk": on_disk, "sizes": sizes,
                                "random_reads": reads}, md,
                   out_dir=args.out_dir, plot=plot)

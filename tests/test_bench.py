@@ -266,3 +266,19 @@ def test_startup_markdown_judges_the_warm_start():
     assert "measured **15.0 s** — met" in md
     md = startup.markdown({"starts": starts, "warm_start_s": 25.0}, "python -m bench.startup")
     assert "not met" in md
+
+
+def test_training_reads_block_is_replaced_or_appended():
+    from bench import training
+
+    block = training.reads_markdown({"command": "python -m bench.training --reads-only", "batch": 8, "repeats": 3,
+                                     "cache": {"samples": 4, "tokens": 40, "bytes_on_disk": 2**20},
+                                     "pools": {"none (before)": {"ms_median": 2.0, "ms_min": 1.5,
+                                                                 "load_1min": [1.0, 1.0]}}})
+    assert block.startswith(training.READS_BEGIN) and block.endswith(training.READS_END + "\n")
+    assert "| none (before) | 2.00 | 1.50 | 1.0 |" in block
+    md = "# T\n\ntable\n"
+    once = training._replace_reads(md, block)
+    assert once == md + "\n" + block
+    newer = block.replace("2.00", "3.00")
+    assert training._replace_reads(once + "tail\n", newer) == md + "\n" + newer + "tail\n"
