@@ -117,3 +117,15 @@ def make_tiny_tokenizer(out_dir: str | pathlib.Path, vocab: int = 97) -> pathlib
     fast.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return out
+
+
+def padded_batch(seed: int, lengths: tuple[int, ...], vocab: int):
+    """Random right-padded token rows: (tokens [B,T] int32, positions [B,T], valid lengths [B])."""
+    import numpy as np
+    rng = np.random.RandomState(seed)
+    t = max(lengths)
+    valid = np.asarray(lengths, np.int32)
+    tokens = rng.randint(3, vocab, size=(len(lengths), t)).astype(np.int32)
+    tokens[np.arange(t)[None, :] >= valid[:, None]] = 0  # right padding
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape)
+    return tokens, positions, valid

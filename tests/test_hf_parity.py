@@ -13,9 +13,11 @@ import pytest
 from flax import nnx
 
 try:
-    from tests.hf_fixtures import hf_forward, load_hf_model, make_tiny_qwen3, make_tiny_tokenizer
+    from tests.hf_fixtures import (hf_forward, load_hf_model, make_tiny_qwen3, make_tiny_tokenizer,
+                                   padded_batch)
 except ImportError:  # tests/ itself on sys.path
-    from hf_fixtures import hf_forward, load_hf_model, make_tiny_qwen3, make_tiny_tokenizer
+    from hf_fixtures import (hf_forward, load_hf_model, make_tiny_qwen3, make_tiny_tokenizer,
+                             padded_batch)
 
 from specjax import checkpoints
 from specjax.checkpoints import common
@@ -57,13 +59,7 @@ def _jit_forward(model):
 
 
 def _batch(seed: int, lengths=(11, 4, 8)):
-    rng = np.random.RandomState(seed)
-    t = max(lengths)
-    valid = np.asarray(lengths, np.int32)
-    tokens = rng.randint(3, VOCAB, size=(len(lengths), t)).astype(np.int32)
-    tokens[np.arange(t)[None, :] >= valid[:, None]] = 0  # right padding
-    positions = np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape)
-    return tokens, positions, valid
+    return padded_batch(seed, lengths, VOCAB)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

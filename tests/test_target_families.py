@@ -16,9 +16,9 @@ import pytest
 from flax import nnx
 
 try:
-    from tests.hf_fixtures import hf_forward, load_hf_model, make_tiny_lm
+    from tests.hf_fixtures import hf_forward, load_hf_model, padded_batch, make_tiny_lm
 except ImportError:  # tests/ itself on sys.path
-    from hf_fixtures import hf_forward, load_hf_model, make_tiny_lm
+    from hf_fixtures import hf_forward, load_hf_model, padded_batch, make_tiny_lm
 
 from specjax import checkpoints
 from specjax.config import ConfigError, TargetConfig
@@ -70,13 +70,7 @@ def _jit_forward(model):
 
 
 def _batch(seed: int, lengths=(40, 9, 27)):
-    rng = np.random.RandomState(seed)
-    t = max(lengths)
-    valid = np.asarray(lengths, np.int32)
-    tokens = rng.randint(3, VOCAB, size=(len(lengths), t)).astype(np.int32)
-    tokens[np.arange(t)[None, :] >= valid[:, None]] = 0  # right padding
-    positions = np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape)
-    return tokens, positions, valid
+    return padded_batch(seed, lengths, VOCAB)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
