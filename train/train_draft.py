@@ -116,7 +116,7 @@ def build(cfg: TrainConfig, *, mesh=None, draft_ids=None) -> Run:
     return Run(trainer, data, obj.drafter_config, obj.tap_layers, target_graphdef)
 
 
-def _export(trainer, state, dcfg, out_dir: str, *, target: str | None = None,
+def _export(trainer, state, dcfg, out_dir: str, *, target: Any = None,
             dtype: str | None = None) -> None:
     """Hugging Face style export (config.json + safetensors, DeepSpec names) of the drafter,
     written by process 0 (the parameters are first gathered onto every process)."""
@@ -174,8 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"preempted at step {result.step}; rerun the same command to resume", flush=True)
         return 0
     if cfg.export_dir:
-        _export(trainer, result.state, dcfg, cfg.export_dir, target=cfg.model.target,
-                dtype=args.export_dtype)
+        from specjax import checkpoints
+
+        # the target's config (a .gguf target has no config.json to copy)
+        _export(trainer, result.state, dcfg, cfg.export_dir,
+                target=checkpoints.read_target_config(cfg.model.target), dtype=args.export_dtype)
     print(f"done: {result.step} steps; last metrics {json.dumps(result.metrics)}", flush=True)
     return 0
 

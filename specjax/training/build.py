@@ -70,8 +70,11 @@ class Scale:
 
 
 SCALES = {
-    # the shipped build, sized for <= 5 h on the 2-core machine (configs/embedded/*.yaml steps)
-    "full": Scale(rows=2048, max_new_tokens=256, prompt_max_tokens=256, prepare_limit=None,
+    # the shipped build, sized for <= 5 h on the shared 2-core machine with the step counts of
+    # configs/embedded/*.yaml (measured there: regeneration ~15 answer tokens/s at 16 slots,
+    # cache ~120 tokens/s, training 4-6 s/step): regenerate ~85 min, cache ~16 min, training
+    # ~2.5 h over six drafters, calibration ~20 min; about 4.5 h in all
+    "full": Scale(rows=384, max_new_tokens=192, prompt_max_tokens=256, prepare_limit=None,
                   steps=None, calibrate_prompts=32, calibrate_tokens=128),
     # proves the real path in minutes (garbage drafters: never export these into the package)
     "smoke": Scale(rows=16, max_new_tokens=32, prompt_max_tokens=128, prepare_limit=2000,
