@@ -20,6 +20,7 @@ drafter context behind, so they decode plainly to the end.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -480,16 +481,18 @@ class Engine:
                     keys += [("round", (sb, 1)), ("lite", (sb,))]  # rounds that skip drafting
         return keys
 
-    def warmup(self, threads: int = 1) -> float:
+    def warmup(self, threads: int | None = None) -> float:
         """Compile every bucket ahead (with progress). Returns seconds spent.
 
         Tracing runs in order on this thread; with `threads` > 1 that many threads then compile the
-        lowered executables at once (worth it where one compile is long and cores are many, e.g. a
-        deep target on a GPU host)."""
+        lowered executables at once (XLA compiles without the GIL). Default: one per CPU core, at
+        most 4 (a 30-layer target's bucket takes seconds to compile on a small CPU)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm.auto import tqdm
         from specjax import compile_cache
+        if threads is None:
+            threads = max(1, min(4, os.cpu_count() or 1))
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         compile_cache.enable()  # a second start loads the executables from disk
