@@ -132,11 +132,14 @@ def test_pipeline_end_to_end_resumes_and_exports_loadable_drafters(setup):
     assert regen.stat().st_mtime_ns == mtime
     assert json.loads((out / "BUILD.json").read_text())["stages"]["regenerate"]["runs"] == 2
 
+    # fewer rows than already answered is refused (the file may only grow)
+    assert build_embedded.main(_argv(s, "--stages", "regenerate", "--rows", "5")) == 1
+
     assert build_embedded.main(_argv(s)) == 0
     record = json.loads((out / "BUILD.json").read_text())
     for key in ("prepare", "regenerate", "cache", "vocab", "train/dspark", "train/mtp1",
                 "calibrate/dspark", "export"):
-        runs = 2 if key == "regenerate" else 1  # regenerate: the run above and its resume
+        runs = 3 if key == "regenerate" else 1  # regenerate: the run, its resume, the refusal
         assert record["stages"][key]["complete"] and record["stages"][key]["runs"] == runs, key
     assert "calibrate/mtp1" not in record["stages"]  # no confidence head
     assert 0 < record["data"]["draft_vocab_coverage"]["48"] <= 1.0
@@ -210,3 +213,20 @@ def test_cache_drafters_must_share_tap_layers(setup, tmp_path):
     with pytest.raises(B.BuildError, match="no training config"):
         B.Build(B.BuildSettings(**{**s.__dict__, "drafters": ("zzz",)}), runner=lambda st: 0)
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_draft_vocab_file_round_trip_and_errors(tmp_path):
+    import numpy as np
+
+    from specjax.training import build as B
+
+    p = str(tmp_path / "v.json")
+    B.write_draft_vocab(p, np.array([2, 5, 9]), coverage=0.5, counted_tokens=10, source="x")
+    np.testing.assert_array_equal(B.read_draft_vocab(p, size=3), [2, 5, 9])
+    with pytest.raises(ValueError, match="3 draft ids, but the config's draft_vocab_size is 4"):
+        B.read_draft_vocab(p, size=4)
+    (tmp_path / "bad.json").write_text('{"draft_ids": []}')
+    with pytest.raises(ValueError, match="bad.json: field 'draft_ids'"):
+        B.read_draft_vocab(str(tmp_path / "bad.json"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        B.read_draft_vocab(str(tmp_path / "none.json"))

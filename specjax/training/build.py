@@ -358,6 +358,9 @@ class Build:
                 tag = f"[{i}/{len(chosen)}] {key}"
                 if done():
                     self.log(f"{tag}: complete, skipped")
+                    st = self.record["stages"].get(key)
+                    if st is not None and not st.get("complete"):
+                        self._note(key, 0.0, True, ran=False)
                     continue
                 self.log(f"{tag}: running")
                 t0 = time.perf_counter()
@@ -396,27 +399,40 @@ class Build:
         self._run(Step("train.prepare_sharegpt", args))
 
     # regenerate ----------------------------------------------------------------------------
-    def done_regenerate(self) -> bool:
-        n = _count_rows(self.s.regen_prompts)
-        return n > 0 and _count_rows(self.s.regen_out) + _count_rows(self.s.regen_errors) >= n
-
-    def select_prompts(self) -> int:
-        """The first `rows` training prompts -> regen_prompts.jsonl (kept once written, so a
-        resumed regeneration sees the same input)."""
-        from specjax.io import write_atomic
-
-        if os.path.isfile(self.s.regen_prompts):
-            return _count_rows(self.s.regen_prompts)
+    def wanted_prompts(self) -> list[dict[str, Any]]:
+        """The first `rows` training prompts of the prepare stage."""
         src = os.path.join(self.s.sharegpt_dir, "prompts.jsonl")
         if not os.path.isfile(src):
             raise BuildError(f"regenerate needs {src}: run the prepare stage first")
         rows = read_jsonl(src, objects=True)[: self.s.scale.rows]
         if not rows:
             raise BuildError(f"{src} has no training prompt")
+        return rows
+
+    def done_regenerate(self) -> bool:
+        if not os.path.isfile(os.path.join(self.s.sharegpt_dir, "prompts.jsonl")):
+            return False
+        n = _count_rows(self.s.regen_prompts)
+        return (n == len(self.wanted_prompts())
+                and _count_rows(self.s.regen_out) + _count_rows(self.s.regen_errors) >= n)
+
+    def select_prompts(self) -> int:
+        """regen_prompts.jsonl = the first `rows` training prompts. An existing file may only
+        grow (a larger --rows): the rows already answered stay first, so regeneration resumes."""
+        from specjax.io import write_atomic
+
+        rows = self.wanted_prompts()
         if len(rows) < self.s.scale.rows:
             self.log(f"regenerate: only {len(rows)} training prompts (asked for {self.s.scale.rows})")
-        write_atomic(self.s.regen_prompts, "".join(json.dumps(r, ensure_ascii=False) + "\n"
-                                                   for r in rows))
+        have = read_jsonl(self.s.regen_prompts, objects=True, missing_ok=True)
+        if have != rows[: len(have)]:
+            raise BuildError(
+                f"{self.s.regen_prompts} ({len(have)} rows) is not the start of the {len(rows)} "
+                f"prompts asked for now (fewer rows or other prompts); remove it and "
+                f"{self.s.regen_out} to regenerate from scratch")
+        if len(have) < len(rows):
+            write_atomic(self.s.regen_prompts, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                       for r in rows))
         return len(rows)
 
     def regenerate(self) -> None:
@@ -567,12 +583,14 @@ class Build:
     def _target_label(self) -> str:
         return self.s.target_label or os.path.basename(os.path.normpath(self.s.target))
 
-    def _note(self, key: str, seconds: float, complete: bool) -> None:
-        """Add a stage run to the record and write BUILD.json atomically."""
+    def _note(self, key: str, seconds: float, complete: bool, *, ran: bool = True) -> None:
+        """Add a stage run (or, with ran=False, only its completeness) to the record and write
+        BUILD.json atomically."""
         st = self.record["stages"].setdefault(key, {"wall_s": 0.0, "runs": 0})
-        st["wall_s"] = round(st["wall_s"] + seconds, 1)
-        st["runs"] += 1
-        st["last_run_s"] = round(seconds, 1)
+        if ran:
+            st["wall_s"] = round(st["wall_s"] + seconds, 1)
+            st["runs"] += 1
+            st["last_run_s"] = round(seconds, 1)
         st["complete"] = complete
         st["finished"] = _now() if complete else None
         r, s = self.record, self.s
