@@ -53,10 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="drafters to train (each needs <config-dir>/<name>.yaml)")
     p.add_argument("--scale", choices=sorted(B.SCALES), default="full",
                    help="preset sizes; the flags below override single fields")
-    for name, kind in (("rows", int), ("max-new-tokens", int), ("prompt-max-tokens", int),
-                       ("prepare-limit", int), ("steps", int), ("calibrate-prompts", int),
-                       ("calibrate-tokens", int)):
-        p.add_argument(f"--{name}", type=kind, default=None)
+    for name, what in (("rows", "answers regenerated (training conversations)"),
+                       ("max-new-tokens", "tokens per regenerated answer"),
+                       ("prompt-max-tokens", "longest ShareGPT prompt kept (target tokens)"),
+                       ("prepare-limit", "ShareGPT conversations read"),
+                       ("steps", "optimizer steps of every drafter (default: each config's)"),
+                       ("calibrate-prompts", "held-out prompts for STS"),
+                       ("calibrate-tokens", "new tokens per calibration prompt")):
+        p.add_argument(f"--{name}", type=int, default=None, help=what)
     p.add_argument("--target", default=None, help="target checkpoint (default: SmolLM2's GGUF)")
     p.add_argument("--out-dir", default=None, help="default: specjax/assets/smollm2")
     p.add_argument("--work-dir", default=DEFAULT_WORK)
