@@ -38,8 +38,9 @@ G15 = ("dspark-g15", "dflash-g15")
 
 def _gamma15(prompts_path, cap, max_tokens, out_dir) -> dict | None:
     """τ of the block-15 DSpark / DFlash drafters verified at gamma 7 and 15, T = 1 and 0."""
-    from train.build_embedded import bench_drafter_dir
-    dirs = [bench_drafter_dir(n) for n in G15]
+    from specjax import embedded
+    # exported by the earlier pystd build (`runs/embedded/exports`); the SmolLM2 build makes none
+    dirs = [os.path.join("runs", "embedded", "exports", n) for n in G15]
     if not all(os.path.exists(os.path.join(d, "config.json")) for d in dirs):
         return None
     from specjax.eval.evaluate import EvalSettings, run_evaluation
@@ -47,7 +48,7 @@ def _gamma15(prompts_path, cap, max_tokens, out_dir) -> dict | None:
     for temp in (1.0, 0.0):
         for gamma in (7, 15):
             log(f"gamma-15 drafters at gamma {gamma}, T={temp:g}")
-            t = run_evaluation(None, dirs, [prompts_path], os.path.join(out_dir, f"embedded_g15_T{int(temp)}_gamma{gamma}"),
+            t = run_evaluation(embedded.target_dir(), dirs, [prompts_path], os.path.join(out_dir, f"embedded_g15_T{int(temp)}_gamma{gamma}"),
                                cap=cap, gamma=gamma, progress=False,
                                settings=EvalSettings(temperature=temp, max_new_tokens=max_tokens))
             res[(temp, gamma)] = {"dspark": _tau(t, G15[0]), "dflash": _tau(t, G15[1])}
