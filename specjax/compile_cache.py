@@ -39,6 +39,8 @@ def enable(path: str | os.PathLike | None = None) -> str | None:
     if cache_dir is None:
         return None
     if jax.config.jax_compilation_cache_dir != cache_dir:
+        from jax.experimental.compilation_cache import compilation_cache as jcc
         os.makedirs(cache_dir, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jcc.set_cache_dir(cache_dir)
+        jcc.reset_cache()  # JAX opens its cache once: a new directory needs a fresh start
     return cache_dir

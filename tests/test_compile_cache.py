@@ -15,8 +15,10 @@ def restore_jax_cache_config():
     old_dir = jax.config.jax_compilation_cache_dir
     old_min = jax.config.jax_persistent_cache_min_compile_time_secs
     yield
+    from jax.experimental.compilation_cache import compilation_cache as jcc
     jax.config.update("jax_compilation_cache_dir", old_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", old_min)
+    jcc.reset_cache()
 
 
 def test_resolve_dir_precedence(monkeypatch, tmp_path):
@@ -34,6 +36,7 @@ def test_resolve_dir_precedence(monkeypatch, tmp_path):
 
 
 def test_enable_writes_entries_that_a_recompile_reads(tmp_path, restore_jax_cache_config):
+    jax.jit(lambda x: x * 2.0).lower(jnp.ones(3)).compile()  # JAX's cache already in use (old dir)
     d = compile_cache.enable(tmp_path / "cache")
     assert d == str(tmp_path / "cache") and jax.config.jax_compilation_cache_dir == d
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -129,7 +129,7 @@ def load_target(path: str | os.PathLike, *, dtype="float32", compute_dtype=None,
     """
     path = os.fspath(path)
     if is_gguf(path):
-        cached = _cached_conversion(path)
+        cached = _cached_conversion(path) if os.path.isfile(path) else None
         if cached is not None:  # the float32 copy a previous load stored (see gguf_cache_root)
             return load_target(cached, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, rules=rules)
         cfg, tensors = open_gguf_target(path)
@@ -199,7 +199,7 @@ def load_tokenizer(path: str | os.PathLike):
     the tokenizer and chat template stored in a `.gguf` file; None if a directory has none."""
     path = os.fspath(path)
     if is_gguf(path):
-        cached = _cached_conversion(path)
+        cached = _cached_conversion(path) if os.path.isfile(path) else None
         tok = load_tokenizer(cached) if cached is not None else None
         return tok if tok is not None else load_gguf_tokenizer(path)
     if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f))
