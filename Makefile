@@ -23,8 +23,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m serve.demo
 
+# two workers: most of the suite's time is single-threaded XLA compilation
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 bench: $(STAMP)
 	$(PY) -m bench.run_all
