@@ -253,6 +253,15 @@ def _qwen3_layers_from_hf(d: Mapping[str, Any], source: str) -> TargetConfig:
     return TargetConfig.from_hf_dict({**d, "architectures": ["Qwen3ForCausalLM"]}, source=source)
 
 
+def _one_layer_from_hf(d: Mapping[str, Any], source: str, kind: str) -> TargetConfig:
+    """The layer config of a one-layer drafter (Eagle3, MTP-1); ConfigError names the field."""
+    tc = _qwen3_layers_from_hf(d, source)
+    if tc.num_hidden_layers != 1:
+        raise ConfigError(f"{source}: field 'num_hidden_layers' must be 1 for {kind} drafter, "
+                          f"got {tc.num_hidden_layers}")
+    return tc
+
+
 def _layer_dims(tc: TargetConfig) -> dict[str, Any]:
     return dict(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
                 intermediate_size=tc.intermediate_size,
@@ -341,10 +350,7 @@ def eagle3_config_from_hf(d: Mapping[str, Any], *, source: str = "config.json"):
     if drafter_architecture(d, source) != "eagle3":
         raise ConfigError(f"{source}: architectures {d.get('architectures')!r} is not an Eagle3 "
                           f"architecture")
-    tc = _qwen3_layers_from_hf(d, source)
-    if tc.num_hidden_layers != 1:
-        raise ConfigError(f"{source}: field 'num_hidden_layers' must be 1 for an Eagle3 drafter, "
-                          f"got {tc.num_hidden_layers}")
+    tc = _one_layer_from_hf(d, source, "an Eagle3")
     src = d
     if d.get("target_layer_ids") is None and isinstance(d.get("eagle_config"), Mapping) and \
             d["eagle_config"].get("eagle_aux_hidden_state_layer_ids") is not None:
@@ -372,10 +378,7 @@ def mtp_config_from_hf(d: Mapping[str, Any], *, source: str = "config.json"):
     if drafter_architecture(d, source) != "mtp":
         raise ConfigError(f"{source}: architectures {d.get('architectures')!r} is not "
                           f"{MTP_ARCHITECTURE!r}")
-    tc = _qwen3_layers_from_hf(d, source)
-    if tc.num_hidden_layers != 1:
-        raise ConfigError(f"{source}: field 'num_hidden_layers' must be 1 for an MTP-1 drafter, "
-                          f"got {tc.num_hidden_layers}")
+    tc = _one_layer_from_hf(d, source, "an MTP-1")
     try:
         return MTPConfig(**_layer_dims(tc),
                          draft_vocab_size=_draft_vocab_size(d, tc.vocab_size, source))
