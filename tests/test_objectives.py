@@ -182,3 +182,43 @@ def test_only_the_drafter_receives_gradients(kind):
     draft_leaves = jax.tree.leaves(g_draft)
     assert draft_leaves and all(float(jnp.abs(g).sum()) > 0 for g in draft_leaves), \
         f"{kind}: some drafter parameter got no gradient"
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3", "mtp", "standalone"])
+def test_draft_intermediate_size_narrows_the_mlp_and_round_trips(kind, tmp_path):
+    """`draft_intermediate_size` sets the MLP width of every kind's own layers (0 = the target's);
+    the checkpoint records it and loads back into the same drafter."""
+    import dataclasses
+
+    from specjax.drafters.registry import load_drafter, save_drafter
+
+    target = CausalLM(TCFG, rngs=nnx.Rngs(1))
+    gd, _ = nnx.split(target)
+    extra = {"mask_token_id": 63, "markov_rank": 4} if kind == "dspark" else {}
+    mc = _mc(kind, **extra)
+
+    def build(width):
+        return make_objective(dataclasses.replace(mc, draft_intermediate_size=width), target,
+                              TCFG, target_graphdef=gd, feature_dtype=jnp.float32).drafter
+
+    def mlp_widths(d):  # Linear kernels are [in, out]
+        return sorted({int(v.shape[-1]) for p, v in jax.tree_util.tree_leaves_with_path(
+            nnx.state(d, nnx.Param)) if "up_proj" in jax.tree_util.keystr(p)})
+
+    assert mlp_widths(build(0)) == [TCFG.intermediate_size]
+    narrow = build(24)
+    assert mlp_widths(narrow) == [24]
+    back = load_drafter(save_drafter(narrow, tmp_path / kind, target_config=TCFG), target=target)
+    assert mlp_widths(back) == [24]
+    a, b = nnx.state(narrow, nnx.Param), nnx.state(back, nnx.Param)
+    for (pa, va), (pb, vb) in zip(jax.tree_util.tree_leaves_with_path(a),
+                                  jax.tree_util.tree_leaves_with_path(b)):
+        assert jax.tree_util.keystr(pa) == jax.tree_util.keystr(pb)
+        np.testing.assert_array_equal(va, vb, err_msg=jax.tree_util.keystr(pa))
+
+
+def test_draft_intermediate_size_zero_is_the_target_width_and_negative_is_refused():
+    assert ModelConfig(kind="dflash", target="t", mask_token_id=1, markov_rank=0,
+                       confidence_head=False).draft_intermediate_size == 0
+    with pytest.raises(ConfigError, match="draft_intermediate_size"):
+        ModelConfig(kind="mtp", target="t", draft_intermediate_size=-1)

@@ -474,3 +474,31 @@ def test_verify_chain_shape_errors() -> None:
     with pytest.raises(ValueError, match="draft_bg"):
         verify_chain(keys, p, jnp.full((2, 2, 4), 0.25), jnp.zeros((2, 3), jnp.int32),
                      jnp.zeros(2, jnp.int32), EMPTY_STOPS)
+
+
+def _sorted_thresholds(z: np.ndarray, k: int, p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The sort-based top-k / top-p kept sets (float32, as the rule reads) for comparison."""
+    v = z.shape[-1]
+    kth = np.sort(z, axis=-1)[..., v - k][..., None]
+    zf = np.where(z < kth, -np.inf, z)
+    e = np.exp(zf - zf.max(-1, keepdims=True)).astype(np.float32)
+    probs = e / e.sum(-1, keepdims=True)
+    desc = -np.sort(-probs, axis=-1)
+    excl = np.concatenate([np.zeros_like(desc[..., :1]), np.cumsum(desc, -1)[..., :-1]], -1)
+    count = np.maximum((excl < p).sum(-1, keepdims=True), 1)
+    cutoff = np.take_along_axis(desc, count - 1, -1)
+    return zf > -np.inf, probs >= cutoff
+
+
+@pytest.mark.parametrize("k,p", [(50, 1.0), (0, 0.9), (2000, 0.95), (0, 0.3)])
+def test_bisection_thresholds_keep_what_a_sort_keeps_on_a_real_vocabulary(k, p):
+    """The sort-free thresholds select exactly the sort-based top-k / top-p sets on [B, K, V]
+    logits of a 49k vocabulary, ties (rounded logits) included."""
+    rng = np.random.default_rng(k + int(p * 100))
+    z = (rng.standard_normal((3, 2, 49152)) * 3).astype(np.float32)
+    z[0] = np.round(z[0], 1)  # many exact ties
+    probs = np.asarray(probs_from_logits(jnp.asarray(z), SamplingArrays.broadcast(3, 1.0, k, p)))
+    keep_k, keep_p = _sorted_thresholds(z, k if k else 49152, p)
+    want = keep_k & (keep_p if p < 1 else True)
+    np.testing.assert_array_equal(probs > 0, want)
+    assert 0 < want.sum() < want.size

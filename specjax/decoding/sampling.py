@@ -3,8 +3,10 @@
 `probs_from_logits` is the ONE transform (temperature, then top-k, then top-p) that turns logits
 into the distribution a token is drawn from. Speculative decoding is exact only if target and draft
 logits go through this same function with the same per-row parameters, so every drafter and the
-verifier call it. All device functions are jittable with static shapes (sort based, no data-dependent
-shapes) and never produce NaN for finite (or -inf) logits.
+verifier call it. All device functions are jittable with static shapes (no data-dependent shapes)
+and never produce NaN for finite (or -inf) logits. The top-k and top-p thresholds are found by
+bisection over the float32 bit patterns (32 masked reductions over the vocabulary) instead of a
+sort: XLA:CPU sorts a [16, 49152] array in ~200 ms, the bisection takes a few.
 
 Rules, per row:
 
@@ -108,6 +110,52 @@ def _per_row(a_b: Array, ndim: int, dtype: Any) -> Array:
 
 
 @jax.jit
+def _ordered_bits(x: Array) -> Array:
+    """float32 -> uint32 whose unsigned order is the float order (-0.0 just below +0.0)."""
+    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(0x80000000))
+
+
+def _from_ordered_bits(u: Array) -> Array:
+    i = jnp.where(u >> 31 == 1, u & jnp.uint32(0x7FFFFFFF), ~u)
+    return jax.lax.bitcast_convert_type(i, jnp.float32)
+
+
+def _largest_passing(pred: Any, shape: tuple[int, ...]) -> Array:
+    """Per row, the largest uint32 u with pred(u) true, for a pred that is monotone (true up to
+    some u*, false above) and true at 0: 32 bisection steps, exact."""
+    lo = jnp.zeros(shape, jnp.uint32)
+    hi = jnp.full(shape, 0xFFFFFFFF, jnp.uint32)
+
+    def step(_, lo_hi):
+        lo, hi = lo_hi
+        gap = hi - lo
+        mid = lo + (gap >> 1) + (gap & 1)  # upper middle: no overflow, progress when gap = 1
+        ok = pred(mid) & (gap > 0)
+        return jnp.where(ok, mid, lo), jnp.where(ok | (gap == 0), hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    return lo
+
+
+def _kth_largest(z: Array, k: Array) -> Array:
+    """The k-th largest value of z along the last axis (k [..., 1] int32 in [1, V]), [..., 1]."""
+    u = _ordered_bits(z)
+    kth = _largest_passing(lambda t: jnp.sum(u >= t, axis=-1, keepdims=True) >= k,
+                           z.shape[:-1] + (1,))
+    return _from_ordered_bits(kth)
+
+
+def _mass_cutoff(probs: Array, p: Array) -> Array:
+    """The largest probability c with sum(probs >= c) >= p ([..., 1]); probs >= 0. -inf (keep
+    everything) when rounding leaves the whole row's mass below p."""
+    u = _ordered_bits(probs)
+    c = _largest_passing(
+        lambda t: jnp.sum(jnp.where(u >= t, probs, 0.0), axis=-1, keepdims=True) >= p,
+        probs.shape[:-1] + (1,))
+    return jnp.where(c == 0, -jnp.inf, _from_ordered_bits(c))
+
+
 def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
     """Apply temperature, top-k and top-p (module docstring) to logits [B, ..., V].
 
@@ -141,16 +189,12 @@ def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
 
     def filtered(z_: Array) -> Array:
         # top-k on scaled logits: threshold = k-th largest value (ties at the boundary kept).
-        z_asc = jnp.sort(z_, axis=-1)
-        kth = jnp.take_along_axis(z_asc, v - jnp.clip(k, 1, v), axis=-1)
+        kth = _kth_largest(z_, jnp.clip(k, 1, v))
         z_ = jnp.where(k_on & (z_ < kth), -jnp.inf, z_)
         probs = softmax(z_)
-        # top-p on the filtered distribution: shortest descending prefix with mass >= p.
-        desc = jnp.flip(jnp.sort(probs, axis=-1), axis=-1)
-        excl = jnp.concatenate([jnp.zeros_like(desc[..., :1]),
-                                jnp.cumsum(desc, axis=-1)[..., :-1]], axis=-1)
-        count = jnp.maximum(jnp.sum(excl < p, axis=-1, keepdims=True), 1)
-        cutoff = jnp.take_along_axis(desc, count - 1, axis=-1)
+        # top-p on the filtered distribution: shortest descending prefix with mass >= p; its
+        # smallest probability is the largest c with mass(probs >= c) >= p.
+        cutoff = _mass_cutoff(probs, p)
         return jnp.where(p_on & (probs < cutoff), 0.0, probs)
 
     need_filter = jnp.any(k_on & ~greedy) | jnp.any(p_on & ~greedy)

@@ -35,7 +35,7 @@ from specjax.config import ConfigError, TargetConfig
 from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
 from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate, DraftBlock
-from specjax.drafters.dims import (check_same_width, check_tap_layers, drafter_rope, layer_config,
+from specjax.drafters.dims import (check_same_width, check_tap_layers, layer_config, target_dims,
                                    validate_layer_dims, validate_tap_layer_ids)
 from specjax.models import cache as kvc
 from specjax.models.layers import Linear, RMSNorm, gqa_attention
@@ -132,14 +132,11 @@ class BlockDrafterConfig:
     @classmethod
     def from_target(cls, target: TargetConfig, *, target_layer_ids: tuple[int, ...],
                     mask_token_id: int, **overrides: Any) -> "BlockDrafterConfig":
-        """Copy the layer dimensions of `target`; `overrides` set the drafter-only fields."""
-        cfg = cls(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-                  intermediate_size=target.intermediate_size,
-                  num_attention_heads=target.num_attention_heads,
-                  num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
-                  rms_norm_eps=target.rms_norm_eps, **drafter_rope(target),
-                  target_layer_ids=tuple(target_layer_ids), mask_token_id=mask_token_id,
-                  **overrides)
+        """Copy the layer dimensions of `target`; `overrides` set the drafter-only fields (and may
+        narrow the MLP: `intermediate_size`)."""
+        args = target_dims(target)
+        args.update(overrides)
+        cfg = cls(target_layer_ids=tuple(target_layer_ids), mask_token_id=mask_token_id, **args)
         cfg.check_target(target)
         return cfg
 

@@ -233,9 +233,10 @@ class ModelConfig:
     draft_vocab_size: int = 0
     # eagle3: decay of the per-step TTT loss weights (the unroll horizon is block_size)
     ttt_decay: float = 0.8
-    # standalone: the draft LM's dimensions (vocabulary, RoPE and EOS are the target's)
+    # the MLP width of the drafter's own layers, every kind (0 = the target's intermediate_size)
+    draft_intermediate_size: int = 0
+    # standalone: the draft LM's other dimensions (vocabulary, RoPE and EOS are the target's)
     draft_hidden_size: int = 128
-    draft_intermediate_size: int = 384
     draft_num_attention_heads: int = 2
     draft_num_key_value_heads: int = 1
     draft_head_dim: int = 64
@@ -260,8 +261,11 @@ class ModelConfig:
         if self.kind == "dflash" and (self.markov_rank or self.confidence_head):
             raise ConfigError("kind 'dflash' has no sequential or confidence head: set "
                               "markov_rank: 0 and confidence_head: false (or use kind 'dspark')")
-        _positive(self, "draft_hidden_size", "draft_intermediate_size",
-                  "draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim")
+        if isinstance(self.draft_intermediate_size, bool) or \
+                not isinstance(self.draft_intermediate_size, int) or self.draft_intermediate_size < 0:
+            raise ConfigError(f"field 'draft_intermediate_size' must be an integer >= 0 (0 = the "
+                              f"target's), got {self.draft_intermediate_size!r}")
+        _positive(self, "draft_hidden_size", "draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim")
         if not 0.0 < self.ttt_decay <= 1.0:
             raise ConfigError(f"field 'ttt_decay' must be in (0, 1], got {self.ttt_decay!r}")
         if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \

@@ -138,7 +138,8 @@ class Objective(NamedTuple):
 def standalone_config(mc: ModelConfig, tcfg: TargetConfig) -> TargetConfig:
     """The standalone draft LM's config: the target's family, vocab, RoPE and EOS with `draft_*` dims."""
     return dataclasses.replace(
-        tcfg, hidden_size=mc.draft_hidden_size, intermediate_size=mc.draft_intermediate_size,
+        tcfg, hidden_size=mc.draft_hidden_size,
+        intermediate_size=mc.draft_intermediate_size or tcfg.intermediate_size,
         num_hidden_layers=mc.num_draft_layers, num_attention_heads=mc.draft_num_attention_heads,
         num_key_value_heads=mc.draft_num_key_value_heads, head_dim=mc.draft_head_dim,
         tie_word_embeddings=True)
@@ -151,6 +152,7 @@ def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_g
     (`specjax.drafters.vocab.build_draft_vocab` over the training data's token counts)."""
     rngs = nnx.Rngs(mc.init_seed)
     kw = dict(dtype=mc.compute_dtype, param_dtype=mc.param_dtype)
+    width = {"intermediate_size": mc.draft_intermediate_size} if mc.draft_intermediate_size else {}
     if mc.kind != "standalone":
         kw["draft_ids"] = draft_ids
     elif draft_ids is not None:
@@ -167,7 +169,7 @@ def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_g
             markov_rank=mc.markov_rank, markov_head_type=mc.markov_head_type,
             confidence_head=mc.confidence_head,
             confidence_head_with_markov=mc.confidence_head_with_markov and mc.markov_rank > 0,
-            draft_vocab_size=mc.draft_vocab_size)
+            draft_vocab_size=mc.draft_vocab_size, **width)
         drafter = make_block_drafter(target, tcfg, dcfg, rngs=rngs, **kw)
         loss_fn = block_drafter_loss(
             num_anchors=mc.num_anchors, alpha_ce=mc.alpha_ce, alpha_tv=mc.alpha_tv,
@@ -186,7 +188,7 @@ def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_g
             tcfg.num_hidden_layers, 3)
         ecfg = Eagle3Config.from_target(tcfg, target_layer_ids=layer_ids, gamma=mc.block_size,
                                         ttt_length=mc.block_size, step_loss_decay=mc.ttt_decay,
-                                        draft_vocab_size=mc.draft_vocab_size)
+                                        draft_vocab_size=mc.draft_vocab_size, **width)
         drafter = make_eagle3_drafter(target, ecfg, rngs, **kw)
         loss_fn = eagle3_objective(target_graphdef=target_graphdef, tap_layers=layer_ids,
                                    horizon=mc.block_size, decay=mc.ttt_decay,
@@ -195,7 +197,7 @@ def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_g
     if mc.kind == "mtp":
         from specjax.drafters.mtp import MTPConfig, make_mtp_drafter
 
-        mcfg = MTPConfig.from_target(tcfg, draft_vocab_size=mc.draft_vocab_size)
+        mcfg = MTPConfig.from_target(tcfg, draft_vocab_size=mc.draft_vocab_size, **width)
         drafter = make_mtp_drafter(target, mcfg, rngs, **kw)
         loss_fn = mtp_objective(target_graphdef=target_graphdef, alpha_ce=mc.alpha_ce,
                                 alpha_tv=mc.alpha_tv, chunk_tokens=mc.chunk_anchors,
