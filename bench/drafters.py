@@ -40,13 +40,11 @@ PAPER_OVERHEAD = "+0.2% to +1.3% of round latency (batch 128, GPU, Qwen3-4B, gam
 
 
 def mask_token(target: BenchTarget) -> int:
-    """The embedded tokenizer's <|mask|> id, else the last vocabulary id (random target)."""
+    """The default target's DSpark mask id (SmolLM2's `<empty_output>`, default_target.MASK_TOKEN_ID),
+    else the last vocabulary id (random target)."""
     if target.source == "embedded":
-        try:
-            from specjax import embedded
-            return int(embedded.mask_token_id(target.path))
-        except Exception as e:  # noqa: BLE001 - fall back to a valid id; latency does not depend on it
-            log(f"no mask token id from the embedded tokenizer ({e}); using vocab_size - 1")
+        from specjax import default_target
+        return default_target.MASK_TOKEN_ID
     return target.config.vocab_size - 1
 
 

@@ -1,11 +1,12 @@
 """Draft-training throughput: online target features vs a tensorstore cache, and cache sizes.
 
-Times DSpark training steps on the embedded target (the configs/embedded/dspark.yaml drafter) with
-the frozen target run inside each step (online) and with features read from an offline cache built
-from the same samples; reports supervised tokens/s (real tokens per step / step time). Also the cache
-bytes per token for our target and, from the formula, for Qwen3-4B/8B/14B next to DeepSpec's, and
-random batch reads from a cache with and without a tensorstore cache pool (`--reads-only` measures
-just these and updates them in an existing bench/results/training.{json,md}).
+Times DSpark training steps on the embedded default target (SmolLM2-135M-Instruct; the
+configs/embedded/dspark.yaml drafter) with the frozen target run inside each step (online) and with
+features read from an offline cache built from the same samples; reports supervised tokens/s (real
+tokens per step / step time). Also the cache bytes per token for that target and, from the formula,
+for Qwen3-4B/8B/14B next to DeepSpec's, and random batch reads from a cache with and without a
+tensorstore cache pool (`--reads-only` measures just these and updates them in an existing
+bench/results/training.{json,md}).
 
     python -m bench.training [--steps 12] [--samples 96] [--read-samples 512]
     python -m bench.training --reads-only
@@ -32,22 +33,24 @@ READS_BEGIN, READS_END = "<!-- random-reads -->", "<!-- /random-reads -->"
 
 
 def _reads_cache(out_dir: str, n_samples: int, max_length: int = 256) -> dict:
-    """A target cache for the read benchmark: the pystd target's features of the first `n_samples`
-    asset training prompts (always in the repository), so it needs no prepared training data."""
-    from specjax import checkpoints, embedded as emb
+    """A target cache for the read benchmark: the default target's (SmolLM2-135M-Instruct) features
+    of the first user turns of the first `n_samples` shipped held-out prompts
+    (specjax/assets/smollm2/prompts/heldout.jsonl), so it needs no prepared training data."""
+    from specjax import checkpoints, default_target
     from specjax.io import read_jsonl
     from specjax.training import features as feat
 
-    target, tcfg = checkpoints.load_target(emb.target_dir(), dtype="bfloat16")
-    tok = checkpoints.load_tokenizer(emb.target_dir())
-    rows = read_jsonl(emb.prompts_path("train"), objects=True)[:n_samples]
+    path = default_target.gguf_path()
+    target, tcfg = checkpoints.load_target(path, dtype="bfloat16")
+    tok = checkpoints.load_tokenizer(path)
+    rows = read_jsonl(default_target.heldout_prompts_path(), objects=True)[:n_samples]
     samples = []
     for row in rows:
-        ids = np.asarray(tok(row["prompt"], add_special_tokens=False)["input_ids"][:max_length], np.int32)
+        ids = np.asarray(tok(row["turns"][0], add_special_tokens=False)["input_ids"][:max_length], np.int32)
         samples.append((ids, np.ones_like(ids, np.uint8)))
     t0 = time.perf_counter()
-    feat.build_cache(out_dir, target, samples, tap_layers=(1, 3, 4),
-                     identity=feat.target_identity(emb.target_dir(), tcfg))
+    feat.build_cache(out_dir, target, samples, tap_layers=(1, 14, 27),
+                     identity=feat.target_identity(path, tcfg))
     return {"samples": len(samples), "tokens": int(sum(len(s[0]) for s in samples)),
             "bytes_on_disk": feat.stored_tensor_bytes(out_dir), "build_s": time.perf_counter() - t0}
 
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", default="configs/embedded/dspark.yaml")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--samples", type=int, default=96, help="samples in the cache built for the comparison")
-    ap.add_argument("--read-samples", type=int, default=512, help="samples in the cache of the read benchmark")
+    ap.add_argument("--read-samples", type=int, default=512,
+                    help="samples in the cache of the read benchmark (at most the shipped held-out prompts)")
     ap.add_argument("--read-batch", type=int, default=8, help="random samples per timed read")
     ap.add_argument("--read-repeats", type=int, default=60, help="timed reads per cache pool")
     ap.add_argument("--reads-only", action="store_true",
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.reads_only:
         update_reads(args.out_dir, reads)
         return
-    from specjax import checkpoints
+    from specjax import checkpoints, default_target
     from specjax.training import features as feat
     from specjax.training.config import load_train_config
     from train.train_draft import build
@@ -187,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     h, n_layers = tcfg.hidden_size, len(online.tap_layers)
-    sizes = [["specjax pystd target (ours)", h, n_layers, feat.bytes_per_token(h, n_layers), "-"]]
+    sizes = [[f"{default_target.NAME} (default target, {tcfg.num_hidden_layers} layers)", h, n_layers,
+              feat.bytes_per_token(h, n_layers), "-"]]
     for name, (hh, ll) in QWEN3.items():
         sizes.append([name, hh, ll, feat.bytes_per_token(hh, ll), 6 + 2 * hh * (ll + 1)])
     machine = machine_info()

@@ -22,6 +22,10 @@ NAME = "SmolLM2-135M-Instruct"
 ASSET_NAME = "smollm2"  # specjax/assets/smollm2/: drafters trained for this target, prompts, split
 DRAFTER_NAMES = ("dspark", "dspark-rnn", "dflash", "eagle3", "mtp1", "standalone")
 BUILD_COMMAND = "make embedded"
+# The DSpark mask token of the shipped drafters: SmolLM2's `<empty_output>` (id 16), a special
+# token chat text never produces (`mask_token_id: 16` in configs/embedded/{dspark,dspark-rnn,
+# dflash}.yaml).
+MASK_TOKEN_ID = 16
 
 
 class EmbeddedTargetError(RuntimeError):
