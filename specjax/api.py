@@ -189,13 +189,7 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this target has none")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conv in convs:
-            kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, **kw)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append(list(ids))
+        prompts = [encode_chat(self.tokenizer, conv, enable_thinking=enable_thinking) for conv in convs]
         return self.generate(prompts, sampling_params)
 
     # ---------------------------------------------------------------- building blocks (servers, batch jobs)

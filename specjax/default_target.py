@@ -91,6 +91,16 @@ def drafter_dir(name: str) -> str:
     return path
 
 
+def heldout_prompts_path() -> str:
+    """ShareGPT prompts held out of the drafters' training (`{"id", "turns"}` rows)."""
+    return os.path.join(asset_dir(), "prompts", "heldout.jsonl")
+
+
+def split_path() -> str:
+    """The recorded split: held-out ids, excluded evaluation files, training-prompt digests."""
+    return os.path.join(asset_dir(), "split.json")
+
+
 def available_drafters() -> list[str]:
     """Shipped drafter names whose files exist."""
     root = os.path.join(asset_dir(), "drafters")

@@ -43,12 +43,22 @@ class DemoRun:
         return tau, (per_pos / drafts).tolist() if drafts else []
 
 
+# used when no held-out split is shipped (no drafter built yet)
 DEMO_PROMPTS = (
     "Explain in two sentences why the sky is blue.",
     "Write a Python function that checks whether a string is a palindrome.",
     "Give me three short tips for a job interview.",
     "What is the difference between a list and a tuple in Python?",
 )
+
+
+def demo_prompts(n: int, max_chars: int = 240) -> list[str]:
+    """n short held-out ShareGPT prompts of the shipped split (never trained on), else DEMO_PROMPTS."""
+    from specjax import default_target
+    from specjax.io import read_jsonl
+    rows = read_jsonl(default_target.heldout_prompts_path(), objects=True, missing_ok=True)
+    short = [r["turns"][0] for r in rows if len(r["turns"][0]) <= max_chars]
+    return (short if len(short) >= n else list(DEMO_PROMPTS))[:n]
 
 
 def pick_drafter(requested: str | None) -> tuple[str, str | None]:
@@ -78,7 +88,7 @@ def run_demo(out_dir: str = "demo_output", *, drafter: str = "dspark", num_promp
         built = ", ".join(default_target.available_drafters()) or "none"
         note += f"; '{requested}' is not built for this target yet (built: {built}; `make embedded`)"
     print(f"specjax demo: {note}")
-    messages = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS[:num_prompts]]
+    messages = [[{"role": "user", "content": p}] for p in demo_prompts(num_prompts)]
     prompts = [m[0]["content"] for m in messages]
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
     from specjax.decoding.engine import EngineConfig

@@ -179,6 +179,11 @@ def test_pipeline_end_to_end_resumes_and_exports_loadable_drafters(setup):
     assert held and [r["id"] for r in held] == split["heldout_ids"]
     train_prompts = {r["turns"][0] for r in read_jsonl(work / "sharegpt" / "prompts.jsonl")}
     assert EVAL_PROMPT not in train_prompts | {r["turns"][0] for r in held}
+    from specjax.training.sharegpt import prompt_digest
+
+    regen = read_jsonl(work / "regen_prompts.jsonl")
+    assert split["train_prompt_digests"] == sorted({prompt_digest(r["turns"][0]) for r in regen})
+    assert prompt_digest(EVAL_PROMPT) not in split["train_prompt_digests"]
 
     # a rerun of a finished build trains nothing again
     steps_before = record["stages"]["train/dspark"]["runs"]

@@ -1,76 +1,195 @@
-"""The shipped drafters (specjax/assets/pystd/drafters/<name>/, trained for the pystd target).
+"""The shipped drafters of the embedded default target (SmolLM2-135M-Instruct), on the real model.
 
-Every shipped drafter must load against its target; speculative decoding with it through
-`specjax.LLM` must give exactly the plain greedy tokens (lossless); and its mean acceptance length
-on held-out prompts must reach the floor in ACCEPTANCE_FLOORS (a drafter with broken weights falls
-below it: the perturbed-weights control). Drafters that are not shipped are skipped by name.
+Each shipped drafter (specjax/assets/smollm2/drafters/<name>/, built by `make embedded`) must load
+through `LLM(drafter=name)`; reproduce the target's greedy tokens exactly (checked against the
+target's own KV-cache loop, with drafts verified and accepted); sample at T=1 from exactly the
+target's distribution (a randomized-PIT chi-square on the tokens the verifier decided, with a
+power control that must fail); and reach its acceptance floor on held-out ShareGPT prompts (a
+perturbed copy of its weights must not). The recorded split keeps evaluation prompts out of
+training. Names that are not shipped are skipped.
 
-Remeasure the floors after shipping new drafters: `python tests/test_embedded_drafters.py` prints
-each drafter's acceptance length with its trained and with perturbed weights.
+Remeasure the floors after a rebuild: `python tests/test_embedded_drafters.py` prints each
+drafter's acceptance length with trained and with perturbed weights.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 
 import jax
+import numpy as np
 import pytest
+from scipy import stats
 
-from specjax import embedded as emb
+from specjax import default_target as dt
 
-PROMPTS = ("def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n", "import os\nimport sys\n\n\ndef main(")
-MAX_TOKENS = 8
+from reference_decode import greedy_generate, next_token_probs, randomized_pit
 
-# Mean acceptance length floors (greedy, gamma 7; mtp1 gamma 1) on the first HELDOUT_PROMPTS held-out
-# prompts, HELDOUT_TOKENS tokens each: the measured value less a margin, above what the same drafter
-# reaches with perturbed weights. Measured 2026-12-01 on the pystd drafters (trained / perturbed):
-# dspark 1.996 / 1.680, dspark-rnn 1.758 / 1.512, dflash 1.729 / 1.426, eagle3 2.081 / 1.638,
-# mtp1 1.623 / 1.447, standalone 2.004 / 1.429.
-ACCEPTANCE_FLOORS = {"dspark": 1.85, "dspark-rnn": 1.65, "dflash": 1.6, "eagle3": 1.9, "mtp1": 1.55,
-                     "standalone": 1.8}
-HELDOUT_PROMPTS, HELDOUT_TOKENS = 16, 32
+pytestmark = pytest.mark.skipif(not dt.is_installed(),
+                                reason=f"{dt.PACKAGE} is not installed (make install)")
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(os.path.join(emb.target_dir(), "config.json")),
-    reason="the embedded target is not built (make embedded)")
+EVAL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "eval")
+BUDGET_BYTES = 40_000_000
+GREEDY_PROMPTS, GREEDY_TOKENS = 2, 24
+PIT_SAMPLES, PIT_BINS = 480, 8
+# Mean acceptance length floors (greedy; gamma 7, mtp1 gamma 1) on the first HELDOUT_PROMPTS
+# held-out prompts, HELDOUT_TOKENS tokens each: the measured value less a margin, above what the
+# drafter reaches with perturbed weights. Remeasure with `python tests/test_embedded_drafters.py`.
+ACCEPTANCE_FLOORS: dict[str, float] = {}
+HELDOUT_PROMPTS, HELDOUT_TOKENS = 8, 32
+SLOTS, PREFILL, MAX_LEN = 16, 128, 192  # prefill buckets 32 (the PIT prompt) and 128
 
 
 def _shipped() -> list[str]:
-    return [n for n in emb.DRAFTER_NAMES
-            if os.path.exists(os.path.join(emb.drafter_dir(n), "config.json"))]
+    return dt.available_drafters()
 
 
 def _gamma(name: str) -> int:
     return 1 if name == "mtp1" else 7
 
 
-def _engine_config(gamma: int | None, policy: str, *, slots: int = 2, prefill: int = 32, max_len: int = 64):
-    from specjax.decoding.engine import EngineConfig
+def _chat_ids(tok, text: str) -> list[int]:
+    from specjax.api import encode_chat
 
-    tokens = (1,) if gamma is None else (gamma + 1,)
-    return EngineConfig(max_slots=slots, max_len=max_len, gamma=gamma, policy=policy, max_prefill=prefill,
-                        slots_buckets=(slots,), tokens_buckets=tokens, prefill_buckets=(prefill,),
-                        prefill_batch_buckets=(min(slots, 8),))
+    return encode_chat(tok, [{"role": "user", "content": text}])
+
+
+def _heldout_ids(tok, n: int) -> list[list[int]]:
+    """The first n held-out prompts that fit the engine's prefill bucket, chat-templated."""
+    from specjax.io import read_jsonl
+
+    out = []
+    for row in read_jsonl(dt.heldout_prompts_path(), objects=True):
+        ids = _chat_ids(tok, row["turns"][0])
+        if len(ids) <= PREFILL:
+            out.append(ids)
+        if len(out) == n:
+            return out
+    raise AssertionError(f"fewer than {n} held-out prompts fit {PREFILL} tokens")
 
 
 def _llm(name: str):
-    """`specjax.LLM` on the shipped target with the shipped drafter `name` (fixed gamma), with room
-    for the held-out prompts in one batch."""
+    """`LLM(drafter=name)` on the default target with one slots / tokens / prefill bucket."""
     from specjax.api import LLM
+    from specjax.decoding.engine import EngineConfig
 
-    cfg = _engine_config(_gamma(name), "fixed", slots=HELDOUT_PROMPTS, prefill=256,
-                         max_len=256 + HELDOUT_TOKENS + 8)
-    return LLM(target=emb.target_dir(), drafter=emb.drafter_dir(name), engine_config=cfg)
+    g = _gamma(name)
+    cfg = EngineConfig(max_slots=SLOTS, max_len=MAX_LEN, gamma=g, policy="fixed",
+                       max_prefill=PREFILL, slots_buckets=(SLOTS,), tokens_buckets=(g + 1,),
+                       prefill_buckets=(32, PREFILL), prefill_batch_buckets=(SLOTS,))
+    return LLM(drafter=name, engine_config=cfg)
 
 
-def heldout_acceptance(llm) -> float:
-    """Mean acceptance length (bonus token included) over all drafting rounds of greedy decoding of
-    the first HELDOUT_PROMPTS held-out prompts."""
+@pytest.fixture(scope="module")
+def llms():
+    """name -> its LLM, built once for the module (each build compiles the engine)."""
+    built = {}
+
+    def get(name: str):
+        if name not in _shipped():
+            pytest.skip(f"drafter {name} is not shipped")
+        if name not in built:
+            built[name] = _llm(name)
+        return built[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def target():
+    from specjax import checkpoints
+
+    model, tcfg = checkpoints.load_target(dt.gguf_path())
+    return model, tcfg, checkpoints.load_tokenizer(dt.gguf_path())
+
+
+def test_shipped_drafters_fit_the_budget():
+    names = _shipped()
+    assert names, f"no drafter under {dt.asset_dir()}/drafters: run `{dt.BUILD_COMMAND}`"
+    sizes = {n: sum(os.path.getsize(f) for f in glob.glob(os.path.join(dt.drafter_dir(n), "*")))
+             for n in names}
+    assert sum(sizes.values()) <= BUDGET_BYTES, sizes
+
+
+@pytest.mark.parametrize("name", dt.DRAFTER_NAMES)
+def test_loads_against_target(name, target):
+    from specjax.drafters import registry
+
+    if name not in _shipped():
+        pytest.skip(f"drafter {name} is not shipped")
+    model, tcfg, _ = target
+    drafter = registry.load_drafter(dt.drafter_dir(name), target=model)
+    check = getattr(drafter, "check_target", None) or drafter.config.check_target
+    check(tcfg)  # raises ConfigError on a vocabulary / width / tap-layer mismatch
+    with open(os.path.join(dt.drafter_dir(name), "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["vocab_size"] == tcfg.vocab_size == 49152
+    if name != "standalone":
+        assert cfg["draft_vocab_size"] == 8192
+    if name in ("dspark", "dspark-rnn", "dflash"):
+        assert drafter.gamma == 7 and drafter.config.mask_token_id == 16
+    if name in ("dspark", "dspark-rnn"):
+        assert drafter.confidence_head is not None
+        assert len(cfg["confidence_temperatures"]) == 7  # STS-calibrated
+    if name == "dspark-rnn":
+        assert cfg["markov_head_type"] == "rnn"
+
+
+@pytest.mark.parametrize("name", dt.DRAFTER_NAMES)
+def test_greedy_equals_the_targets_own_loop(name, target, llms):
+    """Speculative greedy decoding with the shipped drafter gives the target's greedy tokens."""
     from specjax.api import SamplingParams
-    from specjax.io import read_jsonl
 
-    prompts = [row["prompt"] for row in read_jsonl(emb.prompts_path("heldout"), objects=True)][:HELDOUT_PROMPTS]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=HELDOUT_TOKENS))
+    model, _, tok = target
+    llm = llms(name)
+    prompts = _heldout_ids(tok, GREEDY_PROMPTS)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS))
+    want = [greedy_generate(model, p, GREEDY_TOKENS, eos_token_id=tok.eos_token_id) for p in prompts]
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.metrics["num_drafts"] for o in outs) >= 2
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) >= 1  # drafts were really used
+
+
+def _pit_pvalue(u: np.ndarray) -> float:
+    counts = np.bincount(np.minimum((u * PIT_BINS).astype(int), PIT_BINS - 1), minlength=PIT_BINS)
+    return float(stats.chisquare(counts).pvalue)
+
+
+@pytest.mark.parametrize("name", dt.DRAFTER_NAMES)
+def test_t1_tokens_follow_the_target_distribution(name, target, llms):
+    """At T=1 the second token (the first one a verification decides) is distributed exactly as
+    the target's p(. | prompt, first token): its randomized PIT is uniform (chi-square). Power
+    control: the same tokens judged against the target at T=0.85 must fail."""
+    from specjax.api import SamplingParams
+
+    model, _, tok = target
+    llm = llms(name)
+    prompt = _chat_ids(tok, "Name a color.")
+    sps = [SamplingParams(temperature=1.0, max_tokens=2, seed=i) for i in range(PIT_SAMPLES)]
+    outs = llm.generate([prompt] * PIT_SAMPLES, sps)
+    firsts = sorted({o.token_ids[0] for o in outs})
+    row = {t: i for i, t in enumerate(firsts)}
+    seconds = [o.token_ids[1] for o in outs]
+    for temp, should_pass in ((1.0, True), (0.85, False)):
+        p = next_token_probs(model, [prompt + [t] for t in firsts], temperature=temp)
+        u = randomized_pit(seconds, p[[row[o.token_ids[0]] for o in outs]])
+        pv = _pit_pvalue(u)
+        print(f"{name}: PIT chi-square p-value at T={temp}: {pv:.3g}")
+        if should_pass:
+            assert pv > 1e-3, f"{name}: T=1 samples are not the target's (p = {pv:.2e})"
+        else:
+            assert pv < 1e-3, f"{name}: the PIT test cannot tell T=0.85 from T=1 (p = {pv:.2e})"
+    accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
+    assert accepted >= PIT_SAMPLES // 20, f"{name}: only {accepted} draft tokens accepted"
+
+
+def heldout_acceptance(llm, tok) -> float:
+    """Mean acceptance length (bonus token included) over all drafting rounds of greedy decoding
+    of the first HELDOUT_PROMPTS held-out prompts."""
+    from specjax.api import SamplingParams
+
+    outs = llm.generate(_heldout_ids(tok, HELDOUT_PROMPTS),
+                        SamplingParams(temperature=0.0, max_tokens=HELDOUT_TOKENS))
     drafts = sum(o.metrics["num_drafts"] for o in outs)
     assert drafts > 0
     return 1.0 + sum(o.metrics["num_accepted_tokens"] for o in outs) / drafts
@@ -90,102 +209,64 @@ def perturb_drafter(llm, seed: int = 0) -> None:
     llm.engine.d_params = state
 
 
-@pytest.fixture(scope="module")
-def llms():
-    """name -> its LLM, built once for the module (each build compiles the engine)."""
-    built = {}
-
-    def get(name: str):
-        if not os.path.exists(os.path.join(emb.drafter_dir(name), "config.json")):
-            pytest.skip(f"drafter {name} is not shipped")
-        if name not in built:
-            built[name] = _llm(name)
-        return built[name]
-    return get
-
-
-@pytest.fixture(scope="module")
-def target():
-    from specjax import checkpoints
-
-    return checkpoints.load_target(emb.target_dir())
-
-
-@pytest.fixture(scope="module")
-def plain_tokens(target):
-    """Greedy continuations by the target's own KV-cache loop (independent of the engine)."""
-    from specjax import checkpoints
-    from specjax.api import encode_text
-
-    model, tcfg = target
-    tok = checkpoints.load_tokenizer(emb.target_dir())
-    eos = tok.eos_token_id
-    return [emb.greedy_generate(model, encode_text(tok, p), MAX_TOKENS, eos_token_id=eos)
-            for p in PROMPTS]
-
-
-def test_some_drafter_is_shipped():
-    assert _shipped(), "no drafter under specjax/assets/pystd/drafters/"
-
-
-@pytest.mark.parametrize("name", emb.DRAFTER_NAMES)
-def test_loads_against_target(name, target):
-    from specjax.drafters import registry
-
-    path = emb.drafter_dir(name)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        pytest.skip(f"drafter {name} is not shipped")
-    model, tcfg = target
-    drafter = registry.load_drafter(path, target=model)
-    assert drafter is not None
-    check = getattr(drafter, "check_target", None) or drafter.config.check_target
-    check(tcfg)  # raises ConfigError on a vocabulary / width / tap-layer mismatch
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    assert cfg.get("vocab_size") == tcfg.vocab_size
-    if name in ("dspark", "dspark-rnn", "dflash"):
-        assert drafter.gamma == 7 and drafter.config.num_draft_layers == 1
-        assert drafter.config.mask_token_id == emb.mask_token_id()
-        assert tcfg.num_hidden_layers - 1 not in drafter.config.target_layer_ids
-    if name == "dspark":
-        assert drafter.config.markov_rank == 64 and drafter.confidence_head is not None
-
-
-@pytest.mark.parametrize("name", emb.DRAFTER_NAMES)
-def test_lossless_greedy(name, plain_tokens, llms):
-    """`specjax.LLM` with the shipped target and drafter reproduces the plain greedy tokens exactly."""
-    from specjax.api import SamplingParams
-
-    llm = llms(name)
-    assert llm.drafter is not None and llm.drafter.gamma == _gamma(name)
-    outs = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    assert [o.token_ids for o in outs] == plain_tokens
-    assert all(o.metrics["num_drafts"] >= 1 for o in outs)
-
-
-def test_every_drafter_has_a_floor():
-    assert set(ACCEPTANCE_FLOORS) == set(emb.DRAFTER_NAMES)
-
-
-@pytest.mark.parametrize("name", emb.DRAFTER_NAMES)
-def test_acceptance_floor_on_heldout_prompts(name, llms):
+@pytest.mark.parametrize("name", dt.DRAFTER_NAMES)
+def test_acceptance_floor_on_heldout_prompts(name, target, llms):
     """The trained weights reach the floor; the same drafter with perturbed weights does not."""
+    if name not in ACCEPTANCE_FLOORS:
+        pytest.skip(f"no floor measured for {name} yet")
     llm = llms(name)
+    tok = target[2]
     floor = ACCEPTANCE_FLOORS[name]
-    tau = heldout_acceptance(llm)
-    assert tau >= floor, f"{name}: mean acceptance length {tau:.3f} on held-out prompts < floor {floor}"
+    tau = heldout_acceptance(llm, tok)
+    assert tau >= floor, f"{name}: acceptance length {tau:.3f} on held-out prompts < floor {floor}"
     trained = llm.engine.d_params
     try:
         perturb_drafter(llm)
-        broken = heldout_acceptance(llm)
+        broken = heldout_acceptance(llm, tok)
     finally:
         llm.engine.d_params = trained
-    assert broken < floor, f"{name}: perturbed weights reach {broken:.3f} >= floor {floor}: the floor has no teeth"
+    assert broken < floor, f"{name}: perturbed weights reach {broken:.3f} >= floor {floor}"
 
 
-if __name__ == "__main__":  # remeasure: trained and perturbed acceptance length per shipped drafter
+def split_leaks(split: dict, eval_dir: str) -> list[str]:
+    """Evaluation prompts the recorded split would train on or hold out (should be none), plus
+    evaluation files the split did not exclude."""
+    from specjax.training.sharegpt import eval_prompt_keys, normalize, prompt_digest
+
+    files = sorted(glob.glob(os.path.join(eval_dir, "*.jsonl")))
+    problems = [f"not excluded: {os.path.basename(f)}" for f in files
+                if os.path.basename(f) not in split["excluded_eval_files"]]
+    keys = eval_prompt_keys(files)
+    digests = {prompt_digest(k) for k in keys}
+    problems += [f"trained on {d}" for d in sorted(digests & set(split["train_prompt_digests"]))]
+    from specjax.io import read_jsonl
+
+    problems += [f"held out {r['id']}" for r in read_jsonl(dt.heldout_prompts_path(), objects=True)
+                 if normalize(r["turns"][0]) in keys]
+    return problems
+
+
+def test_recorded_split_excludes_evaluation_prompts():
+    if not os.path.isfile(dt.split_path()):
+        pytest.skip(f"no recorded split: run `{dt.BUILD_COMMAND}`")
+    with open(dt.split_path()) as f:
+        split = json.load(f)
+    assert len(split["train_prompt_digests"]) >= 100 and split["heldout_ids"]
+    assert split_leaks(split, EVAL_DIR) == []
+    # negative control: an evaluation prompt slipped into the training digests is caught
+    from specjax.training.sharegpt import eval_prompt_keys, prompt_digest
+
+    one = sorted(eval_prompt_keys([sorted(glob.glob(os.path.join(EVAL_DIR, "*.jsonl")))[0]]))[0]
+    bad = dict(split, train_prompt_digests=split["train_prompt_digests"] + [prompt_digest(one)])
+    assert len(split_leaks(bad, EVAL_DIR)) == 1
+
+
+if __name__ == "__main__":  # remeasure: trained and perturbed acceptance length per drafter
+    from specjax import checkpoints
+
+    tk = checkpoints.load_tokenizer(dt.gguf_path())
     for n in _shipped():
         m = _llm(n)
-        trained = heldout_acceptance(m)
+        trained_tau = heldout_acceptance(m, tk)
         perturb_drafter(m)
-        print(f"{n}: trained {trained:.3f}  perturbed {heldout_acceptance(m):.3f}", flush=True)
+        print(f"{n}: trained {trained_tau:.3f}  perturbed {heldout_acceptance(m, tk):.3f}", flush=True)

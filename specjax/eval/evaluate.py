@@ -469,11 +469,11 @@ def run_calibration(target_dir: str | None, drafter_dir: str, prompt_paths: Sequ
 
     if not prompt_paths:
         raise ValueError("no prompts file given")
-    if target_dir is None:
-        from specjax import embedded as emb
-        if not os.path.isdir(drafter_dir) and drafter_dir in emb.DRAFTER_NAMES:
-            drafter_dir = emb.drafter_dir(drafter_dir)
-        target_dir = emb.target_dir()
+    if target_dir is None:  # the embedded default target and, by name, its shipped drafters
+        from specjax import default_target
+        if not os.path.isdir(drafter_dir) and drafter_dir in default_target.DRAFTER_NAMES:
+            drafter_dir = default_target.drafter_dir(drafter_dir)
+        target_dir = default_target.gguf_path()
     if not os.path.isdir(drafter_dir):
         raise ValueError(f"drafter directory does not exist: {drafter_dir}")
     model, tcfg = checkpoints.load_target(target_dir, dtype=dtype)

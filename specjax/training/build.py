@@ -548,8 +548,7 @@ class Build:
             shutil.rmtree(dst, ignore_errors=True)
             os.replace(dst + ".tmp", dst)
         os.makedirs(os.path.join(s.out_dir, "prompts"), exist_ok=True)
-        shutil.copyfile(os.path.join(s.sharegpt_dir, "manifest.json"),
-                        os.path.join(s.out_dir, "split.json"))
+        self._write_split()
         shutil.copyfile(os.path.join(s.sharegpt_dir, "heldout.jsonl"),
                         os.path.join(s.out_dir, "prompts", "heldout.jsonl"))
         self.record["drafter_bytes"] = sizes
@@ -557,6 +556,17 @@ class Build:
         self._exported = True
         self.log(f"export: {self.record['drafter_bytes_total'] / 2**20:.1f} MiB in all -> "
                  f"{os.path.join(s.out_dir, 'drafters')}")
+
+    def _write_split(self) -> None:
+        """<out>/split.json: the prepare stage's manifest (held-out ids, excluded evaluation files)
+        plus `train_prompt_digests`, the `sharegpt.prompt_digest` of every regenerated prompt."""
+        from specjax.training.sharegpt import prompt_digest
+
+        with open(os.path.join(self.s.sharegpt_dir, "manifest.json"), encoding="utf-8") as f:
+            split = json.load(f)
+        rows = read_jsonl(self.s.regen_prompts, objects=True)
+        split["train_prompt_digests"] = sorted({prompt_digest(r["turns"][0]) for r in rows})
+        write_json_atomic(os.path.join(self.s.out_dir, "split.json"), split)
 
     def _provenance(self, p: DrafterPlan) -> dict[str, Any]:
         logs = os.path.join(self.s.run_dir(p.name), "logs", "metrics.jsonl")

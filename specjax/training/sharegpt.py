@@ -241,6 +241,12 @@ def normalize(text: str) -> str:
     return re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text)).strip().casefold()
 
 
+def prompt_digest(text: str) -> str:
+    """16 hex digits of sha256(normalize(text)): how a shipped split names its training prompts
+    without shipping them."""
+    return hashlib.sha256(normalize(text).encode("utf-8")).hexdigest()[:16]
+
+
 def is_heldout(key: str, fraction: float) -> bool:
     """The held-out rule (`SPLIT_RULE`) for a normalised prompt."""
     h = int(hashlib.sha256((SPLIT_SALT + key).encode("utf-8")).hexdigest()[:16], 16)
@@ -356,5 +362,5 @@ def extract_prompts(conversations: Iterable[Conversation], tokenizer: Any, *,
 
 
 __all__ = ["Conversation", "PromptReport", "PromptRow", "ReadReport", "SPLIT_RULE", "SkipRecord",
-           "count_tokens", "eval_prompt_keys", "extract_prompts", "installed_sharegpt_file",
+           "count_tokens", "eval_prompt_keys", "prompt_digest", "extract_prompts", "installed_sharegpt_file",
            "is_heldout", "iter_records", "normalize", "parse_record", "read_conversations"]
