@@ -215,6 +215,10 @@ def test_cache_drafters_must_share_tap_layers(setup, tmp_path):
                         eval_dir=str(setup["eval"]), scale=B.SCALES["smoke"])
     with pytest.raises(B.BuildError, match=r"b.yaml: model.target_layer_ids \[1\] differ"):
         B.Build(s, runner=lambda step: 0)
+    # MTP-1 reads only the cache's final hidden state: it needs no tap layers of its own
+    (cfgs / "m.yaml").write_text(yaml.safe_dump({"model": {"kind": "mtp"}, "data": {"mode": "cache"}}))
+    assert B.Build(B.BuildSettings(**{**s.__dict__, "drafters": ("a", "m")}),
+                   runner=lambda st: 0).layers == (0, 1)
     with pytest.raises(B.BuildError, match="no training config"):
         B.Build(B.BuildSettings(**{**s.__dict__, "drafters": ("zzz",)}), runner=lambda st: 0)
     assert not os.path.exists(tmp_path / "o")

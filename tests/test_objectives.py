@@ -222,3 +222,30 @@ def test_draft_intermediate_size_zero_is_the_target_width_and_negative_is_refuse
                        confidence_head=False).draft_intermediate_size == 0
     with pytest.raises(ConfigError, match="draft_intermediate_size"):
         ModelConfig(kind="mtp", target="t", draft_intermediate_size=-1)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_cached_features_give_the_online_loss(kind):
+    """Eagle3 / MTP-1 trained from an offline target cache (batch with taps + hidden, no target)
+    see the same loss as online; a cache of another layer's taps (eagle3) or of a shifted hidden
+    state (mtp) does not."""
+    from specjax.training.features import target_features
+
+    target = CausalLM(TCFG, rngs=nnx.Rngs(1))
+    gd, aux = nnx.split(target)
+    obj = make_objective(_mc(kind), target, TCFG, target_graphdef=gd, feature_dtype=jnp.float32)
+    batch = _batch()
+    online, _ = obj.loss_fn(obj.drafter, batch, jax.random.PRNGKey(0), aux)
+    taps, hid = target_features(aux, gd, batch["input_ids"], batch["valid"], tap_layers=(0, 1, 2),
+                                dtype=jnp.float32)
+    cached, _ = obj.loss_fn(obj.drafter, dict(batch, taps=taps, hidden=hid), jax.random.PRNGKey(0),
+                            None)
+    np.testing.assert_allclose(float(cached), float(online), rtol=1e-5)
+    if kind == "eagle3":
+        wrong_taps, _ = target_features(aux, gd, batch["input_ids"], batch["valid"],
+                                        tap_layers=(1, 2, 3), dtype=jnp.float32)
+        wrong = dict(batch, taps=wrong_taps, hidden=hid)
+    else:
+        wrong = dict(batch, taps=taps, hidden=shift_left(hid, 1))
+    bad, _ = obj.loss_fn(obj.drafter, wrong, jax.random.PRNGKey(0), None)
+    assert abs(float(bad) - float(online)) > 1e-3

@@ -5,7 +5,7 @@ Usage: `python -m train.train_draft --config configs/train/dspark.yaml [--set se
 Reads a `specjax.training.config.TrainConfig` YAML (`--set section.field=value` overrides), loads
 the target checkpoint, builds the drafter of `model.kind` with frozen copies of the target's
 embedding and lm_head (`specjax.training.objectives`), and trains it on an offline target cache
-(`data.mode: cache`, DSpark / DFlash, made by `python -m train.build_cache`) or online from chat
+(`data.mode: cache`: DSpark / DFlash / Eagle3 / MTP-1, made by `python -m train.build_cache`) or online from chat
 or {"prompt", "completion"} JSONL (`data.mode: online`: the frozen target runs inside the jitted
 step). Resumes from the latest checkpoint in `checkpoint.directory`;
 SIGTERM / SIGINT save a checkpoint and exit with status 0.
@@ -77,14 +77,14 @@ def build(cfg: TrainConfig, *, mesh=None, draft_ids=None) -> Run:
     from specjax import checkpoints
     from specjax.training import features as feat
     from specjax.training.cache_parts import open_target_cache
-    from specjax.training.config import BLOCK_KINDS
+    from specjax.training.config import CACHE_KINDS
     from specjax.training.objectives import make_objective
     from specjax.training.trainer import EpochBatches, Trainer, collate_block_batch
 
     mc, dc = cfg.model, cfg.data
     mesh = mesh if mesh is not None else _mesh(cfg)
-    if dc.mode == "cache" and mc.kind not in BLOCK_KINDS:
-        raise ConfigError(f"data.mode 'cache' supports kinds {BLOCK_KINDS}; kind {mc.kind!r} "
+    if dc.mode == "cache" and mc.kind not in CACHE_KINDS:
+        raise ConfigError(f"data.mode 'cache' supports kinds {CACHE_KINDS}; kind {mc.kind!r} "
                           f"trains online (data.mode: online)")
     target, tcfg = checkpoints.load_target(mc.target, dtype=mc.target_dtype)
     target_graphdef, aux = nnx.split(target)
@@ -92,7 +92,8 @@ def build(cfg: TrainConfig, *, mesh=None, draft_ids=None) -> Run:
                          feature_dtype=jnp.bfloat16, draft_ids=draft_ids)
     if dc.mode == "cache":
         identity = feat.target_identity(mc.target, tcfg)
-        dataset = open_target_cache(dc.cache_dir, expect_layers=obj.tap_layers,
+        dataset = open_target_cache(dc.cache_dir,  # MTP-1 reads only the final hidden state
+                                    expect_layers=obj.tap_layers if mc.kind != "mtp" else None,
                                     expect_hidden=tcfg.hidden_size, expect_target=identity,
                                     cache_pool_bytes=dc.cache_pool_bytes)
         aux, target_graphdef = None, None

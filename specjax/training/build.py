@@ -251,7 +251,7 @@ def drafter_plan(s: BuildSettings, name: str) -> DrafterPlan:
 def cache_layers(plans: Sequence[DrafterPlan]) -> tuple[int, ...] | None:
     """The tap layers of the shared target cache: every cache-mode drafter must name the same
     (explicit) list; None when no drafter trains from the cache."""
-    cached = [p for p in plans if p.mode == "cache"]
+    cached = [p for p in plans if p.mode == "cache" and p.kind != "mtp"]  # MTP-1 reads no taps
     if not cached:
         return None
     for p in cached:

@@ -17,6 +17,9 @@ from specjax.config import ConfigError, from_dict, read_yaml_mapping, to_dict
 
 MODEL_KINDS = ("dspark", "dflash", "eagle3", "mtp", "standalone")
 BLOCK_KINDS = ("dspark", "dflash")
+# kinds that can train from an offline target cache (taps + final hidden); standalone needs the
+# target's full logits and trains online
+CACHE_KINDS = BLOCK_KINDS + ("eagle3", "mtp")
 DATA_MODES = ("cache", "online")
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -59,6 +59,18 @@ def _target_forward(aux: Any, graphdef: Any, ids_bs: Array, valid_b: Array | Non
     return taps, jax.lax.stop_gradient(out.hidden), target
 
 
+def _features(batch: Mapping[str, Array], aux: Any, graphdef: Any, ids_bs: Array,
+              valid_b: Array | None, tap_layers: tuple[int, ...]) -> tuple[Array | None, Array]:
+    """(taps concatenated [B,S,L*H] or None without tap layers, final-normed hidden [B,S,H]):
+    from the batch when it comes from an offline target cache, else from the frozen target."""
+    if "hidden" in batch:
+        return (batch["taps"] if tap_layers else None), batch["hidden"]
+    if graphdef is None:
+        raise ValueError("batch has no cached 'hidden' and no online target was configured")
+    taps, hid, _ = _target_forward(aux, graphdef, ids_bs, valid_b, tap_layers)
+    return (jnp.concatenate(taps, axis=-1) if tap_layers else None), hid
+
+
 def _batch_arrays(batch: Mapping[str, Array]) -> tuple[Array, Array, Array | None]:
     ids = jnp.asarray(batch["input_ids"], jnp.int32)
     lm = jnp.asarray(batch["loss_mask"]).astype(jnp.float32)
@@ -68,7 +80,7 @@ def _batch_arrays(batch: Mapping[str, Array]) -> tuple[Array, Array, Array | Non
 def eagle3_objective(*, target_graphdef: Any, tap_layers: tuple[int, ...], horizon: int,
                      decay: float = 0.8, chunk_tokens: int | None = None,
                      feature_dtype: Any = jnp.bfloat16):
-    """Eagle3 training-time-test loss over `horizon` steps (reference §4) with online taps."""
+    """Eagle3 training-time-test loss over `horizon` steps (reference §4) on cached or online taps."""
     from specjax.training import losses
 
     if horizon < 1:
@@ -77,8 +89,8 @@ def eagle3_objective(*, target_graphdef: Any, tap_layers: tuple[int, ...], horiz
     def loss_fn(model: Any, batch: Mapping[str, Array], rng: Array, aux: Any):
         del rng
         ids, lm, valid = _batch_arrays(batch)
-        taps, hid, _ = _target_forward(aux, target_graphdef, ids, valid, tuple(tap_layers))
-        taps_bsf = jnp.concatenate(taps, axis=-1).astype(feature_dtype)
+        taps_bsf, hid = _features(batch, aux, target_graphdef, ids, valid, tuple(tap_layers))
+        taps_bsf = taps_bsf.astype(feature_dtype)
         step_logits = model.ttt_forward(taps_bsf, ids, horizon)  # [K, B, S, N]
         t_logits = model.lm_head(shift_left(hid.astype(feature_dtype), 1))  # [B, S, N]
         in_vocab = dv.draft_labels(model.draft_vocab, shift_left(ids, 2)) >= 0
@@ -91,13 +103,14 @@ def eagle3_objective(*, target_graphdef: Any, tap_layers: tuple[int, ...], horiz
 
 def mtp_objective(*, target_graphdef: Any, alpha_ce: float = 0.1, alpha_tv: float = 0.9,
                   chunk_tokens: int | None = None, feature_dtype: Any = jnp.bfloat16):
-    """MTP-1: (hidden[t], ids[t+1]) -> ids[t+2], matched to lm_head(hidden[t+1])."""
+    """MTP-1: (hidden[t], ids[t+1]) -> ids[t+2], matched to lm_head(hidden[t+1]) (the final hidden
+    from an offline cache or the frozen target)."""
     from specjax.training import losses
 
     def loss_fn(model: Any, batch: Mapping[str, Array], rng: Array, aux: Any):
         del rng
         ids, lm, valid = _batch_arrays(batch)
-        _, hid, _ = _target_forward(aux, target_graphdef, ids, valid, ())
+        _, hid = _features(batch, aux, target_graphdef, ids, valid, ())
         hid = hid.astype(feature_dtype)
         z = model.train_forward(hid, ids)  # [B, S, N]
         t_logits = model.shared_head.head(shift_left(hid, 1))
