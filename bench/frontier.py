@@ -21,6 +21,7 @@ import numpy as np
 from bench.common import command_line, load_bench_target, log, machine_info, md_table, pyplot, write_results
 
 POLICIES = ("plain", "mtp1", "fixed-dflash", "fixed-dspark", "threshold", "confidence", "confidence_async")
+PREFILL = 128  # prompt bucket (the longest prompt kept)
 
 
 def _drafters(target) -> tuple[dict[str, Any], str]:
@@ -55,13 +56,14 @@ def _engine(target, drafter, policy: str, max_slots: int, max_len: int, gamma: i
     cfg = EngineConfig(max_slots=max_slots, max_len=max_len, gamma=None if drafter is None else gamma, policy=policy,
                        threshold=0.6 if policy == "threshold" else None, slots_buckets=pow2_buckets(1, max_slots),
                        tokens_buckets=(1, 2, 4, gamma + 1) if drafter is not None and gamma > 1 else (1, 2),
-                       prefill_buckets=(64,), max_prefill=64, prefill_batch_buckets=(1, 8))
+                       prefill_buckets=(PREFILL,), max_prefill=PREFILL, prefill_batch_buckets=(1, 8))
     eng = Engine(target.model, drafter, cfg, eos_token_ids=eos, cost_table=cost_table, progress=True)
     eng.warmup()
     return eng
 
 
-def closed_loop(engine, prompts: list[list[int]], concurrency: int, n_requests: int, max_tokens: int) -> dict:
+def closed_loop(engine, prompts: list[list[int]], concurrency: int, n_requests: int, max_tokens: int,
+                temperature: float = 1.0) -> dict:
     """Keep `concurrency` requests in flight until `n_requests` are done."""
     from specjax.decoding.engine import EngineRequest
     ells: list[int] = []
@@ -76,7 +78,7 @@ def closed_loop(engine, prompts: list[list[int]], concurrency: int, n_requests: 
     while len(done) < n_requests:
         while in_flight < concurrency and submitted < n_requests:
             p = prompts[submitted % len(prompts)]
-            engine.add_request(EngineRequest(str(submitted), list(p), max_tokens=max_tokens, temperature=1.0,
+            engine.add_request(EngineRequest(str(submitted), list(p), max_tokens=max_tokens, temperature=temperature,
                                              seed=submitted))
             submitted += 1
             in_flight += 1
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--gamma", type=int, default=7)
+    ap.add_argument("--temperatures", default="1,0", help="sampling temperatures, one sweep each")
     ap.add_argument("--repeats", type=int, default=3, help="runs per point; the median run is reported")
     ap.add_argument("--paired", type=int, default=5,
                     help="back-to-back confidence_async/plain run pairs per level for the never-below-plain "
@@ -143,29 +146,38 @@ def main(argv: list[str] | None = None) -> None:
     def n_requests(c: int) -> int:
         return args.requests or max(4 * c, 48)
 
-    runs: dict[str, dict[int, list[dict]]] = {p: {c: [] for c in levels} for p in policies}
-    for rep in range(args.repeats):
-        for policy in policies:
-            log(f"{policy}: building (run {rep + 1}/{args.repeats})")
-            eng = build(policy)
-            for c in levels:
-                r = closed_loop(eng, prompts, c, n_requests(c), args.max_tokens)
-                runs[policy][c].append(r)
-                log(f"{policy:18s} C={c:3d}: {r['aggregate_tokens_per_s']:8.1f} tok/s aggregate, "
-                    f"{r['per_user_tokens_per_s']:7.1f} tok/s per user, mean ell {r['mean_verification_length']:.2f}")
-            del eng
+    temps = [float(t) for t in args.temperatures.split(",")]
+    by_temp: dict[float, tuple[dict, dict]] = {}
+    for temp in temps:
+        runs: dict[str, dict[int, list[dict]]] = {p: {c: [] for c in levels} for p in policies}
+        for rep in range(args.repeats):
+            for policy in policies:
+                log(f"T={temp:g} {policy}: building (run {rep + 1}/{args.repeats})")
+                eng = build(policy)
+                for c in levels:
+                    r = closed_loop(eng, prompts, c, n_requests(c), args.max_tokens, temp)
+                    runs[policy][c].append(r)
+                    log(f"{policy:18s} C={c:3d}: {r['aggregate_tokens_per_s']:8.1f} tok/s aggregate, "
+                        f"{r['per_user_tokens_per_s']:7.1f} tok/s per user, mean ell "
+                        f"{r['mean_verification_length']:.2f}")
+                del eng
+                jax.clear_caches()
+                gc.collect()
+        results = {p: [median_run(runs[p][c]) for c in levels] for p in policies}
+        paired = {}
+        if "plain" in policies and "confidence_async" in policies and args.paired:
+            engines = {p: build(p) for p in ("plain", "confidence_async")}
+            paired = paired_ratios(engines, prompts, levels, args.max_tokens, args.paired, n_requests,
+                                   temp)
+            del engines
             jax.clear_caches()
             gc.collect()
-    results = {p: [median_run(runs[p][c]) for c in levels] for p in policies}
-    paired = {}
-    if "plain" in policies and "confidence_async" in policies and args.paired:
-        engines = {p: build(p) for p in ("plain", "confidence_async")}
-        paired = paired_ratios(engines, prompts, levels, args.max_tokens, args.paired, n_requests)
-    _report(results, levels, target, drafter_note, args, argv, paired)
+        by_temp[temp] = (results, paired)
+    _report(by_temp, levels, target, drafter_note, args, argv)
 
 
 def paired_ratios(engines: dict, prompts, levels: list[int], max_tokens: int, repeats: int,
-                  n_requests) -> dict[int, list[float]]:
+                  n_requests, temperature: float = 1.0) -> dict[int, list[float]]:
     """confidence_async / plain aggregate throughput from back-to-back run pairs (both engines alive,
     alternating), `repeats` pairs per level: the machine's drift cancels within a pair, which the
     sweeps above (one policy after another) cannot promise."""
@@ -173,21 +185,25 @@ def paired_ratios(engines: dict, prompts, levels: list[int], max_tokens: int, re
     for c in levels:
         out[c] = []
         for _ in range(repeats):
-            a = closed_loop(engines["plain"], prompts, c, n_requests(c), max_tokens)
-            b = closed_loop(engines["confidence_async"], prompts, c, n_requests(c), max_tokens)
+            a = closed_loop(engines["plain"], prompts, c, n_requests(c), max_tokens, temperature)
+            b = closed_loop(engines["confidence_async"], prompts, c, n_requests(c), max_tokens,
+                            temperature)
             out[c].append(b["aggregate_tokens_per_s"] / a["aggregate_tokens_per_s"])
         log(f"paired C={c:3d}: confidence_async / plain median {np.median(out[c]):.3f} "
             f"({min(out[c]):.3f}..{max(out[c]):.3f})")
     return out
 
 
-def _prompts(target) -> list[list[int]]:
-    """Chat prompts (first turns of mt-bench, gsm8k and humaneval under the chat template, last 48
-    tokens) for the real target; random token ids for a random stand-in."""
-    from bench.decode import ordinary_texts
-    texts, _, keep = ordinary_texts(target.tokenizer)
-    if target.tokenizer is not None and keep == "tail":
-        return [target.tokenizer(t, add_special_tokens=False)["input_ids"][-48:] for t in texts[:64]]
+def _prompts(target, longest: int = PREFILL) -> list[list[int]]:
+    """Chat prompts for the real target: the first user turns of the Table-1 sets (mt-bench, gsm8k,
+    humaneval, math500, mbpp) under the chat template, those of at most `longest` tokens; random
+    token ids for a random stand-in."""
+    if target.tokenizer is not None and getattr(target.tokenizer, "chat_template", None):
+        from bench.embedded import _eval_paths
+        from specjax.eval.evaluate import load_dataset
+        out = [p for path in _eval_paths() for p in load_dataset(path, target.tokenizer, cap=32).prompts
+               if len(p) <= longest]
+        return out[:64]
     rng = np.random.default_rng(0)
     return [list(rng.integers(0, target.config.vocab_size, size=32)) for _ in range(16)]
 
@@ -306,7 +322,46 @@ def drafting_ceiling(results: dict[str, list[dict]]) -> str:
             "exceed it.")
 
 
-def _report(results, levels, target, drafter_note, args, argv, paired=None) -> None:
+def _report(by_temp, levels, target, drafter_note, args, argv) -> None:
+    md = (f"# Throughput-interactivity frontier\n\nCommand: `{command_line('bench.frontier', argv)}`\n\n"
+          f"Target: {target.description}. Drafters: {drafter_note}. Prompts: chat-templated first turns "
+          f"of the Table-1 sets. {args.max_tokens} new tokens, gamma {args.gamma}; closed loop per "
+          f"concurrency level, policies taking turns, {args.repeats} runs per point, the median run "
+          "reported (the range of all runs under runs). Rounds: the scheduler's decisions in the median "
+          "run (draft / plain = no drafting, drafter kept up to date / lite = no drafting, no drafter "
+          "upkeep).\n")
+    for temp, (results, paired) in by_temp.items():
+        md += f"\n## Temperature {temp:g}\n\n" + _section(results, levels, args, paired)
+
+    def plot(path):
+        plt = pyplot()
+        fig, axes = plt.subplots(len(by_temp), 2, figsize=(11, 4 * len(by_temp)), squeeze=False)
+        for (temp, (results, _)), (a, b) in zip(by_temp.items(), axes):
+            for policy, pts in results.items():
+                a.plot([r["per_user_tokens_per_s"] for r in pts], [r["aggregate_tokens_per_s"] for r in pts],
+                       "o-", label=policy)
+                b.plot([r["concurrency"] for r in pts], [r["mean_verification_length"] for r in pts], "o-",
+                       label=policy)
+            a.set_xlabel("per-user tokens/s")
+            a.set_ylabel("aggregate tokens/s")
+            a.set_title(f"throughput vs interactivity (T={temp:g})")
+            b.set_xscale("log", base=2)
+            b.set_xlabel("concurrency")
+            b.set_ylabel("mean verification length")
+            b.set_title(f"verification length vs load (T={temp:g})")
+            a.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+    write_results("frontier", {"machine": machine_info(), "target": target.description, "drafters": drafter_note,
+                               "by_temperature": {str(t): {"results": r, "paired_vs_plain": {str(c): v for c, v in p.items()}}
+                                                  for t, (r, p) in by_temp.items()}},
+                  md, out_dir=args.out_dir, plot=plot)
+    log(f"wrote {args.out_dir}/frontier.{{json,md,png}}")
+
+
+def _section(results, levels, args, paired) -> str:
     rows = []
     for policy, pts in results.items():
         for r in pts:
@@ -316,15 +371,8 @@ def _report(results, levels, target, drafter_note, args, argv, paired=None) -> N
                          f"{min(runs):.0f}–{max(runs):.0f}", f"{r['per_user_tokens_per_s']:.1f}",
                          f"{r['mean_verification_length']:.2f}", f"{r['tau']:.2f}",
                          "/".join(str(k.get(x, 0)) for x in ("draft", "plain", "lite"))])
-    md = (f"# Throughput-interactivity frontier\n\nCommand: `{command_line('bench.frontier', argv)}`\n\n"
-          f"Target: {target.description}. Drafters: {drafter_note}. Temperature 1, {args.max_tokens} new tokens, "
-          f"gamma {args.gamma}; closed loop per concurrency level, policies taking turns, {args.repeats} runs "
-          "per point, the median "
-          "run reported (the range of all runs under runs). Rounds: the scheduler's decisions in the median run "
-          "(draft / plain = no drafting, drafter kept up to date / lite = no drafting, no drafter upkeep).\n\n"
-          + md_table(["policy", "concurrency", "aggregate tok/s", "runs", "per-user tok/s", "mean ell", "τ",
-                      "rounds draft/plain/lite"], rows, "lrrrrrrr")
-          )
+    md = md_table(["policy", "concurrency", "aggregate tok/s", "runs", "per-user tok/s", "mean ell", "τ",
+                   "rounds draft/plain/lite"], rows, "lrrrrrrr")
     best_fixed = _best_by_level(results, ("fixed-dflash", "fixed-dspark"))
     best_conf = _best_by_level(results, ("confidence", "confidence_async"))
     plain = _best_by_level(results, ["plain"])
@@ -356,28 +404,7 @@ def _report(results, levels, target, drafter_note, args, argv, paired=None) -> N
     if ceiling:
         md += "\n" + ceiling + "\n"
 
-    def plot(path):
-        plt = pyplot()
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        for policy, pts in results.items():
-            a.plot([r["per_user_tokens_per_s"] for r in pts], [r["aggregate_tokens_per_s"] for r in pts], "o-",
-                   label=policy)
-            b.plot([r["concurrency"] for r in pts], [r["mean_verification_length"] for r in pts], "o-", label=policy)
-        a.set_xlabel("per-user tokens/s")
-        a.set_ylabel("aggregate tokens/s")
-        a.set_title("throughput vs interactivity")
-        b.set_xscale("log", base=2)
-        b.set_xlabel("concurrency")
-        b.set_ylabel("mean verification length")
-        b.set_title("verification length vs load")
-        a.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-
-    write_results("frontier", {"machine": machine_info(), "target": target.description, "drafters": drafter_note,
-                               "results": results, "paired_vs_plain": {str(c): v for c, v in (paired or {}).items()}}, md, out_dir=args.out_dir, plot=plot)
-    log(f"wrote {args.out_dir}/frontier.{{json,md,png}}")
+    return md
 
 
 if __name__ == "__main__":
