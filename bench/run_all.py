@@ -26,7 +26,7 @@ from typing import Any
 from bench.common import load_average, machine_info
 
 BENCHMARKS = ("decode", "verify_cost", "startup", "drafters", "draft_vocab", "scheduler", "training",
-              "frontier", "embedded", "server_load")
+              "frontier", "embedded", "embedded_build", "server_load")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join("bench", "results")
 DOCS_PATH = os.path.join("docs", "BENCHMARKS.md")

@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--eval-dir", default=DEFAULT_EVAL, help="evaluation prompts kept out of training")
     p.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the installed package's)")
     p.add_argument("--heldout-fraction", type=float, default=0.01)
-    p.add_argument("--regen-slots", type=int, default=16, help="answers decoded together")
+    p.add_argument("--regen-slots", type=int, default=32, help="answers decoded together")
     p.add_argument("--budget-mb", type=float, default=40.0, help="shipped drafters in all (MiB)")
     p.add_argument("--in-process", action="store_true", help="run the stages in this process")
     args = p.parse_args(argv)

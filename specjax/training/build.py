@@ -97,7 +97,7 @@ class BuildSettings:
     target_label: str | None = None  # how BUILD.json names the target (default: its file name)
     prompt_min_tokens: int = 4
     heldout_fraction: float = 0.01
-    regen_slots: int = 16
+    regen_slots: int = 32  # measured: 45 answer tokens/s on 2 cores
     temperature: float = 0.2  # SmolLM2-Instruct's recommended sampling (model card)
     top_p: float = 0.9
     top_k: int = 0
