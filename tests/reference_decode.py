@@ -38,9 +38,8 @@ def greedy_generate(model: Any, prompt_ids: Sequence[int], max_new_tokens: int, 
     return out
 
 
-def next_token_probs(model: Any, sequences: Sequence[Sequence[int]], *,
-                     temperature: float = 1.0) -> np.ndarray:
-    """The target's next-token distribution after each sequence (no cache, one padded batch):
+def next_token_logits(model: Any, sequences: Sequence[Sequence[int]]) -> np.ndarray:
+    """The target's next-token logits after each sequence (no cache, one padded batch):
     float64 [len(sequences), V]."""
     n = max(len(s) for s in sequences)
     width = max(16, 1 << (n - 1).bit_length())
@@ -55,10 +54,7 @@ def next_token_probs(model: Any, sequences: Sequence[Sequence[int]], *,
     def last_logits(state, toks, pos, valid):
         return nnx.merge(graphdef, state).forward(toks, pos, None, valid, logits="last").logits[:, -1]
 
-    z = np.asarray(last_logits(state, toks, pos, valid), np.float64) / temperature
-    z -= z.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
+    return np.asarray(last_logits(state, toks, pos, valid), np.float64)
 
 
 def randomized_pit(tokens: Sequence[int], probs_nv: np.ndarray, seed: int = 0) -> np.ndarray:
