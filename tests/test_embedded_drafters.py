@@ -24,7 +24,7 @@ from scipy import special, stats
 
 from specjax import default_target as dt
 
-from reference_decode import greedy_generate, next_token_logits, randomized_pit
+from reference_decode import continuation_logits, greedy_generate, randomized_pit
 
 pytestmark = pytest.mark.skipif(not dt.is_installed(),
                                 reason=f"{dt.PACKAGE} is not installed (make install)")
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not dt.is_installed(),
 EVAL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "eval")
 BUDGET_BYTES = 40_000_000
 GREEDY_PROMPTS, GREEDY_TOKENS = 2, 24
-PIT_SAMPLES, PIT_BINS = 192, 8
+PIT_REQUESTS, PIT_TOKENS, PIT_BINS = 16, 32, 8
 # Mean acceptance length floors (greedy; gamma 7, mtp1 gamma 1) on the first HELDOUT_PROMPTS
 # held-out prompts, HELDOUT_TOKENS tokens each: the measured value less a margin, above what the
 # drafter reaches with perturbed weights. Remeasure with `python tests/test_embedded_drafters.py`.
@@ -43,7 +43,16 @@ ACCEPTANCE_FLOORS: dict[str, float] = {"dspark": 1.34, "dflash": 1.26, "eagle3":
 # standalone has no floor yet: its first build (hidden 64, 128 steps) reaches 1.034, below the 1.062
 # of its perturbed copy, so no floor would tell trained from broken weights (#14 stays open).
 HELDOUT_PROMPTS, HELDOUT_TOKENS = 8, 32
-SLOTS, PREFILL, MAX_LEN = 16, 128, 192  # prefill buckets 64 (the PIT prompt with the system prompt) and 128
+SLOTS, PREFILL, MAX_LEN = 16, 128, 192
+# one engine per drafter serves every test: 2 slots for the greedy check, 16 for the floors and the
+# PIT samples; prompt buckets 32 (the PIT prompt) and 128 (held-out prompts)
+SLOTS_BUCKETS, PREFILL_BUCKETS = (2, SLOTS), (32, PREFILL)
+PIT_MESSAGES = [{"role": "system", "content": ""},
+                {"role": "user", "content": "Write a short poem about the sea."}]
+
+
+# each drafter's tests run in one xdist worker (`--dist loadgroup`), so its engine is built once
+BY_DRAFTER = [pytest.param(n, marks=pytest.mark.xdist_group(f"smollm2-{n}")) for n in dt.DRAFTER_NAMES]
 
 
 def _shipped() -> list[str]:
@@ -54,48 +63,51 @@ def _gamma(name: str) -> int:
     return 1 if name == "mtp1" else 7
 
 
-def _chat_ids(tok, text: str) -> list[int]:
+def _chat_ids(tok, messages: list[dict[str, str]]) -> list[int]:
     from specjax.api import encode_chat
 
-    return encode_chat(tok, [{"role": "user", "content": text}])
+    return encode_chat(tok, messages)
 
 
-def _heldout_ids(tok, n: int) -> list[list[int]]:
-    """The first n held-out prompts that fit the engine's prefill bucket, chat-templated."""
+def _heldout_ids(tok, n: int, max_tokens: int = PREFILL) -> list[list[int]]:
+    """The first n held-out prompts of at most max_tokens tokens, chat-templated."""
     from specjax.io import read_jsonl
 
     out = []
     for row in read_jsonl(dt.heldout_prompts_path(), objects=True):
-        ids = _chat_ids(tok, row["turns"][0])
-        if len(ids) <= PREFILL:
+        ids = _chat_ids(tok, [{"role": "user", "content": row["turns"][0]}])
+        if len(ids) <= max_tokens:
             out.append(ids)
         if len(out) == n:
             return out
-    raise AssertionError(f"fewer than {n} held-out prompts fit {PREFILL} tokens")
+    raise AssertionError(f"fewer than {n} held-out prompts fit {max_tokens} tokens")
 
 
-def _llm(name: str):
-    """`LLM(drafter=name)` on the default target with one slots / tokens / prefill bucket."""
+def _llm(name: str, target: tuple | None = None):
+    """`LLM(drafter=name)` on the default target (or an already loaded (model, config) of it) with
+    the buckets above."""
     from specjax.api import LLM
     from specjax.decoding.engine import EngineConfig
 
     g = _gamma(name)
     cfg = EngineConfig(max_slots=SLOTS, max_len=MAX_LEN, gamma=g, policy="fixed",
-                       max_prefill=PREFILL, slots_buckets=(SLOTS,), tokens_buckets=(g + 1,),
-                       prefill_buckets=(64, PREFILL), prefill_batch_buckets=(SLOTS,))
-    return LLM(drafter=name, engine_config=cfg)
+                       max_prefill=PREFILL, slots_buckets=SLOTS_BUCKETS, tokens_buckets=(g + 1,),
+                       prefill_buckets=PREFILL_BUCKETS, prefill_batch_buckets=SLOTS_BUCKETS)
+    if target is None:
+        return LLM(drafter=name, engine_config=cfg)
+    return LLM(target=target, drafter=dt.drafter_dir(name), tokenizer=dt.gguf_path(), engine_config=cfg)
 
 
 @pytest.fixture(scope="module")
-def llms():
-    """name -> its LLM, built once for the module (each build compiles the engine)."""
+def llms(target):
+    """name -> its LLM on the module's target, built once (each build compiles the engine)."""
     built = {}
 
     def get(name: str):
         if name not in _shipped():
             pytest.skip(f"drafter {name} is not shipped")
         if name not in built:
-            built[name] = _llm(name)
+            built[name] = _llm(name, target[:2])
         return built[name]
     return get
 
@@ -108,6 +120,15 @@ def target():
     return model, tcfg, checkpoints.load_tokenizer(dt.gguf_path())
 
 
+@pytest.fixture(scope="module")
+def greedy_reference(target):
+    """The target's own greedy continuations of the greedy prompts (computed once per module)."""
+    model, _, tok = target
+    prompts = _heldout_ids(tok, GREEDY_PROMPTS)
+    return prompts, [greedy_generate(model, p, GREEDY_TOKENS, eos_token_id=tok.eos_token_id)
+                     for p in prompts]
+
+
 def test_shipped_drafters_fit_the_budget():
     names = _shipped()
     assert names, f"no drafter under {dt.asset_dir()}/drafters: run `{dt.BUILD_COMMAND}`"
@@ -116,7 +137,7 @@ def test_shipped_drafters_fit_the_budget():
     assert sum(sizes.values()) <= BUDGET_BYTES, sizes
 
 
-@pytest.mark.parametrize("name", dt.DRAFTER_NAMES)
+@pytest.mark.parametrize("name", BY_DRAFTER)
 def test_loads_against_target(name, target):
     from specjax.drafters import registry
 
@@ -140,16 +161,30 @@ def test_loads_against_target(name, target):
         assert cfg["markov_head_type"] == "rnn"
 
 
-@pytest.mark.parametrize("name", dt.DRAFTER_NAMES)
-def test_greedy_equals_the_targets_own_loop(name, target, llms):
+def test_llm_takes_a_shipped_drafter_by_name():
+    """`LLM(drafter="mtp1")` loads the default target and the shipped drafter of that name."""
+    from specjax.api import LLM, SamplingParams
+    from specjax.decoding.engine import EngineConfig
+
+    if "mtp1" not in _shipped():
+        pytest.skip("drafter mtp1 is not shipped")
+    cfg = EngineConfig(max_slots=1, max_len=64, gamma=1, policy="fixed", max_prefill=32,
+                       slots_buckets=(1,), tokens_buckets=(2,), prefill_buckets=(32,),
+                       prefill_batch_buckets=(1,))
+    llm = LLM(drafter="mtp1", engine_config=cfg)
+    assert type(llm.drafter).__name__ == "MTPDrafter", type(llm.drafter)
+    out = llm.generate("Name a color.", SamplingParams(temperature=0.0, max_tokens=6))[0]
+    assert len(out.token_ids) == 6 and out.metrics["num_drafts"] >= 1
+
+
+@pytest.mark.parametrize("name", BY_DRAFTER)
+def test_greedy_equals_the_targets_own_loop(name, llms, greedy_reference):
     """Speculative greedy decoding with the shipped drafter gives the target's greedy tokens."""
     from specjax.api import SamplingParams
 
-    model, _, tok = target
     llm = llms(name)
-    prompts = _heldout_ids(tok, GREEDY_PROMPTS)
+    prompts, want = greedy_reference
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS))
-    want = [greedy_generate(model, p, GREEDY_TOKENS, eos_token_id=tok.eos_token_id) for p in prompts]
     assert [o.token_ids for o in outs] == want
     assert sum(o.metrics["num_drafts"] for o in outs) >= 2
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) >= 1  # drafts were really used
@@ -160,35 +195,33 @@ def _pit_pvalue(u: np.ndarray) -> float:
     return float(stats.chisquare(counts).pvalue)
 
 
-@pytest.mark.parametrize("name", dt.DRAFTER_NAMES)
+@pytest.mark.parametrize("name", BY_DRAFTER)
 def test_t1_tokens_follow_the_target_distribution(name, target, llms):
-    """At T=1 the second token (the first one a verification decides) is distributed exactly as
-    the target's p(. | prompt, first token): its randomized PIT is uniform (chi-square). Power
-    control: the same tokens judged against the target at T=0.85 must fail."""
+    """At T=1 every token after the first of an answer (each one decided by a verification) is
+    drawn from the target's p(. | prompt, the answer before it): their randomized PITs (the
+    Rosenblatt transform) are i.i.d. uniform, checked by a chi-square. Power control: the same
+    tokens judged against the target at T=0.85 must fail."""
     from specjax.api import SamplingParams
 
     model, _, tok = target
     llm = llms(name)
-    prompt = _chat_ids(tok, "Name a color.")
-    # 3 tokens: the engine verifies at most (tokens still wanted - 1) drafts, so the second token is
-    # a verification's decision only when a third is wanted
-    sps = [SamplingParams(temperature=1.0, max_tokens=3, seed=i) for i in range(PIT_SAMPLES)]
-    outs = llm.generate([prompt] * PIT_SAMPLES, sps)
-    firsts = sorted({o.token_ids[0] for o in outs})
-    row = {t: i for i, t in enumerate(firsts)}
-    seconds = [o.token_ids[1] for o in outs]
-    logits = next_token_logits(model, [prompt + [t] for t in firsts])  # one forward, two temperatures
+    prompt = _chat_ids(tok, PIT_MESSAGES)
+    sps = [SamplingParams(temperature=1.0, max_tokens=PIT_TOKENS, seed=i) for i in range(PIT_REQUESTS)]
+    outs = [o for o in llm.generate([prompt] * PIT_REQUESTS, sps) if len(o.token_ids) > 1]
+    start = len(prompt) + 1  # the first answer token comes from the prefill, not a verification
+    logits = continuation_logits(model, [prompt + o.token_ids for o in outs], start)  # one forward
+    tokens = [t for o in outs for t in o.token_ids[1:]]
+    assert len(tokens) >= PIT_REQUESTS * PIT_TOKENS // 2, len(tokens)
     for temp, should_pass in ((1.0, True), (0.85, False)):
-        p = special.softmax(logits / temp, axis=-1)
-        u = randomized_pit(seconds, p[[row[o.token_ids[0]] for o in outs]])
-        pv = _pit_pvalue(u)
-        print(f"{name}: PIT chi-square p-value at T={temp}: {pv:.3g}")
+        probs = special.softmax(np.concatenate(logits) / temp, axis=-1)
+        pv = _pit_pvalue(randomized_pit(tokens, probs))
+        print(f"{name}: PIT chi-square p-value at T={temp} over {len(tokens)} tokens: {pv:.3g}")
         if should_pass:
             assert pv > 1e-3, f"{name}: T=1 samples are not the target's (p = {pv:.2e})"
         else:
             assert pv < 1e-3, f"{name}: the PIT test cannot tell T=0.85 from T=1 (p = {pv:.2e})"
     accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
-    assert accepted >= PIT_SAMPLES // 20, f"{name}: only {accepted} draft tokens accepted"
+    assert accepted >= len(tokens) // 20, f"{name}: only {accepted} draft tokens accepted"
 
 
 def heldout_acceptance(llm, tok) -> float:
@@ -217,7 +250,7 @@ def perturb_drafter(llm, seed: int = 0) -> None:
     llm.engine.d_params = state
 
 
-@pytest.mark.parametrize("name", dt.DRAFTER_NAMES)
+@pytest.mark.parametrize("name", BY_DRAFTER)
 def test_acceptance_floor_on_heldout_prompts(name, target, llms):
     """The trained weights reach the floor; the same drafter with perturbed weights does not."""
     if name not in ACCEPTANCE_FLOORS:

@@ -87,12 +87,16 @@ def test_online_features_shapes_padding_and_no_gradient(target):
     g = jax.jit(jax.grad(lambda p: jnp.sum(feat.target_features(
         p, graphdef, ids, valid, tap_layers=TAPS, dtype=jnp.float32)[1] ** 2)))(params)
     assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(g))
-    with pytest.raises(ValueError, match="tap_layers"):
-        feat.target_features(params, graphdef, ids, valid, tap_layers=())
+    no_taps, hid_only = feat.target_features(params, graphdef, ids, valid, tap_layers=())
+    assert no_taps is None  # mtp / standalone read the hidden state only
+    np.testing.assert_allclose(np.asarray(hid_only, np.float32), np.asarray(hid, np.float32),
+                               atol=2e-2, rtol=2e-2)
 
 
 def test_cache_roundtrip_equals_online(target, tmp_path):
     samples = _samples()
+    with pytest.raises(ValueError, match="tap_layers"):  # a cache without taps has nothing to serve
+        feat.build_cache(tmp_path / "none", target, samples, tap_layers=(), identity=_ident())
     rep = feat.build_cache(tmp_path / "c", target, samples, tap_layers=TAPS, identity=_ident(),
                            tokenizer_name="tiny", batch_size=4, chunk_tokens=16)
     assert rep.complete and rep.samples_written == len(samples)

@@ -65,15 +65,14 @@ class CacheMismatchError(ConfigError):
 
 def target_features(target_params: Any, graphdef: Any, ids_bs: Array, valid_b: Array | None = None,
                     *, tap_layers: Sequence[int], dtype: Any = jnp.bfloat16,
-                    ) -> tuple[Array, Array]:
-    """Frozen target forward -> (taps [B, S, L*H], final-normed hidden [B, S, H]) in `dtype`.
+                    ) -> tuple[Array | None, Array]:
+    """Frozen target forward -> (taps [B, S, L*H], or None when `tap_layers` is empty,
+    final-normed hidden [B, S, H]) in `dtype` (None: the target's compute dtype).
 
     `target_params` / `graphdef` come from `nnx.split(target)` of a `CausalLM`;
     `valid_b` [B] is each row's count of real tokens (right padding; default S). Jittable; both
     outputs are wrapped in stop_gradient, so no gradient ever reaches the target.
     """
-    if not tap_layers:
-        raise ValueError("tap_layers must name at least one target layer")
     target = nnx.merge(graphdef, target_params)
     b, s = ids_bs.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -81,9 +80,9 @@ def target_features(target_params: Any, graphdef: Any, ids_bs: Array, valid_b: A
         valid_b = jnp.asarray(valid_b, jnp.int32)
     out = target.forward(jnp.asarray(ids_bs, jnp.int32), positions, valid_b=valid_b,
                          tap_layers=tuple(tap_layers), logits="none")
-    taps = concat_taps(out.taps).astype(dtype)
-    hidden = out.hidden.astype(dtype)
-    return jax.lax.stop_gradient(taps), jax.lax.stop_gradient(hidden)
+    cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
+    taps = cast(concat_taps(out.taps)) if tap_layers else None
+    return jax.lax.stop_gradient(taps), jax.lax.stop_gradient(cast(out.hidden))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -312,6 +311,8 @@ def build_cache(out_dir: str | os.PathLike, target: nnx.Module, samples: Sequenc
     out_dir = os.path.normpath(os.fspath(out_dir))
     tap_layers = tuple(int(x) for x in tap_layers)
     cfg: TargetConfig = target.config
+    if not tap_layers:
+        raise ValueError("tap_layers must name at least one target layer to cache")
     for lid in tap_layers:
         if not -1 <= lid < cfg.num_hidden_layers:
             raise ConfigError(f"tap layer {lid} out of range [-1, {cfg.num_hidden_layers}) for the "

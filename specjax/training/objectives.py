@@ -35,6 +35,7 @@ from flax import nnx
 from specjax.config import ConfigError, TargetConfig
 from specjax.drafters import vocab as dv
 from specjax.training.config import BLOCK_KINDS, ModelConfig
+from specjax.training.features import target_features
 
 Array = jax.Array
 
@@ -47,18 +48,6 @@ def shift_left(x_bs: Array, k: int, fill: Any = 0) -> Array:
     return jnp.pad(x_bs[:, k:], pad, constant_values=fill)
 
 
-def _target_forward(aux: Any, graphdef: Any, ids_bs: Array, valid_b: Array | None,
-                    tap_layers: tuple[int, ...]) -> tuple[tuple[Array, ...], Array, Any]:
-    """Frozen target forward -> (taps, final-normed hidden [B,S,H], the merged target)."""
-    target = nnx.merge(graphdef, aux)
-    b, s = ids_bs.shape
-    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    valid = None if valid_b is None else jnp.asarray(valid_b, jnp.int32)
-    out = target.forward(ids_bs, pos, valid_b=valid, tap_layers=tap_layers, logits="none")
-    taps = tuple(jax.lax.stop_gradient(t) for t in out.taps)
-    return taps, jax.lax.stop_gradient(out.hidden), target
-
-
 def _features(batch: Mapping[str, Array], aux: Any, graphdef: Any, ids_bs: Array,
               valid_b: Array | None, tap_layers: tuple[int, ...]) -> tuple[Array | None, Array]:
     """(taps concatenated [B,S,L*H] or None without tap layers, final-normed hidden [B,S,H]):
@@ -67,8 +56,7 @@ def _features(batch: Mapping[str, Array], aux: Any, graphdef: Any, ids_bs: Array
         return (batch["taps"] if tap_layers else None), batch["hidden"]
     if graphdef is None:
         raise ValueError("batch has no cached 'hidden' and no online target was configured")
-    taps, hid, _ = _target_forward(aux, graphdef, ids_bs, valid_b, tap_layers)
-    return (jnp.concatenate(taps, axis=-1) if tap_layers else None), hid
+    return target_features(aux, graphdef, ids_bs, valid_b, tap_layers=tap_layers, dtype=None)
 
 
 def _batch_arrays(batch: Mapping[str, Array]) -> tuple[Array, Array, Array | None]:
@@ -129,8 +117,8 @@ def standalone_objective(*, target_graphdef: Any, alpha_ce: float = 0.1, alpha_t
     def loss_fn(model: Any, batch: Mapping[str, Array], rng: Array, aux: Any):
         del rng
         ids, lm, valid = _batch_arrays(batch)
-        _, hid, target = _target_forward(aux, target_graphdef, ids, valid, ())
-        t_logits = jax.lax.stop_gradient(target.logits(hid))
+        _, hid = target_features(aux, target_graphdef, ids, valid, tap_layers=(), dtype=None)
+        t_logits = jax.lax.stop_gradient(nnx.merge(target_graphdef, aux).logits(hid))
         b, s = ids.shape
         pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         vb = None if valid is None else jnp.asarray(valid, jnp.int32)
