@@ -265,3 +265,14 @@ def test_calibrate_cli_rejects_bad_arguments(setup, tmp_path, capsys):
                str(setup["prompts"])])
     assert rc == 2 and "drafter directory does not exist" in capsys.readouterr().err
     assert not (setup["dspark"] / "calibration.json").exists()
+
+
+def test_recorded_paths_are_relative_even_outside_the_checkout(tmp_path, monkeypatch):
+    """Results name evaluation files relative to the working directory, never by an absolute path."""
+    from specjax.eval.evaluate import _display_path
+
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    outside = tmp_path / "shared" / "eval" / "gsm8k.jsonl"
+    assert _display_path(outside) == "../shared/eval/gsm8k.jsonl"
+    assert _display_path(tmp_path / "work" / "x.jsonl") == "x.jsonl"

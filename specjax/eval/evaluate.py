@@ -341,10 +341,12 @@ def _engine_config(max_num_seqs: int, max_model_len: int, max_prefill: int, seed
 
 
 def _display_path(path: str | os.PathLike) -> str:
-    """A path as recorded in results: relative to the working directory when inside it."""
-    path = os.path.abspath(os.fspath(path))
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
+    """A path as recorded in results: relative to the working directory (`../shared/...` for one
+    beside the checkout), so results name no machine-specific absolute path."""
+    try:
+        return os.path.relpath(os.fspath(path))
+    except ValueError:  # another drive (Windows): the file name is all that is portable
+        return os.path.basename(os.fspath(path))
 
 
 def run_evaluation(target_dir: str | None, drafters: Sequence[str], data_paths: Sequence[str], out_dir: str, *,
