@@ -63,29 +63,24 @@ def _gamma(name: str) -> int:
     return 1 if name == "mtp1" else 7
 
 
-def _chat_ids(tok, messages: list[dict[str, str]]) -> list[int]:
+def _heldout_ids(tok, n: int) -> list[list[int]]:
+    """The first n held-out prompts that fit the engine's prefill bucket, chat-templated."""
     from specjax.api import encode_chat
-
-    return encode_chat(tok, messages)
-
-
-def _heldout_ids(tok, n: int, max_tokens: int = PREFILL) -> list[list[int]]:
-    """The first n held-out prompts of at most max_tokens tokens, chat-templated."""
     from specjax.io import read_jsonl
 
     out = []
     for row in read_jsonl(dt.heldout_prompts_path(), objects=True):
-        ids = _chat_ids(tok, [{"role": "user", "content": row["turns"][0]}])
-        if len(ids) <= max_tokens:
+        ids = encode_chat(tok, [{"role": "user", "content": row["turns"][0]}])
+        if len(ids) <= PREFILL:
             out.append(ids)
         if len(out) == n:
             return out
-    raise AssertionError(f"fewer than {n} held-out prompts fit {max_tokens} tokens")
+    raise AssertionError(f"fewer than {n} held-out prompts fit {PREFILL} tokens")
 
 
-def _llm(name: str, target: tuple | None = None):
-    """`LLM(drafter=name)` on the default target (or an already loaded (model, config) of it) with
-    the buckets above."""
+def _llm(name: str, target: tuple):
+    """The shipped drafter `name` on an already loaded (model, config) of the default target, with
+    the buckets above (`test_llm_takes_a_shipped_drafter_by_name` covers `LLM(drafter=name)`)."""
     from specjax.api import LLM
     from specjax.decoding.engine import EngineConfig
 
@@ -93,8 +88,6 @@ def _llm(name: str, target: tuple | None = None):
     cfg = EngineConfig(max_slots=SLOTS, max_len=MAX_LEN, gamma=g, policy="fixed",
                        max_prefill=PREFILL, slots_buckets=SLOTS_BUCKETS, tokens_buckets=(g + 1,),
                        prefill_buckets=PREFILL_BUCKETS, prefill_batch_buckets=SLOTS_BUCKETS)
-    if target is None:
-        return LLM(drafter=name, engine_config=cfg)
     return LLM(target=target, drafter=dt.drafter_dir(name), tokenizer=dt.gguf_path(), engine_config=cfg)
 
 
@@ -203,9 +196,11 @@ def test_t1_tokens_follow_the_target_distribution(name, target, llms):
     tokens judged against the target at T=0.85 must fail."""
     from specjax.api import SamplingParams
 
+    from specjax.api import encode_chat
+
     model, _, tok = target
     llm = llms(name)
-    prompt = _chat_ids(tok, PIT_MESSAGES)
+    prompt = encode_chat(tok, PIT_MESSAGES)
     sps = [SamplingParams(temperature=1.0, max_tokens=PIT_TOKENS, seed=i) for i in range(PIT_REQUESTS)]
     outs = [o for o in llm.generate([prompt] * PIT_REQUESTS, sps) if len(o.token_ids) > 1]
     start = len(prompt) + 1  # the first answer token comes from the prefill, not a verification
@@ -306,8 +301,9 @@ if __name__ == "__main__":  # remeasure: trained and perturbed acceptance length
     from specjax import checkpoints
 
     tk = checkpoints.load_tokenizer(dt.gguf_path())
+    loaded = checkpoints.load_target(dt.gguf_path())
     for n in _shipped():
-        m = _llm(n)
+        m = _llm(n, loaded)
         trained_tau = heldout_acceptance(m, tk)
         perturb_drafter(m)
         print(f"{n}: trained {trained_tau:.3f}  perturbed {heldout_acceptance(m, tk):.3f}", flush=True)
