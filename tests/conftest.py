@@ -32,5 +32,5 @@ else:
 jax.config.update("jax_compilation_cache_dir", _cache_dir)
 # a size limit turns on JAX's file lock around cache reads and writes (workers share the directory)
 jax.config.update("jax_compilation_cache_max_size", 8 << 30)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -17,7 +17,8 @@ def greedy_generate(model: Any, prompt_ids: Sequence[int], max_new_tokens: int, 
     if n == 0 or max_new_tokens < 1:
         raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
     p = max(16, 1 << (n - 1).bit_length())
-    cache = model.init_cache(1, max(p, n + max_new_tokens))
+    # power-of-two shapes, so prompts of similar length share the compiled programs
+    cache = model.init_cache(1, max(p, 1 << (n + max_new_tokens - 1).bit_length()))
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -45,9 +46,9 @@ def continuation_logits(model: Any, sequences: Sequence[Sequence[int]], start: i
         raise ValueError(f"every sequence needs more than start={start} tokens")
     n = max(len(s) for s in sequences)
     width = max(16, 1 << (n - 1).bit_length())
-    k = n - start
     toks = np.zeros((len(sequences), width), np.int32)
-    rows = np.zeros((len(sequences), k), np.int32)  # the positions whose logits predict s[start:]
+    # the positions whose logits predict s[start:] (padded to the width: shapes depend on it alone)
+    rows = np.zeros((len(sequences), width), np.int32)
     for i, s in enumerate(sequences):
         toks[i, :len(s)] = s
         rows[i, :len(s) - start] = np.arange(start - 1, len(s) - 1)

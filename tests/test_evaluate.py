@@ -3,6 +3,7 @@ calibration written beside a DSpark drafter and applied on load, and the protoco
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import random
 import shutil
@@ -212,7 +213,7 @@ def test_evaluate_mt_bench_first_5_prompts(setup, calibrated, tmp_path):
         if name.endswith(".png"):
             assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads((out / "results.json").read_text())
-    assert doc["datasets"]["mt-bench"] == {"path": str(MT_BENCH), "kind": "chat", "domain": "chat", "rows": 80,
+    assert doc["datasets"]["mt-bench"] == {"path": os.path.relpath(MT_BENCH), "kind": "chat", "domain": "chat", "rows": 80,
                                            "evaluated": 5}
     assert set(doc["drafters"]) == {"ngram", "dspark_calibrated"}
     for name, r in doc["drafters"].items():

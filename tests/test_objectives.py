@@ -33,6 +33,13 @@ def _mc(kind: str, **kw) -> ModelConfig:
                        draft_num_key_value_heads=1, draft_head_dim=8, **kw)
 
 
+def _jit_loss(obj, batch, target_params):
+    """obj.loss_fn of obj's drafter, compiled once (eager dispatch of the op graph takes minutes)."""
+    graph, state = nnx.split(obj.drafter)
+    f = jax.jit(lambda st, b, t: obj.loss_fn(nnx.merge(graph, st), b, jax.random.PRNGKey(0), t))
+    return f(state, batch, target_params)
+
+
 def test_shift_left():
     x = jnp.arange(10).reshape(2, 5)
     np.testing.assert_array_equal(shift_left(x, 2), [[2, 3, 4, 0, 0], [7, 8, 9, 0, 0]])
@@ -52,7 +59,7 @@ def test_loss_finite_and_trains_only_drafter(kind):
         loss, metrics = obj.loss_fn(nnx.merge(graph, p, rest), _batch(), jax.random.PRNGKey(0), aux)
         return loss, metrics
 
-    (loss, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
     assert np.isfinite(float(loss)) and float(loss) > 0
     norms = [float(jnp.abs(g).sum()) for g in jax.tree.leaves(grads)]
     assert sum(norms) > 0
@@ -163,7 +170,7 @@ def _objective_and_hand(kind: str):
 @pytest.mark.parametrize("kind", ["eagle3", "mtp", "standalone"])
 def test_objective_alignment_matches_hand_computation(kind):
     obj, aux, b, hand = _objective_and_hand(kind)
-    _, metrics = obj.loss_fn(obj.drafter, b, jax.random.PRNGKey(0), aux)
+    _, metrics = _jit_loss(obj, b, aux)
     for name, want in hand.items():
         assert float(metrics[name]) == pytest.approx(want, rel=1e-4, abs=1e-6), (kind, name)
 
@@ -176,7 +183,7 @@ def test_only_the_drafter_receives_gradients(kind):
     def f(p, target_params):
         return obj.loss_fn(nnx.merge(graph, p, rest), b, jax.random.PRNGKey(0), target_params)[0]
 
-    g_draft, g_target = jax.grad(f, argnums=(0, 1))(params, aux)
+    g_draft, g_target = jax.jit(jax.grad(f, argnums=(0, 1)))(params, aux)
     target_norm = sum(float(jnp.abs(g).sum()) for g in jax.tree.leaves(g_target))
     assert target_norm == 0.0, f"{kind}: the frozen target received gradient (L1 {target_norm})"
     draft_leaves = jax.tree.leaves(g_draft)
@@ -235,11 +242,10 @@ def test_cached_features_give_the_online_loss(kind):
     gd, aux = nnx.split(target)
     obj = make_objective(_mc(kind), target, TCFG, target_graphdef=gd, feature_dtype=jnp.float32)
     batch = _batch()
-    online, _ = obj.loss_fn(obj.drafter, batch, jax.random.PRNGKey(0), aux)
+    online, _ = _jit_loss(obj, batch, aux)
     taps, hid = target_features(aux, gd, batch["input_ids"], batch["valid"], tap_layers=(0, 1, 2),
                                 dtype=jnp.float32)
-    cached, _ = obj.loss_fn(obj.drafter, dict(batch, taps=taps, hidden=hid), jax.random.PRNGKey(0),
-                            None)
+    cached, _ = _jit_loss(obj, dict(batch, taps=taps, hidden=hid), None)
     np.testing.assert_allclose(float(cached), float(online), rtol=1e-5)
     if kind == "eagle3":
         wrong_taps, _ = target_features(aux, gd, batch["input_ids"], batch["valid"],
@@ -247,5 +253,5 @@ def test_cached_features_give_the_online_loss(kind):
         wrong = dict(batch, taps=wrong_taps, hidden=hid)
     else:
         wrong = dict(batch, taps=taps, hidden=shift_left(hid, 1))
-    bad, _ = obj.loss_fn(obj.drafter, wrong, jax.random.PRNGKey(0), None)
+    bad, _ = _jit_loss(obj, wrong, None)
     assert abs(float(bad) - float(online)) > 1e-3

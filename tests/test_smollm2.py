@@ -6,8 +6,9 @@ import pytest
 
 from specjax import default_target
 
-pytestmark = pytest.mark.skipif(not default_target.is_installed(),
-                                reason=f"{default_target.PACKAGE} not installed ({default_target.INSTALL_COMMAND})")
+pytestmark = [pytest.mark.real_target,
+              pytest.mark.skipif(not default_target.is_installed(),
+                                 reason=f"{default_target.PACKAGE} not installed ({default_target.INSTALL_COMMAND})")]
 
 CHATS = ("Explain how a bicycle works to a ten-year-old.",)  # a long answer: 64 tokens before eos
 NEW_TOKENS = 64
