@@ -69,10 +69,11 @@ def _speed(name: str | None, prompts: list[list[int]], max_tokens: int, temperat
     """Batch-1 decoding of `prompts` one after another: plain (name None), a shipped drafter with
     fixed verification, or one of SCHEDULED."""
     from specjax.api import LLM, SamplingParams
+    from specjax.decoding.buckets import next_pow2
     from specjax.decoding.engine import EngineConfig
     policy = "plain" if name is None else SCHEDULED.get(name, "fixed")
     longest = max(len(p) for p in prompts)
-    prefill = 1 << (longest - 1).bit_length()
+    prefill = next_pow2(longest)
     cfg = EngineConfig(max_slots=1, max_len=prefill + max_tokens + 16, policy=policy,
                        slots_buckets=(1,), tokens_buckets=None, prefill_buckets=(prefill,),
                        max_prefill=prefill, prefill_batch_buckets=(1,))
@@ -175,12 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     for temp in (0.0, 1.0):
         # plain decoding first and again last: the faster of the two is the baseline, so a slow
         # spell of the machine during one of them cannot inflate the speedups
-        names = [None] + drafters + (list(SCHEDULED) if "dspark" in drafters else []) + [PLAIN_AGAIN]
-        for name in names:
-            label = name or "plain"
+        runs = ([("plain", None)] + [(d, d) for d in drafters]
+                + [(s, s) for s in (SCHEDULED if "dspark" in drafters else ())] + [(PLAIN_AGAIN, None)])
+        for label, name in runs:
             log(f"speed {label} T={temp:g}")
-            speed[(label, temp)] = _speed(None if name == PLAIN_AGAIN else name, prompts,
-                                          args.max_tokens, temp)
+            speed[(label, temp)] = _speed(name, prompts, args.max_tokens, temp)
             log(f"  {speed[(label, temp)]['tokens_per_s']:.1f} tokens/s, τ {speed[(label, temp)]['tau']:.2f}")
     peers = _peers(prompts, args.max_tokens, args.torch_threads)
     _report(drafters, tables, speed, peers, args, argv)

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.decoding.buckets import next_pow2
+
 
 def greedy_generate(model: Any, prompt_ids: Sequence[int], max_new_tokens: int, *,
                     eos_token_id: int | None = None) -> list[int]:
@@ -16,9 +18,9 @@ def greedy_generate(model: Any, prompt_ids: Sequence[int], max_new_tokens: int, 
     n = len(prompt_ids)
     if n == 0 or max_new_tokens < 1:
         raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
-    p = max(16, 1 << (n - 1).bit_length())
+    p = next_pow2(n, 16)
     # power-of-two shapes, so prompts of similar length share the compiled programs
-    cache = model.init_cache(1, max(p, 1 << (n + max_new_tokens - 1).bit_length()))
+    cache = model.init_cache(1, max(p, next_pow2(n + max_new_tokens)))
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -45,7 +47,7 @@ def continuation_logits(model: Any, sequences: Sequence[Sequence[int]], start: i
     if start < 1 or any(len(s) <= start for s in sequences):
         raise ValueError(f"every sequence needs more than start={start} tokens")
     n = max(len(s) for s in sequences)
-    width = max(16, 1 << (n - 1).bit_length())
+    width = next_pow2(n, 16)
     toks = np.zeros((len(sequences), width), np.int32)
     # the positions whose logits predict s[start:] (padded to the width: shapes depend on it alone)
     rows = np.zeros((len(sequences), width), np.int32)

@@ -17,6 +17,11 @@ class UnwarmedBucketError(RuntimeError):
     """An executable was called with a bucket key that was not compiled at warm-up."""
 
 
+def next_pow2(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= n, and at least `minimum`."""
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     """Powers of two from lo up to hi, with hi itself always included."""
     if lo < 1 or hi < lo:

@@ -38,6 +38,7 @@ import tensorstore as ts
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
+from specjax.decoding.buckets import next_pow2
 from specjax.io import iter_jsonl, write_json_atomic
 from specjax.models.layers import concat_taps
 
@@ -255,7 +256,7 @@ class BuildReport:
 
 
 def _length_bucket(n: int, minimum: int = 16) -> int:
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+    return next_pow2(n, minimum)
 
 
 def _rows_cap(s_pad: int, batch_size: int, max_batch_tokens: int | None) -> int:
