@@ -1,6 +1,6 @@
-"""Test session setup: 8 emulated CPU devices for the sharding tests (set before jax is imported) and a
-per-run persistent compilation cache shared by the xdist workers, so engines with identical shapes
-compile once per run."""
+"""Test session setup: 8 emulated CPU devices for the sharding tests (set before jax is imported), and
+per-run caches shared by the xdist workers: a persistent compilation cache, so engines with
+identical shapes compile once per run, and the float32 copies of converted GGUF targets."""
 import os
 import tempfile
 
@@ -18,18 +18,25 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# converted GGUF targets are cached for the session only (a later load of the same file reads it)
-os.environ.setdefault("SPECJAX_GGUF_CACHE", tempfile.mkdtemp(prefix="specjax-gguf-cache-"))
+_run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
+
+
+def run_dir(prefix: str) -> str:
+    """A temporary directory for this test run, the same one in every xdist worker."""
+    if not _run_id:
+        return tempfile.mkdtemp(prefix=prefix)
+    d = os.path.join(tempfile.gettempdir(), f"{prefix}{_run_id}")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+# converted GGUF targets are cached for the run only (a later load of the same file, in any worker,
+# reads it; the copy is renamed into place, so two workers converting at once do not collide)
+os.environ.setdefault("SPECJAX_GGUF_CACHE", run_dir("specjax-gguf-cache-"))
 
 import jax  # noqa: E402
 
-_run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
-if _run_id:
-    _cache_dir = os.path.join(tempfile.gettempdir(), f"specjax-jit-cache-{_run_id}")
-    os.makedirs(_cache_dir, exist_ok=True)
-else:
-    _cache_dir = tempfile.mkdtemp(prefix="specjax-jit-cache-")
-jax.config.update("jax_compilation_cache_dir", _cache_dir)
+jax.config.update("jax_compilation_cache_dir", run_dir("specjax-jit-cache-"))
 # a size limit turns on JAX's file lock around cache reads and writes (workers share the directory)
 jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

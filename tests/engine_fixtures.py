@@ -66,22 +66,24 @@ class BigramDrafter(nnx.Module):
 
 def exact_continuations(model: CausalLM, prompt: list[int], n: int, temperature: float = 1.0,
                         top_k: int = 0, top_p: float = 1.0) -> dict[tuple[int, ...], float]:
-    """P(x_1..x_n | prompt) for every n-token continuation, by enumeration with full forwards."""
+    """P(x_1..x_n | prompt) for every n-token continuation, by enumeration: one full forward over
+    the prompt followed by every (n-1)-token sequence, whose logits at depth d (the position after
+    the prompt and x_1..x_d; causal, so it sees nothing later) give P(x_{d+1} | prompt, x_1..x_d)."""
     v = model.config.vocab_size
-    sa = lambda b: SamplingArrays(jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k, jnp.int32),
-                                  jnp.full((b,), top_p, jnp.float32))
-    probs = {(): 1.0}
+    heads = list(itertools.product(range(v), repeat=n - 1))  # x_1..x_{n-1}; () when n == 1
     graphdef, state = nnx.split(model)
-    last_logits = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t)[:, -1])
-    for depth in range(n):
-        prefixes = [p for p in probs if len(p) == depth]
-        toks = jnp.array([prompt + list(p) for p in prefixes], jnp.int32)
-        logits = last_logits(state, toks)
-        pr = np.asarray(probs_from_logits(logits, sa(len(prefixes))), np.float64)
-        for i, p in enumerate(prefixes):
-            for x in range(v):
-                probs[p + (x,)] = probs[p] * pr[i, x]
-    return {k: val for k, val in probs.items() if len(k) == n}
+    toks_et = jnp.array([list(prompt) + list(h) for h in heads], jnp.int32)
+    logits_edv = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t)[:, len(prompt) - 1:])(state, toks_et)
+    rows = len(heads) * n
+    sa = SamplingArrays(jnp.full((rows,), temperature, jnp.float32), jnp.full((rows,), top_k, jnp.int32),
+                        jnp.full((rows,), top_p, jnp.float32))
+    probs_edv = np.asarray(probs_from_logits(logits_edv.reshape(rows, v), sa), np.float64).reshape(-1, n, v)
+    out = {}
+    for e, head in enumerate(heads):
+        prefix = float(np.prod([probs_edv[e, d, x] for d, x in enumerate(head)]))
+        for x in range(v):
+            out[head + (x,)] = prefix * probs_edv[e, n - 1, x]
+    return out
 
 
 def chi_square_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float],

@@ -289,9 +289,10 @@ def _smollm2_path() -> str:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2():
-    """(path, our model, config, tokenizer, chat token batch [B,T], valid lengths [B])."""
+    """(path, our model, config, tokenizer, chat token batch [B,T], valid lengths [B]); session
+    scope, so that other modules' tests run in between by the same worker do not reload it."""
     path = _smollm2_path()
     model, cfg = checkpoints.load_target(path)
     tok = checkpoints.load_tokenizer(path)
@@ -304,7 +305,7 @@ def smollm2():
     return path, model, cfg, tok, tokens, valid
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2_hf(smollm2):
     torch = pytest.importorskip("torch")
     import transformers
@@ -395,3 +396,36 @@ def test_smollm2_exports_as_a_transformers_directory(smollm2, smollm2_hf, tmp_pa
     chat = [{"role": "user", "content": CHATS[1]}]
     assert tok2.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
         tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+
+
+GREEDY_CHAT, GREEDY_TOKENS = "Explain how a bicycle works to a ten-year-old.", 64  # 64 tokens before eos
+
+
+@pytest.mark.real_target
+def test_smollm2_llm_greedy_equals_transformers_generate(smollm2, smollm2_hf):
+    """`LLM` on the GGUF decodes a chat prompt greedily token for token as transformers' own GGUF
+    loader and `generate` (float32) do, under the same chat template from the file."""
+    import torch
+    import transformers
+
+    import specjax
+    from specjax.decoding.engine import EngineConfig
+
+    path, model, cfg, _, _, _ = smollm2
+    hf_tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    chat = [{"role": "user", "content": GREEDY_CHAT}]
+    ids = hf_tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
+                                     return_dict=True)["input_ids"]
+    hf_prompt = ids[0].tolist()
+    with torch.inference_mode():
+        gen = smollm2_hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY_TOKENS,
+                                  do_sample=False, num_beams=1, pad_token_id=hf_tok.eos_token_id)
+    hf_tokens = gen[0, ids.shape[1]:].tolist()
+    ec = EngineConfig(max_slots=1, max_len=256, policy="plain", max_prefill=128, slots_buckets=(1,),
+                      prefill_buckets=(128,), prefill_batch_buckets=(1,))
+    llm = specjax.LLM(target=(model, cfg), tokenizer=path, engine_config=ec)
+    ours = llm.chat(chat, specjax.SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS))[0]
+    assert ours.prompt_token_ids == hf_prompt  # the same chat template from the file
+    assert len(hf_tokens) == GREEDY_TOKENS  # a long answer: 64 tokens compared, no early eos
+    assert ours.token_ids == hf_tokens
+    assert ours.text and len(set(ours.token_ids)) > 8  # a real answer, not a repeated token

@@ -59,3 +59,33 @@ def test_cache_off(tiny_gguf, tmp_path, monkeypatch):
     assert targets.gguf_cache_root() is None
     checkpoints.load_target(tiny_gguf)
     assert targets.gguf_conversion_dir(tiny_gguf) is None
+
+
+def test_losing_a_concurrent_store_is_silent_and_keeps_the_winners_copy(tiny_gguf, tmp_path, monkeypatch):
+    """Two processes converting the same file at once: the second rename fails because the first
+    copy is in place; that is not a failure (no warning), and the first copy is left as it was.
+    Control: a rename failing with no copy in place still warns."""
+    import warnings
+
+    monkeypatch.setenv(targets.GGUF_CACHE_ENV, str(tmp_path / "cache"))
+    model, cfg = checkpoints.load_target(tiny_gguf)
+    d = targets.gguf_conversion_dir(tiny_gguf)
+    winner = sorted(os.listdir(d))
+    real_isdir = os.path.isdir
+    seen = []
+
+    def not_yet(path):  # the pre-check runs before the winner's rename lands
+        if path == d and not seen:
+            seen.append(path)
+            return False
+        return real_isdir(path)
+    monkeypatch.setattr(targets.os.path, "isdir", not_yet)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        targets._store_conversion(str(tiny_gguf), model, cfg)
+    assert seen and sorted(os.listdir(d)) == winner
+    assert not [p for p in os.listdir(os.path.dirname(d)) if ".tmp" in p]  # the loser's copy is gone
+    monkeypatch.setattr(targets.os, "rename", lambda a, b: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(targets.os.path, "isdir", lambda p: False if p == d else real_isdir(p))
+    with pytest.warns(UserWarning, match="could not cache"):
+        targets._store_conversion(str(tiny_gguf), model, cfg)

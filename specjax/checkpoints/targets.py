@@ -91,7 +91,8 @@ def _store_conversion(path: str, model, cfg: TargetConfig) -> None:
             json.dump(_gguf_identity(path), f)
         os.rename(tmp, d)
     except OSError as e:
-        warnings.warn(f"could not cache the converted GGUF in {d}: {e}", stacklevel=3)
+        if not os.path.isdir(d):  # else another process stored the same conversion first
+            warnings.warn(f"could not cache the converted GGUF in {d}: {e}", stacklevel=3)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
