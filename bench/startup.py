@@ -76,7 +76,7 @@ def fresh_clone_demo() -> dict[str, Any]:
         t0 = time.perf_counter()
         p = subprocess.run(["make", "demo"], cwd=clone, env=env, capture_output=True, text=True, timeout=3600)
         wall = time.perf_counter() - t0
-        tail = (p.stdout + p.stderr)[-600:]
+        tail = p.stdout[-1500:] if p.returncode == 0 else (p.stdout + p.stderr)[-1500:]  # stderr: progress bars
     return {"wall_s": round(wall, 1), "returncode": p.returncode, "output_tail": tail,
             "load_1min": load_average()[0]}
 
@@ -107,7 +107,8 @@ def markdown(res: dict[str, Any], command: str) -> str:
                      "The clone has its own virtual environment, an empty compilation cache and an "
                      "empty GGUF conversion cache (the demo parses and dequantizes the GGUF); pip's "
                      "download cache was this machine's.")
-        lines += ["", "Its output ends:", "", "```", d["output_tail"].strip(), "```"]
+        summary = [ln for ln in d["output_tail"].strip().splitlines() if ln.strip()][-2:]
+        lines += ["", "Its last lines:", ""] + [f"> {ln}  " for ln in summary]
     lines += ["", "![start-up](startup.png)"]
     return "\n".join(lines) + "\n"
 
