@@ -47,13 +47,11 @@ def _logits_at(model: Any, sequences, starts, reduce) -> np.ndarray:
     return np.asarray(run(state, toks, pos, valid, rows))
 
 
-def continuation_logits(model: Any, sequences: Sequence[Sequence[int]],
-                        starts: int | Sequence[int]) -> list[np.ndarray]:
-    """For each sequence s (and its start), the target's logits for s[start:] given what precedes
-    each token (one padded forward, no cache): float64 [len(s) - start, V] per sequence."""
-    starts = [starts] * len(sequences) if isinstance(starts, int) else list(starts)
-    out = _logits_at(model, sequences, starts, lambda x: x)
-    return [out[i, :len(s) - st].astype(np.float64) for i, (s, st) in enumerate(zip(sequences, starts))]
+def continuation_logits(model: Any, sequences: Sequence[Sequence[int]], start: int) -> list[np.ndarray]:
+    """For each sequence s, the target's logits for s[start:] given what precedes each token (one
+    padded forward, no cache): float64 [len(s) - start, V] per sequence."""
+    out = _logits_at(model, sequences, [start] * len(sequences), lambda x: x)
+    return [out[i, :len(s) - start].astype(np.float64) for i, s in enumerate(sequences)]
 
 
 def first_non_greedy(model: Any, prompts: Sequence[Sequence[int]],

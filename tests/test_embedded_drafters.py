@@ -3,10 +3,10 @@
 Each shipped drafter (specjax/assets/smollm2/drafters/<name>/, built by `make embedded`) must load
 through `LLM(drafter=name)`; decode held-out ShareGPT prompts greedily with the target's own tokens
 (every answer token the target's argmax given what precedes it, with drafts verified and accepted)
-at an acceptance length no lower than its floor (a perturbed copy of DSpark's weights must fall below its floor); and
-sample at T=1 from exactly the target's distribution (a randomized-PIT chi-square on the tokens the
-verifier decided, with a power control that must fail). The recorded split keeps evaluation prompts
-out of training. Names that are not shipped are skipped.
+at an acceptance length no lower than its floor (a perturbed copy of DSpark's weights must fall
+below its floor); and sample at T=1 from exactly the target's distribution (a randomized-PIT
+chi-square on the tokens the verifier decided, with a power control that must fail). The recorded
+split keeps evaluation prompts out of training. Names that are not shipped are skipped.
 
 Remeasure the floors after a rebuild: `python tests/test_embedded_drafters.py` prints each
 drafter's acceptance length with trained and with perturbed weights.
@@ -56,8 +56,6 @@ SLOTS, PREFILL, MAX_LEN = 8, 128, 192
 SLOTS_BUCKETS, PREFILL_BUCKETS = (SLOTS,), (32, PREFILL)
 PIT_MESSAGES = [{"role": "system", "content": ""},
                 {"role": "user", "content": "Write a short poem about the sea."}]
-
-
 
 
 def _shipped() -> list[str]:
@@ -124,6 +122,18 @@ def target():
 
     model, tcfg = checkpoints.load_target(dt.gguf_path())
     return model, tcfg, checkpoints.load_tokenizer(dt.gguf_path())
+
+
+@pytest.fixture(scope="session")
+def heldout_prompts(target):
+    return _heldout_ids(target[2], HELDOUT_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def verified_greedy() -> set:
+    """Answer sets already checked against the target (every drafter must give the same ones, so
+    each worker runs the reference forward once per distinct set)."""
+    return set()
 
 
 def test_shipped_drafters_fit_the_budget():
@@ -207,14 +217,13 @@ def test_t1_tokens_follow_the_target_distribution(name, target, llms):
     assert accepted >= len(tokens) // 20, f"{name}: only {accepted} draft tokens accepted"
 
 
-def heldout_greedy(llm, tok) -> tuple[list[list[int]], float]:
-    """Greedy answers (HELDOUT_TOKENS each, or fewer ending in eos) to the first HELDOUT_PROMPTS
-    held-out prompts, decoded together, and the mean acceptance length (bonus token included) over
-    all drafting rounds."""
+def heldout_greedy(llm, tok, prompts: list[list[int]]) -> tuple[list[list[int]], float]:
+    """Greedy answers (HELDOUT_TOKENS each, or fewer ending in eos) to the held-out `prompts`,
+    decoded together, and the mean acceptance length (bonus token included) over all drafting
+    rounds."""
     from specjax.api import SamplingParams
 
-    outs = llm.generate(_heldout_ids(tok, HELDOUT_PROMPTS),
-                        SamplingParams(temperature=0.0, max_tokens=HELDOUT_TOKENS))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=HELDOUT_TOKENS))
     for o in outs:
         assert len(o.token_ids) == HELDOUT_TOKENS or o.token_ids[-1] == tok.eos_token_id, o.token_ids
     drafts = sum(o.metrics["num_drafts"] for o in outs)
@@ -237,17 +246,19 @@ def perturb_drafter(llm, seed: int = 0) -> None:
 
 
 @pytest.mark.parametrize("name", dt.DRAFTER_NAMES)
-def test_greedy_is_the_targets_and_reaches_the_floor(name, target, llms):
+def test_greedy_is_the_targets_and_reaches_the_floor(name, target, llms, heldout_prompts, verified_greedy):
     """Speculative greedy decoding of held-out prompts with the shipped drafter gives the target's
     own greedy tokens (each the target's argmax given the prompt and the answer before it; control:
     an answer with one token changed is caught there), with drafts accepted at no less than the
     drafter's floor; for CONTROLLED, the same drafter with perturbed weights falls below it."""
     llm, (model, tcfg, tok) = llms(name), target
-    answers, tau = heldout_greedy(llm, tok)
-    prompts = _heldout_ids(tok, HELDOUT_PROMPTS)
-    k = len(answers[0]) // 2
-    changed = answers[0][:k] + [(answers[0][k] + 1) % tcfg.vocab_size] + answers[0][k + 1:]
-    assert first_non_greedy(model, prompts + prompts[:1], answers + [changed]) == [None] * len(answers) + [k]
+    prompts = heldout_prompts
+    answers, tau = heldout_greedy(llm, tok, prompts)
+    if tuple(map(tuple, answers)) not in verified_greedy:
+        k = len(answers[0]) // 2
+        changed = answers[0][:k] + [(answers[0][k] + 1) % tcfg.vocab_size] + answers[0][k + 1:]
+        assert first_non_greedy(model, prompts + prompts[:1], answers + [changed]) == [None] * len(answers) + [k]
+        verified_greedy.add(tuple(map(tuple, answers)))
     assert tau > 1.0, f"{name}: no draft token was accepted"
     if name not in ACCEPTANCE_FLOORS:
         return
@@ -258,7 +269,7 @@ def test_greedy_is_the_targets_and_reaches_the_floor(name, target, llms):
     trained = llm.engine.d_params
     try:
         perturb_drafter(llm)
-        broken = heldout_greedy(llm, tok)[1]
+        broken = heldout_greedy(llm, tok, prompts)[1]
     finally:
         llm.engine.d_params = trained
     assert broken < floor, f"{name}: perturbed weights reach {broken:.3f} >= floor {floor}"
@@ -310,8 +321,9 @@ if __name__ == "__main__":  # remeasure: trained and perturbed acceptance length
 
     tk = checkpoints.load_tokenizer(dt.gguf_path())
     loaded = checkpoints.load_target(dt.gguf_path())
+    held = _heldout_ids(tk, HELDOUT_PROMPTS)
     for n in _shipped():
         m = _llm(n, loaded)
-        trained_tau = heldout_greedy(m, tk)[1]
+        trained_tau = heldout_greedy(m, tk, held)[1]
         perturb_drafter(m)
-        print(f'"{n}": ({trained_tau:.3f}, {heldout_greedy(m, tk)[1]:.3f}),', flush=True)
+        print(f'"{n}": ({trained_tau:.3f}, {heldout_greedy(m, tk, held)[1]:.3f}),', flush=True)
