@@ -298,6 +298,11 @@ def markdown(res: dict[str, Any], command: str) -> str:
         out.append(f"Sampling alone (gamma sequential probs + sample steps, no network) is {lo:.0%}..{hi:.0%} of "
                    "the DFlash proposal time across the measured (batch, gamma): on a CPU the draft's "
                    "left-to-right sampling over the vocabulary, not its single layer, is much of its cost.\n")
+    if res["target_source"] == "embedded":
+        out.append("These drafters draft over the full vocabulary. The shipped drafters of the embedded "
+                   "target draft over a draft vocabulary of 8192 ids with a rank-32 Markov head, which "
+                   "shrinks the vocabulary-sized work (lm_head, Markov head, sampling): see the "
+                   "draft_vocab benchmark for what that buys.\n")
     out.append("\n## Proposal latency per round\n")
     out.append(md_table(
         ["batch", "gamma", "drafter", "propose ms (median)", "min", "verify ms (median)", "propose / verify",
