@@ -82,6 +82,19 @@ def build_drafter(name: str, target: BenchTarget, gamma: int, args: argparse.Nam
     raise ValueError(f"unknown drafter {name!r}; choose from {ALL_DRAFTERS}")
 
 
+def shipped_dspark_shape() -> dict[str, int] | None:
+    """The shipped DSpark's draft vocabulary size and Markov rank (its config.json), or None when
+    it is not shipped."""
+    import json
+
+    from specjax import default_target
+    if "dspark" not in default_target.available_drafters():
+        return None
+    with open(os.path.join(default_target.drafter_dir("dspark"), "config.json"), encoding="utf-8") as f:
+        c = json.load(f)
+    return {"draft_vocab_size": c["draft_vocab_size"], "markov_rank": c["markov_rank"]}
+
+
 class Context:
     """A batch of committed contexts: tokens, the target's taps at every layer, final hidden, and
     the target KV cache holding them."""
@@ -298,11 +311,12 @@ def markdown(res: dict[str, Any], command: str) -> str:
         out.append(f"Sampling alone (gamma sequential probs + sample steps, no network) is {lo:.0%}..{hi:.0%} of "
                    "the DFlash proposal time across the measured (batch, gamma): on a CPU the draft's "
                    "left-to-right sampling over the vocabulary, not its single layer, is much of its cost.\n")
-    if res["target_source"] == "embedded":
-        out.append("These drafters draft over the full vocabulary. The shipped drafters of the embedded "
-                   "target draft over a draft vocabulary of 8192 ids with a rank-32 Markov head, which "
-                   "shrinks the vocabulary-sized work (lm_head, Markov head, sampling): see the "
-                   "draft_vocab benchmark for what that buys.\n")
+    shipped = res.get("shipped_dspark")
+    if shipped:
+        out.append("These drafters draft over the full vocabulary. The shipped DSpark of the embedded "
+                   f"target drafts over a draft vocabulary of {shipped['draft_vocab_size']} ids with a "
+                   f"rank-{shipped['markov_rank']} Markov head, which shrinks the vocabulary-sized work "
+                   "(lm_head, Markov head, sampling): see the draft_vocab benchmark for what that buys.\n")
     out.append("\n## Proposal latency per round\n")
     out.append(md_table(
         ["batch", "gamma", "drafter", "propose ms (median)", "min", "verify ms (median)", "propose / verify",
@@ -416,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
            "paper_overhead": PAPER_OVERHEAD, "rows": rows, "overheads": overheads(rows),
            "machine": machine_info()}
     res["overhead_note"] = overhead_note(res)
+    if target.source == "embedded":
+        res["shipped_dspark"] = shipped_dspark_shape()
     md = markdown(res, command_line("bench.drafters", argv))
     print(md)
     paths = write_results("drafters", res, md, out_dir=args.out_dir,

@@ -251,8 +251,7 @@ def test_greedy_is_the_targets_and_reaches_the_floor(name, target, llms, heldout
     own greedy tokens (each the target's argmax given the prompt and the answer before it; control:
     an answer with one token changed is caught there), with drafts accepted at no less than the
     drafter's floor; for CONTROLLED, the same drafter with perturbed weights falls below it."""
-    llm, (model, tcfg, tok) = llms(name), target
-    prompts = heldout_prompts
+    llm, (model, tcfg, tok), prompts = llms(name), target, heldout_prompts
     answers, tau = heldout_greedy(llm, tok, prompts)
     if tuple(map(tuple, answers)) not in verified_greedy:
         k = len(answers[0]) // 2
