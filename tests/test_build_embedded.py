@@ -1,7 +1,8 @@
 """train.build_embedded / specjax.training.build end to end at a tiny scale on a tiny random Llama
 target: ShareGPT JSON -> prompts -> regenerated answers -> offline cache -> draft vocabulary ->
 dspark (cache, Markov + confidence heads, draft vocabulary) and mtp1 (online) -> STS -> export;
-the exports load with the registry, BUILD.json records every stage, and stages resume.
+the exports load with the registry, BUILD.json records every stage, and stages resume. The build
+adds 3 original ShareGPT replies (`--reference-rows`) as a second cache / training file.
 The pipeline test takes ~100 s on an idle 2-core machine (most of it compiling the engine for
 regeneration and calibration and the two training steps); it runs every stage once, in process.)"""
 from __future__ import annotations
@@ -100,10 +101,10 @@ def _argv(s, *extra: str) -> list[str]:
             "--drafters", "dspark", "mtp1", "--scale", "smoke", "--rows", "6",
             "--max-new-tokens", "12", "--prompt-max-tokens", "16", "--steps", "3",
             "--calibrate-prompts", "2", "--calibrate-tokens", "6", "--heldout-fraction", "0.25",
-            "--regen-slots", "1", *extra]
+            "--regen-slots", "1", "--reference-rows", "3", *extra]
 
 
-def test_pipeline_end_to_end_resumes_and_exports_loadable_drafters(setup):
+def test_pipeline_end_to_end_resumes_and_exports_loadable_drafters(setup, capsys):
     from specjax import checkpoints
     from specjax.drafters import registry
     from specjax.io import read_jsonl
@@ -135,13 +136,27 @@ def test_pipeline_end_to_end_resumes_and_exports_loadable_drafters(setup):
     # fewer rows than already answered is refused (the file may only grow)
     assert build_embedded.main(_argv(s, "--stages", "regenerate", "--rows", "5")) == 1
 
+    capsys.readouterr()
     assert build_embedded.main(_argv(s)) == 0
+    printed = capsys.readouterr().out
     record = json.loads((out / "BUILD.json").read_text())
-    for key in ("prepare", "regenerate", "cache", "vocab", "train/dspark", "train/mtp1",
-                "calibrate/dspark", "export"):
+    for key in ("prepare", "regenerate", "cache", "cache/references", "vocab", "train/dspark",
+                "train/mtp1", "calibrate/dspark", "export"):
         runs = 3 if key == "regenerate" else 1  # regenerate: the run, its resume, the refusal
         assert record["stages"][key]["complete"] and record["stages"][key]["runs"] == runs, key
     assert "calibrate/mtp1" not in record["stages"]  # no confidence head
+    # the original replies: the 3 training prompts after the regenerated ones, cached on their own
+    # and read by every drafter after the regenerated answers
+    train_ids = [r["id"] for r in read_jsonl(work / "sharegpt" / "prompts.jsonl")]
+    refs = read_jsonl(work / "references_3.jsonl")
+    assert [r["id"] for r in refs] == train_ids[6:9] and record["data"]["reference_rows"] == 3
+    assert all(r["conversations"][1] == {"role": "assistant", "content": "w30 w31"} for r in refs)
+    n_cached = [json.loads((work / d / "manifest.json").read_text())["num_samples"]
+                for d in ("cache", "cache_references_3")]
+    assert n_cached[1] == 3
+    started = {d["run"]: d for d in (json.loads(x) for x in printed.splitlines()
+                                     if x.startswith('{"run"'))}
+    assert started["tiny_dspark"]["samples"] == sum(n_cached)
     assert 0 < record["data"]["draft_vocab_coverage"]["48"] <= 1.0
     assert record["drafter_bytes_total"] == sum(record["drafter_bytes"].values()) > 0
 
@@ -151,6 +166,12 @@ def test_pipeline_end_to_end_resumes_and_exports_loadable_drafters(setup):
         drafter = registry.load_drafter(d, target=target)
         info = json.loads((d / "training.json").read_text())
         assert info["final_step"] == 3 and str(s["root"]) not in json.dumps(info)
+        data = info["train_config"]["data"]
+        if name == "dspark":
+            assert (data["cache_dir"], data["extra_cache_dirs"]) == (
+                "<work>/cache", ["<work>/cache_references_3"])
+        else:
+            assert data["train_jsonl"] == ["<work>/regen.jsonl", "<work>/references_3.jsonl"]
     # the shipped copy leaves out the target's embedding and head copies and loads the same
     import jax
     import numpy as np

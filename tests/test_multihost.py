@@ -372,3 +372,13 @@ def test_build_cache_parts_read_as_one_cache(tmp_path, monkeypatch):
                                        rtol=2e-2, atol=2e-2)
     with pytest.raises(IndexError, match="out of range"):
         two.read([5])
+    # several caches in a row read as one data set: the first's samples, then the second's
+    both = cache_parts.open_target_caches([tmp_path / "one", tmp_path / "two"], expect_layers=(-1, 1))
+    assert len(both) == 10 and both.lengths.tolist() == one.lengths.tolist() * 2
+    got = both.read([7, 2])
+    assert [g["input_ids"].tolist() for g in got] == [rows[2]["input_ids"], rows[2]["input_ids"]]
+    assert type(cache_parts.open_target_caches([tmp_path / "one"])) is type(one)
+    from specjax.training.config import DataConfig
+
+    with pytest.raises(ConfigError, match="field 'extra_cache_dirs' needs data.mode 'cache'"):
+        DataConfig(mode="online", train_jsonl=("x.jsonl",), extra_cache_dirs=("c",))

@@ -76,7 +76,7 @@ def build(cfg: TrainConfig, *, mesh=None, draft_ids=None) -> Run:
     `draft_ids`: the draft vocabulary's target ids (required when model.draft_vocab_size > 0)."""
     from specjax import checkpoints
     from specjax.training import features as feat
-    from specjax.training.cache_parts import open_target_cache
+    from specjax.training.cache_parts import open_target_caches
     from specjax.training.config import CACHE_KINDS
     from specjax.training.objectives import make_objective
     from specjax.training.trainer import EpochBatches, Trainer, collate_block_batch
@@ -92,10 +92,11 @@ def build(cfg: TrainConfig, *, mesh=None, draft_ids=None) -> Run:
                          feature_dtype=jnp.bfloat16, draft_ids=draft_ids)
     if dc.mode == "cache":
         identity = feat.target_identity(mc.target, tcfg)
-        dataset = open_target_cache(dc.cache_dir,  # MTP-1 reads only the final hidden state
-                                    expect_layers=obj.tap_layers if mc.kind != "mtp" else None,
-                                    expect_hidden=tcfg.hidden_size, expect_target=identity,
-                                    cache_pool_bytes=dc.cache_pool_bytes)
+        dataset = open_target_caches(  # MTP-1 reads only the final hidden state
+            (dc.cache_dir, *dc.extra_cache_dirs),
+            expect_layers=obj.tap_layers if mc.kind != "mtp" else None,
+            expect_hidden=tcfg.hidden_size, expect_target=identity,
+            cache_pool_bytes=dc.cache_pool_bytes)
         aux, target_graphdef = None, None
     else:
         tok = checkpoints.load_tokenizer(dc.tokenizer or mc.target)
@@ -162,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(os.path.join(cfg.checkpoint.directory, "train_config.yaml"), "w") as f:
             yaml.safe_dump(train_config_dict(cfg), f, sort_keys=False)
     print(json.dumps({"run": cfg.name, "total_steps": trainer.total_steps,
-                      "steps_per_epoch": data.steps_per_epoch,
+                      "samples": len(data.dataset), "steps_per_epoch": data.steps_per_epoch,
                       "grad_accum_steps": trainer.grad_accum_steps,
                       "devices": len(trainer.mesh.devices.flat),
                       "process": f"{jax.process_index()}/{jax.process_count()}",

@@ -8,7 +8,11 @@ Stages, in order; each is skipped when its output is complete and resumes where 
                  its chat template, `regen_slots` requests at a time (`train.regenerate`; resumes
                  by record) -> <work>/regen.jsonl
     cache        the target's hidden taps + final hidden per token of regen.jsonl, offline
-                 (`train.build_cache`, tensorstore; resumes after the last complete batch)
+                 (`train.build_cache`, tensorstore; resumes after the last complete batch);
+                 with `reference_rows` N > 0 also `cache/references`: the original ShareGPT
+                 replies of the N training prompts after the regenerated ones
+                 (<work>/references_<N>.jsonl) cached in <work>/cache_references_<N>, which every
+                 drafter then trains on besides regen.jsonl (EAGLE-1 trained on such replies)
     vocab        token counts of the supervised tokens -> the N most frequent ids (+ EOS) for every
                  draft_vocab_size N of the configs -> <work>/vocab/draft_vocab_<N>.json
     train        each drafter from <config_dir>/<name>.yaml (`train.train_draft`; resumes from
@@ -67,6 +71,7 @@ class Scale:
     steps: int | None  # optimizer steps of every drafter (None: each config's own)
     calibrate_prompts: int
     calibrate_tokens: int
+    reference_rows: int = 0  # original ShareGPT replies added as training text (no regeneration)
 
 
 SCALES = {
@@ -114,6 +119,8 @@ class BuildSettings:
             v = getattr(self.scale, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.scale.reference_rows < 0:
+            raise ValueError(f"reference_rows must be >= 0, got {self.scale.reference_rows}")
         if self.regen_slots < 1:
             raise ValueError(f"regen_slots must be >= 1, got {self.regen_slots}")
         if not self.drafters:
@@ -144,6 +151,14 @@ class BuildSettings:
     @property
     def cache_dir(self) -> str:
         return self.work("cache")
+
+    @property
+    def references_out(self) -> str:
+        return self.work(f"references_{self.scale.reference_rows}.jsonl")
+
+    @property
+    def references_cache_dir(self) -> str:
+        return self.work(f"cache_references_{self.scale.reference_rows}")
 
     def vocab_file(self, size: int) -> str:
         return self.work("vocab", f"draft_vocab_{size}.json")
@@ -380,11 +395,15 @@ class Build:
         if name == "calibrate":
             return [(f"calibrate/{p.name}", lambda p=p: self.done_calibrate(p),
                      lambda p=p: self.calibrate(p)) for p in self.plans if p.confidence_head]
+        if name == "cache" and self.s.scale.reference_rows:
+            return [("cache", self.done_cache, self.cache),
+                    ("cache/references", self.done_cache_references, self.cache_references)]
         return [(name, getattr(self, f"done_{name}"), getattr(self, name))]
 
     # prepare -------------------------------------------------------------------------------
     def done_prepare(self) -> bool:
-        return os.path.isfile(os.path.join(self.s.sharegpt_dir, "manifest.json"))
+        need = ["manifest.json"] + (["references.jsonl"] if self.s.scale.reference_rows else [])
+        return all(os.path.isfile(os.path.join(self.s.sharegpt_dir, f)) for f in need)
 
     def prepare(self) -> None:
         s = self.s
@@ -396,6 +415,8 @@ class Build:
             args += ["--sharegpt", s.sharegpt]
         if s.scale.prepare_limit is not None:
             args += ["--limit", str(s.scale.prepare_limit)]
+        if s.scale.reference_rows:
+            args.append("--references")
         self._run(Step("train.prepare_sharegpt", args))
 
     # regenerate ----------------------------------------------------------------------------
@@ -455,13 +476,45 @@ class Build:
         return self.layers is None or os.path.isfile(os.path.join(self.s.cache_dir, MANIFEST))
 
     def cache(self) -> None:
+        self._run(self._cache_step(self.s.regen_out, self.s.cache_dir))
+
+    def _cache_step(self, data: str, out: str) -> Step:
         cached = [p for p in self.plans if p.mode == "cache"]
-        self._run(Step("train.build_cache", [
-            "--target", self.s.target, "--data", self.s.regen_out, "--out", self.s.cache_dir,
+        return Step("train.build_cache", [
+            "--target", self.s.target, "--data", data, "--out", out,
             "--layers=" + ",".join(str(x) for x in self.layers),
             "--max-length", str(max(p.max_length for p in cached)),
             "--min-loss-tokens", str(min(p.min_loss_tokens for p in cached)),
-            "--batch-size", str(self.s.cache_batch)]))
+            "--batch-size", str(self.s.cache_batch)])
+
+    def reference_conversations(self) -> list[dict[str, Any]]:
+        """The original first replies of the `reference_rows` training prompts that follow the
+        regenerated ones (prepare order; prompts without a reply are passed over)."""
+        src = os.path.join(self.s.sharegpt_dir, "references.jsonl")
+        if not os.path.isfile(src):
+            raise BuildError(f"cache/references needs {src}: run the prepare stage")
+        regen_ids = {r["id"] for r in read_jsonl(self.s.regen_prompts, objects=True)}
+        rows = [r for r in read_jsonl(src, objects=True) if r["id"] not in regen_ids]
+        n = self.s.scale.reference_rows
+        if len(rows) < n:
+            self.log(f"cache/references: only {len(rows)} original replies (asked for {n})")
+        return rows[:n]
+
+    def done_cache_references(self) -> bool:
+        from specjax.training.features import MANIFEST
+
+        return self.layers is None or os.path.isfile(
+            os.path.join(self.s.references_cache_dir, MANIFEST))
+
+    def cache_references(self) -> None:
+        from specjax.io import write_atomic
+
+        rows = self.reference_conversations()
+        if not rows:
+            raise BuildError("cache/references: no original reply to add")
+        write_atomic(self.s.references_out, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                    for r in rows))
+        self._run(self._cache_step(self.s.references_out, self.s.references_cache_dir))
 
     # vocab ---------------------------------------------------------------------------------
     def vocab_sizes(self) -> list[int]:
@@ -485,10 +538,14 @@ class Build:
         sets = [f"model.target={s.target}", f"export_dir={s.export_dir(p.name)}",
                 f"checkpoint.directory={os.path.join(run, 'checkpoints')}",
                 f"logging.directory={os.path.join(run, 'logs')}"]
+        refs = bool(s.scale.reference_rows)
         if p.mode == "cache":
             sets.append(f"data.cache_dir={s.cache_dir}")
+            if refs:
+                sets.append(f"data.extra_cache_dirs=[{json.dumps(s.references_cache_dir)}]")
         else:
-            sets += [f"data.train_jsonl=[{json.dumps(s.regen_out)}]",
+            files = [s.regen_out] + ([s.references_out] if refs else [])
+            sets += [f"data.train_jsonl={json.dumps(files)}",
                      f"data.max_length={min(p.max_length, _max_length(s))}"]
         if s.scale.steps is not None:
             sets.append(f"schedule.total_steps={s.scale.steps}")
@@ -581,15 +638,22 @@ class Build:
             for key, val in (("checkpoint", "directory"), ("logging", "directory")):
                 train_cfg.get(key, {}).pop(val, None)
             train_cfg.pop("export_dir", None)
-            if "cache_dir" in train_cfg.get("data", {}):
-                train_cfg["data"]["cache_dir"] = "<work>/cache"
-            if train_cfg.get("data", {}).get("train_jsonl"):
-                train_cfg["data"]["train_jsonl"] = ["<work>/regen.jsonl"]
+            data = train_cfg.get("data", {})
+            for key in ("cache_dir", "extra_cache_dirs", "train_jsonl"):  # paths inside <work>
+                if isinstance(data.get(key), str):
+                    data[key] = self._work_label(data[key])
+                elif data.get(key):
+                    data[key] = [self._work_label(x) for x in data[key]]
         return {"drafter": p.name, "config": os.path.basename(p.config),
                 "final_step": last.get("step"), "final_metrics": last,
                 "train_config": train_cfg, "finished": _now()}
 
     # record --------------------------------------------------------------------------------
+    def _work_label(self, path: str) -> str:
+        """A path inside the work directory as '<work>/...' (no machine path in shipped files)."""
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(self.s.work_dir))
+        return "<work>/" + rel if not rel.startswith("..") else os.path.basename(path)
+
     def _target_label(self) -> str:
         return self.s.target_label or os.path.basename(os.path.normpath(self.s.target))
 
@@ -631,6 +695,9 @@ class Build:
             facts["regen_errors"] = _count_rows(s.regen_errors)
         if os.path.isdir(s.cache_dir):
             facts["cache_bytes"] = dir_bytes(s.cache_dir)
+        if s.scale.reference_rows and os.path.isfile(s.references_out):
+            facts["reference_rows"] = _count_rows(s.references_out)
+            facts["references_cache_bytes"] = dir_bytes(s.references_cache_dir)
         return facts
 
 

@@ -5,6 +5,8 @@ i the contiguous samples `part_range(num_samples, i, N)` and writes them as an o
 (`specjax.training.features.build_cache`, resumable on its own) in `<out>/part-<i>-of-<N>`.
 `open_target_cache(<out>)` reads either layout: a single cache, or all N parts in order as one
 data set whose sample k is the k-th sample of the input (parts are contiguous ranges).
+`open_target_caches([a, b, ...])` reads several such caches (e.g. the target's regenerated answers
+and original replies, cached separately) one after another as one data set.
 """
 from __future__ import annotations
 
@@ -102,4 +104,20 @@ def open_target_cache(path: str | os.PathLike, **expect: Any) -> feat.TargetCach
     return PartedTargetCache([feat.TargetCache(d, **expect) for d in dirs])
 
 
-__all__ = ["PartedTargetCache", "open_target_cache", "part_dir", "part_range"]
+def open_target_caches(paths: Sequence[str | os.PathLike], **expect: Any
+                       ) -> feat.TargetCache | PartedTargetCache:
+    """Complete caches at `paths` (each as `open_target_cache` reads it) as one data set: the
+    samples of the first, then of the second, and so on. One path gives that cache itself."""
+    if not paths:
+        raise ValueError("open_target_caches needs at least one cache directory")
+    if len(paths) == 1:
+        return open_target_cache(paths[0], **expect)
+    parts: list[feat.TargetCache] = []
+    for p in paths:
+        c = open_target_cache(p, **expect)
+        parts += c.parts if isinstance(c, PartedTargetCache) else [c]
+    return PartedTargetCache(parts)
+
+
+__all__ = ["PartedTargetCache", "open_target_cache", "open_target_caches", "part_dir",
+           "part_range"]

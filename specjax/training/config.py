@@ -107,6 +107,7 @@ class DataConfig:
 
     mode: str = "cache"
     cache_dir: str | None = None
+    extra_cache_dirs: tuple[str, ...] = ()  # more caches read after cache_dir as one data set
     train_jsonl: tuple[str, ...] = ()
     tokenizer: str | None = None  # tokenizer directory (online mode); default: the target dir
     max_length: int = 4096
@@ -131,6 +132,8 @@ class DataConfig:
             raise ConfigError(f"field 'mode' must be one of {DATA_MODES}, got {self.mode!r}")
         if self.mode == "cache" and not self.cache_dir:
             raise ConfigError("field 'cache_dir' is required when data.mode is 'cache'")
+        if self.extra_cache_dirs and self.mode != "cache":
+            raise ConfigError("field 'extra_cache_dirs' needs data.mode 'cache'")
         if self.mode == "online" and not self.train_jsonl:
             raise ConfigError("field 'train_jsonl' must list at least one file when data.mode is "
                               "'online'")
