@@ -260,3 +260,41 @@ def test_draft_vocab_file_round_trip_and_errors(tmp_path):
         B.read_draft_vocab(str(tmp_path / "bad.json"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         B.read_draft_vocab(str(tmp_path / "none.json"))
+
+
+def test_reference_rows_without_cache_drafters_still_write_the_training_file(setup, tmp_path):
+    """With only online drafters there is no cache to build, but the chosen original replies must
+    still be written, since those drafters read the file itself; with none to add it says so."""
+    import dataclasses
+
+    from serving_fixtures import write_jsonl
+    from specjax.io import read_jsonl
+    from specjax.training import build as B
+
+    cfgs = tmp_path / "configs"
+    cfgs.mkdir()
+    (cfgs / "m.yaml").write_text(yaml.safe_dump({"model": {"kind": "standalone"},
+                                                 "data": {"mode": "online"}}))
+    work = tmp_path / "w"
+    (work / "sharegpt").mkdir(parents=True)
+    conv = lambda i: {"id": f"c{i}", "conversations": [{"role": "user", "content": f"q{i}"},
+                                                       {"role": "assistant", "content": f"a{i}"}]}
+    write_jsonl(work / "sharegpt" / "references.jsonl", [conv(i) for i in range(5)])
+    write_jsonl(work / "regen_prompts.jsonl", [{"id": "c1", "turns": ["q1"]}])
+    s = B.BuildSettings(target=str(setup["target"]), out_dir=str(tmp_path / "o"),
+                        work_dir=str(work), config_dir=str(cfgs), drafters=("m",),
+                        eval_dir=str(setup["eval"]),
+                        scale=dataclasses.replace(B.SCALES["smoke"], reference_rows=2))
+    steps = []
+    b = B.Build(s, runner=lambda st: steps.append(st) or 0, log=lambda m: None)
+    assert b.layers is None and not b.done_cache_references()
+    b.run(["cache"])
+    assert steps == []  # nothing to cache
+    assert [r["id"] for r in read_jsonl(s.references_out)] == ["c0", "c2"]  # c1 was regenerated
+    assert b.record["stages"]["cache/references"]["complete"]
+    b.train(b.plans[0])
+    assert any('data.train_jsonl=["' in a and "references_2.jsonl" in a for a in steps[0].args)
+    write_jsonl(work / "regen_prompts.jsonl", [conv(i) | {"turns": [f"q{i}"]} for i in range(5)])
+    with pytest.raises(B.BuildError, match="no original reply to add"):
+        B.Build(dataclasses.replace(s, scale=dataclasses.replace(s.scale, reference_rows=3)),
+                runner=lambda st: 0, log=lambda m: None).run(["cache"])

@@ -503,6 +503,8 @@ class Build:
     def done_cache_references(self) -> bool:
         from specjax.training.features import MANIFEST
 
+        if not os.path.isfile(self.s.references_out):  # online drafters read the file itself
+            return False
         return self.layers is None or os.path.isfile(
             os.path.join(self.s.references_cache_dir, MANIFEST))
 
@@ -514,7 +516,8 @@ class Build:
             raise BuildError("cache/references: no original reply to add")
         write_atomic(self.s.references_out, "".join(json.dumps(r, ensure_ascii=False) + "\n"
                                                     for r in rows))
-        self._run(self._cache_step(self.s.references_out, self.s.references_cache_dir))
+        if self.layers is not None:
+            self._run(self._cache_step(self.s.references_out, self.s.references_cache_dir))
 
     # vocab ---------------------------------------------------------------------------------
     def vocab_sizes(self) -> list[int]:
