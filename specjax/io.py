@@ -18,7 +18,7 @@ import os
 from typing import Any, Iterator
 
 __all__ = ["DurableAppender", "JsonlError", "JsonlLine", "iter_jsonl", "read_jsonl", "write_atomic",
-           "write_json_atomic"]
+           "write_json_atomic", "write_jsonl_atomic"]
 
 
 class JsonlError(ValueError):
@@ -135,6 +135,11 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(directory)
+
+
+def write_jsonl_atomic(path: str | os.PathLike[str], rows: Any) -> None:
+    """Replace `path` with one JSON object per line (UTF-8, not ASCII-escaped), atomically."""
+    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1,

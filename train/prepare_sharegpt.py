@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from specjax.io import write_atomic
+from specjax.io import write_jsonl_atomic
 
 
 def load_tokenizer(path: str) -> Any:
@@ -35,10 +35,6 @@ def load_tokenizer(path: str) -> Any:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--tokenizer: no tokenizer directory or .gguf file at {path}")
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-
-
-def _write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
-    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,11 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     out = {name: os.path.join(args.out_dir, name)
            for name in ("prompts.jsonl", "heldout.jsonl", "references.jsonl", "manifest.json")}
-    _write_jsonl(out["prompts.jsonl"], [r.prompt_record() for r in train])
-    _write_jsonl(out["heldout.jsonl"], [r.prompt_record() for r in held])
+    write_jsonl_atomic(out["prompts.jsonl"], [r.prompt_record() for r in train])
+    write_jsonl_atomic(out["heldout.jsonl"], [r.prompt_record() for r in held])
     if args.references:
         refs = [r.reference_record() for r in train]
-        _write_jsonl(out["references.jsonl"], [r for r in refs if r is not None])
+        write_jsonl_atomic(out["references.jsonl"], [r for r in refs if r is not None])
     manifest = {
         "source": os.path.basename(src), "read": {**read.as_dict(), "path": os.path.basename(src)},
         "prompts": prompts.as_dict(), "split_rule": sg.SPLIT_RULE,

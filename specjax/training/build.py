@@ -440,7 +440,7 @@ class Build:
     def select_prompts(self) -> int:
         """regen_prompts.jsonl = the first `rows` training prompts. An existing file may only
         grow (a larger --rows): the rows already answered stay first, so regeneration resumes."""
-        from specjax.io import write_atomic
+        from specjax.io import write_jsonl_atomic
 
         rows = self.wanted_prompts()
         if len(rows) < self.s.scale.rows:
@@ -452,8 +452,7 @@ class Build:
                 f"prompts asked for now (fewer rows or other prompts); remove it and "
                 f"{self.s.regen_out} to regenerate from scratch")
         if len(have) < len(rows):
-            write_atomic(self.s.regen_prompts, "".join(json.dumps(r, ensure_ascii=False) + "\n"
-                                                       for r in rows))
+            write_jsonl_atomic(self.s.regen_prompts, rows)
         return len(rows)
 
     def regenerate(self) -> None:
@@ -509,13 +508,12 @@ class Build:
             os.path.join(self.s.references_cache_dir, MANIFEST))
 
     def cache_references(self) -> None:
-        from specjax.io import write_atomic
+        from specjax.io import write_jsonl_atomic
 
         rows = self.reference_conversations()
         if not rows:
             raise BuildError("cache/references: no original reply to add")
-        write_atomic(self.s.references_out, "".join(json.dumps(r, ensure_ascii=False) + "\n"
-                                                    for r in rows))
+        write_jsonl_atomic(self.s.references_out, rows)
         if self.layers is not None:
             self._run(self._cache_step(self.s.references_out, self.s.references_cache_dir))
 
