@@ -58,6 +58,11 @@ PIT_MESSAGES = [{"role": "system", "content": ""},
                 {"role": "user", "content": "Write a short poem about the sea."}]
 
 
+# make test runs this module under xdist's loadgroup: each drafter's tests share one worker, so
+# its engine (the fixture `llms`) is built and its programs loaded once per run
+BY_DRAFTER = [pytest.param(n, marks=pytest.mark.xdist_group(f"drafter-{n}")) for n in dt.DRAFTER_NAMES]
+
+
 def _shipped() -> list[str]:
     return dt.available_drafters()
 
@@ -168,6 +173,7 @@ def test_loads_against_target(name, target):
         assert cfg["markov_head_type"] == "rnn"
 
 
+@pytest.mark.xdist_group("drafter-mtp1")
 def test_llm_takes_a_shipped_drafter_by_name():
     """`LLM(drafter="mtp1")` loads the default target and the shipped drafter of that name (with
     the engine shape of mtp1's other tests: their programs come from the run's compilation cache)."""
@@ -186,7 +192,7 @@ def _pit_pvalue(u: np.ndarray) -> float:
     return float(stats.chisquare(counts).pvalue)
 
 
-@pytest.mark.parametrize("name", dt.DRAFTER_NAMES)
+@pytest.mark.parametrize("name", BY_DRAFTER)
 def test_t1_tokens_follow_the_target_distribution(name, target, llms):
     """At T=1 every token after the first of an answer (each one decided by a verification) is
     drawn from the target's p(. | prompt, the answer before it): their randomized PITs (the
@@ -245,7 +251,7 @@ def perturb_drafter(llm, seed: int = 0) -> None:
     llm.engine.d_params = state
 
 
-@pytest.mark.parametrize("name", dt.DRAFTER_NAMES)
+@pytest.mark.parametrize("name", BY_DRAFTER)
 def test_greedy_is_the_targets_and_reaches_the_floor(name, target, llms, heldout_prompts, verified_greedy):
     """Speculative greedy decoding of held-out prompts with the shipped drafter gives the target's
     own greedy tokens (each the target's argmax given the prompt and the answer before it; control:

@@ -306,7 +306,7 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2):
+def smollm2_hf(smollm2):  # its tests share one xdist group: transformers converts the file once
     torch = pytest.importorskip("torch")
     import transformers
 
@@ -338,6 +338,7 @@ def test_smollm2_config_and_chat_template(smollm2):
 
 
 @pytest.mark.real_target
+@pytest.mark.xdist_group("smollm2-hf")
 def test_smollm2_weights_are_transformers_weights(smollm2, smollm2_hf):
     """Dequantized and un-permuted, every tensor is bit-identical to what transformers loads."""
     model = smollm2[1]
@@ -350,6 +351,7 @@ def test_smollm2_weights_are_transformers_weights(smollm2, smollm2_hf):
 
 
 @pytest.mark.real_target
+@pytest.mark.xdist_group("smollm2-hf")
 def test_smollm2_logits_match_transformers(smollm2, smollm2_hf):
     """Logits equal transformers' up to float32 rounding of the residual stream, which reaches
     ~2.5e4 at the first token, where one float32 ulp is 2e-3. Measured with bit-identical weights:
@@ -378,6 +380,7 @@ def _logits_valid(model, tokens, valid):
 
 
 @pytest.mark.real_target
+@pytest.mark.xdist_group("smollm2-hf")
 def test_smollm2_exports_as_a_transformers_directory(smollm2, smollm2_hf, tmp_path):
     """export_target writes the dequantized model plus the file's tokenizer and chat template as
     a Hugging Face directory that transformers loads with the same logits."""
@@ -402,6 +405,7 @@ GREEDY_CHAT, GREEDY_TOKENS = "Explain how a bicycle works to a ten-year-old.", 6
 
 
 @pytest.mark.real_target
+@pytest.mark.xdist_group("smollm2-hf")
 def test_smollm2_llm_greedy_equals_transformers_generate(smollm2, smollm2_hf):
     """`LLM` on the GGUF decodes a chat prompt greedily token for token as transformers' own GGUF
     loader and `generate` (float32) do, under the same chat template from the file."""
