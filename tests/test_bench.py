@@ -282,3 +282,35 @@ def test_training_reads_block_is_replaced_or_appended():
     assert once == md + "\n" + block
     newer = block.replace("2.00", "3.00")
     assert training._replace_reads(once + "tail\n", newer) == md + "\n" + newer + "tail\n"
+
+
+def test_gamma_gain_intervals_and_report(tmp_path):
+    import argparse
+
+    from bench import gamma_gain as gg
+
+    rng = np.random.default_rng(1)
+    hard = rng.uniform(0.5, 1.5, 40)
+
+    def parts(tau):  # 10 rounds per prompt, difficulty shared by every drafter
+        return {f"p{i}": (10, int(round(10 * tau * hard[i]))) for i in range(40)}
+
+    p = {"dspark": parts(1.30), "dflash": parts(1.27), "dspark-g15": parts(1.40), "dflash-g15": parts(1.20)}
+    s = gg.gain_statistics(p, replicates=500)
+    assert s["ratio"]["7"]["value"] == pytest.approx(1.30 / 1.27, abs=0.02)  # tokens are rounded
+    assert s["ratio"]["15"]["value"] == pytest.approx(1.40 / 1.20, abs=0.02)
+    d = s["gain_difference"]
+    assert d["lo"] > 0 and d["p_le_0"] == 0.0 and d["requests"] == 40
+    args = argparse.Namespace(cap=8, max_tokens=64, eval_dir="runs/gamma_gain")
+    md = gg.report({"0": s}, args, ["--cap", "8"])
+    assert md.startswith("# ") and "Command: `python -m bench.gamma_gain --cap 8`" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 0 |"))
+    assert row.rstrip(" |").endswith("yes")
+    # the same gain at both gammas is not shown
+    p["dspark-g15"], p["dflash-g15"] = parts(1.30), parts(1.27)
+    same = gg.gain_statistics(p, replicates=500)
+    assert same["gain_difference"]["value"] == pytest.approx(0.0, abs=1e-12)
+    assert "| no" in gg.report({"0": same}, args, [])
+    # without the block-15 drafters it names the command that builds them
+    with pytest.raises(SystemExit, match="dspark-g15 dflash-g15"):
+        gg.main(["--g15-dir", str(tmp_path), "--out-dir", str(tmp_path)])

@@ -150,6 +150,50 @@ def test_round_log_bonus_and_consistency():
         log.observe({"ell": [1], "accepted": [1]})
 
 
+def test_round_log_keeps_request_ids_and_per_request_parts():
+    from specjax.eval.metrics import per_request_tau_parts
+    from specjax.eval.rounds import RoundLog
+
+    log = RoundLog()
+    log.observe({"request_ids": ["a", "b"], "ell": [3, 3], "accepted": [3, 1], "stopped": [True, False]})
+    log.observe({"request_ids": ["b"], "ell": [3], "accepted": [0], "stopped": [False]})
+    a = log.arrays()
+    assert a["request"].tolist() == ["a", "b", "b"]
+    assert per_request_tau_parts(a["request"].tolist(), a["accepted"], a["bonus"]) == {"a": (1, 3), "b": (2, 3)}
+    with pytest.raises(ValueError, match="request ids"):
+        log.observe({"request_ids": ["a"], "ell": [1, 1], "accepted": [0, 0]})
+
+
+def test_paired_bootstrap_over_prompts():
+    from specjax.eval.metrics import paired_tau_bootstrap
+
+    rng = np.random.default_rng(0)
+
+    def drafter(n, tau, hard, noise=0.0):  # per request: 20 rounds, tokens around tau * 20 * difficulty
+        return {f"p{i}": (20, int(round(20 * (tau * hard[i] + noise * rng.normal())))) for i in range(n)}
+
+    hard = rng.uniform(0.3, 1.7, 400)  # prompt difficulty shared by both drafters
+    better, worse = drafter(400, 1.45, hard), drafter(400, 1.4, hard)
+    ci = paired_tau_bootstrap({"a": better, "b": worse}, lambda t: t["a"] / t["b"] - 1.0)
+    assert ci["value"] == pytest.approx(1.45 / 1.4 - 1.0, abs=0.005) and 0.0 < ci["lo"] <= ci["hi"]
+    assert ci["p_le_0"] == 0.0 and ci["requests"] == 400
+    # pairing: across prompts tau varies +-70%, far more than the 3.6% gap, yet the pair is separated;
+    # resampling the two drafters' prompts independently (negative control) cannot separate them
+    independent = [paired_tau_bootstrap({"x": d}, lambda t: t["x"], seed=s) for d, s in ((better, 1), (worse, 2))]
+    assert independent[0]["lo"] < independent[1]["hi"]
+    # same drafter twice: the interval is the single point 0
+    same = paired_tau_bootstrap({"a": better, "b": dict(better)}, lambda t: t["a"] - t["b"])
+    assert same["lo"] == same["hi"] == same["value"] == 0.0
+    # a noisy gap on few prompts is not shown (the interval contains 0)
+    few = paired_tau_bootstrap({"a": drafter(8, 1.45, hard, 0.2), "b": drafter(8, 1.4, hard, 0.2)},
+                               lambda t: t["a"] / t["b"] - 1.0)
+    assert few["lo"] < 0.0 < few["hi"]
+    with pytest.raises(ValueError, match="same requests"):
+        paired_tau_bootstrap({"a": better, "b": drafter(5, 1.4, hard)}, lambda t: t["a"])
+    with pytest.raises(ValueError, match="level"):
+        paired_tau_bootstrap({"a": better}, lambda t: t["a"], level=1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # the protocol's pure pieces
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +281,15 @@ def test_evaluate_mt_bench_first_5_prompts(setup, calibrated, tmp_path):
         assert all(v is None or 0.0 <= v <= 1.0 for v in c["auroc"])
         assert c["count"][0] == ds["datasets"]["mt-bench"]["num_rounds"]
     assert conf["before"]["ece"] != conf["after"]["ece"]
+    # per-request parts (the engine's request ids) add up to the dataset's tau; the overall
+    # interval from the bootstrap over prompts contains it
+    for r in doc["drafters"].values():
+        e, ov = r["datasets"]["mt-bench"], r["overall"]
+        assert sorted(e["requests"]) == [f"mt-bench:{i}" for i in range(5)]
+        rounds, tokens = (sum(v[j] for v in e["requests"].values()) for j in (0, 1))
+        assert rounds == e["num_rounds"] and tokens / rounds == pytest.approx(e["tau"])
+        lo, hi = ov["tau_ci95"]
+        assert lo <= ov["tau"] <= hi
     assert res["table"][1]["drafter"] == "dspark_calibrated" and res["table"][1]["macro"] == pytest.approx(ds["macro"])
     md = (out / "results.md").read_text()
     assert "| Drafter | mt-bench | chat | macro |" in md

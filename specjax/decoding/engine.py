@@ -843,6 +843,7 @@ class Engine:
                 self._conf_known[np.flatnonzero(seen)] = conf[seen]
                 self._conf_prior = conf[seen].mean(axis=0)
         n_acc = outs["num_accepted"]
+        request_ids = [self.slot_req[i].request_id for i in active_idx]
         for i in active_idx:
             r = self.slot_req[i]
             r.rounds += 1
@@ -867,11 +868,11 @@ class Engine:
         self.stats["verify_tokens"] += int(sb * tb)
         self.stats["round_seconds"] += dt
         if self.on_round is not None:
-            # per active slot, in slot order: verified length, accepted drafts, whether an accepted
-            # stop token ended the round (no bonus), and the drafter's per-position confidences
-            info = {"slots_bucket": sb, "tokens_bucket": tb, "kind": kind, "ell": ell[active].tolist(),
-                    "accepted": [int(n_acc[i]) for i in active_idx], "seconds": dt,
-                    "stopped": [bool(outs["stopped"][i]) for i in active_idx]}
+            # per active slot, in slot order: its request, verified length, accepted drafts, whether
+            # an accepted stop token ended the round (no bonus), the drafter's per-position confidences
+            info = {"slots_bucket": sb, "tokens_bucket": tb, "kind": kind, "request_ids": request_ids,
+                    "ell": ell[active].tolist(), "accepted": [int(n_acc[i]) for i in active_idx],
+                    "seconds": dt, "stopped": [bool(outs["stopped"][i]) for i in active_idx]}
             if conf is not None:
                 info["confidence"] = np.asarray(conf)[active].tolist()
             self.on_round(info)

@@ -29,7 +29,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from specjax.eval import rounds as rd
-from specjax.eval.metrics import acceptance_metrics, confidence_metrics
+from specjax.eval.metrics import (acceptance_metrics, confidence_metrics, paired_tau_bootstrap,
+                                  per_request_tau_parts)
 from specjax.io import iter_jsonl, write_atomic
 from specjax.scheduling.calibration import apply_sts
 
@@ -304,6 +305,12 @@ def _acc_summary(log: rd.RoundLog, gamma: int) -> dict[str, Any]:
             "acceptance_histogram": m["acceptance_histogram"]}
 
 
+def _request_parts(log: rd.RoundLog) -> dict[str, list[int]]:
+    """request id -> [drafting rounds, committed tokens] (`metrics.per_request_tau_parts`)."""
+    a = log.arrays()
+    return {k: list(v) for k, v in per_request_tau_parts(a["request"].tolist(), a["accepted"], a["bonus"]).items()}
+
+
 def evaluate_drafter(llm: Any, datasets: Sequence[Dataset], settings: EvalSettings, *,
                      collect_t: float = 1.0, calibration: np.ndarray | None = None, has_confidence: bool = False,
                      progress: bool = True, name: str = "") -> tuple[dict[str, Any], dict[str, rd.RoundLog]]:
@@ -316,7 +323,8 @@ def evaluate_drafter(llm: Any, datasets: Sequence[Dataset], settings: EvalSettin
         reqs, skipped = _requests(llm, ds, settings)
         log, stats = rd.run_requests(llm.engine, reqs, progress=progress, desc=f"{name} {ds.name}".strip())
         logs[ds.name] = log
-        entry = {"num_samples": len(reqs), "skipped_too_long": skipped, **stats, **_acc_summary(log, gamma)}
+        entry = {"num_samples": len(reqs), "skipped_too_long": skipped, **stats, **_acc_summary(log, gamma),
+                 "requests": _request_parts(log)}
         entry["confidence"] = confidence_report(log, collect_t, calibration, settings.bins) if has_confidence else None
         res["datasets"][ds.name] = entry
     taus = {n: e["tau"] for n, e in res["datasets"].items() if e["num_rounds"] > 0}
@@ -330,6 +338,10 @@ def evaluate_drafter(llm: Any, datasets: Sequence[Dataset], settings: EvalSettin
     for log in logs.values():
         pooled.extend(log)
     res["overall"] = _acc_summary(pooled, gamma)
+    parts = _request_parts(pooled)
+    if parts:
+        ci = paired_tau_bootstrap({"tau": parts}, lambda t: t["tau"])
+        res["overall"]["tau_ci95"] = [ci["lo"], ci["hi"]]
     res["confidence"] = confidence_report(pooled, collect_t, calibration, settings.bins) if has_confidence else None
     return res, logs
 
@@ -579,10 +591,15 @@ def results_markdown(results: dict[str, Any]) -> str:
     for name, r in results["drafters"].items():
         g = r["gamma"]
         ks = list(range(1, g + 1))
-        lines += [f"## {name} (gamma {g})", "", "Per-position acceptance (all datasets pooled): "
+        ov = r["overall"]
+        lines += [f"## {name} (gamma {g})", ""]
+        if ov.get("tau_ci95"):
+            lo, hi = ov["tau_ci95"]
+            lines += [f"τ over every prompt: {_fmt(ov['tau'], 3)} (95% interval {_fmt(lo, 3)}–{_fmt(hi, 3)}, "
+                      "bootstrap over prompts).", ""]
+        lines += ["Per-position acceptance (all datasets pooled): "
                   "unconditional = P(n ≥ k); conditional = P(n ≥ k | n ≥ k−1).", "",
                   "| | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * g]
-        ov = r["overall"]
         lines.append("| unconditional | " + " | ".join(_fmt(x, 3) for x in ov["accept_rate"]) + " |")
         lines.append("| conditional | " + " | ".join(_fmt(x, 3) for x in ov["cond_accept"]) + " |")
         conf = r.get("confidence")

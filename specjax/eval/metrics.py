@@ -16,13 +16,20 @@ draft token):
   only), `draft_acceptance_rate` = num_accepted_tokens / num_draft_tokens,
   `acceptance_rate_per_pos[i]` = num_accepted_tokens_per_pos[i] / num_drafts.
 
+Uncertainty over prompts: `per_request_tau_parts` sums each request's rounds and committed tokens
+(n + bonus), and `paired_tau_bootstrap` resamples requests with replacement (the same draw for every
+drafter, so drafters evaluated on the same prompts are compared pairwise) and recomputes
+tau = sum tokens / sum rounds: a percentile interval of any statistic of the drafters' taus (one
+tau, a ratio of two, a difference of ratios). Rounds of one request are not independent, so the
+request, not the round, is the unit resampled.
+
 Calibration of predicted prefix survival against realised outcomes (reference §8.6): `ece` (equal-
 width bins, predictions clamped to [1e-8, 1 - 1e-8]), `auroc` (exact rank statistic, ties count 1/2),
 `brier`, and `confidence_metrics` per position.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -176,7 +183,14 @@ def prefix_survival_labels(accepted_prefix_len: Any, proposal_len: Any, gamma: i
 
 def confidence_metrics(conf_probs: Any, accepted_prefix_len: Any, proposal_len: Any, *,
                        bins: int = 20) -> dict[str, Any]:
-    """Calibration of predicted prefix survival a_k = prod_{i<=k} c_i per position k (§8.6).
+    """Uncertainty over prompts: `per_request_tau_parts` sums each request's rounds and committed tokens
+(n + bonus), and `paired_tau_bootstrap` resamples requests with replacement (the same draw for every
+drafter, so drafters evaluated on the same prompts are compared pairwise) and recomputes
+tau = sum tokens / sum rounds: a percentile interval of any statistic of the drafters' taus (one
+tau, a ratio of two, a difference of ratios). Rounds of one request are not independent, so the
+request, not the round, is the unit resampled.
+
+Calibration of predicted prefix survival a_k = prod_{i<=k} c_i per position k (§8.6).
 
     Args:
       conf_probs: [N, gamma] per-step confidences c_k in (0, 1) (raw sigmoid or STS-calibrated).
@@ -217,3 +231,59 @@ def confidence_metrics(conf_probs: Any, accepted_prefix_len: Any, proposal_len: 
     w = count * ok
     out["auroc_weighted"] = float((np.where(ok, per["auroc"], 0) * w).sum() / w.sum()) if w.sum() else float("nan")
     return out
+
+
+def per_request_tau_parts(request_ids: Sequence[str], accepted: Any, bonus: Any,
+                          ) -> dict[str, tuple[int, int]]:
+    """request id -> (drafting rounds, committed tokens sum(n + bonus)) over the rounds given
+    (one entry per request per round, e.g. `RoundLog.arrays()`)."""
+    n = np.asarray(accepted, np.int64).ravel()
+    b = np.asarray(bonus, np.int64).ravel()
+    if not (len(request_ids) == n.size == b.size):
+        raise ValueError(f"request_ids ({len(request_ids)}), accepted ({n.size}) and bonus ({b.size}) "
+                         "must have one entry per round")
+    out: dict[str, tuple[int, int]] = {}
+    for rid, k in zip(request_ids, (n + b).tolist()):
+        rounds, tokens = out.get(rid, (0, 0))
+        out[rid] = (rounds + 1, tokens + k)
+    return out
+
+
+def paired_tau_bootstrap(parts: Mapping[str, Mapping[str, tuple[int, int]]],
+                         statistic: Callable[[dict[str, float]], float], *, replicates: int = 4000,
+                         level: float = 0.95, seed: int = 0) -> dict[str, float]:
+    """Percentile bootstrap of `statistic({drafter: tau})` over requests.
+
+    Args:
+      parts: drafter -> `per_request_tau_parts` of its run; every drafter must have the same
+        request ids (the same prompts), which are resampled together.
+      statistic: maps the drafters' taus to one number, e.g. `lambda t: t["a"] / t["b"]`.
+    Returns `value` (on all requests), `lo`, `hi` (the central `level` interval), `requests`,
+    `replicates`, and `p_le_0`: the fraction of replicates with statistic <= 0 (a one-sided
+    bootstrap p-value for "statistic > 0").
+    """
+    names = list(parts)
+    if not names:
+        raise ValueError("no drafter to bootstrap")
+    ids = sorted(parts[names[0]])
+    for name in names[1:]:
+        if sorted(parts[name]) != ids:
+            raise ValueError(f"drafters {names[0]!r} and {name!r} were not run on the same requests")
+    if not ids:
+        raise ValueError("no request to resample")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    rounds = np.array([[parts[d][r][0] for r in ids] for d in names], np.float64)  # [D, R]
+    tokens = np.array([[parts[d][r][1] for r in ids] for d in names], np.float64)
+
+    def stat(idx: Any) -> float:
+        taus = tokens[:, idx].sum(axis=1) / np.maximum(rounds[:, idx].sum(axis=1), 1.0)
+        return float(statistic(dict(zip(names, taus.tolist()))))
+
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(ids), size=(replicates, len(ids)))
+    values = np.array([stat(d) for d in draws])
+    tail = (1.0 - level) / 2.0
+    return {"value": stat(np.arange(len(ids))), "lo": float(np.quantile(values, tail)),
+            "hi": float(np.quantile(values, 1.0 - tail)), "p_le_0": float((values <= 0).mean()),
+            "requests": len(ids), "replicates": replicates}

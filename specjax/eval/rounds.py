@@ -44,6 +44,7 @@ class RoundLog:
     proposed: list[int] = dataclasses.field(default_factory=list)  # m: verified draft tokens (ell)
     stopped: list[bool] = dataclasses.field(default_factory=list)  # an accepted stop token ended it
     confidence: list[list[float]] = dataclasses.field(default_factory=list)  # [gamma] per entry
+    request: list[str] = dataclasses.field(default_factory=list)  # the entry's request id
     seconds: float = 0.0  # wall time of the rounds
 
     def __len__(self) -> int:
@@ -55,6 +56,9 @@ class RoundLog:
         if len(ell) != len(acc):
             raise ValueError(f"round info has {len(ell)} ell values and {len(acc)} accepted counts")
         stopped = info.get("stopped") or [False] * len(acc)
+        ids = info.get("request_ids") or [""] * len(acc)
+        if len(ids) != len(acc):
+            raise ValueError(f"round info has {len(ids)} request ids for {len(acc)} requests")
         conf = info.get("confidence")
         if conf is not None and len(conf) != len(acc):
             raise ValueError(f"round info has {len(conf)} confidence rows for {len(acc)} requests")
@@ -63,6 +67,7 @@ class RoundLog:
         self.accepted += [int(x) for x in acc]
         self.proposed += [int(x) for x in ell]
         self.stopped += [bool(x) for x in stopped]
+        self.request += [str(x) for x in ids]
         if conf is not None:
             if len(self.confidence) != len(self.accepted) - len(acc):
                 raise ValueError("round info has 'confidence' while earlier rounds lacked it")
@@ -76,21 +81,24 @@ class RoundLog:
         self.accepted += other.accepted
         self.proposed += other.proposed
         self.stopped += other.stopped
+        self.request += other.request
         self.confidence += other.confidence
         self.seconds += other.seconds
 
     def arrays(self, *, drafted_only: bool = True) -> dict[str, np.ndarray | None]:
-        """numpy views: `accepted` [N], `proposed` [N], `bonus` [N] (0/1), `confidence` [N, gamma]
-        or None. `drafted_only` keeps rounds that verified at least one draft token."""
+        """numpy views: `accepted` [N], `proposed` [N], `bonus` [N] (0/1), `request` [N] (str),
+        `confidence` [N, gamma] or None. `drafted_only` keeps rounds that verified at least one
+        draft token."""
         n = np.asarray(self.accepted, np.int64)
         m = np.asarray(self.proposed, np.int64)
         bonus = 1 - np.asarray(self.stopped, np.int64)
+        req = np.asarray(self.request, dtype=object)
         conf = np.asarray(self.confidence, np.float64) if self.confidence else None
         if drafted_only:
             keep = m > 0
-            n, m, bonus = n[keep], m[keep], bonus[keep]
+            n, m, bonus, req = n[keep], m[keep], bonus[keep], req[keep]
             conf = None if conf is None else conf[keep]
-        return {"accepted": n, "proposed": m, "bonus": bonus, "confidence": conf}
+        return {"accepted": n, "proposed": m, "bonus": bonus, "request": req, "confidence": conf}
 
 
 class RoundRecorder:
