@@ -107,6 +107,8 @@ def report(stats: dict[str, dict[str, Any]], args: argparse.Namespace, argv: lis
         f"{args.max_tokens} new tokens, fixed verification, per-prompt seeds), all four drafters in one "
         "evaluation per temperature on the same prompts. Gamma 7: the shipped DSpark and DFlash (block 7). "
         f"Gamma 15: the block-15 pair `{G15_BUILD}` builds on the shipped data and budget (not shipped). "
+        "τ here is pooled over all the prompts (committed tokens over drafting rounds), which differs "
+        "from Table 1's macro mean of per-set τ in the third decimal. "
         "Each cell: value [95% interval], from a paired bootstrap over prompts "
         f"({next(iter(stats.values()))['gain_difference']['replicates']} replicates; the same resampled "
         "prompts for all four drafters, `specjax.eval.metrics.paired_tau_bootstrap`). "
