@@ -183,14 +183,7 @@ def prefix_survival_labels(accepted_prefix_len: Any, proposal_len: Any, gamma: i
 
 def confidence_metrics(conf_probs: Any, accepted_prefix_len: Any, proposal_len: Any, *,
                        bins: int = 20) -> dict[str, Any]:
-    """Uncertainty over prompts: `per_request_tau_parts` sums each request's rounds and committed tokens
-(n + bonus), and `paired_tau_bootstrap` resamples requests with replacement (the same draw for every
-drafter, so drafters evaluated on the same prompts are compared pairwise) and recomputes
-tau = sum tokens / sum rounds: a percentile interval of any statistic of the drafters' taus (one
-tau, a ratio of two, a difference of ratios). Rounds of one request are not independent, so the
-request, not the round, is the unit resampled.
-
-Calibration of predicted prefix survival a_k = prod_{i<=k} c_i per position k (§8.6).
+    """Calibration of predicted prefix survival a_k = prod_{i<=k} c_i per position k (§8.6).
 
     Args:
       conf_probs: [N, gamma] per-step confidences c_k in (0, 1) (raw sigmoid or STS-calibrated).
