@@ -25,9 +25,7 @@ import os
 from typing import Any
 
 from bench.common import DEFAULT_OUT_DIR, command_line, load_average, log, machine_info, md_table, pyplot, write_results
-
-EVAL_SETS = ("mt-bench", "gsm8k", "humaneval", "math500", "mbpp")
-EVAL_DIR = os.path.join("..", "shared", "data", "eval")
+from bench.embedded import EVAL_SETS, _table1
 G15_BUILD = ("python -m train.build_embedded --stages train calibrate export --drafters dspark-g15 dflash-g15 "
              "--out-dir runs/embedded_g15")
 PAIRS = {7: ("dspark", "dflash"), 15: ("dspark-g15", "dflash-g15")}
@@ -70,15 +68,8 @@ def _evaluate(drafters: list[str], temperature: float, cap: int, max_tokens: int
                 and all("requests" in e for r in done["drafters"].values() for e in r["datasets"].values())):
             log(f"T={temperature}: reusing {path}")
             return done
-    from specjax.eval.evaluate import EvalSettings, run_evaluation
-
-    paths = [os.path.join(EVAL_DIR, f"{n}.jsonl") for n in EVAL_SETS]
-    missing = [p for p in paths if not os.path.isfile(p)]
-    if missing:
-        raise SystemExit(f"evaluation prompts not found: {missing} (run from the checkout, with shared/ beside it)")
     log(f"T={temperature}: evaluating {', '.join(drafters)} (load {load_average()[0]:.1f})")
-    run_evaluation(None, drafters, paths, out, cap=cap, max_num_seqs=8,
-                   settings=EvalSettings(temperature=temperature, max_new_tokens=max_tokens), progress=False)
+    _table1(drafters, cap, max_tokens, temperature, out)  # bench.embedded's Table 1 protocol
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 

@@ -843,7 +843,8 @@ class Engine:
                 self._conf_known[np.flatnonzero(seen)] = conf[seen]
                 self._conf_prior = conf[seen].mean(axis=0)
         n_acc = outs["num_accepted"]
-        request_ids = [self.slot_req[i].request_id for i in active_idx]
+        # taken before the loop frees finished slots; only for an on_round hook (off the hot path)
+        request_ids = [self.slot_req[i].request_id for i in active_idx] if self.on_round is not None else []
         for i in active_idx:
             r = self.slot_req[i]
             r.rounds += 1

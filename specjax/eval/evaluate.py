@@ -338,7 +338,7 @@ def evaluate_drafter(llm: Any, datasets: Sequence[Dataset], settings: EvalSettin
     for log in logs.values():
         pooled.extend(log)
     res["overall"] = _acc_summary(pooled, gamma)
-    parts = _request_parts(pooled)
+    parts = {k: v for e in res["datasets"].values() for k, v in e["requests"].items()}  # ids are per set
     if parts:
         ci = paired_tau_bootstrap({"tau": parts}, lambda t: t["tau"])
         res["overall"]["tau_ci95"] = [ci["lo"], ci["hi"]]
