@@ -738,8 +738,8 @@ class Engine:
 
         Kinds: "draft" (draft, then fill K on the device), "plain" (no drafting; the drafter's context
         is still maintained) and "lite" (no drafting and no drafter upkeep: exactly plain decoding's
-        cost, after which those rows stay plain). A round drafts when its expected tokens/s beat a plain
-        round's (rows with a stale drafter context count as one token each); otherwise plain, turning
+        cost, after which those rows stay plain). A round drafts when it admits a draft and its expected
+        tokens/s beat a plain round's (rows with a stale drafter context count as one token each); otherwise plain, turning
         lite after `LITE_AFTER` plain decisions in a row. A drafting probe refreshes the confidences
         after `_probe_interval` rounds without drafting; the interval doubles (up to `PROBE_MAX`) each
         time a probe changes nothing. Nothing here looks at this round's tokens, so it stays lossless."""
@@ -757,7 +757,9 @@ class Engine:
         plain_s = self.plain_seconds.get(sb) if self.plain_seconds else None
         if plain_s is None or self._conf_prior is None:
             return k_total, cap, "draft"  # nothing to judge by yet: draft (a probe)
-        if theta > len(rows) / plain_s:
+        # a round that admits no draft is a plain round plus a proposal: never better than plain,
+        # whatever the noise between the cost table's 1-token entry and the measured plain round
+        if k_total > 0 and theta > len(rows) / plain_s:
             self._plain_streak, self._probe_interval = 0, self.PROBE_EVERY
             return k_total, cap, "draft"
         self._plain_streak += 1
