@@ -738,11 +738,12 @@ class Engine:
 
         Kinds: "draft" (draft, then fill K on the device), "plain" (no drafting; the drafter's context
         is still maintained) and "lite" (no drafting and no drafter upkeep: exactly plain decoding's
-        cost, after which those rows stay plain). A round drafts when it admits a draft and its expected
-        tokens/s beat a plain round's (rows with a stale drafter context count as one token each); otherwise plain, turning
-        lite after `LITE_AFTER` plain decisions in a row. A drafting probe refreshes the confidences
-        after `_probe_interval` rounds without drafting; the interval doubles (up to `PROBE_MAX`) each
-        time a probe changes nothing. Nothing here looks at this round's tokens, so it stays lossless."""
+        cost, after which those rows stay plain). A round drafts when it admits a draft and its
+        expected tokens/s beat a plain round's (rows with a stale drafter context count as one token
+        each); otherwise plain, turning lite after `LITE_AFTER` plain decisions in a row. A drafting
+        probe refreshes the confidences after `_probe_interval` rounds without drafting; the interval
+        doubles (up to `PROBE_MAX`) each time a probe changes nothing. Nothing here looks at this
+        round's tokens, so it stays lossless."""
         rows = np.flatnonzero(active)
         fresh = self._fresh[rows]
         if not fresh.any():
