@@ -50,7 +50,8 @@ def _eval_paths() -> list[str]:
     return paths
 
 
-def _table1(drafters: list[str], cap: int, max_tokens: int, temperature: float, out_dir: str) -> dict:
+def table1(drafters: list[str], cap: int, max_tokens: int, temperature: float, out_dir: str) -> dict:
+    """Table 1's evaluation: `drafters` on the first `cap` prompts of each set, fixed verification."""
     from specjax.eval.evaluate import EvalSettings, run_evaluation
     return run_evaluation(None, drafters, _eval_paths(), out_dir, cap=cap, max_num_seqs=8,
                           settings=EvalSettings(temperature=temperature, max_new_tokens=max_tokens),
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
                     tables[temp]["command"] = f.read().strip()
             continue
         log(f"Table 1 at T={temp:g}")
-        tables[temp] = _table1(drafters, args.cap, args.max_tokens, temp, out)
+        tables[temp] = table1(drafters, args.cap, args.max_tokens, temp, out)
         with open(os.path.join(out, "command.txt"), "w") as f:
             f.write(command_line("bench.embedded", argv) + "\n")
     if args.table_only:

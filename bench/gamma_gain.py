@@ -25,7 +25,7 @@ import os
 from typing import Any
 
 from bench.common import DEFAULT_OUT_DIR, command_line, load_average, log, machine_info, md_table, pyplot, write_results
-from bench.embedded import EVAL_SETS, _table1
+from bench.embedded import EVAL_SETS, table1
 G15_BUILD = ("python -m train.build_embedded --stages train calibrate export --drafters dspark-g15 dflash-g15 "
              "--out-dir runs/embedded_g15")
 PAIRS = {7: ("dspark", "dflash"), 15: ("dspark-g15", "dflash-g15")}
@@ -69,7 +69,7 @@ def _evaluate(drafters: list[str], temperature: float, cap: int, max_tokens: int
             log(f"T={temperature}: reusing {path}")
             return done
     log(f"T={temperature}: evaluating {', '.join(drafters)} (load {load_average()[0]:.1f})")
-    _table1(drafters, cap, max_tokens, temperature, out)  # bench.embedded's Table 1 protocol
+    table1(drafters, cap, max_tokens, temperature, out)  # bench.embedded's Table 1 protocol
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
