@@ -255,3 +255,43 @@ def test_cached_features_give_the_online_loss(kind):
         wrong = dict(batch, taps=taps, hidden=shift_left(hid, 1))
     bad, _ = _jit_loss(obj, wrong, None)
     assert abs(float(bad) - float(online)) > 1e-3
+
+
+@pytest.mark.parametrize("kind,path", [("dspark", ("norm",)), ("eagle3", ("norm",)),
+                                       ("mtp", ("shared_head", "norm"))])
+def test_init_norm_from_target_starts_the_output_norm_at_the_targets(kind, path):
+    """`init_norm_from_target` copies the target's final norm weight into the norm before the
+    drafter's frozen head, so (same pre-norm input) the drafter's logits are the target's;
+    without it the norm starts at one (DeepSpec) and the logits differ."""
+    import functools
+
+    target = CausalLM(TCFG, rngs=nnx.Rngs(1))
+    tw = np.asarray(target.model.norm.weight[...])
+    target.model.norm.weight[...] = jnp.asarray(1.0 + 2.0 * np.abs(tw - 1.0) + 0.5)  # far from one
+    gd, _ = nnx.split(target)
+    extra = {"mask_token_id": 63, "markov_rank": 0, "confidence_head": False} \
+        if kind == "dspark" else {}
+
+    def norm_of(init: bool):
+        obj = make_objective(_mc(kind, init_norm_from_target=init, **extra), target, TCFG,
+                             target_graphdef=gd, feature_dtype=jnp.float32)
+        return obj.drafter, functools.reduce(getattr, path, obj.drafter)
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, TCFG.hidden_size))
+    want = np.asarray(target.logits(target.model.norm(x)))
+    drafter, norm = norm_of(True)
+    np.testing.assert_array_equal(np.asarray(norm.weight[...]),
+                                  np.asarray(target.model.norm.weight[...]))
+    head = drafter.shared_head.head if kind == "mtp" else drafter.lm_head
+    np.testing.assert_allclose(np.asarray(head(norm(x))), want, rtol=1e-5, atol=1e-5)
+    drafter, norm = norm_of(False)  # control: the DeepSpec start
+    np.testing.assert_array_equal(np.asarray(norm.weight[...]), np.ones(TCFG.hidden_size))
+    head = drafter.shared_head.head if kind == "mtp" else drafter.lm_head
+    assert not np.allclose(np.asarray(head(norm(x))), want, rtol=1e-3, atol=1e-3)
+
+
+def test_init_norm_from_target_is_refused_for_standalone_and_non_bools():
+    with pytest.raises(ConfigError, match="init_norm_from_target"):
+        _mc("standalone", init_norm_from_target=True)
+    with pytest.raises(ConfigError, match="init_norm_from_target"):
+        _mc("mtp", init_norm_from_target="yes")

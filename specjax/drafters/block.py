@@ -200,6 +200,18 @@ def copy_frozen_from_target(embed: FrozenEmbed, head: FrozenLMHead, target_model
     head.kernel[...] = jnp.asarray(dv.head_columns(head_hv, vocab), head.kernel[...].dtype)
 
 
+def copy_output_norm_from_target(norm: RMSNorm, target_model: Any) -> None:
+    """Start a drafter's trainable final norm (the one feeding the frozen lm_head) at the target's
+    final norm weight, in place, so its first logits have the target's scale. The norm stays
+    trainable; DeepSpec starts it at one (this is a training option, `init_norm_from_target`)."""
+    w = target_model.model.norm.weight[...]
+    want = norm.weight[...].shape
+    if w.shape != want:
+        raise ConfigError(f"target final norm shape {w.shape} does not match the drafter's "
+                          f"output norm {want}")
+    norm.weight[...] = jnp.asarray(w, norm.weight[...].dtype)
+
+
 def attend_context_and_block(q_bthd: Array, k_ctx_bshd: Array, v_ctx_bshd: Array,
                              mask_ctx_bts: Array, k_blk_bthd: Array, v_blk_bthd: Array,
                              mask_blk_btt: Array) -> Array:
@@ -483,4 +495,4 @@ class BlockBackbone(nnx.Module):
 
 __all__ = ["BlockBackbone", "BlockDrafterConfig", "Calibration", "DraftDecoderLayer", "Frozen",
            "FrozenEmbed", "FrozenLMHead", "attend_context_and_block", "copy_frozen_from_target",
-           "default_target_layer_ids"]
+           "copy_output_norm_from_target", "default_target_layer_ids"]

@@ -236,6 +236,9 @@ class ModelConfig:
     param_dtype: str = "float32"  # master weights
     target_dtype: str = "bfloat16"  # the frozen target (online mode)
     init_seed: int = 0
+    # start the drafter's final norm (before its frozen lm_head) at the target's final norm
+    # weight instead of one (DeepSpec: one); every kind but standalone, which has its own head
+    init_norm_from_target: bool = False
     draft_vocab_size: int = 0
     # eagle3: decay of the per-step TTT loss weights (the unroll horizon is block_size)
     ttt_decay: float = 0.8
@@ -278,6 +281,12 @@ class ModelConfig:
                 or self.draft_vocab_size < 0:
             raise ConfigError(f"field 'draft_vocab_size' must be an integer >= 0 (0 = full "
                               f"vocabulary), got {self.draft_vocab_size!r}")
+        if not isinstance(self.init_norm_from_target, bool):
+            raise ConfigError(f"field 'init_norm_from_target' must be true or false, got "
+                              f"{self.init_norm_from_target!r}")
+        if self.kind == "standalone" and self.init_norm_from_target:
+            raise ConfigError("field 'init_norm_from_target' is not supported for kind "
+                              "'standalone' (its own LM head is not the target's)")
         if self.kind == "standalone" and self.draft_vocab_size:
             raise ConfigError("field 'draft_vocab_size' is not supported for kind 'standalone' "
                               "(its own LM head is already small)")

@@ -146,6 +146,13 @@ def standalone_config(mc: ModelConfig, tcfg: TargetConfig) -> TargetConfig:
         tie_word_embeddings=True)
 
 
+def _maybe_init_norm(mc: ModelConfig, norm: Any, target: Any) -> None:
+    if mc.init_norm_from_target:
+        from specjax.drafters.block import copy_output_norm_from_target
+
+        copy_output_norm_from_target(norm, target)
+
+
 def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_graphdef: Any,
                    feature_dtype: Any = jnp.bfloat16, draft_ids: Any = None) -> Objective:
     """The drafter of kind `mc.kind` (frozen parts copied from `target`) and its online loss.
@@ -172,6 +179,7 @@ def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_g
             confidence_head_with_markov=mc.confidence_head_with_markov and mc.markov_rank > 0,
             draft_vocab_size=mc.draft_vocab_size, **width)
         drafter = make_block_drafter(target, tcfg, dcfg, rngs=rngs, **kw)
+        _maybe_init_norm(mc, drafter.norm, target)
         loss_fn = block_drafter_loss(
             num_anchors=mc.num_anchors, alpha_ce=mc.alpha_ce, alpha_tv=mc.alpha_tv,
             alpha_conf=mc.alpha_conf if mc.confidence_head else 0.0, decay=mc.loss_decay,
@@ -191,6 +199,7 @@ def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_g
                                         ttt_length=mc.block_size, step_loss_decay=mc.ttt_decay,
                                         draft_vocab_size=mc.draft_vocab_size, **width)
         drafter = make_eagle3_drafter(target, ecfg, rngs, **kw)
+        _maybe_init_norm(mc, drafter.norm, target)
         loss_fn = eagle3_objective(target_graphdef=target_graphdef, tap_layers=layer_ids,
                                    horizon=mc.block_size, decay=mc.ttt_decay,
                                    chunk_tokens=mc.chunk_anchors, feature_dtype=feature_dtype)
@@ -200,6 +209,7 @@ def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_g
 
         mcfg = MTPConfig.from_target(tcfg, draft_vocab_size=mc.draft_vocab_size, **width)
         drafter = make_mtp_drafter(target, mcfg, rngs, **kw)
+        _maybe_init_norm(mc, drafter.shared_head.norm, target)
         loss_fn = mtp_objective(target_graphdef=target_graphdef, alpha_ce=mc.alpha_ce,
                                 alpha_tv=mc.alpha_tv, chunk_tokens=mc.chunk_anchors,
                                 feature_dtype=feature_dtype)
