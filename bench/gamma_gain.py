@@ -48,15 +48,17 @@ def gain_statistics(parts: dict[str, dict[str, tuple[int, int]]], *, replicates:
     return out
 
 
-def _parts(results: dict[str, Any], drafter: str) -> dict[str, tuple[int, int]]:
+def tau_parts(results: dict[str, Any], drafter: str) -> dict[str, tuple[int, int]]:
+    """One drafter's per-prompt (rounds, committed tokens) over every set of an evaluation."""
     merged: dict[str, tuple[int, int]] = {}
     for entry in results["drafters"][drafter]["datasets"].values():
         merged.update({k: (int(v[0]), int(v[1])) for k, v in entry["requests"].items()})
     return merged
 
 
-def _evaluate(drafters: list[str], temperature: float, cap: int, max_tokens: int, out: str) -> dict[str, Any]:
-    """One evaluation at `temperature`, or the one already in `out` with the same settings."""
+def evaluate_kept(drafters: list[str], temperature: float, cap: int, max_tokens: int, out: str) -> dict[str, Any]:
+    """One Table-1 evaluation of `drafters` at `temperature`, or the one already in `out` with the
+    same drafters and settings."""
     path = os.path.join(out, "results.json")
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
@@ -74,7 +76,8 @@ def _evaluate(drafters: list[str], temperature: float, cap: int, max_tokens: int
         return json.load(f)
 
 
-def _fmt_ci(s: dict[str, float], digits: int = 3) -> str:
+def fmt_ci(s: dict[str, float], digits: int = 3) -> str:
+    """`value [lo, hi]` of a bootstrap result."""
     return f"{s['value']:.{digits}f} [{s['lo']:.{digits}f}, {s['hi']:.{digits}f}]"
 
 
@@ -85,8 +88,8 @@ def report(stats: dict[str, dict[str, Any]], args: argparse.Namespace, argv: lis
     for t, s in stats.items():
         r7, r15, d = s["ratio"]["7"], s["ratio"]["15"], s["gain_difference"]
         shown = "yes" if d["lo"] > 0 else "no (interval contains 0)" if d["hi"] > 0 else "no (smaller at 15)"
-        rows.append([t, _fmt_ci(s["tau"]["dspark"]), _fmt_ci(s["tau"]["dflash"]), _fmt_ci(r7),
-                     _fmt_ci(s["tau"]["dspark-g15"]), _fmt_ci(s["tau"]["dflash-g15"]), _fmt_ci(r15),
+        rows.append([t, fmt_ci(s["tau"]["dspark"]), fmt_ci(s["tau"]["dflash"]), fmt_ci(r7),
+                     fmt_ci(s["tau"]["dspark-g15"]), fmt_ci(s["tau"]["dflash-g15"]), fmt_ci(r15),
                      f"{d['value']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]", f"{d['p_le_0']:.2f}", shown])
     n = next(iter(stats.values()))["gain_difference"]["requests"]
     return "\n".join([
@@ -135,11 +138,11 @@ def main(argv: list[str] | None = None) -> None:
     drafters = list(PAIRS[7]) + g15
     stats: dict[str, dict[str, Any]] = {}
     for temp in args.temperatures:
-        res = _evaluate(drafters, temp, args.cap, args.max_tokens, os.path.join(args.eval_dir, f"eval_T{temp:g}"))
-        parts = {n: _parts(res, n) for n in (*PAIRS[7], *PAIRS[15])}
+        res = evaluate_kept(drafters, temp, args.cap, args.max_tokens, os.path.join(args.eval_dir, f"eval_T{temp:g}"))
+        parts = {n: tau_parts(res, n) for n in (*PAIRS[7], *PAIRS[15])}
         stats[f"{temp:g}"] = gain_statistics(parts, replicates=args.replicates)
-        log(f"T={temp:g}: ratio γ7 {_fmt_ci(stats[f'{temp:g}']['ratio']['7'])}, "
-            f"γ15 {_fmt_ci(stats[f'{temp:g}']['ratio']['15'])}")
+        log(f"T={temp:g}: ratio γ7 {fmt_ci(stats[f'{temp:g}']['ratio']['7'])}, "
+            f"γ15 {fmt_ci(stats[f'{temp:g}']['ratio']['15'])}")
 
     def plot(path: str) -> None:
         plt = pyplot()

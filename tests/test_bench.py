@@ -314,3 +314,37 @@ def test_gamma_gain_intervals_and_report(tmp_path):
     # without the block-15 drafters it names the command that builds them
     with pytest.raises(SystemExit, match="dspark-g15 dflash-g15"):
         gg.main(["--g15-dir", str(tmp_path), "--out-dir", str(tmp_path)])
+
+
+def test_norm_init_comparison_and_report(tmp_path):
+    """bench.norm_init: a drafter 10% better on every prompt is shown better; the same drafter
+    under two names is not; a missing drafter names its build, a clashing name is refused."""
+    import argparse
+
+    from bench import norm_init as ni
+
+    rng = np.random.default_rng(2)
+    hard = rng.uniform(0.5, 1.5, 40)
+
+    def results(tau_new):
+        def entry(tau):
+            req = {f"p{i}": [10, int(round(10 * tau * hard[i]))] for i in range(40)}
+            return {"datasets": {"all": {"requests": req}}, "overall": {"accept_rate": [tau - 1.0]},
+                    "macro": tau}
+        return {"drafters": {"dspark": entry(1.30), "dspark-norm": entry(tau_new)}}
+
+    args = argparse.Namespace(cap=8, max_tokens=64, eval_dir="runs/norm_init", replicates=500)
+    better = ni.comparison(results(1.43), "dspark-norm", replicates=500)
+    assert better["ratio"]["value"] == pytest.approx(1.1, abs=0.02) and better["ratio"]["lo"] > 1
+    md = ni.report({"0": better}, "dspark-norm", args, [])
+    assert md.startswith("# ") and "Command: `python -m bench.norm_init`" in md
+    assert next(line for line in md.splitlines() if line.startswith("| 0 |")).rstrip(" |").endswith("yes")
+    same = ni.comparison(results(1.30), "dspark-norm", replicates=500)
+    assert same["ratio"]["value"] == pytest.approx(1.0, abs=1e-12)
+    assert "| no" in ni.report({"0": same}, "dspark-norm", args, [])
+    with pytest.raises(SystemExit, match="init_norm_from_target"):
+        ni.main(["--drafter", str(tmp_path / "absent"), "--out-dir", str(tmp_path)])
+    (tmp_path / "dspark").mkdir()
+    (tmp_path / "dspark" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="must differ"):
+        ni.main(["--drafter", str(tmp_path / "dspark"), "--out-dir", str(tmp_path)])

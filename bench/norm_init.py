@@ -1,0 +1,129 @@
+"""DSpark trained with its final norm started at the target's, against the shipped DSpark (norm at one).
+
+    python -m bench.norm_init [--drafter runs/embedded/exports/dspark-norm] [--cap 8] [--max-tokens 64]
+                              [--temperatures 0 1] [--eval-dir runs/norm_init] [--out-dir bench/results]
+
+SmolLM2's final norm weight averages 1.80, and the frozen lm_head every drafter shares was trained on
+inputs scaled by it; DeepSpec starts a drafter's own final norm at one, and after the shipped 480
+Adam steps at lr 1e-3 it was still 0.98 on average. `--drafter` is the same DSpark config trained
+with `model.init_norm_from_target: true` (configs/embedded/dspark-norm.yaml) on the shipped build's
+data and budget, built by the command in BUILD; its directory name must differ from "dspark". Both
+drafters are evaluated at each temperature in one `run_evaluation` on the same prompts (Table 1's
+protocol, `bench.embedded.table1`), and a paired bootstrap over prompts gives 95% intervals of each
+τ and of their ratio.
+
+Evaluations are kept in `--eval-dir` and reused when rerun with the same settings. Not part of
+`make bench` (the drafter is not shipped); `python -m bench.run_all --docs-only` adds its section.
+Writes norm_init.json, .md and .png to `--out-dir`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from bench.common import DEFAULT_OUT_DIR, command_line, load_average, log, machine_info, md_table, pyplot, write_results
+from bench.embedded import EVAL_SETS
+from bench.gamma_gain import evaluate_kept, fmt_ci, tau_parts
+
+BUILD = ("python -m train.build_embedded --stages prepare regenerate cache vocab train --drafters dspark-norm "
+         "--out-dir runs/embedded/out")  # configs/embedded/dspark-norm.yaml, the shipped build's work dir
+SHIPPED = "dspark"
+
+
+def comparison(results: dict[str, Any], new: str, *, replicates: int = 4000) -> dict[str, Any]:
+    """Paired-bootstrap intervals over prompts of the shipped DSpark's τ, `new`'s τ and their
+    ratio (new / shipped) from one evaluation holding both, plus each first-token acceptance and
+    Table 1's macro τ."""
+    from specjax.eval.metrics import paired_tau_bootstrap
+
+    names = (SHIPPED, new)
+    parts = {n: tau_parts(results, n) for n in names}
+
+    def boot(stat):
+        return paired_tau_bootstrap(parts, stat, replicates=replicates)
+
+    return {"tau": {n: boot(lambda t, n=n: t[n]) for n in names},
+            "ratio": boot(lambda t: t[new] / t[SHIPPED]),
+            "first_token_accept": {n: results["drafters"][n]["overall"]["accept_rate"][0] for n in names},
+            "macro": {n: results["drafters"][n]["macro"] for n in names}}
+
+
+def report(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace,
+           argv: list[str] | None) -> str:
+    """The Markdown section: per temperature both τ, the ratio with its interval, and whether the
+    interval shows the new start better (its lower end above 1)."""
+    rows = [[t, fmt_ci(s["tau"][SHIPPED]), fmt_ci(s["tau"][new]), fmt_ci(s["ratio"]),
+             f"{s['first_token_accept'][SHIPPED]:.3f} / {s['first_token_accept'][new]:.3f}",
+             f"{s['macro'][SHIPPED]:.3f} / {s['macro'][new]:.3f}",
+             "yes" if s["ratio"]["lo"] > 1 else "no" if s["ratio"]["hi"] >= 1 else "worse"]
+            for t, s in stats.items()]
+    n = next(iter(stats.values()))["ratio"]["requests"]
+    return "\n".join([
+        "# DSpark with its final norm started at the target's (an experiment, not shipped)",
+        "",
+        f"Command: `{command_line('bench.norm_init', argv)}`",
+        "",
+        f"Drafter: `{BUILD}`. Everything but the start of the final norm (and so the data, 384 "
+        "regenerated answers, the seed and 480 steps) is the shipped DSpark's. "
+        f"Table 1's protocol ({args.cap} prompts from each of {', '.join(EVAL_SETS)}: {n} prompts, "
+        f"{args.max_tokens} new tokens, fixed verification at gamma 7, per-prompt seeds), both drafters in "
+        "one evaluation per temperature. τ pooled over the prompts, value [95% interval] from a paired "
+        f"bootstrap over prompts ({args.replicates} replicates); macro: Table 1's mean of per-set τ.",
+        "",
+        md_table(["T", "τ shipped (norm at 1)", f"τ {new} (norm from target)", "ratio", "P(first token accepted)",
+                  "macro τ", "better shown"], rows, "r" * 6 + "l"),
+        f"Evaluations kept in `{args.eval_dir}/eval_T*` (git-ignored). Machine: {machine_info()['cpu_count']} CPUs; "
+        f"load {load_average()[0]:.1f} when written.",
+    ])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafter", default=os.path.join("runs", "embedded", "exports", "dspark-norm"),
+                    help="the DSpark trained with init_norm_from_target (a directory or a link to one)")
+    ap.add_argument("--cap", type=int, default=8, help="prompts per evaluation set (Table 1: 8)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--replicates", type=int, default=4000)
+    ap.add_argument("--eval-dir", default=os.path.join("runs", "norm_init"))
+    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    args = ap.parse_args(argv)
+    new = os.path.basename(os.path.normpath(args.drafter))
+    if not os.path.isfile(os.path.join(args.drafter, "config.json")):
+        raise SystemExit(f"--drafter: no drafter at {args.drafter}; build it (configs/embedded/"
+                         f"dspark-norm.yaml, init_norm_from_target: true) with `{BUILD}`")
+    if new == SHIPPED:
+        raise SystemExit(f"--drafter: its directory name must differ from {SHIPPED!r} (results are keyed by it)")
+    stats: dict[str, Any] = {}
+    for temp in args.temperatures:
+        res = evaluate_kept([SHIPPED, args.drafter], temp, args.cap, args.max_tokens,
+                            os.path.join(args.eval_dir, f"eval_T{temp:g}"))
+        stats[f"{temp:g}"] = comparison(res, new, replicates=args.replicates)
+        log(f"T={temp:g}: ratio {fmt_ci(stats[f'{temp:g}']['ratio'])}")
+    md = report(stats, new, args, argv)
+
+    def plot(path: str) -> None:
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(6.0, 3.4))
+        for i, (t, s) in enumerate(stats.items()):
+            for j, name in enumerate((SHIPPED, new)):
+                r = s["tau"][name]
+                ax.errorbar([i * 3 + j], [r["value"]], yerr=[[r["value"] - r["lo"]], [r["hi"] - r["value"]]],
+                            fmt="o", capsize=4, color=f"C{j}", label=(name if i == 0 else None))
+        ax.set_xticks([i * 3 + 0.5 for i in range(len(stats))], [f"T = {t}" for t in stats])
+        ax.set_ylabel("τ (95% interval over prompts)")
+        ax.set_title("DSpark: final norm at one (shipped) vs from the target")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    result = {"command": command_line("bench.norm_init", argv), "drafter": args.drafter, "cap": args.cap,
+              "max_tokens": args.max_tokens, "statistics": stats, "machine": machine_info()}
+    for p in write_results("norm_init", result, md, out_dir=args.out_dir, plot=plot):
+        log(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()
