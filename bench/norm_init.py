@@ -31,6 +31,16 @@ BUILD = ("python -m train.build_embedded --stages prepare regenerate cache vocab
 SHIPPED = "dspark"
 
 
+def final_norm_weight(drafter_dir: str) -> dict[str, float]:
+    """Mean, min and max of a block drafter's trained final norm weight (`norm.weight`)."""
+    import numpy as np
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(drafter_dir, "model.safetensors"), "flax") as f:
+        w = np.asarray(f.get_tensor("norm.weight"), np.float32)
+    return {"mean": float(w.mean()), "min": float(w.min()), "max": float(w.max())}
+
+
 def comparison(results: dict[str, Any], new: str, *, replicates: int = 4000) -> dict[str, Any]:
     """Paired-bootstrap intervals over prompts of the shipped DSpark's τ, `new`'s τ and their
     ratio (new / shipped) from one evaluation holding both, plus each first-token acceptance and
@@ -50,7 +60,7 @@ def comparison(results: dict[str, Any], new: str, *, replicates: int = 4000) -> 
 
 
 def report(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace,
-           argv: list[str] | None) -> str:
+           argv: list[str] | None, norms: dict[str, dict[str, float]] | None = None) -> str:
     """The Markdown section: per temperature both τ, the ratio with its interval, and whether the
     interval shows the new start better (its lower end above 1)."""
     rows = [[t, fmt_ci(s["tau"][SHIPPED]), fmt_ci(s["tau"][new]), fmt_ci(s["ratio"]),
@@ -73,6 +83,9 @@ def report(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace,
         "",
         md_table(["T", "τ shipped (norm at 1)", f"τ {new} (norm from target)", "ratio", "P(first token accepted)",
                   "macro τ", "better shown"], rows, "r" * 6 + "l"),
+        *([] if not norms else [
+            "Trained final norm weight (mean, min to max): " + "; ".join(
+                f"{n} {v['mean']:.2f} ({v['min']:.2f} to {v['max']:.2f})" for n, v in norms.items()) + ".", ""]),
         f"Evaluations kept in `{args.eval_dir}/eval_T*` (git-ignored). Machine: {machine_info()['cpu_count']} CPUs; "
         f"load {load_average()[0]:.1f} when written.",
     ])
@@ -101,7 +114,11 @@ def main(argv: list[str] | None = None) -> None:
                             os.path.join(args.eval_dir, f"eval_T{temp:g}"))
         stats[f"{temp:g}"] = comparison(res, new, replicates=args.replicates)
         log(f"T={temp:g}: ratio {fmt_ci(stats[f'{temp:g}']['ratio'])}")
-    md = report(stats, new, args, argv)
+    from specjax import default_target
+
+    norms = {SHIPPED: final_norm_weight(default_target.drafter_dir(SHIPPED)),
+             new: final_norm_weight(args.drafter)}
+    md = report(stats, new, args, argv, norms)
 
     def plot(path: str) -> None:
         plt = pyplot()
@@ -120,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         plt.close(fig)
 
     result = {"command": command_line("bench.norm_init", argv), "drafter": args.drafter, "cap": args.cap,
-              "max_tokens": args.max_tokens, "statistics": stats, "machine": machine_info()}
+              "max_tokens": args.max_tokens, "statistics": stats, "final_norm_weight": norms, "machine": machine_info()}
     for p in write_results("norm_init", result, md, out_dir=args.out_dir, plot=plot):
         log(f"wrote {p}")
 

@@ -342,6 +342,8 @@ def test_norm_init_comparison_and_report(tmp_path):
     same = ni.comparison(results(1.30), "dspark-norm", replicates=500)
     assert same["ratio"]["value"] == pytest.approx(1.0, abs=1e-12)
     assert "| no" in ni.report({"0": same}, "dspark-norm", args, [])
+    norms = {"dspark": {"mean": 0.98, "min": 0.93, "max": 1.11}, "dspark-norm": {"mean": 1.77, "min": -2.1, "max": 3.3}}
+    assert "dspark-norm 1.77 (-2.10 to 3.30)" in ni.report({"0": same}, "dspark-norm", args, [], norms)
     with pytest.raises(SystemExit, match="init_norm_from_target"):
         ni.main(["--drafter", str(tmp_path / "absent"), "--out-dir", str(tmp_path)])
     (tmp_path / "dspark").mkdir()
