@@ -81,6 +81,38 @@ def fmt_ci(s: dict[str, float], digits: int = 3) -> str:
     return f"{s['value']:.{digits}f} [{s['lo']:.{digits}f}, {s['hi']:.{digits}f}]"
 
 
+def add_comparison_arguments(ap: argparse.ArgumentParser, eval_dir: str) -> None:
+    """The flags of a paired Table-1 comparison: prompts, tokens, temperatures, bootstrap
+    replicates, where evaluations are kept (`eval_dir` by default) and where results go."""
+    ap.add_argument("--cap", type=int, default=8, help="prompts per evaluation set (Table 1: 8)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--replicates", type=int, default=4000)
+    ap.add_argument("--eval-dir", default=eval_dir)
+    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+
+
+def plot_intervals(path: str, groups: dict[str, dict[str, dict[str, float]]], *, ylabel: str,
+                   title: str, hline: float | None = None) -> None:
+    """A PNG of bootstrap results ({value, lo, hi}) with their intervals: one cluster per group
+    (x label), one colour per series within it."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for i, series in enumerate(groups.values()):
+        for j, (name, r) in enumerate(series.items()):
+            ax.errorbar([i * 3 + j], [r["value"]], yerr=[[r["value"] - r["lo"]], [r["hi"] - r["value"]]],
+                        fmt="o", capsize=4, color=f"C{j}", label=name if i == 0 else None)
+    if hline is not None:
+        ax.axhline(hline, color="grey", lw=0.8)
+    ax.set_xticks([i * 3 + 0.5 for i in range(len(groups))], list(groups))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def report(stats: dict[str, dict[str, Any]], args: argparse.Namespace, argv: list[str] | None) -> str:
     """The Markdown section: per temperature, each tau and ratio with its 95% interval, and the
     difference of ratios with its one-sided bootstrap p-value."""
@@ -119,12 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--g15-dir", default=os.path.join("runs", "embedded_g15", "drafters"),
                     help="directory holding the block-15 drafters dspark-g15/ and dflash-g15/")
-    ap.add_argument("--cap", type=int, default=8, help="prompts per evaluation set (Table 1: 8)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--replicates", type=int, default=4000)
-    ap.add_argument("--eval-dir", default=os.path.join("runs", "gamma_gain"))
-    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    add_comparison_arguments(ap, os.path.join("runs", "gamma_gain"))
     args = ap.parse_args(argv)
     from specjax import default_target
 
@@ -145,23 +172,9 @@ def main(argv: list[str] | None = None) -> None:
             f"γ15 {fmt_ci(stats[f'{temp:g}']['ratio']['15'])}")
 
     def plot(path: str) -> None:
-        plt = pyplot()
-        fig, ax = plt.subplots(figsize=(6.4, 3.6))
-        for i, (t, s) in enumerate(stats.items()):
-            for j, g in enumerate(("7", "15")):
-                r = s["ratio"][g]
-                x = i * 3 + j
-                ax.errorbar([x], [r["value"]], yerr=[[r["value"] - r["lo"]], [r["hi"] - r["value"]]],
-                            fmt="o", capsize=4, color="C0" if g == "7" else "C1",
-                            label=f"gamma {g}" if i == 0 else None)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks([i * 3 + 0.5 for i in range(len(stats))], [f"T = {t}" for t in stats])
-        ax.set_ylabel("τ DSpark / τ DFlash (95% interval)")
-        ax.set_title("DSpark over DFlash on the same prompts, paired bootstrap")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        groups = {f"T = {t}": {f"gamma {g}": s["ratio"][g] for g in ("7", "15")} for t, s in stats.items()}
+        plot_intervals(path, groups, ylabel="τ DSpark / τ DFlash (95% interval)",
+                       title="DSpark over DFlash on the same prompts, paired bootstrap", hline=1.0)
 
     result = {"command": command_line("bench.gamma_gain", argv), "cap": args.cap, "max_tokens": args.max_tokens,
               "drafters": {"7": list(PAIRS[7]), "15": g15}, "statistics": stats, "machine": machine_info()}

@@ -22,9 +22,9 @@ import argparse
 import os
 from typing import Any
 
-from bench.common import DEFAULT_OUT_DIR, command_line, load_average, log, machine_info, md_table, pyplot, write_results
+from bench.common import command_line, load_average, log, machine_info, md_table, write_results
 from bench.embedded import EVAL_SETS
-from bench.gamma_gain import evaluate_kept, fmt_ci, tau_parts
+from bench.gamma_gain import add_comparison_arguments, evaluate_kept, fmt_ci, plot_intervals, tau_parts
 
 BUILD = ("python -m train.build_embedded --stages prepare regenerate cache vocab train --drafters dspark-norm "
          "--out-dir runs/embedded/out")  # configs/embedded/dspark-norm.yaml, the shipped build's work dir
@@ -95,12 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", default=os.path.join("runs", "embedded", "exports", "dspark-norm"),
                     help="the DSpark trained with init_norm_from_target (a directory or a link to one)")
-    ap.add_argument("--cap", type=int, default=8, help="prompts per evaluation set (Table 1: 8)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--replicates", type=int, default=4000)
-    ap.add_argument("--eval-dir", default=os.path.join("runs", "norm_init"))
-    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    add_comparison_arguments(ap, os.path.join("runs", "norm_init"))
     args = ap.parse_args(argv)
     new = os.path.basename(os.path.normpath(args.drafter))
     if not os.path.isfile(os.path.join(args.drafter, "config.json")):
@@ -121,20 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     md = report(stats, new, args, argv, norms)
 
     def plot(path: str) -> None:
-        plt = pyplot()
-        fig, ax = plt.subplots(figsize=(6.0, 3.4))
-        for i, (t, s) in enumerate(stats.items()):
-            for j, name in enumerate((SHIPPED, new)):
-                r = s["tau"][name]
-                ax.errorbar([i * 3 + j], [r["value"]], yerr=[[r["value"] - r["lo"]], [r["hi"] - r["value"]]],
-                            fmt="o", capsize=4, color=f"C{j}", label=(name if i == 0 else None))
-        ax.set_xticks([i * 3 + 0.5 for i in range(len(stats))], [f"T = {t}" for t in stats])
-        ax.set_ylabel("τ (95% interval over prompts)")
-        ax.set_title("DSpark: final norm at one (shipped) vs from the target")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        groups = {f"T = {t}": {n: s["tau"][n] for n in (SHIPPED, new)} for t, s in stats.items()}
+        plot_intervals(path, groups, ylabel="τ (95% interval over prompts)",
+                       title="DSpark: final norm at one (shipped) vs from the target")
 
     result = {"command": command_line("bench.norm_init", argv), "drafter": args.drafter, "cap": args.cap,
               "max_tokens": args.max_tokens, "statistics": stats, "final_norm_weight": norms, "machine": machine_info()}
