@@ -216,6 +216,41 @@ def test_goal_rows_judge_never_below_plain_from_paired_runs():
     assert rows["best confidence never below plain (confidence_async vs plain, paired runs)"][2] == "no"
 
 
+def test_paired_runs_alternate_the_order_so_its_effect_cancels(monkeypatch):
+    import bench.frontier as fr
+    calls = []
+
+    def fake_loop(engine, prompts, c, n, max_tokens, temperature):
+        calls.append(engine)  # equal engines, but the second run of each pair is 5% faster
+        return {"aggregate_tokens_per_s": 100.0 * (1.05 if len(calls) % 2 == 0 else 1.0)}
+    monkeypatch.setattr(fr, "closed_loop", fake_loop)
+    engines = {"plain": "plain", "confidence_async": "confidence_async"}
+    out = fr.paired_ratios(engines, [], [4], 8, 4, lambda c: c)
+    assert calls == ["plain", "confidence_async", "confidence_async", "plain"] * 2
+    assert np.exp(np.mean(np.log(out[4]))) == pytest.approx(1.0)
+    lo, hi = fr.ratio_interval(out[4])
+    assert lo < 1.0 < hi  # the pairs cannot tell equal engines apart
+    # control: a fixed order credits the order's effect to the engine that always runs second
+    calls.clear()
+    monkeypatch.setattr(fr, "pair_order", lambda i: ("plain", "confidence_async"))
+    fixed = fr.paired_ratios(engines, [], [4], 8, 4, lambda c: c)
+    assert fixed[4] == pytest.approx([1.05] * 4) and fr.ratio_interval(fixed[4])[0] > 1.0
+
+
+def test_ratio_interval_tells_a_shortfall_from_noise():
+    from bench.frontier import goal_rows, ratio_interval
+    lo, hi = ratio_interval([0.95, 0.96, 0.94, 0.95, 0.955, 0.945])
+    assert hi < 1.0 and lo > 0.93
+    lo, hi = ratio_interval([0.97, 1.03, 0.99, 1.02, 0.98, 1.01])
+    assert lo < 1.0 < hi
+    with pytest.raises(ValueError, match="positive and finite"):
+        ratio_interval([1.0, 0.0])
+    res = {"plain": [_pt(1, 100.0, 100.0)], "fixed-dspark": [_pt(1, 50.0, 50.0)],
+           "confidence_async": [_pt(1, 90.0, 90.0)]}
+    row = [r for r in goal_rows(res, paired={1: [0.97, 1.03, 0.99, 1.02, 0.98, 0.995]}) if "paired" in r[0]][0]
+    assert "geometric mean 95% interval" in row[1] and row[2] == "no"  # the verdict is still the median's
+
+
 def test_write_section_replaces_one_section_and_keeps_the_rest(tmp_path):
     res_dir, docs = tmp_path / "results", tmp_path / "docs" / "BENCHMARKS.md"
     res_dir.mkdir()
