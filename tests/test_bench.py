@@ -211,7 +211,7 @@ def test_goal_rows_judge_never_below_plain_from_paired_runs():
            "confidence_async": [_pt(1, 90.0, 90.0), _pt(4, 250.0, 62.0)]}  # sweeps alone: 0.83x plain
     rows = {r[0]: r for r in goal_rows(res, paired={1: [0.97, 1.02, 1.01], 4: [1.0, 1.03, 0.99]})}
     row = rows["best confidence never below plain (confidence_async vs plain, paired runs)"]
-    assert row[1].startswith("min median 1.00 (C=4") and row[2] == "yes"
+    assert row[1].startswith("min median 1.000 (C=4") and row[2] == "yes"
     rows = {r[0]: r for r in goal_rows(res, paired={1: [0.9, 0.95, 0.97], 4: [1.0, 1.0, 1.0]})}
     assert rows["best confidence never below plain (confidence_async vs plain, paired runs)"][2] == "no"
 
@@ -251,6 +251,10 @@ def test_ratio_interval_tells_a_shortfall_from_noise():
     assert "geometric mean 95% interval" in row[1] and row[2] == "no (within noise)"
     row = [r for r in goal_rows(res, paired={1: [0.95, 0.96, 0.94, 0.95]}) if "paired" in r[0]][0]
     assert row[2] == "no"  # the pairs show it slower
+    # a level shown slower decides even when another level has the lower median
+    paired = {1: [0.98, 0.985, 0.975, 0.98], 4: [0.80, 1.15, 0.85, 1.10]}
+    row = [r for r in goal_rows(res, paired=paired) if "paired" in r[0]][0]
+    assert row[2] == "no" and "(C=4); C=1:" in row[1]
 
 
 def test_write_section_replaces_one_section_and_keeps_the_rest(tmp_path):
