@@ -59,10 +59,12 @@ def comparison(results: dict[str, Any], new: str, *, replicates: int = 4000) -> 
             "macro": {n: results["drafters"][n]["macro"] for n in names}}
 
 
-def report(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace,
-           argv: list[str] | None, norms: dict[str, dict[str, float]] | None = None) -> str:
-    """The Markdown section: per temperature both τ, the ratio with its interval, and whether the
-    interval shows the new start better (its lower end above 1)."""
+def start_section(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace, *, title: str,
+                  command: str, drafter_text: str, shipped_label: str, new_label: str,
+                  extra: list[str] | None = None) -> str:
+    """A drafter-start experiment's Markdown section: per temperature both τ, the ratio with its
+    interval, and whether the interval shows the new start better (its lower end above 1), not
+    (it holds 1) or worse (its upper end below 1)."""
     rows = [[t, fmt_ci(s["tau"][SHIPPED]), fmt_ci(s["tau"][new]), fmt_ci(s["ratio"]),
              f"{s['first_token_accept'][SHIPPED]:.3f} / {s['first_token_accept'][new]:.3f}",
              f"{s['macro'][SHIPPED]:.3f} / {s['macro'][new]:.3f}",
@@ -70,25 +72,35 @@ def report(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace,
             for t, s in stats.items()]
     n = next(iter(stats.values()))["ratio"]["requests"]
     return "\n".join([
-        "# DSpark with its final norm started at the target's (an experiment, not shipped)",
+        f"# {title}",
         "",
-        f"Command: `{command_line('bench.norm_init', argv)}`",
+        f"Command: `{command}`",
         "",
-        f"Drafter: `{BUILD}`. Everything but the start of the final norm (and so the data, 384 "
-        "regenerated answers, the seed and 480 steps) is the shipped DSpark's. "
-        f"Table 1's protocol ({args.cap} prompts from each of {', '.join(EVAL_SETS)}: {n} prompts, "
-        f"{args.max_tokens} new tokens, fixed verification at gamma 7, per-prompt seeds), both drafters in "
-        "one evaluation per temperature. τ pooled over the prompts, value [95% interval] from a paired "
-        f"bootstrap over prompts ({args.replicates} replicates); macro: Table 1's mean of per-set τ.",
+        f"{drafter_text} Table 1's protocol ({args.cap} prompts from each of {', '.join(EVAL_SETS)}: {n} "
+        f"prompts, {args.max_tokens} new tokens, fixed verification at gamma 7, per-prompt seeds), both "
+        "drafters in one evaluation per temperature. τ pooled over the prompts, value [95% interval] from a "
+        f"paired bootstrap over prompts ({args.replicates} replicates); macro: Table 1's mean of per-set τ.",
         "",
-        md_table(["T", "τ shipped (norm at 1)", f"τ {new} (norm from target)", "ratio", "P(first token accepted)",
-                  "macro τ", "better shown"], rows, "r" * 6 + "l"),
-        *([] if not norms else [
-            "Trained final norm weight (mean, min to max): " + "; ".join(
-                f"{n} {v['mean']:.2f} ({v['min']:.2f} to {v['max']:.2f})" for n, v in norms.items()) + ".", ""]),
+        md_table(["T", f"τ shipped ({shipped_label})", f"τ {new} ({new_label})", "ratio",
+                  "P(first token accepted)", "macro τ", "better shown"], rows, "r" * 6 + "l"),
+        *(extra or []),
         f"Evaluations kept in `{args.eval_dir}/eval_T*` (git-ignored). Machine: {machine_info()['cpu_count']} CPUs; "
         f"load {load_average()[0]:.1f} when written.",
     ])
+
+
+def report(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace,
+           argv: list[str] | None, norms: dict[str, dict[str, float]] | None = None) -> str:
+    """This experiment's section (`start_section`), with the trained final norm weights."""
+    return start_section(
+        stats, new, args, title="DSpark with its final norm started at the target's (an experiment, not shipped)",
+        command=command_line("bench.norm_init", argv),
+        drafter_text=f"Drafter: `{BUILD}`. Everything but the start of the final norm (and so the data, 384 "
+                     "regenerated answers, the seed and 480 steps) is the shipped DSpark's.",
+        shipped_label="norm at 1", new_label="norm from target",
+        extra=[""] + ([] if not norms else [
+            "Trained final norm weight (mean, min to max): " + "; ".join(
+                f"{n} {v['mean']:.2f} ({v['min']:.2f} to {v['max']:.2f})" for n, v in norms.items()) + ".", ""]))
 
 
 def main(argv: list[str] | None = None) -> None:

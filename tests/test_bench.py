@@ -391,3 +391,30 @@ def test_norm_init_comparison_and_report(tmp_path):
     (tmp_path / "dspark" / "config.json").write_text("{}")
     with pytest.raises(SystemExit, match="must differ"):
         ni.main(["--drafter", str(tmp_path / "dspark"), "--out-dir", str(tmp_path)])
+
+
+def test_layer_init_report_and_refusals(tmp_path):
+    """bench.layer_init: a drafter 10% worse on every prompt is shown worse, one 10% better is
+    shown better; a missing drafter names its config and build."""
+    import argparse
+
+    from bench import layer_init as li
+    from bench import norm_init as ni
+
+    hard = np.random.default_rng(3).uniform(0.5, 1.5, 40)
+
+    def results(tau_new):
+        def entry(tau):
+            req = {f"p{i}": [10, int(round(10 * tau * hard[i]))] for i in range(40)}
+            return {"datasets": {"all": {"requests": req}}, "overall": {"accept_rate": [tau - 1.0]},
+                    "macro": tau}
+        return {"drafters": {"dspark": entry(1.30), "dspark-layer": entry(tau_new)}}
+
+    args = argparse.Namespace(cap=8, max_tokens=64, eval_dir="runs/layer_init", replicates=500)
+    for tau, verdict in ((1.17, "worse"), (1.43, "yes")):
+        md = li.report({"0": ni.comparison(results(tau), "dspark-layer", replicates=500)},
+                       "dspark-layer", args, [])
+        assert "Command: `python -m bench.layer_init`" in md and "from layer 28" in md
+        assert next(line for line in md.splitlines() if line.startswith("| 0 |")).rstrip(" |").endswith(verdict)
+    with pytest.raises(SystemExit, match="dspark-layer.yaml"):
+        li.main(["--drafter", str(tmp_path / "absent"), "--out-dir", str(tmp_path)])

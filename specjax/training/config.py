@@ -239,6 +239,9 @@ class ModelConfig:
     # start the drafter's final norm (before its frozen lm_head) at the target's final norm
     # weight instead of one (DeepSpec: one); every kind but standalone, which has its own head
     init_norm_from_target: bool = False
+    # dspark / dflash: start the draft layer(s) from target layer L (and L+1, ..) with fc reading
+    # tap L-1 (`specjax.drafters.warm_start`); None = random, as DeepSpec
+    init_layer_from_target: int | None = None
     draft_vocab_size: int = 0
     # eagle3: decay of the per-step TTT loss weights (the unroll horizon is block_size)
     ttt_decay: float = 0.8
@@ -287,6 +290,14 @@ class ModelConfig:
         if self.kind == "standalone" and self.init_norm_from_target:
             raise ConfigError("field 'init_norm_from_target' is not supported for kind "
                               "'standalone' (its own LM head is not the target's)")
+        if self.init_layer_from_target is not None:
+            v = self.init_layer_from_target
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"field 'init_layer_from_target' must be a target layer id >= 1 "
+                                  f"or null, got {v!r}")
+            if self.kind not in BLOCK_KINDS:
+                raise ConfigError(f"field 'init_layer_from_target' is only supported for the block "
+                                  f"kinds {BLOCK_KINDS}, got kind {self.kind!r}")
         if self.kind == "standalone" and self.draft_vocab_size:
             raise ConfigError("field 'draft_vocab_size' is not supported for kind 'standalone' "
                               "(its own LM head is already small)")

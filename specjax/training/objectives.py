@@ -180,6 +180,10 @@ def make_objective(mc: ModelConfig, target: Any, tcfg: TargetConfig, *, target_g
             draft_vocab_size=mc.draft_vocab_size, **width)
         drafter = make_block_drafter(target, tcfg, dcfg, rngs=rngs, **kw)
         _maybe_init_norm(mc, drafter.norm, target)
+        if mc.init_layer_from_target is not None:
+            from specjax.drafters.warm_start import copy_layer_from_target
+
+            copy_layer_from_target(drafter, target, mc.init_layer_from_target)
         loss_fn = block_drafter_loss(
             num_anchors=mc.num_anchors, alpha_ce=mc.alpha_ce, alpha_tv=mc.alpha_tv,
             alpha_conf=mc.alpha_conf if mc.confidence_head else 0.0, decay=mc.loss_decay,
