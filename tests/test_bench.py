@@ -418,3 +418,40 @@ def test_layer_init_report_and_refusals(tmp_path):
         assert next(line for line in md.splitlines() if line.startswith("| 0 |")).rstrip(" |").endswith(verdict)
     with pytest.raises(SystemExit, match="dspark-layer.yaml"):
         li.main(["--drafter", str(tmp_path / "absent"), "--out-dir", str(tmp_path)])
+
+
+def test_fit_gap_sets_statistics_and_verdicts(tmp_path):
+    """bench.fit_gap: the trained and held-out prompt files come from the build's work dir (a row
+    without a user turn is left out); per-set τ intervals decide 'overfit', 'domain shift' or 'not
+    fit yet'; a missing work dir names the build command."""
+    import json
+
+    from bench import fit_gap as fg
+
+    work = tmp_path / "work"
+    (work / "sharegpt").mkdir(parents=True)
+    rows = [{"id": "a", "conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"id": "b", "conversations": [{"role": "assistant", "content": "no user"}]}]
+    (work / "regen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (work / "sharegpt" / "heldout.jsonl").write_text(json.dumps({"id": "h", "turns": ["held"]}) + "\n")
+    own, held = fg.write_own_sets(str(work), str(tmp_path / "out"))
+    assert [json.loads(line) for line in open(own)] == [{"turns": ["hi"]}]
+    assert [json.loads(line) for line in open(held)] == [{"turns": ["held"]}]
+    with pytest.raises(SystemExit, match="train.build_embedded --stages prepare regenerate"):
+        fg.write_own_sets(str(tmp_path / "absent"), str(tmp_path / "out"))
+
+    rng = np.random.default_rng(4)
+
+    def results(taus):
+        def entry(tau):
+            hard = rng.uniform(0.8, 1.2, 40)
+            hard /= hard.mean()
+            return {"requests": {f"p{i}": [10, int(round(10 * tau * hard[i]))] for i in range(40)},
+                    "accept_rate": [tau - 1.0]}
+        return {"drafters": {"d": {"datasets": {n: entry(t) for n, t in taus.items()}}}}
+
+    table = {n: 1.3 for n in fg.EVAL_SETS}
+    for own_tau, held_tau, want in ((1.8, 1.3, "overfit"), (1.6, 1.6, "domain shift"), (1.3, 1.31, "not fit yet")):
+        s = fg.set_statistics(results({fg.OWN: own_tau, fg.HELDOUT: held_tau, **table}), "d", replicates=300)
+        assert s[fg.OWN]["tau"]["value"] == pytest.approx(own_tau, abs=0.03)
+        assert fg.verdict(s) == want, (own_tau, held_tau)
