@@ -17,12 +17,13 @@ section. Writes layer_init.json, .md and .png to `--out-dir`.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from typing import Any
 
 from bench.common import command_line, log, machine_info, md_table, write_results
-from bench.gamma_gain import add_comparison_arguments, evaluate_kept, fmt_ci, plot_intervals
-from bench.norm_init import SHIPPED, comparison, start_section
+from bench.gamma_gain import add_comparison_arguments
+from bench.norm_init import SHIPPED, compare_starts, plot_starts, start_section
 
 BASELINE_BUILD = "python -m train.build_embedded --stages train --drafters dspark --out-dir runs/embedded/out"
 BUILD = ("python -m train.build_embedded --stages prepare regenerate cache vocab train --drafters dspark-layer "
@@ -96,28 +97,12 @@ def main(argv: list[str] | None = None) -> None:
                          "out when either is missing")
     add_comparison_arguments(ap, os.path.join("runs", "layer_init"))
     args = ap.parse_args(argv)
-    new = os.path.basename(os.path.normpath(args.drafter))
-    if not os.path.isfile(os.path.join(args.drafter, "config.json")):
-        raise SystemExit(f"--drafter: no drafter at {args.drafter}; build it (configs/embedded/"
-                         f"dspark-layer.yaml) with `{BUILD}`")
-    if new == SHIPPED:
-        raise SystemExit(f"--drafter: its directory name must differ from {SHIPPED!r} (results are keyed by it)")
-    stats: dict[str, Any] = {}
-    for temp in args.temperatures:
-        res = evaluate_kept([SHIPPED, args.drafter], temp, args.cap, args.max_tokens,
-                            os.path.join(args.eval_dir, f"eval_T{temp:g}"))
-        stats[f"{temp:g}"] = comparison(res, new, replicates=args.replicates)
-        log(f"T={temp:g}: ratio {fmt_ci(stats[f'{temp:g}']['ratio'])}")
+    new, stats = compare_starts(args, f"configs/embedded/dspark-layer.yaml) with `{BUILD}`")
     curves = training_curves(args.train_logs, (SHIPPED, new))
     md = report(stats, new, args, argv, curves)
-
-    def plot(path: str) -> None:
-        groups = {f"T = {t}": {n: s["tau"][n] for n in (SHIPPED, new)} for t, s in stats.items()}
-        plot_intervals(path, groups, ylabel="τ (95% interval over prompts)",
-                       title="DSpark: draft layer at random (shipped) vs from target layer 28")
-
     result = {"command": command_line("bench.layer_init", argv), "drafter": args.drafter, "cap": args.cap,
               "max_tokens": args.max_tokens, "statistics": stats, "training_curves": curves, "machine": machine_info()}
+    plot = functools.partial(plot_starts, stats=stats, new=new, title="DSpark: draft layer at random (shipped) vs from target layer 28")
     for p in write_results("layer_init", result, md, out_dir=args.out_dir, plot=plot):
         log(f"wrote {p}")
 

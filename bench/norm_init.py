@@ -19,6 +19,7 @@ Writes norm_init.json, .md and .png to `--out-dir`.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from typing import Any
 
@@ -103,16 +104,13 @@ def report(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace,
                 f"{n} {v['mean']:.2f} ({v['min']:.2f} to {v['max']:.2f})" for n, v in norms.items()) + ".", ""]))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafter", default=os.path.join("runs", "embedded", "exports", "dspark-norm"),
-                    help="the DSpark trained with init_norm_from_target (a directory or a link to one)")
-    add_comparison_arguments(ap, os.path.join("runs", "norm_init"))
-    args = ap.parse_args(argv)
+def compare_starts(args: argparse.Namespace, build_hint: str) -> tuple[str, dict[str, Any]]:
+    """Check `args.drafter` (it must exist, `build_hint` says how to build it, and its name must
+    differ from the shipped one) and compare it with the shipped DSpark at each temperature.
+    Returns (its name, {temperature: `comparison`})."""
     new = os.path.basename(os.path.normpath(args.drafter))
     if not os.path.isfile(os.path.join(args.drafter, "config.json")):
-        raise SystemExit(f"--drafter: no drafter at {args.drafter}; build it (configs/embedded/"
-                         f"dspark-norm.yaml, init_norm_from_target: true) with `{BUILD}`")
+        raise SystemExit(f"--drafter: no drafter at {args.drafter}; build it ({build_hint})")
     if new == SHIPPED:
         raise SystemExit(f"--drafter: its directory name must differ from {SHIPPED!r} (results are keyed by it)")
     stats: dict[str, Any] = {}
@@ -121,19 +119,31 @@ def main(argv: list[str] | None = None) -> None:
                             os.path.join(args.eval_dir, f"eval_T{temp:g}"))
         stats[f"{temp:g}"] = comparison(res, new, replicates=args.replicates)
         log(f"T={temp:g}: ratio {fmt_ci(stats[f'{temp:g}']['ratio'])}")
+    return new, stats
+
+
+def plot_starts(path: str, stats: dict[str, Any], new: str, title: str) -> None:
+    """Both drafters' τ intervals, one cluster per temperature."""
+    groups = {f"T = {t}": {n: s["tau"][n] for n in (SHIPPED, new)} for t, s in stats.items()}
+    plot_intervals(path, groups, ylabel="τ (95% interval over prompts)", title=title)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafter", default=os.path.join("runs", "embedded", "exports", "dspark-norm"),
+                    help="the DSpark trained with init_norm_from_target (a directory or a link to one)")
+    add_comparison_arguments(ap, os.path.join("runs", "norm_init"))
+    args = ap.parse_args(argv)
+    new, stats = compare_starts(args, f"configs/embedded/dspark-norm.yaml, init_norm_from_target: true) "
+                                      f"with `{BUILD}`")
     from specjax import default_target
 
     norms = {SHIPPED: final_norm_weight(default_target.drafter_dir(SHIPPED)),
              new: final_norm_weight(args.drafter)}
     md = report(stats, new, args, argv, norms)
-
-    def plot(path: str) -> None:
-        groups = {f"T = {t}": {n: s["tau"][n] for n in (SHIPPED, new)} for t, s in stats.items()}
-        plot_intervals(path, groups, ylabel="τ (95% interval over prompts)",
-                       title="DSpark: final norm at one (shipped) vs from the target")
-
     result = {"command": command_line("bench.norm_init", argv), "drafter": args.drafter, "cap": args.cap,
               "max_tokens": args.max_tokens, "statistics": stats, "final_norm_weight": norms, "machine": machine_info()}
+    plot = functools.partial(plot_starts, stats=stats, new=new, title="DSpark: final norm at one (shipped) vs from the target")
     for p in write_results("norm_init", result, md, out_dir=args.out_dir, plot=plot):
         log(f"wrote {p}")
 
