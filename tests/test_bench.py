@@ -357,6 +357,18 @@ def test_gamma_gain_intervals_and_report(tmp_path):
         gg.main(["--g15-dir", str(tmp_path), "--out-dir", str(tmp_path)])
 
 
+def _start_results(new: str, tau_new: float, *, seed: int) -> dict:
+    """A two-drafter evaluation result: the shipped "dspark" at τ 1.30 and `new` at `tau_new` on
+    the same 40 prompts of varied difficulty."""
+    hard = np.random.default_rng(seed).uniform(0.5, 1.5, 40)
+
+    def entry(tau):
+        req = {f"p{i}": [10, int(round(10 * tau * hard[i]))] for i in range(40)}
+        return {"datasets": {"all": {"requests": req}}, "overall": {"accept_rate": [tau - 1.0]},
+                "macro": tau}
+    return {"drafters": {"dspark": entry(1.30), new: entry(tau_new)}}
+
+
 def test_norm_init_comparison_and_report(tmp_path):
     """bench.norm_init: a drafter 10% better on every prompt is shown better; the same drafter
     under two names is not; a missing drafter names its build, a clashing name is refused."""
@@ -364,15 +376,8 @@ def test_norm_init_comparison_and_report(tmp_path):
 
     from bench import norm_init as ni
 
-    rng = np.random.default_rng(2)
-    hard = rng.uniform(0.5, 1.5, 40)
-
     def results(tau_new):
-        def entry(tau):
-            req = {f"p{i}": [10, int(round(10 * tau * hard[i]))] for i in range(40)}
-            return {"datasets": {"all": {"requests": req}}, "overall": {"accept_rate": [tau - 1.0]},
-                    "macro": tau}
-        return {"drafters": {"dspark": entry(1.30), "dspark-norm": entry(tau_new)}}
+        return _start_results("dspark-norm", tau_new, seed=2)
 
     args = argparse.Namespace(cap=8, max_tokens=64, eval_dir="runs/norm_init", replicates=500)
     better = ni.comparison(results(1.43), "dspark-norm", replicates=500)
@@ -401,14 +406,8 @@ def test_layer_init_report_and_refusals(tmp_path):
     from bench import layer_init as li
     from bench import norm_init as ni
 
-    hard = np.random.default_rng(3).uniform(0.5, 1.5, 40)
-
     def results(tau_new):
-        def entry(tau):
-            req = {f"p{i}": [10, int(round(10 * tau * hard[i]))] for i in range(40)}
-            return {"datasets": {"all": {"requests": req}}, "overall": {"accept_rate": [tau - 1.0]},
-                    "macro": tau}
-        return {"drafters": {"dspark": entry(1.30), "dspark-layer": entry(tau_new)}}
+        return _start_results("dspark-layer", tau_new, seed=3)
 
     args = argparse.Namespace(cap=8, max_tokens=64, eval_dir="runs/layer_init", replicates=500)
     for tau, verdict in ((1.17, "worse"), (1.43, "yes")):
