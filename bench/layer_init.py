@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.common import command_line, log, machine_info, md_table, write_results
 from bench.gamma_gain import add_comparison_arguments
-from bench.norm_init import SHIPPED, compare_starts, plot_starts, start_section
+from bench.norm_init import SHIPPED, compare_with_shipped, plot_with_shipped, shipped_comparison_section
 
 BASELINE_BUILD = "python -m train.build_embedded --stages train --drafters dspark --out-dir runs/embedded/out"
 BUILD = ("python -m train.build_embedded --stages prepare regenerate cache vocab train --drafters dspark-layer "
@@ -74,8 +74,8 @@ def curves_lines(curves: dict[str, Any] | None, names: tuple[str, str]) -> list[
 
 def report(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace,
            argv: list[str] | None, curves: dict[str, Any] | None = None) -> str:
-    """This experiment's section (`bench.norm_init.start_section`), with the training-log table."""
-    return start_section(
+    """This experiment's section (`bench.norm_init.shipped_comparison_section`), with the training-log table."""
+    return shipped_comparison_section(
         stats, new, args,
         title="DSpark with its draft layer started from a target layer (an experiment, not shipped)",
         command=command_line("bench.layer_init", argv),
@@ -97,12 +97,12 @@ def main(argv: list[str] | None = None) -> None:
                          "out when either is missing")
     add_comparison_arguments(ap, os.path.join("runs", "layer_init"))
     args = ap.parse_args(argv)
-    new, stats = compare_starts(args, f"configs/embedded/dspark-layer.yaml) with `{BUILD}`")
+    new, stats = compare_with_shipped(args, f"configs/embedded/dspark-layer.yaml) with `{BUILD}`")
     curves = training_curves(args.train_logs, (SHIPPED, new))
     md = report(stats, new, args, argv, curves)
     result = {"command": command_line("bench.layer_init", argv), "drafter": args.drafter, "cap": args.cap,
               "max_tokens": args.max_tokens, "statistics": stats, "training_curves": curves, "machine": machine_info()}
-    plot = functools.partial(plot_starts, stats=stats, new=new, title="DSpark: draft layer at random (shipped) vs from target layer 28")
+    plot = functools.partial(plot_with_shipped, stats=stats, new=new, title="DSpark: draft layer at random (shipped) vs from target layer 28")
     for p in write_results("layer_init", result, md, out_dir=args.out_dir, plot=plot):
         log(f"wrote {p}")
 

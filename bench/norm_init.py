@@ -60,11 +60,11 @@ def comparison(results: dict[str, Any], new: str, *, replicates: int = 4000) -> 
             "macro": {n: results["drafters"][n]["macro"] for n in names}}
 
 
-def start_section(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace, *, title: str,
-                  command: str, drafter_text: str, shipped_label: str, new_label: str,
-                  extra: list[str] | None = None) -> str:
-    """A drafter-start experiment's Markdown section: per temperature both τ, the ratio with its
-    interval, and whether the interval shows the new start better (its lower end above 1), not
+def shipped_comparison_section(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace, *,
+                               title: str, command: str, drafter_text: str, shipped_label: str,
+                               new_label: str, extra: list[str] | None = None) -> str:
+    """The Markdown section of an experiment against the shipped DSpark: per temperature both τ,
+    the ratio with its interval, and whether the interval shows the variant better (its lower end above 1), not
     (it holds 1) or worse (its upper end below 1)."""
     rows = [[t, fmt_ci(s["tau"][SHIPPED]), fmt_ci(s["tau"][new]), fmt_ci(s["ratio"]),
              f"{s['first_token_accept'][SHIPPED]:.3f} / {s['first_token_accept'][new]:.3f}",
@@ -92,8 +92,8 @@ def start_section(stats: dict[str, dict[str, Any]], new: str, args: argparse.Nam
 
 def report(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace,
            argv: list[str] | None, norms: dict[str, dict[str, float]] | None = None) -> str:
-    """This experiment's section (`start_section`), with the trained final norm weights."""
-    return start_section(
+    """This experiment's section (`shipped_comparison_section`), with the trained final norm weights."""
+    return shipped_comparison_section(
         stats, new, args, title="DSpark with its final norm started at the target's (an experiment, not shipped)",
         command=command_line("bench.norm_init", argv),
         drafter_text=f"Drafter: `{BUILD}`. Everything but the start of the final norm (and so the data, 384 "
@@ -104,7 +104,7 @@ def report(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace,
                 f"{n} {v['mean']:.2f} ({v['min']:.2f} to {v['max']:.2f})" for n, v in norms.items()) + ".", ""]))
 
 
-def compare_starts(args: argparse.Namespace, build_hint: str) -> tuple[str, dict[str, Any]]:
+def compare_with_shipped(args: argparse.Namespace, build_hint: str) -> tuple[str, dict[str, Any]]:
     """Check `args.drafter` (it must exist, `build_hint` says how to build it, and its name must
     differ from the shipped one) and compare it with the shipped DSpark at each temperature.
     Returns (its name, {temperature: `comparison`})."""
@@ -122,7 +122,7 @@ def compare_starts(args: argparse.Namespace, build_hint: str) -> tuple[str, dict
     return new, stats
 
 
-def plot_starts(path: str, stats: dict[str, Any], new: str, title: str) -> None:
+def plot_with_shipped(path: str, stats: dict[str, Any], new: str, title: str) -> None:
     """Both drafters' τ intervals, one cluster per temperature."""
     groups = {f"T = {t}": {n: s["tau"][n] for n in (SHIPPED, new)} for t, s in stats.items()}
     plot_intervals(path, groups, ylabel="τ (95% interval over prompts)", title=title)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the DSpark trained with init_norm_from_target (a directory or a link to one)")
     add_comparison_arguments(ap, os.path.join("runs", "norm_init"))
     args = ap.parse_args(argv)
-    new, stats = compare_starts(args, f"configs/embedded/dspark-norm.yaml, init_norm_from_target: true) "
+    new, stats = compare_with_shipped(args, f"configs/embedded/dspark-norm.yaml, init_norm_from_target: true) "
                                       f"with `{BUILD}`")
     from specjax import default_target
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     md = report(stats, new, args, argv, norms)
     result = {"command": command_line("bench.norm_init", argv), "drafter": args.drafter, "cap": args.cap,
               "max_tokens": args.max_tokens, "statistics": stats, "final_norm_weight": norms, "machine": machine_info()}
-    plot = functools.partial(plot_starts, stats=stats, new=new, title="DSpark: final norm at one (shipped) vs from the target")
+    plot = functools.partial(plot_with_shipped, stats=stats, new=new, title="DSpark: final norm at one (shipped) vs from the target")
     for p in write_results("norm_init", result, md, out_dir=args.out_dir, plot=plot):
         log(f"wrote {p}")
 

@@ -454,3 +454,21 @@ def test_fit_gap_sets_statistics_and_verdicts(tmp_path):
         s = fg.set_statistics(results({fg.OWN: own_tau, fg.HELDOUT: held_tau, **table}), "d", replicates=300)
         assert s[fg.OWN]["tau"]["value"] == pytest.approx(own_tau, abs=0.03)
         assert fg.verdict(s) == want, (own_tau, held_tau)
+
+
+def test_steps_gain_report_and_refusals(tmp_path):
+    """bench.steps_gain: a drafter 10% better is shown better, the same τ is not; a missing
+    drafter names its config and build."""
+    import argparse
+
+    from bench import norm_init as ni
+    from bench import steps_gain as sg
+
+    args = argparse.Namespace(cap=8, max_tokens=64, eval_dir="runs/steps_gain", replicates=500)
+    for tau, verdict in ((1.43, "yes"), (1.30, "no")):
+        md = sg.report({"0": ni.comparison(_start_results("dspark-long", tau, seed=5), "dspark-long",
+                                           replicates=500)}, "dspark-long", args, [])
+        assert "Command: `python -m bench.steps_gain`" in md and "1440 steps" in md
+        assert next(line for line in md.splitlines() if line.startswith("| 0 |")).rstrip(" |").endswith(verdict)
+    with pytest.raises(SystemExit, match="dspark-long.yaml"):
+        sg.main(["--drafter", str(tmp_path / "absent"), "--out-dir", str(tmp_path)])
