@@ -120,7 +120,7 @@ def kept_evaluation(args: argparse.Namespace) -> dict[str, Any] | None:
         done = json.load(f)
     p, sets = done["protocol"], done["datasets"]
     want = {OWN: args.own, HELDOUT: args.own, **{n: args.cap for n in EVAL_SETS}}
-    if (sorted(done["drafters"]) == sorted(args.drafters) and p["temperature"] == args.temperature
+    if (sorted(done["drafters"]) == sorted(os.path.basename(os.path.normpath(d)) for d in args.drafters) and p["temperature"] == args.temperature
             and p["max_new_tokens"] == args.max_tokens and set(sets) == set(want)
             and all(sets[n]["evaluated"] == min(want[n], sets[n]["rows"]) for n in want)):
         log(f"reusing {path}")
@@ -131,7 +131,7 @@ def kept_evaluation(args: argparse.Namespace) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work-dir", default=os.path.join("runs", "embedded"), help="the embedded build's work dir")
-    ap.add_argument("--drafters", nargs="+", default=["dspark", "mtp1"], help="shipped drafter names")
+    ap.add_argument("--drafters", nargs="+", default=["dspark", "mtp1"], help="shipped drafter names or drafter directories")
     ap.add_argument("--own", type=int, default=40, help="trained and held-out prompts evaluated")
     ap.add_argument("--cap", type=int, default=8, help="prompts per Table-1 set")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         res = run_evaluation(None, args.drafters, [own, held, *_eval_paths()], args.eval_dir, cap=args.cap,
                              caps={OWN: args.own, HELDOUT: args.own}, max_num_seqs=8, progress=False,
                              settings=EvalSettings(temperature=args.temperature, max_new_tokens=args.max_tokens))
-    stats = {d: set_statistics(res, d, replicates=args.replicates) for d in args.drafters}
+    names = [os.path.basename(os.path.normpath(d)) for d in args.drafters]
+    stats = {d: set_statistics(res, d, replicates=args.replicates) for d in names}
     for d, s in stats.items():
         log(f"{d}: " + ", ".join(f"{n} {v['tau']['value']:.3f}" for n, v in s.items()) + f" -> {verdict(s)}")
     md = report(stats, args, argv)
