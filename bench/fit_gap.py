@@ -96,7 +96,7 @@ def report(stats: dict[str, dict[str, Any]], args: argparse.Namespace, argv: lis
         "",
         f"One evaluation at T={args.temperature:g} (Table 1's protocol: fixed verification at each drafter's "
         f"gamma, {args.max_tokens} new tokens, per-prompt seeds) on {args.own} prompts whose regenerated "
-        f"answers the shipped drafters were trained on (`{args.work_dir}/regen.jsonl`; the answers were "
+        f"answers the drafters were trained on (`{args.work_dir}/regen.jsonl`; the answers were "
         f"sampled at T=0.2, so greedy continuations may differ from them), {args.own} prompts of the "
         f"build's held-out ShareGPT split and {args.cap} of each Table-1 set. Each cell: τ [95% interval, "
         f"bootstrap over that set's prompts] (first draft token's acceptance). Verdict: 'overfit' when "
