@@ -6,9 +6,9 @@
 The shipped drafters start their draft layer at random (DeepSpec's start) and 480 steps at batch 8
 leave them underfit. `--drafter` is the same DSpark config with `model.init_layer_from_target: 28`
 and `init_norm_from_target: true` (configs/embedded/dspark-layer.yaml, `specjax.drafters.warm_start`)
-trained on the shipped build's data and budget by the command in BUILD. Both drafters are evaluated
+trained on the shipped build's data and budget by `VARIANT.build`. Both drafters are evaluated
 at each temperature in one `run_evaluation` on the same prompts (Table 1's protocol), and a paired
-bootstrap over prompts gives 95% intervals of each τ and of their ratio (`bench.norm_init.comparison`).
+bootstrap over prompts gives 95% intervals of each τ and of their ratio (`bench.vs_shipped`).
 
 Evaluations are kept in `--eval-dir` and reused when rerun with the same settings. Not part of
 `make bench` (the drafter is not shipped); `python -m bench.run_all --section layer_init` adds its
@@ -17,17 +17,23 @@ section. Writes layer_init.json, .md and .png to `--out-dir`.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
-from typing import Any
+from typing import Any, Sequence
 
-from bench.common import command_line, log, machine_info, md_table, write_results
-from bench.gamma_gain import add_comparison_arguments
-from bench.norm_init import SHIPPED, compare_with_shipped, plot_with_shipped, shipped_comparison_section
+from bench.common import md_table
+from bench.vs_shipped import SHIPPED, Variant
 
 BASELINE_BUILD = "python -m train.build_embedded --stages train --drafters dspark --out-dir runs/embedded/out"
-BUILD = ("python -m train.build_embedded --stages prepare regenerate cache vocab train --drafters dspark-layer "
-         "--out-dir runs/embedded/out")  # configs/embedded/dspark-layer.yaml, the shipped build's work dir
+VARIANT = Variant(
+    name="layer_init", drafter="dspark-layer", change="init_layer_from_target: 28",
+    title="DSpark with its draft layer started from a target layer (an experiment, not shipped)",
+    drafter_text="Its draft layer starts as SmolLM2's layer 28 (attention and norms copied, the 512 of 1536 "
+                 "MLP channels with the largest weights), `fc` reads tap 27 (layer 28's input) through an "
+                 "identity block, so its first context keys/values are layer 28's, and its final norm starts "
+                 "at the target's. Everything else (the data, 384 regenerated answers, the seed, 480 steps at "
+                 "lr 1e-3) is the shipped DSpark's.",
+    shipped_label="random start", new_label="from layer 28",
+    plot_title="DSpark: draft layer at random (shipped) vs from target layer 28")
 
 
 WINDOWS = ((1, 10), (11, 100), (101, 240), (241, 400), (401, 480))  # optimizer steps, inclusive
@@ -73,38 +79,22 @@ def curves_lines(curves: dict[str, Any] | None, names: tuple[str, str]) -> list[
 
 
 def report(stats: dict[str, dict[str, Any]], new: str, args: argparse.Namespace,
-           argv: list[str] | None, curves: dict[str, Any] | None = None) -> str:
-    """This experiment's section (`bench.norm_init.shipped_comparison_section`), with the training-log table."""
-    return shipped_comparison_section(
-        stats, new, args,
-        title="DSpark with its draft layer started from a target layer (an experiment, not shipped)",
-        command=command_line("bench.layer_init", argv),
-        drafter_text=f"Drafter: `{BUILD}`. Its draft layer starts as SmolLM2's layer 28 (attention and norms "
-                     "copied, the 512 of 1536 MLP channels with the largest weights), `fc` reads tap 27 (layer "
-                     "28's input) through an identity block, so its first context keys/values are layer 28's, "
-                     "and its final norm starts at the target's. Everything else (the data, 384 regenerated "
-                     "answers, the seed, 480 steps at lr 1e-3) is the shipped DSpark's.",
-        shipped_label="random start", new_label="from layer 28",
-        extra=curves_lines(curves, (SHIPPED, new)))
+           argv: Sequence[str] | None, curves: dict[str, Any] | None = None) -> str:
+    """This experiment's section, with the training-log table."""
+    return VARIANT.report(stats, new, args, argv, curves_lines(curves, (SHIPPED, new)))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafter", default=os.path.join("runs", "embedded", "exports", "dspark-layer"),
-                    help="the DSpark trained with init_layer_from_target (a directory or a link to one)")
-    ap.add_argument("--train-logs", default=os.path.join("runs", "embedded", "train"),
-                    help="where both runs' training logs are (<dir>/<name>/logs); their table is left "
-                         "out when either is missing")
-    add_comparison_arguments(ap, os.path.join("runs", "layer_init"))
-    args = ap.parse_args(argv)
-    new, stats = compare_with_shipped(args, f"configs/embedded/dspark-layer.yaml) with `{BUILD}`")
-    curves = training_curves(args.train_logs, (SHIPPED, new))
-    md = report(stats, new, args, argv, curves)
-    result = {"command": command_line("bench.layer_init", argv), "drafter": args.drafter, "cap": args.cap,
-              "max_tokens": args.max_tokens, "statistics": stats, "training_curves": curves, "machine": machine_info()}
-    plot = functools.partial(plot_with_shipped, stats=stats, new=new, title="DSpark: draft layer at random (shipped) vs from target layer 28")
-    for p in write_results("layer_init", result, md, out_dir=args.out_dir, plot=plot):
-        log(f"wrote {p}")
+def main(argv: Sequence[str] | None = None) -> None:
+    def add_arguments(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--train-logs", default=os.path.join("runs", "embedded", "train"),
+                        help="where both runs' training logs are (<dir>/<name>/logs); their table is left "
+                             "out when either is missing")
+
+    def measure(args: argparse.Namespace, new: str) -> tuple[dict[str, Any], list[str]]:
+        curves = training_curves(args.train_logs, (SHIPPED, new))
+        return {"training_curves": curves}, curves_lines(curves, (SHIPPED, new))
+
+    VARIANT.main(argv, doc=__doc__, add_arguments=add_arguments, measure=measure)
 
 
 if __name__ == "__main__":

@@ -375,17 +375,18 @@ def test_norm_init_comparison_and_report(tmp_path):
     import argparse
 
     from bench import norm_init as ni
+    from bench import vs_shipped as vs
 
     def results(tau_new):
         return _start_results("dspark-norm", tau_new, seed=2)
 
     args = argparse.Namespace(cap=8, max_tokens=64, eval_dir="runs/norm_init", replicates=500)
-    better = ni.comparison(results(1.43), "dspark-norm", replicates=500)
+    better = vs.comparison(results(1.43), "dspark-norm", replicates=500)
     assert better["ratio"]["value"] == pytest.approx(1.1, abs=0.02) and better["ratio"]["lo"] > 1
     md = ni.report({"0": better}, "dspark-norm", args, [])
     assert md.startswith("# ") and "Command: `python -m bench.norm_init`" in md
     assert next(line for line in md.splitlines() if line.startswith("| 0 |")).rstrip(" |").endswith("yes")
-    same = ni.comparison(results(1.30), "dspark-norm", replicates=500)
+    same = vs.comparison(results(1.30), "dspark-norm", replicates=500)
     assert same["ratio"]["value"] == pytest.approx(1.0, abs=1e-12)
     assert "| no" in ni.report({"0": same}, "dspark-norm", args, [])
     norms = {"dspark": {"mean": 0.98, "min": 0.93, "max": 1.11}, "dspark-norm": {"mean": 1.77, "min": -2.1, "max": 3.3}}
@@ -404,14 +405,14 @@ def test_layer_init_report_and_refusals(tmp_path):
     import argparse
 
     from bench import layer_init as li
-    from bench import norm_init as ni
+    from bench import vs_shipped as vs
 
     def results(tau_new):
         return _start_results("dspark-layer", tau_new, seed=3)
 
     args = argparse.Namespace(cap=8, max_tokens=64, eval_dir="runs/layer_init", replicates=500)
     for tau, verdict in ((1.17, "worse"), (1.43, "yes")):
-        md = li.report({"0": ni.comparison(results(tau), "dspark-layer", replicates=500)},
+        md = li.report({"0": vs.comparison(results(tau), "dspark-layer", replicates=500)},
                        "dspark-layer", args, [])
         assert "Command: `python -m bench.layer_init`" in md and "from layer 28" in md
         assert next(line for line in md.splitlines() if line.startswith("| 0 |")).rstrip(" |").endswith(verdict)
@@ -456,19 +457,29 @@ def test_fit_gap_sets_statistics_and_verdicts(tmp_path):
         assert fg.verdict(s) == want, (own_tau, held_tau)
 
 
-def test_steps_gain_report_and_refusals(tmp_path):
-    """bench.steps_gain: a drafter 10% better is shown better, the same τ is not; a missing
-    drafter names its config and build."""
+@pytest.mark.parametrize("module, label", [("steps_gain", "1440 steps"), ("lr_gain", "lr 3e-3")])
+def test_variant_experiment_report_and_refusals(tmp_path, module, label):
+    """bench.steps_gain / bench.lr_gain (`bench.vs_shipped.Variant`): a drafter 10% better is shown
+    better, the same τ is not, 10% worse is shown worse; a missing drafter names its config and
+    build, and the shipped name is refused."""
     import argparse
+    import importlib
 
-    from bench import norm_init as ni
-    from bench import steps_gain as sg
+    from bench import vs_shipped as vs
 
-    args = argparse.Namespace(cap=8, max_tokens=64, eval_dir="runs/steps_gain", replicates=500)
-    for tau, verdict in ((1.43, "yes"), (1.30, "no")):
-        md = sg.report({"0": ni.comparison(_start_results("dspark-long", tau, seed=5), "dspark-long",
-                                           replicates=500)}, "dspark-long", args, [])
-        assert "Command: `python -m bench.steps_gain`" in md and "1440 steps" in md
+    exp = importlib.import_module(f"bench.{module}")
+    name = exp.VARIANT.drafter
+    args = argparse.Namespace(cap=8, max_tokens=64, eval_dir=f"runs/{module}", replicates=500)
+    for tau, verdict in ((1.43, "yes"), (1.30, "no"), (1.17, "worse")):
+        md = exp.report({"0": vs.comparison(_start_results(name, tau, seed=5), name, replicates=500)},
+                        name, args, [])
+        assert f"Command: `python -m bench.{module}`" in md and label in md
+        assert f"--drafters {name} --out-dir runs/embedded/out" in md
         assert next(line for line in md.splitlines() if line.startswith("| 0 |")).rstrip(" |").endswith(verdict)
-    with pytest.raises(SystemExit, match="dspark-long.yaml"):
-        sg.main(["--drafter", str(tmp_path / "absent"), "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match=f"{name}.yaml"):
+        exp.main(["--drafter", str(tmp_path / "absent"), "--out-dir", str(tmp_path)])
+    (tmp_path / "dspark").mkdir()
+    (tmp_path / "dspark" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="must differ"):
+        exp.main(["--drafter", str(tmp_path / "dspark"), "--out-dir", str(tmp_path)])
+    assert os.path.isfile(os.path.join("configs", "embedded", f"{name}.yaml"))
