@@ -457,9 +457,10 @@ def test_fit_gap_sets_statistics_and_verdicts(tmp_path):
         assert fg.verdict(s) == want, (own_tau, held_tau)
 
 
-@pytest.mark.parametrize("module, label", [("steps_gain", "1440 steps"), ("lr_gain", "lr 3e-3")])
+@pytest.mark.parametrize("module, label", [("steps_gain", "1440 steps"), ("lr_gain", "lr 3e-3"),
+                                           ("decay_gain", "decay 1")])
 def test_variant_experiment_report_and_refusals(tmp_path, module, label):
-    """bench.steps_gain / bench.lr_gain (`bench.vs_shipped.Variant`): a drafter 10% better is shown
+    """bench.steps_gain / lr_gain / decay_gain (`bench.vs_shipped.Variant`): a drafter 10% better is shown
     better, the same τ is not, 10% worse is shown worse; a missing drafter names its config and
     build, and the shipped name is refused."""
     import argparse
