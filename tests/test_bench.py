@@ -458,9 +458,9 @@ def test_fit_gap_sets_statistics_and_verdicts(tmp_path):
 
 
 @pytest.mark.parametrize("module, label", [("steps_gain", "1440 steps"), ("lr_gain", "lr 3e-3"),
-                                           ("decay_gain", "decay 1")])
+                                           ("decay_gain", "decay 1"), ("rank_gain", "rank 256")])
 def test_variant_experiment_report_and_refusals(tmp_path, module, label):
-    """bench.steps_gain / lr_gain / decay_gain (`bench.vs_shipped.Variant`): a drafter 10% better is shown
+    """bench.steps_gain / lr_gain / decay_gain / rank_gain (`bench.vs_shipped.Variant`): a drafter 10% better is shown
     better, the same τ is not, 10% worse is shown worse; a missing drafter names its config and
     build, and the shipped name is refused."""
     import argparse
@@ -484,3 +484,27 @@ def test_variant_experiment_report_and_refusals(tmp_path, module, label):
     with pytest.raises(SystemExit, match="must differ"):
         exp.main(["--drafter", str(tmp_path / "dspark"), "--out-dir", str(tmp_path)])
     assert os.path.isfile(os.path.join("configs", "embedded", f"{name}.yaml"))
+
+
+def test_rank_gain_adds_acceptance_by_position_from_the_kept_evaluations(tmp_path):
+    """bench.rank_gain's section: P(n >= k) per drafter and temperature, read from each kept
+    evaluation's results.json (a missing evaluation is an error naming the file)."""
+    import argparse
+    import json
+
+    from bench import rank_gain as rg
+
+    for temp, base in ((0.0, 0.2), (1.0, 0.1)):
+        d = tmp_path / f"eval_T{temp:g}"
+        d.mkdir()
+        drafters = {n: {"overall": {"accept_rate": [base + off, (base + off) / 4, 0.001, 0.0]}}
+                    for n, off in (("dspark", 0.0), ("dspark-r256", 0.05))}
+        (d / "results.json").write_text(json.dumps({"drafters": drafters}))
+    args = argparse.Namespace(eval_dir=str(tmp_path), temperatures=[0.0, 1.0])
+    fields, lines = rg.by_position(args, "dspark-r256")
+    assert fields["accept_by_position"]["0"]["dspark-r256"] == pytest.approx([0.25, 0.0625, 0.001])
+    text = "\n".join(lines)
+    assert "| dspark (rank 32) | 0.200 / 0.050 / 0.001 | 0.100 / 0.025 / 0.001 |" in text
+    assert "| dspark-r256 (rank 256) | 0.250 / 0.062 / 0.001 |" in text
+    with pytest.raises(FileNotFoundError, match="eval_T0.5"):
+        rg.by_position(argparse.Namespace(eval_dir=str(tmp_path), temperatures=[0.5]), "dspark-r256")
