@@ -333,7 +333,8 @@ def plot(res: dict[str, Any], path: str) -> None:
     ax.barh(range(len(names)), vals, color=colors)
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("token t+2 named (count models, grey) / first draft token accepted (drafters, blue)")
+    ax.set_xlabel("share of positions: token t+2 named (count models, grey)\n"
+                  "or first draft token accepted (drafters, blue)")
     ax.set_title("SmolLM2-135M greedy answers: count models vs trained drafters", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
