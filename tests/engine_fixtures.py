@@ -140,3 +140,21 @@ def small_engine(model, drafter=None, *, slots: int = 4, max_len: int = 64, poli
     eng = Engine(model, drafter, cfg, mesh=mesh, progress=False, **kw)
     eng.warmup()
     return eng
+
+
+def drafter_pvalue(model, drafter, prompt: list[int], exact: dict[tuple[int, ...], float], *,
+                   temperature: float, n_samples: int = 12000, seed0: int = 0) -> float:
+    """Chi-square p-value of the engine's first three tokens with `drafter` at fixed gamma against
+    `exact` (the target's enumerated distribution at `temperature`), after checking that full blocks
+    were verified. The engine has one tokens bucket, gamma + 1: every round runs at full width (a
+    round that verifies fewer drafts is padded), so one round program compiles instead of three
+    (mixed widths are the subject of test_engine_lossless)."""
+    g = drafter.gamma
+    eng = small_engine(model, drafter, slots=256, max_len=16, prefill=8, gamma=g, tokens_buckets=(g + 1,),
+                       prefill_batch=256)
+    ells = []
+    eng.on_round = lambda info: ells.extend(info["ell"])
+    samples = sample_continuations(eng, prompt, n_samples, 3, temperature=temperature, extra=g, seed0=seed0)
+    assert max(ells) == g, f"no round verified a full block of {g} drafts"
+    return chi_square_pvalue(samples, exact)
+

@@ -21,7 +21,7 @@ from specjax.training import losses
 from specjax.training.config import ModelConfig
 from specjax.training.objectives import make_objective
 
-from engine_fixtures import chi_square_pvalue, exact_continuations, sample_continuations, small_engine, tiny_target
+from engine_fixtures import drafter_pvalue, exact_continuations, tiny_target
 
 V, GAMMA, PROMPT = 8, 3, [1, 5, 2, 1, 5]
 DRAFT_IDS = np.array([1, 2, 4, 5, 6])  # N = 5 of V = 8
@@ -165,11 +165,7 @@ def exact(model):
 
 
 def engine_pvalue(model, drafter) -> float:
-    g = drafter.gamma
-    eng = small_engine(model, drafter, slots=256, max_len=16, prefill=8, gamma=g,
-                       tokens_buckets=tuple(sorted({1, 2, g + 1})), prefill_batch=256)
-    samples = sample_continuations(eng, PROMPT, 12000, 3, temperature=1.0, extra=g)
-    return chi_square_pvalue(samples, exact(model))
+    return drafter_pvalue(model, drafter, PROMPT, exact(model), temperature=1.0)
 
 
 @pytest.mark.parametrize("kind", ["dspark", "eagle3", "mtp1"])

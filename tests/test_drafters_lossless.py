@@ -16,10 +16,10 @@ from specjax.drafters.mtp import MTPConfig, make_mtp_drafter
 from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.standalone import StandaloneDrafter
 
-from engine_fixtures import (BigramDrafter, chi_square_pvalue, exact_continuations, sample_continuations,
-                             small_engine, tiny_target)
+from engine_fixtures import BigramDrafter, drafter_pvalue, exact_continuations, small_engine, tiny_target
 
 V, GAMMA, PROMPT = 8, 3, [1, 5, 2, 1, 5]
+TEMPERATURE = 0.9
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def exact(model):
-    return exact_continuations(model, PROMPT, 3)
+    """The target's distribution of three-token continuations at TEMPERATURE."""
+    return exact_continuations(model, PROMPT, 3, temperature=TEMPERATURE)
 
 
 def make(kind: str, target):
@@ -75,15 +76,8 @@ class MisreportingDrafter(nnx.Module):
 
 
 def engine_pvalue(drafter, model, exact, seed0: int = 0) -> float:
-    """Chi-square p-value of the engine's first three tokens (T = 0.9) with this drafter."""
-    g = drafter.gamma
-    eng = small_engine(model, drafter, slots=256, max_len=16, prefill=8, gamma=g,
-                       tokens_buckets=tuple(sorted({1, 2, g + 1})), prefill_batch=256)
-    ells = []
-    eng.on_round = lambda info: ells.extend(info["ell"])
-    samples = sample_continuations(eng, PROMPT, 12000, 3, temperature=0.9, extra=g, seed0=seed0)
-    assert max(ells) == g  # full blocks were verified
-    return chi_square_pvalue(samples, exact_continuations_cached(model, exact, 0.9))
+    """Chi-square p-value of the engine's first three tokens (T = TEMPERATURE) with this drafter."""
+    return drafter_pvalue(model, drafter, PROMPT, exact, temperature=TEMPERATURE, seed0=seed0)
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dspark-rnn", "dflash", "eagle3", "mtp1", "standalone", "ngram"])
@@ -96,17 +90,6 @@ def test_drafter_misreporting_q_is_caught(model, exact):
     # the bigram test drafter's q is sharp (the random drafters' are nearly uniform), so flattening it matters
     p = engine_pvalue(MisreportingDrafter(BigramDrafter(V, GAMMA, scale=3.0)), model, exact, seed0=10**6)
     assert p < 1e-3, f"a drafter reporting a q it did not sample from passed (p={p:.2e}): the test has no teeth"
-
-
-_EXACT_09 = {}
-
-
-def exact_continuations_cached(model, exact_t1, temperature):
-    if temperature == 1.0:
-        return exact_t1
-    if temperature not in _EXACT_09:
-        _EXACT_09[temperature] = exact_continuations(model, PROMPT, 3, temperature=temperature)
-    return _EXACT_09[temperature]
 
 
 def test_oracle_drafter_accepts_every_greedy_draft(model):
