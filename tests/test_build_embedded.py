@@ -321,3 +321,50 @@ def test_every_embedded_config_loads_and_each_experiment_names_its_bench():
         assert "not shipped" in head, p.name
         benches = re.findall(r"python -m (bench\.\w+)", head)
         assert benches and all(importlib.util.find_spec(b) for b in benches), (p.name, benches)
+
+
+def test_a_text_only_standalone_reads_text_rows_of_original_replies(setup, tmp_path):
+    """A standalone LM trained on text alone (alpha_tv 0) makes prepare write the original replies
+    and trains on the answers plus `text_rows` of them (the regenerated prompts passed over); one
+    with the default loss (control) reads the answers only and needs no replies."""
+    import dataclasses
+
+    from serving_fixtures import write_jsonl
+    from specjax.io import read_jsonl
+    from specjax.training import build as B
+
+    cfgs = tmp_path / "configs"
+    cfgs.mkdir()
+    online = {"mode": "online"}
+    (cfgs / "text.yaml").write_text(yaml.safe_dump({"model": {"kind": "standalone", "alpha_tv": 0.0},
+                                                    "data": online}))
+    (cfgs / "tv.yaml").write_text(yaml.safe_dump({"model": {"kind": "standalone"}, "data": online}))
+    work = tmp_path / "w"
+    (work / "sharegpt").mkdir(parents=True)
+    (work / "sharegpt" / "manifest.json").write_text("{}")
+    conv = lambda i: {"id": f"c{i}", "conversations": [{"role": "user", "content": f"q{i}"},
+                                                       {"role": "assistant", "content": f"a{i}"}]}
+    write_jsonl(work / "regen_prompts.jsonl", [{"id": "c1", "turns": ["q1"]}])
+
+    def build(name):
+        s = B.BuildSettings(target=str(setup["target"]), out_dir=str(tmp_path / "o"), work_dir=str(work),
+                            config_dir=str(cfgs), drafters=(name,), eval_dir=str(setup["eval"]),
+                            scale=dataclasses.replace(B.SCALES["smoke"], text_rows=2))
+        steps = []
+        return B.Build(s, runner=lambda st: steps.append(st) or 0, log=lambda m: None), steps
+
+    tv, steps = build("tv")
+    assert not tv.wants_text and tv.done_prepare()
+    tv.train(tv.plans[0])
+    assert not os.path.exists(tv.s.text_out)
+    assert any(a == f'data.train_jsonl={json.dumps([tv.s.regen_out])}' for a in steps[0].args)
+
+    text, steps = build("text")
+    assert text.plans[0].text_only and text.wants_text and not text.done_prepare()
+    text.prepare()
+    assert "--references" in steps[0].args
+    write_jsonl(work / "sharegpt" / "references.jsonl", [conv(i) for i in range(5)])
+    text.train(text.plans[0])
+    assert [r["id"] for r in read_jsonl(text.s.text_out)] == ["c0", "c2"]  # c1 was regenerated
+    files = json.dumps([text.s.regen_out, text.s.text_out])
+    assert any(a == f"data.train_jsonl={files}" for a in steps[1].args)

@@ -295,3 +295,31 @@ def test_init_norm_from_target_is_refused_for_standalone_and_non_bools():
         _mc("standalone", init_norm_from_target=True)
     with pytest.raises(ConfigError, match="init_norm_from_target"):
         _mc("mtp", init_norm_from_target="yes")
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_standalone_text_only_is_the_cross_entropy_and_never_runs_the_target(chunk):
+    """With alpha_tv 0 the standalone LM's loss is its next-token cross-entropy on the text (and
+    top1 the share of supervised tokens it ranks first), by hand, chunked or not; the target is
+    not needed at all (no graph, no parameters), while the default alpha_tv needs it (control)."""
+    target = CausalLM(TCFG, rngs=nnx.Rngs(5))
+    gd, aux = nnx.split(target)
+    b = _small_batch()
+    ids, lm = np.asarray(b["input_ids"]), np.asarray(b["loss_mask"])
+    obj = make_objective(_mc("standalone", alpha_ce=1.0, alpha_tv=0.0, chunk_anchors=chunk), target, TCFG,
+                         target_graphdef=None, feature_dtype=jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(S_SMALL), ids.shape)
+    z = np.asarray(obj.drafter.model.forward(b["input_ids"], pos, valid_b=b["valid"], logits="all").logits)
+    ce, top1, n = 0.0, 0.0, 0
+    for r in range(ids.shape[0]):
+        for t in range(S_SMALL - 1):
+            if lm[r, t + 1]:
+                ce -= np.log(_np_softmax(z[r, t])[ids[r, t + 1]])
+                top1 += float(np.argmax(z[r, t]) == ids[r, t + 1])
+                n += 1
+    _, metrics = _jit_loss(obj, b, None)
+    assert float(metrics["loss"]) == pytest.approx(ce / n, rel=1e-4)
+    assert float(metrics["top1"]) == pytest.approx(top1 / n, abs=1e-6) and "tv" not in metrics
+    with_tv = make_objective(_mc("standalone"), target, TCFG, target_graphdef=None, feature_dtype=jnp.float32)
+    with pytest.raises(TypeError, match="GraphDef"):  # the target's graph is needed to run it
+        _jit_loss(with_tv, b, None)

@@ -61,7 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        ("calibrate-prompts", "held-out prompts for STS"),
                        ("calibrate-tokens", "new tokens per calibration prompt"),
                        ("reference-rows", "original ShareGPT replies added as training text "
-                                          "(cached, not regenerated; default 0)")):
+                                          "(cached, not regenerated; default 0)"),
+                       ("text-rows", "original ShareGPT replies a drafter trained on text alone "
+                                     "(the standalone LM) reads besides the answers")):
         p.add_argument(f"--{name}", type=int, default=None, help=what)
     p.add_argument("--target", default=None, help="target checkpoint (default: SmolLM2's GGUF)")
     p.add_argument("--out-dir", default=None, help="default: specjax/assets/smollm2")
@@ -79,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         scale = B.SCALES[args.scale]
         over = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in (
             "rows", "max-new-tokens", "prompt-max-tokens", "prepare-limit", "steps",
-            "calibrate-prompts", "calibrate-tokens", "reference-rows")}
+            "calibrate-prompts", "calibrate-tokens", "reference-rows", "text-rows")}
         scale = dataclasses.replace(scale, **{k: v for k, v in over.items() if v is not None})
         label = None
         if args.target is None:

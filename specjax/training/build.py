@@ -16,7 +16,10 @@ Stages, in order; each is skipped when its output is complete and resumes where 
     vocab        token counts of the supervised tokens -> the N most frequent ids (+ EOS) for every
                  draft_vocab_size N of the configs -> <work>/vocab/draft_vocab_<N>.json
     train        each drafter from <config_dir>/<name>.yaml (`train.train_draft`; resumes from
-                 its last orbax checkpoint) -> <work>/exports/<name> (bfloat16)
+                 its last orbax checkpoint) -> <work>/exports/<name> (bfloat16); a drafter trained
+                 on text alone (the standalone LM with alpha_tv 0) also reads the original replies
+                 of the `text_rows` training prompts after the regenerated ones
+                 (<work>/text_<N>.jsonl; prepare then writes references.jsonl)
     calibrate    STS of every confidence head on held-out prompts (`train.calibrate`)
     export       the exports copied to <out>/drafters/<name> (refused above `budget_mb` in all),
                  with training.json, plus the split manifest and held-out prompts
@@ -72,6 +75,9 @@ class Scale:
     calibrate_prompts: int
     calibrate_tokens: int
     reference_rows: int = 0  # original ShareGPT replies added as training text (no regeneration)
+    # original ShareGPT replies that a drafter trained on text alone (the standalone LM with
+    # alpha_tv 0: no target features, so text costs it no target pass) reads besides the answers
+    text_rows: int = 0
 
 
 SCALES = {
@@ -80,10 +86,10 @@ SCALES = {
     # cache ~120 tokens/s, training 4-6 s/step): regenerate ~85 min, cache ~16 min, training
     # ~2.5 h over six drafters, calibration ~20 min; about 4.5 h in all
     "full": Scale(rows=384, max_new_tokens=192, prompt_max_tokens=256, prepare_limit=None,
-                  steps=None, calibrate_prompts=32, calibrate_tokens=128),
+                  steps=None, calibrate_prompts=32, calibrate_tokens=128, text_rows=8000),
     # proves the real path in minutes (garbage drafters: never export these into the package)
     "smoke": Scale(rows=16, max_new_tokens=32, prompt_max_tokens=128, prepare_limit=2000,
-                   steps=20, calibrate_prompts=4, calibrate_tokens=32),
+                   steps=20, calibrate_prompts=4, calibrate_tokens=32, text_rows=8),
 }
 
 
@@ -119,8 +125,9 @@ class BuildSettings:
             v = getattr(self.scale, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        if self.scale.reference_rows < 0:
-            raise ValueError(f"reference_rows must be >= 0, got {self.scale.reference_rows}")
+        for name in ("reference_rows", "text_rows"):
+            if getattr(self.scale, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self.scale, name)}")
         if self.regen_slots < 1:
             raise ValueError(f"regen_slots must be >= 1, got {self.regen_slots}")
         if not self.drafters:
@@ -155,6 +162,10 @@ class BuildSettings:
     @property
     def references_out(self) -> str:
         return self.work(f"references_{self.scale.reference_rows}.jsonl")
+
+    @property
+    def text_out(self) -> str:
+        return self.work(f"text_{self.scale.text_rows}.jsonl")
 
     @property
     def references_cache_dir(self) -> str:
@@ -243,6 +254,7 @@ class DrafterPlan(NamedTuple):
     confidence_head: bool
     max_length: int
     min_loss_tokens: int
+    text_only: bool  # trained on its text alone (standalone, alpha_tv 0): reads `text_rows` replies
 
 
 def drafter_plan(s: BuildSettings, name: str) -> DrafterPlan:
@@ -260,7 +272,8 @@ def drafter_plan(s: BuildSettings, name: str) -> DrafterPlan:
         draft_vocab_size=int(m.get("draft_vocab_size") or 0),
         confidence_head=kind == "dspark" and bool(m.get("confidence_head", True)),
         max_length=int(data.get("max_length", 4096)),
-        min_loss_tokens=int(data.get("min_loss_tokens", 14)))
+        min_loss_tokens=int(data.get("min_loss_tokens", 14)),
+        text_only=kind == "standalone" and float(m.get("alpha_tv", 0.9)) == 0.0)
 
 
 def cache_layers(plans: Sequence[DrafterPlan]) -> tuple[int, ...] | None:
@@ -401,8 +414,14 @@ class Build:
         return [(name, getattr(self, f"done_{name}"), getattr(self, name))]
 
     # prepare -------------------------------------------------------------------------------
+    @property
+    def wants_text(self) -> bool:
+        """Whether a drafter of this build reads original replies as text (`text_rows`)."""
+        return bool(self.s.scale.text_rows) and any(p.text_only for p in self.plans)
+
     def done_prepare(self) -> bool:
-        need = ["manifest.json"] + (["references.jsonl"] if self.s.scale.reference_rows else [])
+        refs = self.s.scale.reference_rows or self.wants_text
+        need = ["manifest.json"] + (["references.jsonl"] if refs else [])
         return all(os.path.isfile(os.path.join(self.s.sharegpt_dir, f)) for f in need)
 
     def prepare(self) -> None:
@@ -415,7 +434,7 @@ class Build:
             args += ["--sharegpt", s.sharegpt]
         if s.scale.prepare_limit is not None:
             args += ["--limit", str(s.scale.prepare_limit)]
-        if s.scale.reference_rows:
+        if s.scale.reference_rows or self.wants_text:
             args.append("--references")
         self._run(Step("train.prepare_sharegpt", args))
 
@@ -486,17 +505,16 @@ class Build:
             "--min-loss-tokens", str(min(p.min_loss_tokens for p in cached)),
             "--batch-size", str(self.s.cache_batch)])
 
-    def reference_conversations(self) -> list[dict[str, Any]]:
-        """The original first replies of the `reference_rows` training prompts that follow the
+    def reference_conversations(self, n: int) -> list[dict[str, Any]]:
+        """The original first replies of the first `n` training prompts that follow the
         regenerated ones (prepare order; prompts without a reply are passed over)."""
         src = os.path.join(self.s.sharegpt_dir, "references.jsonl")
         if not os.path.isfile(src):
-            raise BuildError(f"cache/references needs {src}: run the prepare stage")
+            raise BuildError(f"original replies need {src}: run the prepare stage")
         regen_ids = {r["id"] for r in read_jsonl(self.s.regen_prompts, objects=True)}
         rows = [r for r in read_jsonl(src, objects=True) if r["id"] not in regen_ids]
-        n = self.s.scale.reference_rows
         if len(rows) < n:
-            self.log(f"cache/references: only {len(rows)} original replies (asked for {n})")
+            self.log(f"original replies: only {len(rows)} (asked for {n})")
         return rows[:n]
 
     def done_cache_references(self) -> bool:
@@ -510,7 +528,7 @@ class Build:
     def cache_references(self) -> None:
         from specjax.io import write_jsonl_atomic
 
-        rows = self.reference_conversations()
+        rows = self.reference_conversations(self.s.scale.reference_rows)
         if not rows:
             raise BuildError("cache/references: no original reply to add")
         write_jsonl_atomic(self.s.references_out, rows)
@@ -546,6 +564,12 @@ class Build:
                 sets.append(f"data.extra_cache_dirs=[{json.dumps(s.references_cache_dir)}]")
         else:
             files = [s.regen_out] + ([s.references_out] if refs else [])
+            if p.text_only and s.scale.text_rows:
+                if not os.path.isfile(s.text_out):
+                    from specjax.io import write_jsonl_atomic
+
+                    write_jsonl_atomic(s.text_out, self.reference_conversations(s.scale.text_rows))
+                files.append(s.text_out)
             sets += [f"data.train_jsonl={json.dumps(files)}",
                      f"data.max_length={min(p.max_length, _max_length(s))}"]
         if s.scale.steps is not None:
@@ -671,7 +695,10 @@ class Build:
         r, s = self.record, self.s
         r["target"] = self._target_label()
         r["total_wall_s"] = round(sum(v["wall_s"] for v in r["stages"].values()), 1)
-        r["settings"] = {**dataclasses.asdict(s.scale), "drafters": list(s.drafters),
+        # a build of some drafters into an existing record keeps the others it lists
+        built = (r.get("settings") or {}).get("drafters") or []
+        drafters = built + [d for d in s.drafters if d not in built]
+        r["settings"] = {**dataclasses.asdict(s.scale), "drafters": drafters,
                          "heldout_fraction": s.heldout_fraction, "regen_slots": s.regen_slots,
                          "sampling": {"temperature": s.temperature, "top_p": s.top_p,
                                       "top_k": s.top_k},
@@ -696,6 +723,8 @@ class Build:
             facts["regen_errors"] = _count_rows(s.regen_errors)
         if os.path.isdir(s.cache_dir):
             facts["cache_bytes"] = dir_bytes(s.cache_dir)
+        if self.wants_text and os.path.isfile(s.text_out):
+            facts["text_rows"] = _count_rows(s.text_out)
         if s.scale.reference_rows and os.path.isfile(s.references_out):
             facts["reference_rows"] = _count_rows(s.references_out)
             facts["references_cache_bytes"] = dir_bytes(s.references_cache_dir)

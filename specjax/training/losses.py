@@ -298,6 +298,32 @@ def mtp_loss(draft_logits_btv: Array, target_logits_btv: Array, labels_bt: Array
     return loss, {"loss": loss, "ce": ce_m, "tv": tv_m, "accept_rate": acc}
 
 
+def _ce_top1(z_xv: Array, labels_x: Array) -> tuple[Array, Array]:
+    """CE(-log p_d[label]) and whether the label is the argmax, per row, in float32."""
+    z = z_xv.astype(jnp.float32)
+    labels = jnp.clip(labels_x.astype(jnp.int32), 0, z.shape[-1] - 1)
+    z_label = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
+    ce = jax.nn.logsumexp(z, axis=-1) - z_label
+    return ce, (jnp.argmax(z, axis=-1) == labels).astype(jnp.float32)
+
+
+def lm_loss(hidden_bth: Array, head: Callable[[Array], Array], labels_bt: Array, mask_bt: Array, *,
+            chunk_tokens: int | None = None) -> tuple[Array, dict[str, Array]]:
+    """Masked-mean next-token cross-entropy of a language model on its training text (no target
+    logits: sequence-level distillation when the text is the target's own answers). `head` maps
+    final hidden states [B, c, H] to logits [B, c, V]; it runs `chunk_tokens` positions at a time,
+    so no [B, T, V] array is ever held. Metrics: loss, ce and top1 (the share of masked positions
+    whose label is the model's argmax: what a greedy draft of that token would have matched)."""
+    _check_ndim("hidden_bth", hidden_bth, 3)
+    _check_same_shape("labels_bt", labels_bt, hidden_bth.shape[:2])
+    _check_same_shape("mask_bt", mask_bt, hidden_bth.shape[:2])
+    ce, top1 = _map_over_axis1(lambda h, y: _ce_top1(head(h), y), (hidden_bth, labels_bt), chunk_tokens)
+    w = mask_bt.astype(jnp.float32)
+    denom = jnp.sum(w) + _EPS
+    loss = jnp.sum(w * ce) / denom
+    return loss, {"loss": loss, "ce": loss, "top1": jnp.sum(w * top1) / denom}
+
+
 # ------------------------------------------------------------------------------------------------
 # argument checks (trace-time: shapes are static)
 

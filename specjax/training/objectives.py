@@ -10,7 +10,8 @@ completion tokens the drafter is supervised on.
     dspark / dflash   block_drafter_loss (reference §5.1): anchors, block labels, CE + TV (+ BCE)
     eagle3            ttt_forward over `block_size` steps + eagle3_loss (soft CE vs the target)
     mtp               train_forward on the target's final hidden + mtp_loss (CE + TV vs target)
-    standalone        the draft LM's next-token logits + mtp_loss (CE + TV vs target): distillation
+    standalone        the draft LM's next-token logits + mtp_loss (CE + TV vs target): distillation;
+                      with alpha_tv 0, lm_loss (CE on the text alone; the target is not run)
 
 Alignment (S = sequence length, `lm` = loss mask, `hid` = the target's final-normed hidden):
     eagle3 / mtp: row t predicts ids[t+2]; target logits lm_head(hid[t+1]); weight lm[t+2].
@@ -111,18 +112,26 @@ def mtp_objective(*, target_graphdef: Any, alpha_ce: float = 0.1, alpha_tv: floa
 
 def standalone_objective(*, target_graphdef: Any, alpha_ce: float = 0.1, alpha_tv: float = 0.9,
                          chunk_tokens: int | None = None):
-    """A small LM distilled from the target: next-token CE + TV against the target's logits."""
+    """A small LM distilled from the target: next-token CE + TV against the target's logits. With
+    `alpha_tv` 0 it is the cross-entropy on the training text alone (`losses.lm_loss`): the frozen
+    target is not run, so a step costs only the draft LM (sequence-level distillation on the
+    target's regenerated answers, plus any other text listed)."""
     from specjax.training import losses
 
     def loss_fn(model: Any, batch: Mapping[str, Array], rng: Array, aux: Any):
         del rng
         ids, lm, valid = _batch_arrays(batch)
-        _, hid = target_features(aux, target_graphdef, ids, valid, tap_layers=(), dtype=None)
-        t_logits = jax.lax.stop_gradient(nnx.merge(target_graphdef, aux).logits(hid))
         b, s = ids.shape
         pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         vb = None if valid is None else jnp.asarray(valid, jnp.int32)
+        if alpha_tv == 0:
+            hid = model.model.forward(ids, pos, valid_b=vb, logits="none").hidden
+            loss, metrics = losses.lm_loss(hid, model.model.logits, shift_left(ids, 1), shift_left(lm, 1),
+                                           chunk_tokens=chunk_tokens)
+            return alpha_ce * loss, {**metrics, "loss": alpha_ce * loss}
         z = model.model.forward(ids, pos, valid_b=vb, logits="all").logits
+        _, hid = target_features(aux, target_graphdef, ids, valid, tap_layers=(), dtype=None)
+        t_logits = jax.lax.stop_gradient(nnx.merge(target_graphdef, aux).logits(hid))
         return losses.mtp_loss(z, t_logits, shift_left(ids, 1), shift_left(lm, 1),
                                alpha_ce=alpha_ce, alpha_tv=alpha_tv, chunk_tokens=chunk_tokens)
 
