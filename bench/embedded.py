@@ -15,8 +15,9 @@ plain. Peers in the same run (torch, greedy, batch 1): transformers `generate` p
     python -m bench.embedded [--cap 8] [--max-tokens 64] [--speed-per-set 2] [--skip-table | --table-only]
 
 Table 1 does not depend on the machine's load; the speed runs do. `--table-only` runs Table 1 alone
-(it can share the machine), and a later `--skip-table` run times the speed on an idle machine and
-reuses those tables (the report names both commands).
+(it can share the machine) and refreshes the report's tables, keeping its last speed sections (it
+says so); a later `--skip-table` run times the speed on an idle machine and reuses those tables (the
+report names both commands).
 """
 from __future__ import annotations
 
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(os.path.join(out, "command.txt"), "w") as f:
             f.write(command_line("bench.embedded", argv) + "\n")
     if args.table_only:
+        _refresh_tables(drafters, tables, args, argv)
         return
     prompts = _speed_prompts(args.speed_per_set)
     speed = {}
@@ -187,7 +189,35 @@ def main(argv: list[str] | None = None) -> None:
     _report(drafters, tables, speed, peers, args, argv)
 
 
-def _report(drafters, tables, speed, peers, args, argv):
+SPEED_HEADING = "\n## Batch-1 wall-clock speed"
+
+
+def _refresh_tables(drafters, tables, args, argv):
+    """After a `--table-only` run: the report's Table 1 part from these tables, followed by the
+    batch-1 speed and peers sections of the last full report as they were (said so in the report;
+    a `--skip-table` run on an idle machine refreshes them), and the JSON's τ likewise."""
+    md_path, json_path = (os.path.join(args.out_dir, f"embedded.{e}") for e in ("md", "json"))
+    if not (os.path.isfile(md_path) and os.path.isfile(json_path)):
+        log("no earlier report to refresh: run with --skip-table for the speed and the report")
+        return
+    with open(md_path, encoding="utf-8") as f:
+        old_md = f.read()
+    with open(json_path, encoding="utf-8") as f:
+        result = json.load(f)
+    i = old_md.find(SPEED_HEADING)
+    if i < 0:
+        raise SystemExit(f"{md_path} has no batch-1 speed section to keep")
+    md = (_tables_md(drafters, tables, args, argv)
+          + "\nThe batch-1 speed and peer sections below are kept from the last speed run "
+            "(`python -m bench.embedded --skip-table`) and were not rerun with these tables: a drafter "
+            "rebuilt since then was timed as it was shipped then.\n" + old_md[i:])
+    result.update(drafters=drafters, tau={str(t): {d: _tau(tables[t], d) for d in drafters} for t in tables})
+    write_results("embedded", result, md, out_dir=args.out_dir, plot=lambda path: _plot(drafters, tables, path))
+    log("refreshed Table 1 in the embedded results")
+
+
+def _tables_md(drafters, tables, args, argv) -> str:
+    """The report's title, command, protocol and Table 1 part (τ per set, goals, pointers)."""
     sets = [s for s in EVAL_SETS]
     table_cmd = tables[0.0].get("command", command_line("bench.embedded", argv))
     md = (f"# Embedded default (SmolLM2-135M-Instruct): shipped drafters\n\n"
@@ -218,6 +248,28 @@ def _report(drafters, tables, speed, peers, args, argv):
     md += ("\nPer-position acceptance and calibration (ECE, Brier, AUROC): "
            "`bench/results/embedded_eval_T1/results.md`, `acceptance_by_position.png`, "
            "`reliability_dspark.png` (and T0).\n")
+    return md
+
+
+def _plot(drafters, tables, path):
+    """Per-position conditional acceptance at T=1 of every drafter."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for d in drafters:
+        ov = tables[1.0]["drafters"][d]["overall"]["cond_accept"]
+        ax.plot(range(1, len(ov) + 1), ov, "o-", label=d)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("conditional acceptance (T=1)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    ax.set_title("SmolLM2-135M: per-position conditional acceptance (cf. DSpark Fig. 2)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _report(drafters, tables, speed, peers, args, argv):
+    md = _tables_md(drafters, tables, args, argv)
     srows = []
     for t in (0.0, 1.0):
         base = _baseline(speed, t)
@@ -226,7 +278,7 @@ def _report(drafters, tables, speed, peers, args, argv):
             same = "" if t != 0 else ("yes" if s["token_ids"] == speed[("plain", 0.0)]["token_ids"] else "NO")
             srows.append([label, f"{t:g}", f"{s['tokens_per_s']:.1f}", f"{s['tau']:.2f}",
                           f"{s['tokens_per_s'] / base:.2f}x", same, f"{s['load']:.1f}"])
-    md += (f"\n## Batch-1 wall-clock speed ({len(speed[('plain', 0.0)]['token_ids'])} prompts, "
+    md += (f"{SPEED_HEADING} ({len(speed[('plain', 0.0)]['token_ids'])} prompts, "
            f"{args.speed_per_set} per set)\n\n" + md_table(
                ["decoding", "T", "tokens/s", "τ", "speedup vs plain (faster of its two runs)", "greedy output = plain", "load"],
                srows, "lrrrrlr"))
@@ -239,25 +291,11 @@ def _report(drafters, tables, speed, peers, args, argv):
     md += (f"\n## Peers in the same run (transformers, torch CPU {args.torch_threads} threads, "
            f"greedy, batch 1)\n\n" + md_table(["system", "tokens/s"], [[k, f"{v:.1f}"] for k, v in peers.items()], "lr"))
 
-    def plot(path):
-        plt = pyplot()
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        for d in drafters:
-            ov = tables[1.0]["drafters"][d]["overall"]["cond_accept"]
-            ax.plot(range(1, len(ov) + 1), ov, "o-", label=d)
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("conditional acceptance (T=1)")
-        ax.set_ylim(0, 1)
-        ax.legend(fontsize=7)
-        ax.set_title("SmolLM2-135M: per-position conditional acceptance (cf. DSpark Fig. 2)")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-
     clean = {f"{k[0]}@T{k[1]:g}": {kk: vv for kk, vv in v.items() if kk != "token_ids"} for k, v in speed.items()}
     write_results("embedded", {"machine": machine_info(), "drafters": drafters,
                                "tau": {str(t): {d: _tau(tables[t], d) for d in drafters} for t in tables},
-                               "speed": clean, "peers": peers}, md, out_dir=args.out_dir, plot=plot)
+                               "speed": clean, "peers": peers}, md, out_dir=args.out_dir,
+                  plot=lambda path: _plot(drafters, tables, path))
     log("wrote embedded results")
 
 
