@@ -223,6 +223,27 @@ def test_budget_refuses_an_oversized_export(setup, capsys):
     assert rc == 1 and "over the 0.01 MiB budget" in capsys.readouterr().err
 
 
+def test_exporting_one_drafter_counts_the_others_already_shipped(setup, capsys):
+    """A build of one drafter into an output directory that ships others: those count toward the
+    budget (a budget above the one drafter but below both refuses) and stay in BUILD.json's sizes,
+    drafters and cache layers."""
+    from specjax.training.build import dir_bytes
+    from train import build_embedded
+
+    out = setup["root"] / "out"
+    if not (out / "drafters" / "dspark" / "config.json").is_file():
+        pytest.skip("needs the pipeline test's exports")
+    shipped = {n: dir_bytes(str(out / "drafters" / n)) for n in ("dspark", "mtp1")}
+    budget = (shipped["mtp1"] + shipped["dspark"] / 2) / 2**20
+    only_mtp = ["--stages", "export", "--drafters", "mtp1"]  # the later --drafters wins
+    rc = build_embedded.main(_argv(setup, *only_mtp, "--budget-mb", f"{budget:.4f}"))
+    assert rc == 1 and "dspark" in capsys.readouterr().err
+    assert build_embedded.main(_argv(setup, *only_mtp)) == 0
+    record = json.loads((out / "BUILD.json").read_text())
+    assert record["drafter_bytes"] == shipped and record["drafter_bytes_total"] == sum(shipped.values())
+    assert record["settings"]["drafters"] == ["dspark", "mtp1"] and record["settings"]["cache_layers"] == [0, 1]
+
+
 def test_cache_drafters_must_share_tap_layers(setup, tmp_path):
     from specjax.training import build as B
 

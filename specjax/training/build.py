@@ -618,6 +618,12 @@ class Build:
             self.log(f"export {p.name}: left out the target's copies {dropped}")
             write_json_atomic(os.path.join(tmp, "training.json"), self._provenance(p))
         sizes = {p.name: dir_bytes(s.shipped_dir(p.name) + ".tmp") for p in self.plans}
+        # drafters shipped before and not rebuilt now count toward the budget as they are
+        drafters_dir = os.path.join(s.out_dir, "drafters")
+        kept = {n: dir_bytes(os.path.join(drafters_dir, n))
+                for n in (sorted(os.listdir(drafters_dir)) if os.path.isdir(drafters_dir) else [])
+                if n not in sizes and not n.endswith(".tmp")}
+        sizes = {**kept, **sizes}
         total = sum(sizes.values())
         if total > s.budget_mb * 2**20:
             for p in self.plans:
@@ -702,7 +708,8 @@ class Build:
                          "heldout_fraction": s.heldout_fraction, "regen_slots": s.regen_slots,
                          "sampling": {"temperature": s.temperature, "top_p": s.top_p,
                                       "top_k": s.top_k},
-                         "cache_layers": None if self.layers is None else list(self.layers),
+                         "cache_layers": (list(self.layers) if self.layers is not None
+                                          else (r.get("settings") or {}).get("cache_layers")),
                          "budget_mb": s.budget_mb, "seed": s.seed}
         r["data"] = {**r.get("data", {}), **self._data_facts()}
         r["machine"] = {"platform": platform.platform(), "machine": platform.machine(),
