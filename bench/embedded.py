@@ -272,7 +272,7 @@ def _plot(drafters, tables, path):
 
 
 def _report(drafters, tables, speed, peers, args, argv):
-    md = _tables_md(drafters, tables, args, argv)
+    md = _tables_md(drafters, tables, args, command_line("bench.embedded", argv))
     srows = []
     for t in (0.0, 1.0):
         base = _baseline(speed, t)

@@ -539,3 +539,32 @@ def test_embedded_table_only_refreshes_tables_and_keeps_the_speed_sections(tmp_p
     (tmp_path / "embedded.md").write_text("# a report without its speed part\n")
     with pytest.raises(SystemExit, match="no batch-1 speed section"):
         E._refresh_tables(["dspark", "standalone"], tables, args, ["--table-only"])
+
+
+def test_embedded_full_report_names_its_command_and_speed_goals(tmp_path):
+    """A full `bench.embedded` report names the command line that made it (not a placeholder),
+    lists each run's speedup against plain and marks the greedy-equality column; a `--table-only`
+    refresh of it then keeps that command."""
+    import argparse
+
+    from bench import embedded as E
+
+    def table(tau):
+        return {"table": [{"drafter": d, **{s: tau[d] for s in E.EVAL_SETS}, "macro": tau[d]} for d in tau],
+                "drafters": {d: {"overall": {"cond_accept": [0.5, 0.4]}} for d in tau}, "command": "tcmd"}
+
+    tables = {0.0: table({"dspark": 1.3}), 1.0: table({"dspark": 1.2})}
+    speed = {}
+    for t in (0.0, 1.0):
+        speed[("plain", t)] = {"tokens_per_s": 20.0, "tau": 1.0, "token_ids": [[1, 2]], "load": 1.0}
+        speed[("dspark+confidence_async", t)] = {"tokens_per_s": 30.0, "tau": 1.5,
+                                                 "token_ids": [[1, 3]] if t == 0 else [[9]], "load": 1.0}
+    args = argparse.Namespace(out_dir=str(tmp_path), cap=8, max_tokens=64, speed_per_set=2, torch_threads=2)
+    E._report(["dspark"], tables, speed, {"transformers plain": 12.0}, args, ["--skip-table"])
+    md = (tmp_path / "embedded.md").read_text()
+    assert "Command: `python -m bench.embedded --skip-table` (Table 1: `tcmd`)" in md
+    assert "| dspark+confidence_async | 0 | 30.0 | 1.50 | 1.50x | NO | 1.0 |" in md
+    assert "`confidence_async` scheduler at T=1: 1.50x plain (goal >= 1.5x: met)" in md
+    assert "`confidence_async` scheduler at T=0: 1.50x plain (goal >= 2.0x: missed)" in md
+    E._refresh_tables(["dspark"], tables, args, ["--table-only"])
+    assert "Command: `python -m bench.embedded --skip-table` (Table 1: `tcmd`)" in (tmp_path / "embedded.md").read_text()
