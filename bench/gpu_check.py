@@ -14,6 +14,9 @@ Phases, in order; each records its results as soon as it ends:
           scheduler uses (draft + verify seconds for every slots x tokens bucket, median of repeats,
           made monotone; `specjax.decoding.profiling.measure_cost_table`, as `serve.profile` does);
           then tokens/s at each concurrency with that table;
+  async   the same drafter under `confidence_async`, the policy `make demo` and the server use, with
+          the curve's table: it also runs plain rounds (then lite ones, exactly plain decoding's cost)
+          when drafting does not pay on the table: tokens/s;
   fixed   the same drafter under the `fixed` policy (every draft token verified): tokens/s.
 
 Random weights measure cost, not acceptance: the throughput of the speculative engines here says what
@@ -78,7 +81,7 @@ PRESETS: dict[str, Preset] = {
         dtype="bfloat16", taps=(0,), mask_token_id=255, draft_layers=1, markov_rank=8, gamma=3,
         slots=(2,), tokens=(1, 4), concurrency=(1, 2), prompt_len=8, max_tokens=6, budget_s=300.0),
 }
-ENGINES = ("plain", "dspark-confidence", "dspark-fixed")
+ENGINES = ("plain", "dspark-confidence", "dspark-confidence_async", "dspark-fixed")
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -253,14 +256,16 @@ def _models(p: Preset):
     return target, drafter
 
 
-def _engine(target, drafter, policy: str, p: Preset, tokens: tuple[int, ...], progress: bool):
+def _engine(target, drafter, policy: str, p: Preset, tokens: tuple[int, ...], progress: bool,
+            cost_table=None):
     from specjax.decoding.engine import Engine, EngineConfig
     cfg = EngineConfig(max_slots=p.slots[-1], max_len=p.prompt_len + p.max_tokens + p.gamma + 2,
                        gamma=None if drafter is None else p.gamma, policy=policy, slots_buckets=p.slots,
                        tokens_buckets=tokens, prefill_buckets=(p.prompt_len,), max_prefill=p.prompt_len,
                        prefill_batch_buckets=(min(8, p.slots[-1]),))
     # a fixed identity: hashing 4B random weights on the host would only cost time
-    return Engine(target, drafter, cfg, progress=progress, target_id=f"random-{p.target['num_hidden_layers']}-layers")
+    return Engine(target, drafter, cfg, progress=progress, cost_table=cost_table,
+                  target_id=f"random-{p.target['num_hidden_layers']}-layers")
 
 
 def _throughput(rec: Recorder, engine, name: str, p: Preset, prompts) -> None:
@@ -274,7 +279,7 @@ def _throughput(rec: Recorder, engine, name: str, p: Preset, prompts) -> None:
                "per_user_tokens_per_s": round(r["per_user_tokens_per_s"], 2), "tau": round(r["tau"], 3),
                "mean_verification_length": round(r["mean_verification_length"], 3)}
         rec.update(lambda res: res["throughput"].append(row))
-        print(f"  {name:18s} C={c:4d}: {row['tokens_per_s']:10.1f} tok/s (tau {row['tau']:.2f}, "
+        print(f"  {name:24s} C={c:4d}: {row['tokens_per_s']:10.1f} tok/s (tau {row['tau']:.2f}, "
               f"{rec.elapsed():.0f} s)", flush=True)
 
 
@@ -317,13 +322,26 @@ def run(rec: Recorder, p: Preset, progress: bool, threads: int) -> None:
     gc.collect()
 
     eng = _engine(target, drafter, "confidence", p, p.tokens, progress)
+    table = None
     if fits("curve", len(eng.warm_keys())):
         rec.begin("curve")
         warm = eng.warmup(threads=threads)  # compiles every bucket, then measures the cost table (the curve)
-        curve = [{"slots": s, "tokens": t, "seconds": sec} for (s, t), sec in sorted(eng.cost_table.as_dict().items())]
+        table = eng.cost_table
+        curve = [{"slots": s, "tokens": t, "seconds": sec} for (s, t), sec in sorted(table.as_dict().items())]
         rec.update(lambda r: r.update(cost_curve=curve))
         _throughput(rec, eng, "dspark-confidence", p, prompts)
         rec.end("curve", compile_s=round(warm, 1))
+    del eng
+    gc.collect()
+
+    # the shipped serving policy: capacity from old confidences, and plain (then lite) rounds when
+    # drafting does not pay; it schedules with the curve's table (measured anew without one)
+    eng = _engine(target, drafter, "confidence_async", p, p.tokens, progress, cost_table=table)
+    if fits("async", len(eng.warm_keys())):
+        rec.begin("async")
+        warm = eng.warmup(threads=threads)
+        _throughput(rec, eng, "dspark-confidence_async", p, prompts)
+        rec.end("async", compile_s=round(warm, 1))
     del eng
     gc.collect()
 

@@ -41,7 +41,7 @@ def test_tiny_run_measures_every_phase_and_writes_outputs(tmp_path):
     res = json.loads((out / "gpu_check.json").read_text())
     p = gpu_check.PRESETS["tiny"]
     assert res["complete"] and res["stopped"] is None
-    assert set(res["phases"]) == {"build", "plain", "curve", "fixed"}
+    assert set(res["phases"]) == {"build", "plain", "curve", "async", "fixed"}
     curve = {(c["slots"], c["tokens"]): c["seconds"] for c in res["cost_curve"]}
     assert set(curve) == {(s, t) for s in p.slots for t in p.tokens} and all(v > 0 for v in curve.values())
     assert set(res["plain_round_seconds"]) == {str(s) for s in p.slots}
