@@ -148,7 +148,9 @@ def _markdown(res: dict[str, Any]) -> str:
         dev = res.get("device", {})
         lines += [f"Measured on {dev.get('kind', '?')} ({dev.get('backend', '?')} x{dev.get('count', '?')}), "
                   f"{res.get('date', '?')}: {state}, {res.get('elapsed_s', 0):.0f} s of a "
-                  f"{res['budget_s']:.0f} s budget.", ""]
+                  f"{res['budget_s']:.0f} s budget"
+                  + "".join(f", {k} {v}" for k, v in res.get("machine", {}).get("versions", {}).items()
+                            if k in ("jax", "flax")) + ".", ""]
     lines += [f"Target: hidden {t['hidden_size']}, {t['num_hidden_layers']} layers, "
               f"{t['num_attention_heads']}/{t['num_key_value_heads']} heads x {t['head_dim']}, MLP "
               f"{t['intermediate_size']}, vocab {t['vocab_size']}, tied embeddings, {res['dtype']}. DSpark "
@@ -180,6 +182,7 @@ def _markdown(res: dict[str, Any]) -> str:
                 f" (tau {r['tau']:.2f})" if e != "plain" else ""))
         rows.append([e] + cells)
     lines += [md_table(["engine"] + [f"C={c}" for c in cs], rows, align="l" + "r" * len(cs)), ""]
+    lines += _reading(res, curve, plain_s, tput)
     if res.get("phases"):
         lines += ["## Phases", ""]
         rows = [[k, v.get("status", "?"), f"{v.get('seconds', 0):.0f}",
@@ -187,6 +190,32 @@ def _markdown(res: dict[str, Any]) -> str:
                 for k, v in res["phases"].items()]
         lines += [md_table(["phase", "status", "seconds", "of which compiling", "note"], rows, align="llrrl"), ""]
     return "\n".join(lines)
+
+
+def _reading(res: dict[str, Any], curve: dict, plain_s: dict, tput: dict) -> list[str]:
+    """Ratios read off the two tables: what drafting adds to a round, how verify cost grows with
+    tokens per slot, and each speculative engine's throughput against plain decoding."""
+    slots, tokens, lines = res["slots"], res["tokens"], []
+    for s in slots:
+        lo, hi = curve.get((s, tokens[0])), curve.get((s, tokens[-1]))
+        if lo and hi and s in plain_s:
+            lines.append(f"- {s} slot(s): a round of {tokens[-1]} tokens per slot costs {hi / lo:.2f}x one of "
+                         f"{tokens[0]}; a drafting round of {tokens[0]} costs {lo / plain_s[s]:.2f}x a plain round "
+                         f"(what proposing a block adds); break-even τ at {tokens[-1]} tokens: {hi / plain_s[s]:.2f}")
+    for c in res["concurrency"]:
+        base = tput.get(("plain", c))
+        if base:
+            rel = [f"{e} {tput[(e, c)]['tokens_per_s'] / base['tokens_per_s']:.2f}x" for e in ENGINES[1:] if (e, c) in tput]
+            if rel:
+                lines.append(f"- C={c}, tokens/s against plain: " + ", ".join(rel))
+    if not lines:
+        return []
+    return (["## Reading", ""] + lines + [
+        "", "Random weights give a degenerate target whose tokens a random drafter sometimes matches "
+        "(hence τ above 1) and a confidence head that is not calibrated to that, so which rounds the "
+        "cost-aware policies chose to draft here shows their machinery and costs, not what a trained "
+        "drafter's confidences would choose; the cost curve and the plain and fixed rows hold for any "
+        "weights of this shape.", ""])
 
 
 def _plot(res: dict[str, Any], path: str) -> None:

@@ -94,3 +94,20 @@ def test_bad_flags_name_the_flag(tmp_path, capsys, args, match):
     with pytest.raises(SystemExit) as e:
         gpu_check.main(["--dry-run", "--out-dir", str(tmp_path), "--docs", "", *args])
     assert match in str(e.value) + capsys.readouterr().err
+
+
+def test_reading_states_the_ratios_of_the_tables():
+    """The report's reading lines are computed from the curve and throughput tables."""
+    res = {"slots": [1, 8], "tokens": [1, 8], "concurrency": [1],
+           "throughput": [{"engine": "plain", "concurrency": 1, "tokens_per_s": 100.0},
+                          {"engine": "dspark-fixed", "concurrency": 1, "tokens_per_s": 150.0}]}
+    curve = {(1, 1): 0.013, (1, 8): 0.026, (8, 1): 0.02}
+    tput = {(r["engine"], r["concurrency"]): r for r in res["throughput"]}
+    lines = gpu_check._reading(res, curve, {1: 0.010, 8: 0.01}, tput)
+    text = "\n".join(lines)
+    assert lines[0] == "## Reading"
+    assert ("- 1 slot(s): a round of 8 tokens per slot costs 2.00x one of 1; a drafting round of 1 costs "
+            "1.30x a plain round (what proposing a block adds); break-even τ at 8 tokens: 2.60") in text
+    assert "- 8 slot(s)" not in text  # its 8-token entry is missing
+    assert "- C=1, tokens/s against plain: dspark-fixed 1.50x" in text
+    assert gpu_check._reading({"slots": [1], "tokens": [1], "concurrency": [1]}, {}, {}, {}) == []
