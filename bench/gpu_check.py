@@ -3,6 +3,8 @@
     python -m bench.gpu_check              # on a GPU: Qwen3-4B shape, bfloat16, 480 s budget
     python -m bench.gpu_check --tiny       # on CPU: a tiny shape, seconds (what the test runs)
     python -m bench.gpu_check --dry-run    # no model: write the plan, marked "not yet run on GPU"
+    python -m bench.gpu_check --draft-vocab 32768 --phases plain,curve
+                                           # the drafter over a draft vocabulary: what it saves
 
 Phases, in order; each records its results as soon as it ends:
   build   the target (Qwen3-4B: hidden 2560, 36 layers, 32/8 heads, head_dim 128, MLP 9728, vocab
@@ -29,7 +31,8 @@ them compile at once (`Engine.warmup(threads=...)`; 1 compiles one at a time), a
 the persistent compilation cache (`specjax.compile_cache`), so running the command again on the
 same machine skips most of it and finishes what a stopped run left out. The tiny preset uses
 bfloat16 too, so the CPU test covers the dtype path of the GPU run.
-Writes gpu_check.json, gpu_check.md and gpu_check.png into --out-dir and replaces the GPU section of
+Writes gpu_check.json, gpu_check.md and gpu_check.png (with --draft-vocab N: gpu_check_draft_vocabN.*)
+into --out-dir and replaces the GPU section of
 --docs (docs/BENCHMARKS.md; the other sections stay as they are).
 """
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Preset:
     prompt_len: int
     max_tokens: int
     budget_s: float
+    draft_vocab_size: int = 0  # > 0: the drafter drafts over that many target ids (ids 0..N-1 here)
 
 
 PRESETS: dict[str, Preset] = {
@@ -82,6 +86,14 @@ PRESETS: dict[str, Preset] = {
         slots=(2,), tokens=(1, 4), concurrency=(1, 2), prompt_len=8, max_tokens=6, budget_s=300.0),
 }
 ENGINES = ("plain", "dspark-confidence", "dspark-confidence_async", "dspark-fixed")
+PHASES = ("plain", "curve", "async", "fixed")  # after "build"; --phases picks a subset
+NOT_ASKED = "not asked for (--phases)"
+
+
+def result_name(draft_vocab_size: int) -> str:
+    """The outputs' base name: one set per drafter vocabulary, so a run with a draft vocabulary
+    keeps the full-vocabulary results."""
+    return NAME + (f"_draft_vocab{draft_vocab_size}" if draft_vocab_size else "")
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -123,7 +135,7 @@ class Recorder:
                 return
             self.result["finished"] = True
             self.result["complete"] = stopped is None and all(
-                p.get("status") == "done" for p in self.result["phases"].values())
+                p.get("status") in ("done", NOT_ASKED) for p in self.result["phases"].values())
             self.result["stopped"] = stopped
             self.result["elapsed_s"] = round(self.elapsed(), 1)
             self._write(self.result)
@@ -133,7 +145,9 @@ def _markdown(res: dict[str, Any]) -> str:
     """The GPU section of docs/BENCHMARKS.md."""
     from bench.common import md_table
     t = res["target"]
-    lines = [f"# GPU check: {res['preset']}-shaped target, random weights", "",
+    dv = res["drafter"].get("draft_vocab_size", 0)
+    lines = [f"# GPU check: {res['preset']}-shaped target, random weights"
+             + (f", draft vocabulary {dv}" if dv else ""), "",
              f"Command: `{res['command']}`", ""]
     if res.get("dry_run"):
         lines += ["**Not yet run on GPU.** On a machine with one GPU and JAX for it (`pip install -e "
@@ -155,7 +169,10 @@ def _markdown(res: dict[str, Any]) -> str:
               f"{t['num_attention_heads']}/{t['num_key_value_heads']} heads x {t['head_dim']}, MLP "
               f"{t['intermediate_size']}, vocab {t['vocab_size']}, tied embeddings, {res['dtype']}. DSpark "
               f"drafter: {res['drafter']['layers']} layer(s), block {res['drafter']['gamma']}, Markov rank "
-              f"{res['drafter']['markov_rank']}, confidence head, taps {list(res['drafter']['taps'])}. "
+              f"{res['drafter']['markov_rank']}, confidence head, taps {list(res['drafter']['taps'])}"
+              + (f", drafting over a draft vocabulary of {dv} of the {t['vocab_size']} target ids (its "
+                 "lm_head and Markov head cut to those rows; verification stays exact)" if dv else
+                 ", drafting over the whole target vocabulary") + ". "
               f"Prompts of {res['prompt_len']} random tokens, {res['max_tokens']} new tokens each "
               "(temperature 1, no stop token). Random weights measure cost, not acceptance.", ""]
     slots, tokens = res["slots"], res["tokens"]
@@ -259,17 +276,19 @@ def writer(out_dir: str, docs: str) -> Callable[[dict[str, Any]], None]:
     def write(res: dict[str, Any]) -> None:
         from bench import run_all
         from bench.common import write_results
+        name = result_name(res["drafter"].get("draft_vocab_size", 0))
         plot = None if res.get("dry_run") else (lambda p: _plot(res, p))
-        if plot is None and os.path.exists(os.path.join(out_dir, f"{NAME}.png")):
-            os.remove(os.path.join(out_dir, f"{NAME}.png"))  # a picture of an older run would mislead
-        write_results(NAME, res, _markdown(res), out_dir=out_dir, plot=plot)
+        if plot is None and os.path.exists(os.path.join(out_dir, f"{name}.png")):
+            os.remove(os.path.join(out_dir, f"{name}.png"))  # a picture of an older run would mislead
+        write_results(name, res, _markdown(res), out_dir=out_dir, plot=plot)
         if docs:
-            run_all.write_section(NAME, out_dir, docs)
+            run_all.write_section(name, out_dir, docs)
     return write
 
 
 # ------------------------------------------------------------------------------------------ phases
 def _models(p: Preset):
+    import numpy as np
     from flax import nnx
 
     from specjax.config import TargetConfig
@@ -280,8 +299,12 @@ def _models(p: Preset):
     target = CausalLM(cfg, rngs=nnx.Rngs(0), dtype=p.dtype, param_dtype=p.dtype)
     dcfg = BlockDrafterConfig.from_target(cfg, target_layer_ids=p.taps, mask_token_id=p.mask_token_id,
                                           num_draft_layers=p.draft_layers, block_size=p.gamma,
-                                          markov_rank=p.markov_rank, confidence_head=True)
-    drafter = make_block_drafter(target, cfg, dcfg, nnx.Rngs(1), dtype=p.dtype, param_dtype=p.dtype)
+                                          markov_rank=p.markov_rank, confidence_head=True,
+                                          draft_vocab_size=p.draft_vocab_size)
+    # random weights: which ids form the subset changes nothing about cost
+    ids = np.arange(p.draft_vocab_size) if p.draft_vocab_size else None
+    drafter = make_block_drafter(target, cfg, dcfg, nnx.Rngs(1), dtype=p.dtype, param_dtype=p.dtype,
+                                 draft_ids=ids)
     return target, drafter
 
 
@@ -312,8 +335,8 @@ def _throughput(rec: Recorder, engine, name: str, p: Preset, prompts) -> None:
               f"{rec.elapsed():.0f} s)", flush=True)
 
 
-def run(rec: Recorder, p: Preset, progress: bool, threads: int) -> None:
-    """The phases; each skipped with a note when the budget left is below its estimate."""
+def run(rec: Recorder, p: Preset, progress: bool, threads: int, phases: tuple[str, ...] = PHASES) -> None:
+    """The phases in `phases`; each skipped with a note when the budget left is below its estimate."""
     import gc
 
     import jax
@@ -333,20 +356,24 @@ def run(rec: Recorder, p: Preset, progress: bool, threads: int) -> None:
     per_key = None  # seconds per compiled executable, from the first engine
 
     def fits(name: str, keys: int) -> bool:
+        if name not in phases:
+            rec.end(name, NOT_ASKED)
+            return False
         need = 0.0 if per_key is None else 1.5 * per_key * keys
         if rec.left() < need:
             rec.end(name, "skipped", note=f"about {need:.0f} s of compiling needed, {rec.left():.0f} s left")
             return False
         return True
 
-    rec.begin("plain")
     eng = _engine(target, None, "plain", p, (1,), progress)
-    warm = eng.warmup(threads=threads)
-    per_key = warm / len(eng.warm_keys())
-    plain = measure_plain_seconds(eng)
-    rec.update(lambda r: r.update(plain_round_seconds={str(k): v for k, v in plain.items()}))
-    _throughput(rec, eng, "plain", p, prompts)
-    rec.end("plain", compile_s=round(warm, 1))
+    if fits("plain", len(eng.warm_keys())):
+        rec.begin("plain")
+        warm = eng.warmup(threads=threads)
+        per_key = warm / len(eng.warm_keys())
+        plain = measure_plain_seconds(eng)
+        rec.update(lambda r: r.update(plain_round_seconds={str(k): v for k, v in plain.items()}))
+        _throughput(rec, eng, "plain", p, prompts)
+        rec.end("plain", compile_s=round(warm, 1))
     del eng
     gc.collect()
 
@@ -402,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", help="slots buckets, e.g. 1,8,32,128")
     ap.add_argument("--tokens", help="tokens-per-slot buckets, e.g. 1,2,4,8 (largest <= gamma + 1)")
     ap.add_argument("--concurrency", help="concurrent requests, e.g. 1,32,128 (largest <= largest slots)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="draft over this many target ids (0: the whole vocabulary); outputs are named "
+                         "gpu_check_draft_vocabN")
+    ap.add_argument("--phases", help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
     ap.add_argument("--out-dir", help="default bench/results (--tiny: runs/gpu_check_tiny)")
     ap.add_argument("--docs", help="Markdown page whose GPU section to rewrite; '' skips it "
                                    "(default docs/BENCHMARKS.md; --tiny: '')")
@@ -422,6 +453,17 @@ def main(argv: list[str] | None = None) -> int:
         if not args.budget > 0:
             ap.error(f"--budget must be > 0 seconds, got {args.budget}")
         over["budget_s"] = args.budget
+    if args.draft_vocab:
+        if not 0 < args.draft_vocab < p.target["vocab_size"]:
+            ap.error(f"--draft-vocab must be in 1..{p.target['vocab_size'] - 1} (the target vocabulary "
+                     f"is {p.target['vocab_size']}), got {args.draft_vocab}")
+        over["draft_vocab_size"] = args.draft_vocab
+    phases = PHASES
+    if args.phases:
+        phases = tuple(x.strip() for x in args.phases.split(","))
+        bad = [x for x in phases if x not in PHASES]
+        if bad or not phases:
+            ap.error(f"--phases: unknown phase(s) {bad} (choose from {', '.join(PHASES)})")
     p = dataclasses.replace(p, **over)
     if p.tokens[-1] > p.gamma + 1:
         ap.error(f"--tokens: largest bucket {p.tokens[-1]} exceeds gamma + 1 = {p.gamma + 1}")
@@ -433,13 +475,17 @@ def main(argv: list[str] | None = None) -> int:
 
     shown = [COMMAND] + (["--tiny"] if name == "tiny" else []) + [
         f"--{k} {','.join(map(str, v)) if isinstance(v, tuple) else f'{v:g}'}" for k, v in over.items()
-        if k != "budget_s"] + ([f"--budget {p.budget_s:g}"] if "budget_s" in over else [])
+        if k not in ("budget_s", "draft_vocab_size")] + (
+        [f"--draft-vocab {p.draft_vocab_size}"] if p.draft_vocab_size else []) + (
+        [f"--phases {','.join(phases)}"] if phases != PHASES else []) + (
+        [f"--budget {p.budget_s:g}"] if "budget_s" in over else [])
     result: dict[str, Any] = {
         "benchmark": NAME, "preset": name, "command": " ".join(shown), "dry_run": args.dry_run,
         "target": p.target, "dtype": p.dtype, "slots": list(p.slots), "tokens": list(p.tokens),
         "concurrency": list(p.concurrency), "prompt_len": p.prompt_len, "max_tokens": p.max_tokens,
         "budget_s": p.budget_s, "compile_threads": args.compile_threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "drafter": {"layers": p.draft_layers, "gamma": p.gamma, "markov_rank": p.markov_rank, "taps": list(p.taps)},
+        "drafter": {"layers": p.draft_layers, "gamma": p.gamma, "markov_rank": p.markov_rank, "taps": list(p.taps),
+                    "draft_vocab_size": p.draft_vocab_size},
         "phases": {}, "cost_curve": [], "plain_round_seconds": {}, "throughput": []}
     rec = Recorder(result, writer(out_dir, docs))
     if args.dry_run:
@@ -464,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     timer.daemon = True
     timer.start()
     try:
-        run(rec, p, progress=not args.quiet, threads=args.compile_threads)
+        run(rec, p, progress=not args.quiet, threads=args.compile_threads, phases=phases)
     except Exception as e:  # noqa: BLE001 - record what failed, keep what was measured, then re-raise
         timer.cancel()
         rec.update(lambda r: r["phases"].get(rec.phase, {}).update(status=f"failed: {type(e).__name__}: {e}"))
@@ -472,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     timer.cancel()
     rec.finish(None)
-    print(f"wrote {out_dir}/{NAME}.json, .md, .png" + (f" and the section of {docs}" if docs else ""))
+    print(f"wrote {out_dir}/{result_name(p.draft_vocab_size)}.json, .md, .png" + (f" and the section of {docs}" if docs else ""))
     return 0 if result["complete"] else EXIT_STOPPED
 
 

@@ -111,3 +111,30 @@ def test_reading_states_the_ratios_of_the_tables():
     assert "- 8 slot(s)" not in text  # its 8-token entry is missing
     assert "- C=1, tokens/s against plain: dspark-fixed 1.50x" in text
     assert gpu_check._reading({"slots": [1], "tokens": [1], "concurrency": [1]}, {}, {}, {}) == []
+
+
+def test_draft_vocab_run_of_chosen_phases_writes_its_own_outputs(tmp_path):
+    """--draft-vocab builds the drafter over a subset of the target ids and names its outputs apart
+    (the full-vocabulary results stay); --phases runs only the phases asked for and the run still
+    counts as complete."""
+    out = tmp_path / "out"
+    proc = _run(tmp_path, "--tiny", "--quiet", "--draft-vocab", "64", "--phases", "plain,curve",
+                "--out-dir", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert not (out / "gpu_check.json").exists()
+    res = json.loads((out / "gpu_check_draft_vocab64.json").read_text())
+    assert res["complete"] and res["drafter"]["draft_vocab_size"] == 64
+    assert {k: v["status"] for k, v in res["phases"].items()} == {
+        "build": "done", "plain": "done", "curve": "done", "async": gpu_check.NOT_ASKED, "fixed": gpu_check.NOT_ASKED}
+    assert {r["engine"] for r in res["throughput"]} == {"plain", "dspark-confidence"}
+    assert len(res["cost_curve"]) == len(gpu_check.PRESETS["tiny"].tokens)
+    md = (out / "gpu_check_draft_vocab64.md").read_text()
+    assert md.startswith("# GPU check: tiny-shaped target, random weights, draft vocabulary 64")
+    assert "Command: `python -m bench.gpu_check --tiny --draft-vocab 64 --phases plain,curve`" in md
+
+
+@pytest.mark.parametrize("args, match", [(["--draft-vocab", "256"], "--draft-vocab must be in 1..255"),
+                                         (["--phases", "plain,warp"], "unknown phase")])
+def test_draft_vocab_and_phases_refusals(tmp_path, args, match):
+    proc = _run(tmp_path, "--tiny", "--dry-run", "--out-dir", str(tmp_path / "o"), *args)
+    assert proc.returncode == 2 and match in proc.stderr
