@@ -202,7 +202,7 @@ def _markdown(res: dict[str, Any]) -> str:
     lines += _reading(res, curve, plain_s, tput)
     if res.get("phases"):
         lines += ["## Phases", ""]
-        rows = [[k, v.get("status", "?"), f"{v.get('seconds', 0):.0f}",
+        rows = [[k, v.get("status", "?"), f"{max(0.0, v.get('seconds', 0)):.0f}",
                  f"{v['compile_s']:.0f}" if "compile_s" in v else "", v.get("note", "")]
                 for k, v in res["phases"].items()]
         lines += [md_table(["phase", "status", "seconds", "of which compiling", "note"], rows, align="llrrl"), ""]
