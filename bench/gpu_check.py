@@ -121,7 +121,7 @@ class Recorder:
     def end(self, phase: str, status: str = "done", **extra: Any) -> None:
         with self._lock:
             p = self.result["phases"].setdefault(phase, {"started_s": round(self.elapsed(), 1)})
-            p.update(status=status, seconds=round(self.elapsed() - p["started_s"], 1), **extra)
+            p.update(status=status, seconds=round(max(0.0, self.elapsed() - p["started_s"]), 1), **extra)
             self.phase = "between phases"
 
     def update(self, fn: Callable[[dict[str, Any]], None]) -> None:
@@ -202,7 +202,7 @@ def _markdown(res: dict[str, Any]) -> str:
     lines += _reading(res, curve, plain_s, tput)
     if res.get("phases"):
         lines += ["## Phases", ""]
-        rows = [[k, v.get("status", "?"), f"{max(0.0, v.get('seconds', 0)):.0f}",
+        rows = [[k, v.get("status", "?"), f"{v.get('seconds', 0):.0f}",
                  f"{v['compile_s']:.0f}" if "compile_s" in v else "", v.get("note", "")]
                 for k, v in res["phases"].items()]
         lines += [md_table(["phase", "status", "seconds", "of which compiling", "note"], rows, align="llrrl"), ""]
@@ -353,60 +353,49 @@ def run(rec: Recorder, p: Preset, progress: bool, threads: int, phases: tuple[st
     rec.end("build")
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, p.mask_token_id, size=(16, p.prompt_len)).tolist()
-    per_key = None  # seconds per compiled executable, from the first engine
+    per_key: float | None = None  # seconds per compiled executable, from the first engine
 
-    def fits(name: str, keys: int) -> bool:
+    def phase(name: str, engine_name: str, drafter_, policy: str, tokens: tuple[int, ...],
+              measure: Callable[[Any], Any] = lambda eng: None, cost_table=None) -> Any:
+        """Build the phase's engine, compile it, run `measure(engine)` and the throughput loop;
+        returns what `measure` returned (None when the phase was not asked for or did not fit)."""
+        nonlocal per_key
         if name not in phases:
             rec.end(name, NOT_ASKED)
-            return False
-        need = 0.0 if per_key is None else 1.5 * per_key * keys
-        if rec.left() < need:
-            rec.end(name, "skipped", note=f"about {need:.0f} s of compiling needed, {rec.left():.0f} s left")
-            return False
-        return True
+            return None
+        eng = _engine(target, drafter_, policy, p, tokens, progress, cost_table=cost_table)
+        try:
+            need = 0.0 if per_key is None else 1.5 * per_key * len(eng.warm_keys())
+            if rec.left() < need:
+                rec.end(name, "skipped", note=f"about {need:.0f} s of compiling needed, {rec.left():.0f} s left")
+                return None
+            rec.begin(name)
+            warm = eng.warmup(threads=threads)  # a cost-aware policy then measures its cost table
+            per_key = per_key or warm / len(eng.warm_keys())
+            out = measure(eng)
+            _throughput(rec, eng, engine_name, p, prompts)
+            rec.end(name, compile_s=round(warm, 1))
+            return out
+        finally:
+            del eng
+            gc.collect()
 
-    eng = _engine(target, None, "plain", p, (1,), progress)
-    if fits("plain", len(eng.warm_keys())):
-        rec.begin("plain")
-        warm = eng.warmup(threads=threads)
-        per_key = warm / len(eng.warm_keys())
+    def plain_rounds(eng) -> None:
         plain = measure_plain_seconds(eng)
         rec.update(lambda r: r.update(plain_round_seconds={str(k): v for k, v in plain.items()}))
-        _throughput(rec, eng, "plain", p, prompts)
-        rec.end("plain", compile_s=round(warm, 1))
-    del eng
-    gc.collect()
 
-    eng = _engine(target, drafter, "confidence", p, p.tokens, progress)
-    table = None
-    if fits("curve", len(eng.warm_keys())):
-        rec.begin("curve")
-        warm = eng.warmup(threads=threads)  # compiles every bucket, then measures the cost table (the curve)
-        table = eng.cost_table
-        curve = [{"slots": s, "tokens": t, "seconds": sec} for (s, t), sec in sorted(table.as_dict().items())]
-        rec.update(lambda r: r.update(cost_curve=curve))
-        _throughput(rec, eng, "dspark-confidence", p, prompts)
-        rec.end("curve", compile_s=round(warm, 1))
-    del eng
-    gc.collect()
+    def curve(eng):  # the cost table the engine's warm-up measured is the curve
+        rows = [{"slots": s, "tokens": t, "seconds": sec} for (s, t), sec in sorted(eng.cost_table.as_dict().items())]
+        rec.update(lambda r: r.update(cost_curve=rows))
+        return eng.cost_table
 
+    phase("plain", "plain", None, "plain", (1,), plain_rounds)
+    table = phase("curve", "dspark-confidence", drafter, "confidence", p.tokens, curve)
     # the shipped serving policy: capacity from old confidences, and plain (then lite) rounds when
     # drafting does not pay; it schedules with the curve's table (measured anew without one)
-    eng = _engine(target, drafter, "confidence_async", p, p.tokens, progress, cost_table=table)
-    if fits("async", len(eng.warm_keys())):
-        rec.begin("async")
-        warm = eng.warmup(threads=threads)
-        _throughput(rec, eng, "dspark-confidence_async", p, prompts)
-        rec.end("async", compile_s=round(warm, 1))
-    del eng
-    gc.collect()
-
-    eng = _engine(target, drafter, "fixed", p, (1, p.gamma + 1), progress)
-    if fits("fixed", len(eng.warm_keys())):
-        rec.begin("fixed")
-        warm = eng.warmup(threads=threads)
-        _throughput(rec, eng, "dspark-fixed", p, prompts)
-        rec.end("fixed", compile_s=round(warm, 1))
+    phase("async", "dspark-confidence_async", drafter, "confidence_async", p.tokens,
+          cost_table=table)
+    phase("fixed", "dspark-fixed", drafter, "fixed", (1, p.gamma + 1))
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -462,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.phases:
         phases = tuple(x.strip() for x in args.phases.split(","))
         bad = [x for x in phases if x not in PHASES]
-        if bad or not phases:
+        if bad:
             ap.error(f"--phases: unknown phase(s) {bad} (choose from {', '.join(PHASES)})")
     p = dataclasses.replace(p, **over)
     if p.tokens[-1] > p.gamma + 1:
@@ -473,12 +462,11 @@ def main(argv: list[str] | None = None) -> int:
                                else os.path.join("bench", "results"))
     docs = args.docs if args.docs is not None else ("" if name == "tiny" else os.path.join("docs", "BENCHMARKS.md"))
 
-    shown = [COMMAND] + (["--tiny"] if name == "tiny" else []) + [
-        f"--{k} {','.join(map(str, v)) if isinstance(v, tuple) else f'{v:g}'}" for k, v in over.items()
-        if k not in ("budget_s", "draft_vocab_size")] + (
-        [f"--draft-vocab {p.draft_vocab_size}"] if p.draft_vocab_size else []) + (
-        [f"--phases {','.join(phases)}"] if phases != PHASES else []) + (
-        [f"--budget {p.budget_s:g}"] if "budget_s" in over else [])
+    shown = [COMMAND] + (["--tiny"] if name == "tiny" else [])
+    shown += [f"--{k} {','.join(map(str, over[k]))}" for k in ("slots", "tokens", "concurrency") if k in over]
+    shown += [f"--draft-vocab {p.draft_vocab_size}"] if p.draft_vocab_size else []
+    shown += [f"--phases {','.join(phases)}"] if phases != PHASES else []
+    shown += [f"--budget {p.budget_s:g}"] if "budget_s" in over else []
     result: dict[str, Any] = {
         "benchmark": NAME, "preset": name, "command": " ".join(shown), "dry_run": args.dry_run,
         "target": p.target, "dtype": p.dtype, "slots": list(p.slots), "tokens": list(p.tokens),

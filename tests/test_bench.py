@@ -510,6 +510,13 @@ def test_rank_gain_adds_acceptance_by_position_from_the_kept_evaluations(tmp_pat
         rg.by_position(argparse.Namespace(eval_dir=str(tmp_path), temperatures=[0.5]), "dspark-r256")
 
 
+def _embedded_table(tau: dict, command: str) -> dict:
+    """A `train.evaluate` result as bench.embedded reads it: every set at each drafter's τ."""
+    from bench.embedded import EVAL_SETS
+    return {"table": [{"drafter": d, **{s: tau[d] for s in EVAL_SETS}, "macro": tau[d]} for d in tau],
+            "drafters": {d: {"overall": {"cond_accept": [0.5, 0.4]}} for d in tau}, "command": command}
+
+
 def test_embedded_table_only_refreshes_tables_and_keeps_the_speed_sections(tmp_path):
     """`bench.embedded --table-only` rewrites the report's τ tables and JSON τ from the new
     evaluation, keeps the last speed and peer sections verbatim with the command that timed them, says they were not rerun; with
@@ -518,15 +525,12 @@ def test_embedded_table_only_refreshes_tables_and_keeps_the_speed_sections(tmp_p
 
     from bench import embedded as E
 
-    def table(tau):
-        return {"table": [{"drafter": d, **{s: tau[d] for s in E.EVAL_SETS}, "macro": tau[d]} for d in tau],
-                "drafters": {d: {"overall": {"cond_accept": [0.5, 0.4]}} for d in tau}, "command": "cmd"}
-
     old_speed = f"{E.SPEED_HEADING} (10 prompts, 2 per set)\n\n| decoding | tokens/s |\n| plain | 24.0 |\n"
     (tmp_path / "embedded.md").write_text("# old\n\nCommand: `python -m bench.embedded --skip-table` (Table 1: `x`)\n\n"
                                           "## τ at T=0\n\n| dspark | 9.99 |\n" + old_speed)
     (tmp_path / "embedded.json").write_text(json.dumps({"tau": {"0.0": {"dspark": 9.99}}, "speed": {"plain@T0": 1}}))
-    tables = {0.0: table({"dspark": 1.31, "standalone": 1.2}), 1.0: table({"dspark": 1.25, "standalone": 1.1})}
+    tables = {0.0: _embedded_table({"dspark": 1.31, "standalone": 1.2}, "cmd"),
+              1.0: _embedded_table({"dspark": 1.25, "standalone": 1.1}, "cmd")}
     args = argparse.Namespace(out_dir=str(tmp_path), cap=8, max_tokens=64)
     E._refresh_tables(["dspark", "standalone"], tables, args, ["--table-only"])
     md = (tmp_path / "embedded.md").read_text()
@@ -549,11 +553,7 @@ def test_embedded_full_report_names_its_command_and_speed_goals(tmp_path):
 
     from bench import embedded as E
 
-    def table(tau):
-        return {"table": [{"drafter": d, **{s: tau[d] for s in E.EVAL_SETS}, "macro": tau[d]} for d in tau],
-                "drafters": {d: {"overall": {"cond_accept": [0.5, 0.4]}} for d in tau}, "command": "tcmd"}
-
-    tables = {0.0: table({"dspark": 1.3}), 1.0: table({"dspark": 1.2})}
+    tables = {0.0: _embedded_table({"dspark": 1.3}, "tcmd"), 1.0: _embedded_table({"dspark": 1.2}, "tcmd")}
     speed = {}
     for t in (0.0, 1.0):
         speed[("plain", t)] = {"tokens_per_s": 20.0, "tau": 1.0, "token_ids": [[1, 2]], "load": 1.0}
