@@ -52,7 +52,7 @@ def propose_call(n: int, batch: int, gamma: int, context: int) -> Callable[[], A
     import jax.numpy as jnp
     from flax import nnx
 
-    from specjax.decoding.sampling import SamplingArrays
+    from specjax.sampling import SamplingArrays
     from specjax.drafters.base import ContextUpdate
     from specjax.drafters.block import BlockDrafterConfig
     from specjax.drafters.dspark import DSparkDrafter

@@ -139,7 +139,7 @@ def propose_call(drafter: Any, ctx: Context) -> Callable[[], Any]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from specjax.decoding.sampling import SamplingArrays
+    from specjax.sampling import SamplingArrays
     graph, params = nnx.split(drafter)
     state = jax.jit(lambda p, s, u: nnx.merge(graph, p).commit(s, u))(
         params, drafter.init_state(ctx.batch, ctx.max_len), ctx.update(drafter))
@@ -162,7 +162,7 @@ def sampling_call(target: BenchTarget, ctx: Context, gamma: int) -> Callable[[],
     import jax
     import jax.numpy as jnp
 
-    from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
+    from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
     b, v = ctx.batch, target.config.vocab_size
     logits = jax.random.normal(jax.random.key(3), (b, gamma, v), jnp.float32)
     sa = SamplingArrays.broadcast(b, temperature=1.0)

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
-from specjax.decoding.sampling import validate_sampling
-from specjax.detokenize import StopStringChecker
+from specjax.sampling import validate_sampling
+from specjax.serving.detokenize import StopStringChecker
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ from scipy import stats
 
 from specjax.config import TargetConfig
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
-from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.models.decoder import CausalLM
 

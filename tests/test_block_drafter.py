@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig, from_dict, to_dict
-from specjax.decoding.sampling import SamplingArrays, probs_from_logits
+from specjax.sampling import SamplingArrays, probs_from_logits
 from specjax.drafters.base import ContextUpdate, Drafter
 from specjax.drafters.block import (BlockBackbone, BlockDrafterConfig, Frozen,
                                     attend_context_and_block, default_target_layer_ids)

@@ -11,6 +11,7 @@ import pytest
 
 from specjax.config import ConfigError
 from specjax.eval import metrics as M
+from specjax.scheduling import calibration_metrics as CM
 from specjax.scheduling import calibration as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,29 +37,29 @@ def _synthetic_rounds(seed=0, n=3000, gamma=5, scale=3.0, fixed=True):
 
 
 def test_ece_hand_case():
-    assert M.ece([0.1, 0.1, 0.9, 0.9], [0, 1, 1, 1]) == pytest.approx(0.25)
-    assert M.ece([0.0, 1.0], [0, 1]) == pytest.approx(1e-8)  # clamped to [1e-8, 1 - 1e-8]
-    batched = M.ece(np.array([[0.1, 0.1, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5]]), [0, 1, 1, 1])
+    assert CM.ece([0.1, 0.1, 0.9, 0.9], [0, 1, 1, 1]) == pytest.approx(0.25)
+    assert CM.ece([0.0, 1.0], [0, 1]) == pytest.approx(1e-8)  # clamped to [1e-8, 1 - 1e-8]
+    batched = CM.ece(np.array([[0.1, 0.1, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5]]), [0, 1, 1, 1])
     np.testing.assert_allclose(batched, [0.25, 0.25])
-    assert M.ece([0.3, 0.7], [0, 1], bins=1) == pytest.approx(0.0)
+    assert CM.ece([0.3, 0.7], [0, 1], bins=1) == pytest.approx(0.0)
 
 
 def test_auroc_ties_and_brute_force():
-    assert M.auroc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
-    assert M.auroc([0.5, 0.5], [0, 1]) == pytest.approx(0.5)
-    assert M.auroc([0.2, 0.5, 0.5, 0.9], [0, 1, 0, 1]) == pytest.approx(0.875)
-    assert np.isnan(M.auroc([0.1, 0.2], [1, 1]))
+    assert CM.auroc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    assert CM.auroc([0.5, 0.5], [0, 1]) == pytest.approx(0.5)
+    assert CM.auroc([0.2, 0.5, 0.5, 0.9], [0, 1, 0, 1]) == pytest.approx(0.875)
+    assert np.isnan(CM.auroc([0.1, 0.2], [1, 1]))
     rng = np.random.default_rng(1)
     p = rng.integers(0, 6, 60) / 5.0
     y = rng.random(60) < 0.4
     pos, neg = p[y], p[~y]
     brute = ((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (
         len(pos) * len(neg))
-    assert M.auroc(p, y) == pytest.approx(brute)
+    assert CM.auroc(p, y) == pytest.approx(brute)
 
 
 def test_brier():
-    assert M.brier([0.2, 0.9], [0, 1]) == pytest.approx((0.04 + 0.01) / 2)
+    assert CM.brier([0.2, 0.9], [0, 1]) == pytest.approx((0.04 + 0.01) / 2)
 
 
 def test_acceptance_metrics_hand_case():
@@ -100,7 +101,7 @@ def test_acceptance_metrics_bonus_zero_rounds_and_fixed_length_conditional():
 
 def test_confidence_metrics_uses_prefix_survival():
     conf = np.array([[0.9, 0.5], [0.8, 0.5], [0.2, 0.9]])
-    out = M.confidence_metrics(conf, [2, 1, 0], [2, 2, 1])
+    out = CM.confidence_metrics(conf, [2, 1, 0], [2, 2, 1])
     # position 1: a = .9, .8, .2 vs y = 1, 1, 0; position 2 only rounds 0, 1: a = .45, .4 vs 1, 0
     assert out["count"].tolist() == [3, 2]
     assert out["brier@1"] == pytest.approx((0.01 + 0.04 + 0.04) / 3)
@@ -119,9 +120,9 @@ def test_sts_lowers_ece_and_keeps_ranking():
     temps = C.fit_sts(z, acc, prop)
     assert temps.shape == (5,)
     assert np.all((temps > 2.0) & (temps < 4.5)), temps  # the logits were scaled by 3
-    raw = M.confidence_metrics(_sigmoid(z), acc, prop)
+    raw = CM.confidence_metrics(_sigmoid(z), acc, prop)
     cal_p = C.apply_sts(z, temps)
-    cal = M.confidence_metrics(cal_p, acc, prop)
+    cal = CM.confidence_metrics(cal_p, acc, prop)
     assert np.all(cal["ece"] < raw["ece"])
     assert cal["ece_weighted"] < 0.4 * raw["ece_weighted"]
     assert cal["auroc@1"] == pytest.approx(raw["auroc@1"], abs=1e-12)
@@ -138,8 +139,8 @@ def test_sts_is_sequential_with_earlier_positions_frozen():
     for k in range(3):
         sel = prop >= k + 1
         prev = np.prod(_sigmoid(z[sel, :k] / temps[:k]), axis=1)
-        errs = [M.ece(prev * _sigmoid(z[sel, k] / t), y[sel, k]) for t in grid]
-        assert M.ece(prev * _sigmoid(z[sel, k] / temps[k]), y[sel, k]) == pytest.approx(min(errs))
+        errs = [CM.ece(prev * _sigmoid(z[sel, k] / t), y[sel, k]) for t in grid]
+        assert CM.ece(prev * _sigmoid(z[sel, k] / temps[k]), y[sel, k]) == pytest.approx(min(errs))
     assert np.all(temps < 1.0)  # underconfident logits (scale .5) get sharpened
 
 
@@ -183,7 +184,7 @@ def test_save_load_roundtrip_and_errors(tmp_path):
 
 
 def test_calibration_does_not_import_jax():
-    code = ("import sys; import specjax.scheduling.calibration, specjax.eval.metrics; "
+    code = ("import sys; import specjax.scheduling.calibration, specjax.scheduling.calibration_metrics, specjax.eval.metrics; "
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))]; "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from specjax import compile_cache
+from specjax.decoding import compile_cache
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specjax.detokenize import StopStringChecker, StreamDetokenizer
+from specjax.serving.detokenize import StopStringChecker, StreamDetokenizer
 
 TEXT = "hello 世界! 😀 naïve 🇯🇵 fox — the quick 你好 brown 🧪🧪 world"
 

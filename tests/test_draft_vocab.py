@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
-from specjax.decoding.sampling import SamplingArrays
+from specjax.sampling import SamplingArrays
 from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate
 from specjax.drafters.block import BlockDrafterConfig

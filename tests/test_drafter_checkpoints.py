@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from specjax import checkpoints
 from specjax.config import ConfigError, TargetConfig
-from specjax.decoding.sampling import SamplingArrays
+from specjax.sampling import SamplingArrays
 from specjax.drafters import registry
 from specjax.drafters.base import ContextUpdate
 from specjax.drafters.block import BlockDrafterConfig, Calibration, Frozen

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
-from specjax.decoding.sampling import SamplingArrays
+from specjax.sampling import SamplingArrays
 from specjax.drafters.base import ContextUpdate, Drafter
 from specjax.drafters.block import Frozen
 from specjax.drafters.eagle3 import (Eagle3Config, Eagle3Drafter, attend_causal_plus_diagonal,

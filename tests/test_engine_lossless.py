@@ -4,7 +4,7 @@ import pytest
 
 from specjax.decoding import engine as engine_module
 from specjax.decoding.engine import EngineRequest
-from specjax.decoding.sampling import SamplingArrays, probs_from_logits
+from specjax.sampling import SamplingArrays, probs_from_logits
 from specjax.decoding.verify import VerifyResult, verify_chain
 
 from engine_fixtures import (BigramDrafter, chi_square_pvalue, exact_continuations, sample_continuations,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax.decoding.sampling import (SamplingArrays, keys_for_batch, probs_from_logits,
+from specjax.sampling import (SamplingArrays, keys_for_batch, probs_from_logits,
                                        request_key, round_key, sample, validate_sampling)
 from specjax.decoding.verify import VerifyResult, chain_round_probs, verify_chain
 

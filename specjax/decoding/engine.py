@@ -31,7 +31,7 @@ from flax import nnx
 
 from specjax import sharding as shd
 from specjax.decoding import buckets as bk
-from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.drafters.base import ContextUpdate
 from specjax.models import cache as kvc
@@ -490,7 +490,7 @@ class Engine:
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm.auto import tqdm
-        from specjax import compile_cache
+        from specjax.decoding import compile_cache
         if threads is None:
             threads = max(1, min(4, os.cpu_count() or 1))
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.sampling import _as_typed_key, sample
+from specjax.sampling import _as_typed_key, sample
 
 Array = jax.Array
 

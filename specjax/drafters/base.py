@@ -9,7 +9,7 @@ inside its jitted round, so every method must be traceable with static shapes:
   (B <= slots; other rows are untouched). `anchor_b` is each row's last committed token, at position
   `position_b`; the block proposes tokens for positions position+1 .. position+gamma. Draft tokens
   MUST be sampled from exactly the `q` returned (float32, after the same sampling transform the
-  target gets: `specjax.decoding.sampling.probs_from_logits`).
+  target gets: `specjax.sampling.probs_from_logits`).
 * `commit(state, update)` -> state: append committed positions (write, then mask: never copy), for
   rows [0:B] where B = update.tokens.shape[0].
 

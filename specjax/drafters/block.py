@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
-from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
 from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.drafters.dims import (check_same_width, check_tap_layers, layer_config, target_dims,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
-from specjax.decoding.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.models import cache as kvc
 from specjax.models.decoder import CausalLM

@@ -29,10 +29,10 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from specjax.eval import rounds as rd
-from specjax.eval.metrics import (acceptance_metrics, confidence_metrics, paired_tau_bootstrap,
-                                  per_request_tau_parts)
+from specjax.eval.metrics import acceptance_metrics, paired_tau_bootstrap, per_request_tau_parts
 from specjax.io import iter_jsonl, write_atomic
 from specjax.scheduling.calibration import apply_sts
+from specjax.scheduling.calibration_metrics import confidence_metrics
 
 EVAL_SEED = 980406
 DEFAULT_MAX_NEW_TOKENS = 2048
@@ -279,7 +279,7 @@ def reliability_data(log: rd.RoundLog, collect_t: float, temps: np.ndarray | Non
                      ) -> dict[str, Any] | None:
     """Per-position predicted prefix survival and outcomes for reliability diagrams:
     {"before": [(pred, label) per position], "after": ...}."""
-    from specjax.eval.metrics import prefix_survival_labels
+    from specjax.scheduling.calibration_metrics import prefix_survival_labels
 
     a = log.arrays()
     if a["confidence"] is None or a["accepted"].size == 0:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from specjax.eval.metrics import ece
+from specjax.scheduling.calibration_metrics import ece
 
 
 def _pyplot():

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from specjax.eval.metrics import confidence_metrics
+from specjax.scheduling.calibration_metrics import confidence_metrics
 from specjax.scheduling.calibration import apply_sts, fit_sts, load_sts, save_sts
 
 CALIBRATION_FILE = "calibration.json"
@@ -168,7 +168,7 @@ def drafter_has_confidence(drafter: Any) -> bool:
     import jax
     import jax.numpy as jnp
 
-    from specjax.decoding.sampling import SamplingArrays
+    from specjax.sampling import SamplingArrays
 
     def probe():
         state = drafter.init_state(1, 8)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from specjax.config import ConfigError
-from specjax.eval.metrics import ece, prefix_survival_labels
+from specjax.scheduling.calibration_metrics import ece, prefix_survival_labels
 from specjax.io import write_json_atomic
 
 STS_FORMAT = "specjax-sts"

@@ -27,7 +27,7 @@ import traceback
 from typing import Any, AsyncIterator, Iterator
 
 from specjax.decoding.engine import Engine, EngineRequest
-from specjax.metrics import ServingMetrics
+from specjax.serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 

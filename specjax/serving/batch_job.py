@@ -31,7 +31,7 @@ from typing import Any, Iterator
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
 from specjax.decoding.engine import EngineRequest
 from specjax.io import DurableAppender, JsonlLine, iter_jsonl, read_jsonl
-from specjax.metrics import ServingMetrics, request_spec_metrics
+from specjax.serving.metrics import ServingMetrics, request_spec_metrics
 from specjax.serving.schema import SAMPLING_FIELDS, FieldError, parse_sampling
 
 ROW_FIELDS = frozenset(("id", "prompt", "messages", "metadata") + SAMPLING_FIELDS)

@@ -5,7 +5,7 @@ Endpoints:
     POST /v1/chat/completions   messages through the tokenizer's chat template
     GET  /v1/models             the one served model
     GET  /health                200 while the engine loop runs, else 503
-    GET  /metrics               Prometheus text (see specjax.metrics); /metrics.json: JSON snapshot
+    GET  /metrics               Prometheus text (see specjax.serving.metrics); /metrics.json: JSON snapshot
 
 `"stream": true` answers with Server-Sent Events: `data: {json}\\n\\n` chunks, the last one carrying
 `finish_reason`, `usage` and `spec_metrics`, then `data: [DONE]\\n\\n`. A client that disconnects
@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specjax.metrics import CONTENT_TYPE
+from specjax.serving.metrics import CONTENT_TYPE
 from specjax.serving.openai_api import APIError, ClientGone, OpenAIApp
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ submits it to the continuous-batching `AsyncEngine`, and answers a response body
 `"stream": true`, an async iterator of chunks. Every response carries OpenAI's `usage` and a
 `spec_metrics` block (mean_acceptance_length, num_drafts, num_draft_tokens, num_accepted_tokens,
 accepted_per_pos) for that request; choices also carry `token_ids`. Streamed text is detokenized
-incrementally (`specjax.detokenize`), linear in the output's length.
+incrementally (`specjax.serving.detokenize`), linear in the output's length.
 
 Status codes: 400 bad or unsupported fields, prompts or max_tokens over the limits; 404 unknown
 model; 503 when the engine's waiting queue is full or the engine is not running; 504 when a request
@@ -19,8 +19,8 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
-from specjax.detokenize import StreamDetokenizer
-from specjax.metrics import ServingMetrics, request_spec_metrics
+from specjax.serving.detokenize import StreamDetokenizer
+from specjax.serving.metrics import ServingMetrics, request_spec_metrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.schema import SAMPLING_FIELDS, FieldError, parse_sampling
 
