@@ -186,7 +186,7 @@ def greedy_continuations(cap: int, max_tokens: int) -> dict[str, list[tuple[list
     """(prompt ids, greedy output ids) of Table 1's prompts per set, plain decoding."""
     from specjax import LLM
     from specjax.api import SamplingParams
-    from specjax.eval.evaluate import load_dataset
+    from specjax.eval.datasets import load_dataset
 
     llm = LLM(max_num_seqs=8, max_model_len=1024, max_prefill=256)
     out = {}

@@ -63,7 +63,7 @@ def table1(drafters: list[str], cap: int, max_tokens: int, temperature: float, o
 def _speed_prompts(per_set: int) -> list[list[int]]:
     """The first `per_set` prompts (Table 1's capped order) of every set, chat-templated ids."""
     from specjax import checkpoints, default_target
-    from specjax.eval.evaluate import load_dataset
+    from specjax.eval.datasets import load_dataset
     tok = checkpoints.load_tokenizer(default_target.gguf_path())
     return [p for path in _eval_paths() for p in load_dataset(path, tok, cap=per_set).prompts]
 

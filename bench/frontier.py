@@ -223,7 +223,7 @@ def _prompts(target, longest: int = PREFILL) -> list[list[int]]:
     token ids for a random stand-in."""
     if target.tokenizer is not None and getattr(target.tokenizer, "chat_template", None):
         from bench.embedded import _eval_paths
-        from specjax.eval.evaluate import load_dataset
+        from specjax.eval.datasets import load_dataset
         out = [p for path in _eval_paths() for p in load_dataset(path, target.tokenizer, cap=32).prompts
                if len(p) <= longest]
         return out[:64]

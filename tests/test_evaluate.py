@@ -199,7 +199,7 @@ def test_paired_bootstrap_over_prompts():
 # ---------------------------------------------------------------------------------------------
 
 def test_caps_shuffle_and_domains():
-    from specjax.eval.evaluate import DEFAULT_CAPS, cap_rows, domain_of, parse_caps
+    from specjax.eval.datasets import DEFAULT_CAPS, cap_rows, domain_of, parse_caps
 
     rows = list(range(20))
     assert cap_rows(rows, 30) == rows and cap_rows(rows, None) == rows
@@ -216,7 +216,7 @@ def test_caps_shuffle_and_domains():
 
 
 def test_prompt_rows(tmp_path):
-    from specjax.eval.evaluate import first_user_turn, read_prompt_file
+    from specjax.eval.datasets import first_user_turn, read_prompt_file
 
     assert first_user_turn({"turns": ["a", "b"]}, "f:1") == ("chat", "a")
     assert first_user_turn({"conversations": [{"role": "system", "content": "s"},

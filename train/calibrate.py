@@ -21,7 +21,7 @@ def _paths(values: list[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from specjax.eval.evaluate import EVAL_SEED
+    from specjax.eval.datasets import EVAL_SEED
 
     p = argparse.ArgumentParser(prog="python -m train.calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--target", default=None, help="Qwen3 checkpoint directory (default: the embedded target)")

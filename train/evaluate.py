@@ -21,7 +21,7 @@ def _list(values: list[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from specjax.eval.evaluate import DEFAULT_MAX_NEW_TOKENS, EVAL_SEED
+    from specjax.eval.datasets import DEFAULT_MAX_NEW_TOKENS, EVAL_SEED
 
     p = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n")[0])
     p.add_argument("--target", default=None, help="Qwen3 checkpoint directory (default: the embedded target)")
@@ -47,7 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from specjax.config import ConfigError
-    from specjax.eval.evaluate import EvalSettings, parse_caps, results_markdown, run_evaluation
+    from specjax.eval.datasets import parse_caps
+    from specjax.eval.evaluate import EvalSettings, run_evaluation
+    from specjax.eval.report import results_markdown
 
     try:
         cap, caps = parse_caps(args.cap)
