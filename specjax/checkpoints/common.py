@@ -311,6 +311,30 @@ def _place(arr: np.ndarray, var: nnx.Variable, mesh, rules) -> jax.Array:
     return jax.device_put(arr, named_sharding(mesh, tuple(axes), tuple(arr.shape), rules))
 
 
+def _check_tensor_names(wanted: list[Any], names: set[str], key_map: KeyMap, source: str, *,
+                        allow_extra: set[str], ignore_unexpected: bool) -> list[str]:
+    """Raise ValueError for a key map sending two params to one tensor, a missing tensor or an
+    unexpected one; returns the extra tensor names that are ignored."""
+    dup: dict[str, str] = {}
+    for e in wanted:
+        if e.hf_name in dup:
+            raise ValueError(f"key map sends both '{dup[e.hf_name]}' and '{e.path}' "
+                             f"to '{e.hf_name}'")
+        dup[e.hf_name] = e.path
+    missing = [e for e in wanted if e.hf_name not in names]
+    if missing:
+        listed = ", ".join(f"'{e.hf_name}' (for param {e.path})" for e in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"{source}: missing tensor(s) {listed}{more}")
+    extra = sorted(names - set(dup))
+    ignored = [n for n in extra if ignore_unexpected or key_map.is_harmless(n) or n in allow_extra]
+    unexpected = [n for n in extra if n not in ignored]
+    if unexpected:
+        raise ValueError(f"{source}: unexpected tensor(s) {unexpected[:8]} with no matching param "
+                         f"(checkpoint and config disagree?)")
+    return ignored
+
+
 def load_params_into(module: nnx.Module,
                      tensors: Mapping[str, np.ndarray] | str | os.PathLike, *,
                      key_map: KeyMap | None = None, mesh=None, rules=None, dtype=None,
@@ -336,26 +360,9 @@ def load_params_into(module: nnx.Module,
     source = source or getattr(tensors, "source", "checkpoint")
     key_map = key_map or TARGET_KEY_MAP
     entries = param_entries(module, key_map)
-    allow = set(allow_extra)
-    names = set(tensors.keys())
     wanted = [e for e in entries if e.hf_name is not None]
-    dup: dict[str, str] = {}
-    for e in wanted:
-        if e.hf_name in dup:
-            raise ValueError(f"key map sends both '{dup[e.hf_name]}' and '{e.path}' "
-                             f"to '{e.hf_name}'")
-        dup[e.hf_name] = e.path
-    missing = [e for e in wanted if e.hf_name not in names]
-    if missing:
-        listed = ", ".join(f"'{e.hf_name}' (for param {e.path})" for e in missing[:8])
-        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise ValueError(f"{source}: missing tensor(s) {listed}{more}")
-    extra = sorted(names - set(dup))
-    ignored = [n for n in extra if ignore_unexpected or key_map.is_harmless(n) or n in allow]
-    unexpected = [n for n in extra if n not in ignored]
-    if unexpected:
-        raise ValueError(f"{source}: unexpected tensor(s) {unexpected[:8]} with no matching param "
-                         f"(checkpoint and config disagree?)")
+    ignored = _check_tensor_names(wanted, set(tensors.keys()), key_map, source,
+                                  allow_extra=set(allow_extra), ignore_unexpected=ignore_unexpected)
     for e in wanted:
         expected = _hf_shape(e.variable.get_value().shape, e.transpose)
         got = _shape_of(tensors, e.hf_name)
