@@ -246,8 +246,8 @@ def _tables_md(drafters, tables, args, report_cmd: str) -> str:
                 goals.append(f"τ(DSpark)/τ({other}) at T={t:g}: {r:.2f} (goal >= {goal})")
     md += "\n" + "\n".join(f"- {g}" for g in goals) + "\n"
     md += ("\nGamma 15: the shipped block drafters are trained with block 7; a block-15 DSpark / "
-           "DFlash pair built on the same data and budget (configs/embedded/*-g15.yaml) is "
-           "evaluated in the section 'Table 1 at gamma 15' (bench/results/embedded_g15.md).\n")
+           "DFlash pair built on the same data and budget (the experiments dspark-g15 and dflash-g15 "
+           "of experiments/run.py) is evaluated in docs/EXPERIMENTS.md.\n")
     md += ("\nPer-position acceptance and calibration (ECE, Brier, AUROC): "
            "`bench/results/embedded_eval_T1/results.md`, `acceptance_by_position.png`, "
            "`reliability_dspark.png` (and T0).\n")

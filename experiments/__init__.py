@@ -1,0 +1,1 @@
+"""One-off studies: named variants of shipped configs (run.py) and their records (records/)."""
