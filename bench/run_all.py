@@ -1,16 +1,16 @@
-"""Run every benchmark, then rebuild docs/BENCHMARKS.md from the per-benchmark Markdown results.
+"""Run the benchmarks, then rebuild docs/BENCHMARKS.md from the per-benchmark Markdown results.
 
     python -m bench.run_all [--only decode drafters] [--skip training] [--docs-only] [--timeout 1800]
     python -m bench.run_all --section scheduler   # refresh one section of the page, nothing else
 
-Each benchmark module that exists (bench/decode.py, drafters, draft_vocab, scheduler and, when present,
-training, frontier, embedded, server_load, verify_cost, startup) runs as its own subprocess
-`python -m bench.<name>`, so one failure
-or crash does not stop the rest; the exit code is non-zero if any failed. Afterwards
-docs/BENCHMARKS.md is regenerated from bench/results/<name>.md (plus a link to the JSON and the
-PNG), each section with the command that made it. `--docs-only` only regenerates the document;
-`--section NAME` replaces (or adds) just the section of bench/results/NAME.md and leaves the rest of
-the page as it is.
+`make bench` runs every CPU benchmark of BENCHMARKS, each as its own subprocess `python -m
+bench.<name>`, so one failure or crash does not stop the rest; the exit code is non-zero if any
+failed. `gpu_check` needs a GPU and runs only when named (`--only gpu_check`). Afterwards
+docs/BENCHMARKS.md is regenerated: the headline table of bench/headline.md, then one section per
+benchmark from bench/results/<name>.md (plus links to the JSON and the PNG), each with the command
+that made it. A result named `<benchmark>_<variant>` (e.g. gpu_check_draft_vocab32768) is a
+subsection of its benchmark's section. `--docs-only` only regenerates the page; `--section NAME`
+replaces (or adds) just the section of NAME and leaves the rest of the page as it is.
 """
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ from bench.common import load_average, machine_info
 
 BENCHMARKS = ("decode", "verify_cost", "startup", "drafters", "draft_vocab", "scheduler", "training",
               "frontier", "embedded", "embedded_build", "server_load")
+GPU_BENCHMARKS = ("gpu_check",)
+SECTIONS = BENCHMARKS + GPU_BENCHMARKS  # the page's order
+HEADLINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "headline.md")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join("bench", "results")
 DOCS_PATH = os.path.join("docs", "BENCHMARKS.md")
@@ -34,21 +37,19 @@ SUMMARY = "run_all.json"
 _COMMAND_RE = re.compile(r"^\s*Command:\s*`([^`]+)`", re.MULTILINE)
 
 INTRO = """\
-# Benchmarks
-
-`make bench` (= `python -m bench.run_all`) runs every benchmark program under `bench/` and rebuilds
+`make bench` (= `python -m bench.run_all`) runs every CPU benchmark under `bench/` and rebuilds
 this page from their results in `bench/results/` (one `.json` with every number, one `.md` table and
-one `.png` picture per benchmark). Each section names the exact command that produced it; run that
-command to reproduce or refresh a single section, then `python -m bench.run_all --docs-only` to
-rebuild this page.
+one `.png` picture per benchmark); `python -m bench.gpu_check` runs on a GPU. Each section names the
+exact command that produced it; run that command to refresh a single section, then
+`python -m bench.run_all --docs-only` to rebuild this page. Experiments (one-off studies of drafter
+training) are written up in [EXPERIMENTS.md](EXPERIMENTS.md).
 
 **Machine and noise.** Unless a section says otherwise the numbers come from a small development
-machine: a 2-core x86-64 CPU, JAX on its CPU backend, no accelerator. That machine is shared, and
-other engineers' test runs were going on while these figures were taken, so absolute timings are
-noisy (often by 2x). Every result therefore records the 1-minute load average next to each figure
-(a load above 2 on 2 cores means the benchmark competed for the CPUs), and the benchmarks time the
-things they compare round-robin so that ratios share the same background load; ratios are the
-steadier figures, absolute numbers are lower bounds of what an idle machine gives.
+machine: a 2-core x86-64 CPU, JAX on its CPU backend, no accelerator. That machine is shared, so
+absolute timings are noisy (often by 2x). Every result records the 1-minute load average next to
+each figure (a load above 2 on 2 cores means the benchmark competed for the CPUs), and the
+benchmarks time the things they compare round-robin so that ratios share the same background load;
+ratios are the steadier figures, absolute numbers are lower bounds of what an idle machine gives.
 """
 
 
@@ -91,7 +92,7 @@ def write_summary(runs: list[dict[str, Any]], missing: list[str], results_dir: s
         r["finished"] = now
     done = {r["name"] for r in runs}
     merged = [r for r in old if isinstance(r, dict) and r.get("name") not in done] + runs
-    merged.sort(key=lambda r: BENCHMARKS.index(r["name"]) if r.get("name") in BENCHMARKS else len(BENCHMARKS))
+    merged.sort(key=lambda r: SECTIONS.index(r["name"]) if r.get("name") in SECTIONS else len(SECTIONS))
     os.makedirs(results_dir, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"finished": now, "runs": merged, "skipped_missing": missing, "machine": machine_info()},
@@ -112,8 +113,26 @@ def _demote(md: str) -> str:
     return "\n".join(out)
 
 
+def parent(name: str) -> str:
+    """The section that holds result `name`: its own, or benchmark B's for a variant `B_<variant>`."""
+    if name in SECTIONS:
+        return name
+    return next((b for b in sorted(SECTIONS, key=len, reverse=True) if name.startswith(b + "_")), name)
+
+
 def section(name: str, results_dir: str, docs_dir: str) -> str | None:
-    """The BENCHMARKS.md section of one benchmark from results/<name>.md (None if it has none)."""
+    """The BENCHMARKS.md section of one benchmark from results/<name>.md, with a subsection per
+    variant result `<name>_*.md` (None if it has no results)."""
+    own = _block(name, 2, results_dir, docs_dir)
+    if own is None:
+        return None
+    variants = sorted(f[:-3] for f in os.listdir(results_dir)
+                      if f.endswith(".md") and f[:-3] != name and parent(f[:-3]) == name)
+    return "\n".join([own] + [_block(v, 3, results_dir, docs_dir) or "" for v in variants])
+
+
+def _block(name: str, level: int, results_dir: str, docs_dir: str) -> str | None:
+    """results/<name>.md under a heading of `level`: title, command and links, picture, body."""
     md_path = os.path.join(results_dir, f"{name}.md")
     if not os.path.isfile(md_path):
         return None
@@ -128,7 +147,7 @@ def section(name: str, results_dir: str, docs_dir: str) -> str | None:
     if m:  # shown once, in the section header
         md = (md[:m.start()] + md[m.end():]).strip()
     rel = os.path.relpath(results_dir, docs_dir).replace(os.sep, "/")
-    parts = [f"## {title}\n", f"Command: `{command}` — results: [`{name}.json`]({rel}/{name}.json), "
+    parts = [f"{'#' * level} {title}\n", f"Command: `{command}` — results: [`{name}.json`]({rel}/{name}.json), "
              f"[`{name}.md`]({rel}/{name}.md)\n"]
     if "load" not in md.lower():  # older results without load in their table: take it from the JSON
         load = _json_load_average(os.path.join(results_dir, f"{name}.json"))
@@ -136,7 +155,9 @@ def section(name: str, results_dir: str, docs_dir: str) -> str | None:
             parts.append(f"1-minute load average when measured: {load:.1f}.\n")
     if os.path.isfile(os.path.join(results_dir, f"{name}.png")):
         parts.append(f"![{title}]({rel}/{name}.png)\n")
-    parts.append(_demote(md) + "\n")
+    for _ in range(level - 1):
+        md = _demote(md)
+    parts.append(md + "\n")
     return "\n".join(parts)
 
 
@@ -156,16 +177,22 @@ def _json_load_average(path: str) -> float | None:
     return float(v) if isinstance(v, (int, float)) else None
 
 
-def write_docs(results_dir: str = RESULTS_DIR, docs_path: str = DOCS_PATH) -> str:
-    """Rebuild docs/BENCHMARKS.md from every `<name>.md` in `results_dir` (known benchmarks first,
-    in BENCHMARKS order, then any others alphabetically). Returns the path written."""
+def write_docs(results_dir: str = RESULTS_DIR, docs_path: str = DOCS_PATH, headline: str = HEADLINE) -> str:
+    """Rebuild docs/BENCHMARKS.md: the headline table (the file `headline`, when present), then a
+    section per `<name>.md` in `results_dir` (known benchmarks first, in SECTIONS order, then any
+    others alphabetically; variants inside their benchmark's section). Returns the path written."""
     docs_dir = os.path.dirname(os.path.abspath(docs_path))
-    names = [n for n in BENCHMARKS if os.path.isfile(os.path.join(results_dir, f"{n}.md"))]
-    extra = sorted(f[:-3] for f in os.listdir(results_dir) if f.endswith(".md") and f[:-3] not in names) \
+    names = [n for n in SECTIONS if os.path.isfile(os.path.join(results_dir, f"{n}.md"))]
+    extra = sorted(f[:-3] for f in os.listdir(results_dir)
+                   if f.endswith(".md") and f[:-3] not in names and parent(f[:-3]) == f[:-3]) \
         if os.path.isdir(results_dir) else []
     sections = [(n, section(n, results_dir, docs_dir)) for n in names + extra]
     sections = [(n, s) for n, s in sections if s]
-    out = [INTRO]
+    out = ["# Benchmarks\n"]
+    if os.path.isfile(headline):
+        with open(headline, encoding="utf-8") as f:
+            out.append(f.read().strip() + "\n")
+    out.append(INTRO)
     summary_path = os.path.join(results_dir, SUMMARY)
     if os.path.isfile(summary_path):
         with open(summary_path, encoding="utf-8") as f:
@@ -190,10 +217,11 @@ def write_docs(results_dir: str = RESULTS_DIR, docs_path: str = DOCS_PATH) -> st
 
 
 def write_section(name: str, results_dir: str = RESULTS_DIR, docs_path: str = DOCS_PATH) -> str:
-    """Replace the section of `name` in docs/BENCHMARKS.md (found by its link to `name`.md) with one
-    rebuilt from results/`name`.md, or append it (and list it under Contents) if the page has none;
+    """Replace the section of `name` (of its benchmark, for a variant result) in docs/BENCHMARKS.md
+    (found by its link to `name`.md) with one rebuilt from results/`name`.md, or append it (and list it under Contents) if the page has none;
     every other section stays as it is. Builds the whole page when there is none. Returns the path."""
     docs_dir = os.path.dirname(os.path.abspath(docs_path))
+    name = parent(name)
     new = section(name, results_dir, docs_dir)
     if new is None:
         raise ValueError(f"no results to document: {os.path.join(results_dir, name + '.md')} does not exist")
@@ -226,7 +254,7 @@ def _anchor(section_md: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run just these benchmarks")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run just these benchmarks")
     parser.add_argument("--skip", nargs="+", choices=BENCHMARKS, default=[], help="benchmarks not to run")
     parser.add_argument("--docs-only", action="store_true", help="only rebuild docs/BENCHMARKS.md")
     parser.add_argument("--section", metavar="NAME",

@@ -114,6 +114,51 @@ def test_run_one_reports_failure_without_raising(tmp_path):
     assert r["returncode"] == 3 and r["status"] == "failed (exit 3)"
 
 
+def test_a_variant_result_is_a_subsection_of_its_benchmark(tmp_path):
+    """`gpu_check_draft_vocab32768.md` joins the GPU check's section, in the full page and when
+    either result's section is rebuilt alone; the headline table opens the page."""
+    res_dir, docs = tmp_path / "results", tmp_path / "docs" / "BENCHMARKS.md"
+    res_dir.mkdir()
+    (res_dir / "decode.md").write_text("# Decode\n\ndecode body\n")
+    (res_dir / "gpu_check.md").write_text("# GPU check\n\nfull vocabulary\n\n## Curve\n")
+    (res_dir / "gpu_check_draft_vocab32768.md").write_text("# GPU check, draft vocabulary\n\nsmall vocabulary\n")
+    headline = tmp_path / "headline.md"
+    headline.write_text("| goal | measured |\n|---|---|\n| g | 1 |\n")
+    run_all.write_docs(str(res_dir), str(docs), str(headline))
+    text = docs.read_text()
+    assert text.startswith("# Benchmarks\n\n| goal | measured |")
+    assert "## GPU check\n" in text and "### GPU check, draft vocabulary\n" in text and "### Curve" in text
+    assert text.count("[gpu_check") == 1  # one entry under Contents
+    (res_dir / "gpu_check_draft_vocab32768.md").write_text("# GPU check, draft vocabulary\n\nNEW small\n")
+    run_all.write_section("gpu_check_draft_vocab32768", str(res_dir), str(docs))
+    text = docs.read_text()
+    assert "NEW small" in text and "small vocabulary" not in text and text.count("## GPU check\n") == 1
+    assert text.index("decode body") < text.index("full vocabulary") < text.index("NEW small")
+    assert run_all.parent("embedded_build") == "embedded_build" and run_all.parent("zzz_1") == "zzz_1"
+
+
+def test_headline_values_are_those_of_the_results_and_link_to_their_sections():
+    """Each headline row's numbers appear in the result of the benchmark its command names, and
+    its link is a section of docs/BENCHMARKS.md."""
+    import re
+
+    rows = [line for line in open(run_all.HEADLINE, encoding="utf-8") if line.startswith("| [")]
+    assert rows
+    page = open(run_all.DOCS_PATH if os.path.isabs(run_all.DOCS_PATH)
+                else os.path.join(run_all.REPO_ROOT, run_all.DOCS_PATH), encoding="utf-8").read()
+    anchors = {run_all._anchor(line) for line in page.splitlines(keepends=False) if line.startswith("## ")}
+    for row in rows:
+        goal, measured, met, command, date = [c.strip() for c in row.strip().strip("|").split(" | ")]
+        anchor = re.search(r"\]\(#([^)]+)\)", goal).group(1)
+        assert anchor in anchors, goal
+        bench = re.search(r"python -m bench\.(\w+)", command).group(1)
+        with open(os.path.join(run_all.REPO_ROOT, run_all.RESULTS_DIR, f"{bench}.md"), encoding="utf-8") as f:
+            result = f.read()
+        for number in re.findall(r"\d+(?:\.\d+)?", measured):
+            assert number in result, (goal, number)
+        assert met in ("yes", "no", "no (within noise)") and re.fullmatch(r"\d{4}-\d\d-\d\d", date)
+
+
 def test_encode_fixed_exact_length_and_reuse():
     enc = lambda s: list(s.encode())
     out = encode_fixed(["short", "x" * 50, "y" * 80], enc, 3, 40, "test")
