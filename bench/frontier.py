@@ -198,8 +198,8 @@ def paired_ratios(engines: dict, prompts, levels: list[int], max_tokens: int, re
 
 def pair_order(i: int) -> tuple[str, str]:
     """The engines' order in the i-th pair: plain first in even pairs, confidence_async first in odd
-    ones. On these shared CPUs the second run of a pair was measured ~2.5% faster on average (6 pairs
-    at C=16), so a fixed order biases every ratio the same way."""
+    ones, so that an order effect (on shared CPUs the second run of a pair tends to be faster)
+    cancels instead of biasing every ratio the same way."""
     return ("plain", "confidence_async") if i % 2 == 0 else ("confidence_async", "plain")
 
 
