@@ -168,7 +168,7 @@ def test_process_rows_follow_the_batch_sharding(monkeypatch):
 def test_epoch_batches_read_a_slice_padded_like_the_global_batch():
     import functools
 
-    from specjax.training.trainer import EpochBatches, collate_block_batch
+    from specjax.training.data import EpochBatches, collate_block_batch
 
     class Samples:
         def __init__(self, lengths):

@@ -20,8 +20,9 @@ from specjax import sharding as shd
 from specjax.drafters.block import Frozen
 from specjax.models.layers import Linear
 from specjax.training.config import CheckpointConfig, LoggingConfig, OptimizerConfig
-from specjax.training.trainer import (EpochBatches, NonFiniteLossError, Trainer, lr_schedule,
-                                      make_optimizer)
+from specjax.training.data import EpochBatches
+from specjax.training.step import lr_schedule, make_optimizer
+from specjax.training.trainer import NonFiniteLossError, Trainer
 
 V, H = 32, 16
 POISON = V - 1  # a batch containing this token makes the toy loss NaN

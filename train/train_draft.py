@@ -79,7 +79,8 @@ def build(cfg: TrainConfig, *, mesh=None, draft_ids=None) -> Run:
     from specjax.training.cache_parts import open_target_caches
     from specjax.training.config import CACHE_KINDS
     from specjax.training.objectives import make_objective
-    from specjax.training.trainer import EpochBatches, Trainer, collate_block_batch
+    from specjax.training.data import EpochBatches, collate_block_batch
+    from specjax.training.trainer import Trainer
 
     mc, dc = cfg.model, cfg.data
     mesh = mesh if mesh is not None else _mesh(cfg)

@@ -1,7 +1,7 @@
 """Training data: chat loss masks, anchor sampling and the block layout of DSpark/DFlash training.
 
 Host side (numpy, tokenizers): `assistant_loss_mask`, `completion_loss_mask`, `bucket_length`,
-`pad_batch`. Device side (jittable jax.numpy, reference §2.4, §3.1, §5.1, §6.2): `anchor_candidates`,
+`pad_batch`, `collate_block_batch`, `EpochBatches` (resumable epochs of global batches). Device side (jittable jax.numpy, reference §2.4, §3.1, §5.1, §6.2): `anchor_candidates`,
 `sample_anchors`, `block_labels`, `eval_mask`, `block_positions`, `block_attention_mask`.
 
 Block layout: the A blocks of a sequence lie back to back, so block slot j of anchor i is query
@@ -9,7 +9,7 @@ index i*K + j; slot j of the block at anchor a has position a + j and predicts i
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -202,6 +202,130 @@ def pad_batch(seqs: Sequence[Any], bucket: int, *, pad_value: int = 0, rows: int
     for i, a in enumerate(arrs):
         out[i, :len(a)] = a
     return out
+
+
+def collate_block_batch(samples: Sequence[Mapping[str, Any]], buckets: Sequence[int], *,
+                        max_length: int | None = None, longest: int | None = None,
+                        ) -> dict[str, np.ndarray]:
+    """Right-pad samples (dicts with input_ids, loss_mask and, from a cache, taps and hidden)
+    to the smallest bucket that fits the longest -> input_ids int32 [B,S], loss_mask uint8 [B,S],
+    valid int32 [B] (+ taps [B,S,L*H], hidden [B,S,H] in their stored dtype). Padding has
+    loss_mask 0, so it is never an anchor or a label (reference §6.3). `longest`: the longest
+    sample of the global batch when these samples are one process's slice of it (all processes
+    then pad to the same bucket)."""
+    if not samples:
+        raise ValueError("cannot collate an empty batch")
+    cut = (lambda a: a[:max_length]) if max_length else (lambda a: a)
+    ids = [cut(np.asarray(s["input_ids"])) for s in samples]
+    n = max(len(a) for a in ids)
+    if longest is not None:
+        n = max(n, min(longest, max_length) if max_length else longest)
+    s_pad = bucket_length(n, buckets)
+    out = {"input_ids": np.zeros((len(ids), s_pad), np.int32),
+           "loss_mask": np.zeros((len(ids), s_pad), np.uint8),
+           "valid": np.asarray([len(a) for a in ids], np.int32)}
+    for r, smp in enumerate(samples):
+        k = len(ids[r])
+        out["input_ids"][r, :k] = ids[r]
+        out["loss_mask"][r, :k] = cut(np.asarray(smp["loss_mask"]))
+    for name in ("taps", "hidden"):
+        if name in samples[0]:
+            first = np.asarray(samples[0][name])
+            arr = np.zeros((len(ids), s_pad, first.shape[-1]), first.dtype)
+            for r, smp in enumerate(samples):
+                arr[r, :len(ids[r])] = cut(np.asarray(smp[name]))
+            out[name] = arr
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# resumable epochs of global batches (host side)
+
+
+class EpochBatches:
+    """Global batches of `batch_size` samples over a deterministic per-epoch permutation.
+
+    Epoch e uses `np.random.default_rng(seed + e).permutation(N)` (or 0..N-1 without shuffle) and
+    yields floor(N / batch_size) batches (the remainder is dropped), then streams into epoch e+1.
+    Position = {"epoch", "index"}: the next sample index into epoch e's order. `dataset` needs
+    `__len__` and `__getitem__` (or `read(indices) -> list`); `collate(list) -> batch`.
+
+    Data-parallel over processes: `rows` (`Trainer.process_rows(batch_size)`) are the positions of
+    each global batch that this process reads and feeds; every process walks the same order. When
+    the dataset has `lengths` (tokens per sample), the collate is called as
+    `collate(items, longest=L)` with L the longest sample of the whole global batch, so that every
+    process pads to the same shape. `global_batch_size` is then `batch_size` (None otherwise).
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, *, seed: int = 42,
+                 collate: Callable[..., Any] | None = None, shuffle: bool = True,
+                 rows: Sequence[int] | None = None):
+        n = len(dataset)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if n < batch_size:
+            raise ValueError(f"the data set has {n} samples, fewer than one batch ({batch_size})")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.collate = collate or (lambda xs: xs)
+        self.steps_per_epoch = n // batch_size
+        self.epoch = 0
+        self.index = 0
+        self._order: np.ndarray | None = None
+        self._order_epoch = -1
+        self.rows: np.ndarray | None = None
+        self.global_batch_size: int | None = None
+        self._lengths: np.ndarray | None = None
+        if rows is not None:
+            self.rows = np.asarray(rows, np.int64)
+            if self.rows.ndim == 1 and not len(self.rows):
+                raise ValueError("this process feeds no row of the global batch: the training "
+                                 "mesh holds none of its devices (mesh sizes vs devices per host)")
+            if self.rows.ndim != 1 or self.rows.min() < 0 or self.rows.max() >= batch_size:
+                raise ValueError(f"rows must be positions in a batch of {batch_size}, got "
+                                 f"{self.rows.tolist()}")
+            self.global_batch_size = batch_size
+            lengths = getattr(dataset, "lengths", None)
+            self._lengths = None if lengths is None else np.asarray(lengths, np.int64)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            n = len(self.dataset)
+            self._order = (np.random.default_rng(self.seed + epoch).permutation(n)
+                           if self.shuffle else np.arange(n))
+            self._order_epoch = epoch
+        return self._order
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": int(self.epoch), "index": int(self.index)}
+
+    def restore(self, position: Mapping[str, int]) -> None:
+        epoch, index = int(position["epoch"]), int(position["index"])
+        if epoch < 0 or not 0 <= index <= self.steps_per_epoch * self.batch_size:
+            raise ValueError(f"invalid data position {dict(position)}")
+        self.epoch, self.index = epoch, index
+
+    def next_indices(self) -> np.ndarray:
+        if self.index + self.batch_size > self.steps_per_epoch * self.batch_size:
+            self.epoch += 1
+            self.index = 0
+        idx = self.order(self.epoch)[self.index:self.index + self.batch_size]
+        self.index += self.batch_size
+        return idx
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        idx = self.next_indices()
+        mine = idx if self.rows is None else idx[self.rows]
+        read = getattr(self.dataset, "read", None)
+        items = read(list(mine)) if callable(read) else [self.dataset[int(i)] for i in mine]
+        if self._lengths is not None:
+            return self.collate(items, longest=int(self._lengths[idx].max()))
+        return self.collate(items)
 
 
 # ------------------------------------------------------------------------------------------------

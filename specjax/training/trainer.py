@@ -2,7 +2,7 @@
 
 The model is split once (`nnx.split(model, trainable, ...)`) into a graph definition, the
 trainable parameters and everything else ("rest": frozen embedding / lm_head copies, calibration
-values). The step is a pure function of explicit pytrees:
+values). The step (`specjax.training.step`) is a pure function of explicit pytrees:
 
     train_step(frozen, state, batch, rng) -> (state, metrics)
 
@@ -26,21 +26,20 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from specjax import sharding as shd
 from specjax.training.config import CheckpointConfig, LoggingConfig, OptimizerConfig
+from specjax.training.step import LossFn, TrainState, as_float32, make_optimizer, make_train_step
 
 Array = jax.Array
-LossFn = Callable[[nnx.Module, Any, Array, Any], tuple[Array, Mapping[str, Array]]]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -50,125 +49,6 @@ class NonFiniteLossError(RuntimeError):
         super().__init__(message)
         self.step = step
         self.last_checkpoint = last_checkpoint
-
-
-# ------------------------------------------------------------------------------------------------
-# optimizer and schedule (reference §6.4)
-
-
-def warmup_steps(total_steps: int, warmup_ratio: float) -> int:
-    return int(warmup_ratio * total_steps)
-
-
-def lr_schedule(peak_lr: float, total_steps: int, warmup_ratio: float) -> optax.Schedule:
-    """Learning rate by optax update count c (0-indexed; optimizer step s = c + 1).
-
-    With W = int(warmup_ratio * T): lr_s = peak * s / W for s <= W, then cosine to 0:
-    lr_{W+1+m} = peak * (1 + cos(pi * m / (T - W))) / 2 (so lr_{W+1} = peak).
-    """
-    if total_steps < 1:
-        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-    w = warmup_steps(total_steps, warmup_ratio)
-    decay = max(total_steps - w, 1)
-
-    def schedule(count: Array) -> Array:
-        s = jnp.asarray(count, jnp.float32) + 1.0
-        warm = peak_lr * s / max(w, 1)
-        m = jnp.maximum(s - (w + 1), 0.0)
-        cos = peak_lr * 0.5 * (1.0 + jnp.cos(jnp.pi * jnp.minimum(m, decay) / decay))
-        return jnp.where(s <= w, warm, cos)
-
-    return schedule
-
-
-def make_optimizer(cfg: OptimizerConfig, total_steps: int,
-                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """clip_by_global_norm(max_grad_norm) -> AdamW(schedule, b1, b2, eps, weight_decay)."""
-    schedule = lr_schedule(cfg.learning_rate, total_steps, cfg.warmup_ratio)
-    parts = []
-    if cfg.max_grad_norm > 0:
-        parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
-    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay))
-    return optax.chain(*parts), schedule
-
-
-# ------------------------------------------------------------------------------------------------
-# state and the pure step
-
-
-class TrainState(NamedTuple):
-    step: Array  # int32 []: optimizer steps done
-    params: Any  # trainable parameters (float32 masters), an nnx.State
-    opt_state: Any
-    rng: Array  # uint32 [2]: base key; step n uses fold_in(rng, n)
-
-
-def _as_float32(tree: Any) -> Any:
-    return jax.tree.map(
-        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
-def make_train_step(graphdef: Any, loss_fn: LossFn, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule | None = None, *, grad_accum_steps: int = 1,
-                    ) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
-    """The pure step `(frozen=(rest, aux), state, batch, rng) -> (state, metrics)`.
-
-    With `grad_accum_steps` M > 1 every batch leaf has a leading micro-step axis [M, ...]; the
-    gradient is the mean over micro-steps (each micro loss / M, reference §6.3). `rng` None
-    means fold_in(state.rng, state.step). Metrics: the loss function's (mean over micro-steps),
-    plus loss, grad_norm (before clipping), lr (of this update) and finite (bool).
-    """
-    if grad_accum_steps < 1:
-        raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
-
-    def loss_of(params, rest, aux, batch, key):
-        model = nnx.merge(graphdef, params, rest)
-        loss, metrics = loss_fn(model, batch, key, aux)
-        return loss, dict(metrics)
-
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-
-    def train_step(frozen, state: TrainState, batch, rng=None):
-        rest, aux = frozen
-        key = jax.random.fold_in(state.rng, state.step) if rng is None else rng
-        if grad_accum_steps == 1:
-            (loss, metrics), grads = grad_fn(state.params, rest, aux, batch, key)
-        else:
-            keys = jax.random.split(key, grad_accum_steps)
-
-            def micro(carry, xs):
-                mb, k = xs
-                (l, m), g = grad_fn(state.params, rest, aux, mb, k)
-                g_acc, l_acc, m_acc = carry
-                return (jax.tree.map(jnp.add, g_acc, g), l_acc + l,
-                        jax.tree.map(jnp.add, m_acc, m)), None
-
-            (_, m_shape), _ = jax.eval_shape(
-                grad_fn, state.params, rest, aux, jax.tree.map(lambda x: x[0], batch), keys[0])
-            zeros_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape)
-            zeros_g = jax.tree.map(jnp.zeros_like, state.params)
-            (g_sum, l_sum, m_sum), _ = jax.lax.scan(
-                micro, (zeros_g, jnp.zeros((), jnp.float32), zeros_m), (batch, keys))
-            inv = 1.0 / grad_accum_steps
-            grads = jax.tree.map(lambda g: g * inv, g_sum)
-            loss = l_sum * inv
-            metrics = jax.tree.map(lambda m: m * inv, m_sum)
-        gnorm = optax.tree.norm(grads)
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        new_state = TrainState(state.step + 1, new_params, new_opt, state.rng)
-        out = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
-        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        metrics["loss"] = jnp.asarray(loss, jnp.float32)
-        metrics["grad_norm"] = gnorm.astype(jnp.float32)
-        if schedule is not None:
-            metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
-        metrics["finite"] = ok
-        return out, metrics
-
-    return train_step
 
 
 # ------------------------------------------------------------------------------------------------
@@ -184,92 +64,6 @@ class ResumableIterator(Protocol):
     def position(self) -> dict[str, int]: ...
 
     def restore(self, position: Mapping[str, int]) -> None: ...
-
-
-class EpochBatches:
-    """Global batches of `batch_size` samples over a deterministic per-epoch permutation.
-
-    Epoch e uses `np.random.default_rng(seed + e).permutation(N)` (or 0..N-1 without shuffle) and
-    yields floor(N / batch_size) batches (the remainder is dropped), then streams into epoch e+1.
-    Position = {"epoch", "index"}: the next sample index into epoch e's order. `dataset` needs
-    `__len__` and `__getitem__` (or `read(indices) -> list`); `collate(list) -> batch`.
-
-    Data-parallel over processes: `rows` (`Trainer.process_rows(batch_size)`) are the positions of
-    each global batch that this process reads and feeds; every process walks the same order. When
-    the dataset has `lengths` (tokens per sample), the collate is called as
-    `collate(items, longest=L)` with L the longest sample of the whole global batch, so that every
-    process pads to the same shape. `global_batch_size` is then `batch_size` (None otherwise).
-    """
-
-    def __init__(self, dataset: Any, batch_size: int, *, seed: int = 42,
-                 collate: Callable[..., Any] | None = None, shuffle: bool = True,
-                 rows: Sequence[int] | None = None):
-        n = len(dataset)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if n < batch_size:
-            raise ValueError(f"the data set has {n} samples, fewer than one batch ({batch_size})")
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.collate = collate or (lambda xs: xs)
-        self.steps_per_epoch = n // batch_size
-        self.epoch = 0
-        self.index = 0
-        self._order: np.ndarray | None = None
-        self._order_epoch = -1
-        self.rows: np.ndarray | None = None
-        self.global_batch_size: int | None = None
-        self._lengths: np.ndarray | None = None
-        if rows is not None:
-            self.rows = np.asarray(rows, np.int64)
-            if self.rows.ndim == 1 and not len(self.rows):
-                raise ValueError("this process feeds no row of the global batch: the training "
-                                 "mesh holds none of its devices (mesh sizes vs devices per host)")
-            if self.rows.ndim != 1 or self.rows.min() < 0 or self.rows.max() >= batch_size:
-                raise ValueError(f"rows must be positions in a batch of {batch_size}, got "
-                                 f"{self.rows.tolist()}")
-            self.global_batch_size = batch_size
-            lengths = getattr(dataset, "lengths", None)
-            self._lengths = None if lengths is None else np.asarray(lengths, np.int64)
-
-    def order(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            n = len(self.dataset)
-            self._order = (np.random.default_rng(self.seed + epoch).permutation(n)
-                           if self.shuffle else np.arange(n))
-            self._order_epoch = epoch
-        return self._order
-
-    def position(self) -> dict[str, int]:
-        return {"epoch": int(self.epoch), "index": int(self.index)}
-
-    def restore(self, position: Mapping[str, int]) -> None:
-        epoch, index = int(position["epoch"]), int(position["index"])
-        if epoch < 0 or not 0 <= index <= self.steps_per_epoch * self.batch_size:
-            raise ValueError(f"invalid data position {dict(position)}")
-        self.epoch, self.index = epoch, index
-
-    def next_indices(self) -> np.ndarray:
-        if self.index + self.batch_size > self.steps_per_epoch * self.batch_size:
-            self.epoch += 1
-            self.index = 0
-        idx = self.order(self.epoch)[self.index:self.index + self.batch_size]
-        self.index += self.batch_size
-        return idx
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        idx = self.next_indices()
-        mine = idx if self.rows is None else idx[self.rows]
-        read = getattr(self.dataset, "read", None)
-        items = read(list(mine)) if callable(read) else [self.dataset[int(i)] for i in mine]
-        if self._lengths is not None:
-            return self.collate(items, longest=int(self._lengths[idx].max()))
-        return self.collate(items)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -373,7 +167,7 @@ class Trainer:
         self.graphdef, params, rest = nnx.split(model, trainable, ...)
         if not jax.tree.leaves(params):
             raise ValueError("the model has no trainable variables for the given filter")
-        params = _as_float32(params)
+        params = as_float32(params)
         self.params_shardings = _tree_shardings(params, self.mesh, rules)
         self.params0 = jax.device_put(params, self.params_shardings)
         rest = jax.device_put(rest, _tree_shardings(rest, self.mesh, rules))
@@ -548,49 +342,25 @@ class Trainer:
         state = self.restore_or_init(data) if state is None else state
         step = start = int(jax.device_get(state.step))
         log_cfg, ck = self.logging_cfg, self.checkpoint_cfg
-        primary = jax.process_index() == 0  # the one process that logs and shows progress
+        every = log_cfg.every if log_cfg is not None else 0
         global_batch_size = getattr(data, "global_batch_size", None)
-        logger = None
-        if primary and log_cfg is not None and (log_cfg.jsonl or log_cfg.tensorboard):
-            logger = MetricsLogger(log_cfg.directory, jsonl=log_cfg.jsonl,
-                                   tensorboard=log_cfg.tensorboard)
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (primary and log_cfg is not None and log_cfg.progress))
-        old_handlers = {}
-        self._stop_signal = None
-        multi = jax.process_count() > 1
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT,) if multi else (signal.SIGTERM, signal.SIGINT):
-                old_handlers[sig] = signal.signal(sig, self._on_signal)
-        status = "completed"
-        last: dict[str, float] = {}
+        logger, bar = self._progress(total, step)
+        status, last = "completed", {}
         saved_at = self.latest_checkpoint() if self.manager is not None else None
         t0 = time.time()
+        restore_signals = self._catch_signals()
         try:
             while step < total:
                 batch = next(data)
                 position = data.position() if hasattr(data, "position") else {}
                 state, metrics = self.step(state, batch, global_batch_size=global_batch_size)
                 if not bool(jax.device_get(metrics["finite"])):
-                    self.wait()
-                    good = self.latest_checkpoint()
-                    loss = float(jax.device_get(metrics["loss"]))
-                    gn = float(jax.device_get(metrics["grad_norm"]))
-                    where = (f"the last good checkpoint is step {good} in "
-                             f"{ck.directory}" if good is not None else "no checkpoint was saved")
-                    raise NonFiniteLossError(
-                        f"non-finite loss at optimizer step {step + 1} (loss={loss}, "
-                        f"grad_norm={gn}); training stopped without applying that update; "
-                        f"{where}", step + 1, good)
+                    self._raise_non_finite(step + 1, metrics)
                 step += 1
                 if on_step is not None:
                     on_step(step, state, metrics)
-                every = log_cfg.every if log_cfg is not None else 0
                 if every and (step % every == 0 or step == total):
-                    last = {k: float(v) for k, v in jax.device_get(metrics).items()
-                            if k != "finite"}
+                    last = _host_metrics(metrics)
                     dt = time.time() - t0
                     last["elapsed_s"] = dt
                     last["steps_per_s"] = (step - start) / dt if dt > 0 else 0.0
@@ -601,68 +371,85 @@ class Trainer:
                 if ck is not None and (step % ck.save_every == 0 or step == total):
                     self.save(state, position, step=step)
                     saved_at = step
-                if multi and self._stop_signal is None and _preemption_reached(step):
-                    self._stop_signal = signal.SIGTERM
-                if self._stop_signal is not None:
-                    if ck is not None and saved_at != step:
-                        self.save(state, position, step=step)
-                        saved_at = step
-                    self.wait()
-                    name = signal.Signals(self._stop_signal).name
-                    bar.write(f"received {name}: stopped at step {step}"
-                              + (f", checkpoint saved in {ck.directory}" if ck else ""))
+                if self._stop_requested(step):
+                    self._stop(state, position, step, saved_at, bar)
                     status = "preempted"
                     break
             if step > start and not last:
-                last = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "finite"}
+                last = _host_metrics(metrics)
         finally:
-            for sig, h in old_handlers.items():
-                signal.signal(sig, h)
+            restore_signals()
             bar.close()
             if logger is not None:
                 logger.close()
             self.wait()
         return FitResult(state, step, status, last)
 
+    def _progress(self, total: int, step: int) -> tuple[MetricsLogger | None, Any]:
+        """The metrics logger and progress bar of `fit` (process 0 alone logs and shows them)."""
+        from tqdm import tqdm
+
+        log_cfg = self.logging_cfg
+        primary = jax.process_index() == 0
+        logger = None
+        if primary and log_cfg is not None and (log_cfg.jsonl or log_cfg.tensorboard):
+            logger = MetricsLogger(log_cfg.directory, jsonl=log_cfg.jsonl,
+                                   tensorboard=log_cfg.tensorboard)
+        bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (primary and log_cfg is not None and log_cfg.progress))
+        return logger, bar
+
+    def _catch_signals(self) -> Callable[[], None]:
+        """Route SIGINT (and SIGTERM on one process) to a clean stop; returns the restorer."""
+        old_handlers = {}
+        self._stop_signal = None
+        if threading.current_thread() is threading.main_thread():
+            multi = jax.process_count() > 1
+            for sig in (signal.SIGINT,) if multi else (signal.SIGTERM, signal.SIGINT):
+                old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+        def restore() -> None:
+            for sig, h in old_handlers.items():
+                signal.signal(sig, h)
+
+        return restore
+
+    def _raise_non_finite(self, step: int, metrics: Mapping[str, Array]) -> None:
+        self.wait()
+        good = self.latest_checkpoint()
+        loss = float(jax.device_get(metrics["loss"]))
+        gn = float(jax.device_get(metrics["grad_norm"]))
+        where = (f"the last good checkpoint is step {good} in {self.checkpoint_cfg.directory}"
+                 if good is not None else "no checkpoint was saved")
+        raise NonFiniteLossError(
+            f"non-finite loss at optimizer step {step} (loss={loss}, grad_norm={gn}); training "
+            f"stopped without applying that update; {where}", step, good)
+
+    def _stop_requested(self, step: int) -> bool:
+        """A signal reached this process, or (several processes) a preemption notice any."""
+        if jax.process_count() > 1 and self._stop_signal is None and _preemption_reached(step):
+            self._stop_signal = signal.SIGTERM
+        return self._stop_signal is not None
+
+    def _stop(self, state: TrainState, position: Mapping[str, int], step: int,
+              saved_at: int | None, bar: Any) -> None:
+        """Save the state of `step` (unless just saved) and say why training stopped."""
+        ck = self.checkpoint_cfg
+        if ck is not None and saved_at != step:
+            self.save(state, position, step=step)
+        self.wait()
+        name = signal.Signals(self._stop_signal).name
+        bar.write(f"received {name}: stopped at step {step}"
+                  + (f", checkpoint saved in {ck.directory}" if ck else ""))
+
+
+def _host_metrics(metrics: Mapping[str, Array]) -> dict[str, float]:
+    """A step's metrics as host floats (without `finite`)."""
+    return {k: float(v) for k, v in jax.device_get(metrics).items() if k != "finite"}
+
 
 # ------------------------------------------------------------------------------------------------
 # DSpark / DFlash objective
-
-
-def collate_block_batch(samples: Sequence[Mapping[str, Any]], buckets: Sequence[int], *,
-                        max_length: int | None = None, longest: int | None = None,
-                        ) -> dict[str, np.ndarray]:
-    """Right-pad samples (dicts with input_ids, loss_mask and, from a cache, taps and hidden)
-    to the smallest bucket that fits the longest -> input_ids int32 [B,S], loss_mask uint8 [B,S],
-    valid int32 [B] (+ taps [B,S,L*H], hidden [B,S,H] in their stored dtype). Padding has
-    loss_mask 0, so it is never an anchor or a label (reference §6.3). `longest`: the longest
-    sample of the global batch when these samples are one process's slice of it (all processes
-    then pad to the same bucket)."""
-    from specjax.training.data import bucket_length
-
-    if not samples:
-        raise ValueError("cannot collate an empty batch")
-    cut = (lambda a: a[:max_length]) if max_length else (lambda a: a)
-    ids = [cut(np.asarray(s["input_ids"])) for s in samples]
-    n = max(len(a) for a in ids)
-    if longest is not None:
-        n = max(n, min(longest, max_length) if max_length else longest)
-    s_pad = bucket_length(n, buckets)
-    out = {"input_ids": np.zeros((len(ids), s_pad), np.int32),
-           "loss_mask": np.zeros((len(ids), s_pad), np.uint8),
-           "valid": np.asarray([len(a) for a in ids], np.int32)}
-    for r, smp in enumerate(samples):
-        k = len(ids[r])
-        out["input_ids"][r, :k] = ids[r]
-        out["loss_mask"][r, :k] = cut(np.asarray(smp["loss_mask"]))
-    for name in ("taps", "hidden"):
-        if name in samples[0]:
-            first = np.asarray(samples[0][name])
-            arr = np.zeros((len(ids), s_pad, first.shape[-1]), first.dtype)
-            for r, smp in enumerate(samples):
-                arr[r, :len(ids[r])] = cut(np.asarray(smp[name]))
-            out[name] = arr
-    return out
 
 
 def _chunked_over_anchors(fn: Callable[..., tuple[Array, ...]], arrays: tuple[Array, ...],
@@ -760,7 +547,5 @@ def block_drafter_loss(*, num_anchors: int, alpha_ce: float = 0.1, alpha_tv: flo
     return loss_fn
 
 
-__all__ = ["EpochBatches", "FitResult", "LossFn", "MetricsLogger", "NonFiniteLossError",
-           "ResumableIterator", "TrainState", "Trainer", "block_drafter_loss",
-           "collate_block_batch", "gather_positions", "lr_schedule", "make_optimizer",
-           "make_train_step", "warmup_steps"]
+__all__ = ["FitResult", "MetricsLogger", "NonFiniteLossError", "ResumableIterator", "Trainer",
+           "block_drafter_loss", "gather_positions"]
