@@ -18,7 +18,8 @@ except ImportError:  # tests/ itself on sys.path
     from serving_fixtures import export_tiny_target, read_jsonl, shared_tiny_llm, tiny_chat_tokenizer, write_jsonl
 
 from specjax.api import SamplingParams
-from specjax.serving.batch_job import Shard, default_errors_path, run_batch_job, shard_output_path
+from specjax.jobs import Shard, default_errors_path, shard_output_path
+from specjax.serving.batch_job import run_batch_job
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,7 @@ def test_good_and_malformed_rows_exactly_once(llm, tmp_path):
     assert [(e["line"], e["id"]) for e in errs] == [(5, None), (9, "no-prompt")]
     assert "malformed JSON" in errs[0]["error"]
     assert errs[1]["field"] == "prompt" and "prompt" in errs[1]["error"]
-    assert (s.completed, s.errors, s.rows_in_shard) == (10, 2, 12)
+    assert (s.completed, s.errors, s.rows) == (10, 2, 12)
     by_id = {r["id"]: r for r in outs}
     for i in range(10):
         r = by_id[f"r{i}"]

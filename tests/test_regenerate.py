@@ -240,7 +240,7 @@ def test_kill_9_then_rerun_leaves_no_duplicate_and_no_gap(target_dir, tmp_path):
 
 
 def test_shards_split_rows_resume_and_together_equal_one_process(llm, tmp_path):
-    from specjax.serving.batch_job import Shard
+    from specjax.jobs import Shard
     from specjax.training.regenerate import regenerate
 
     src = _write(tmp_path / "prompts.jsonl", ROWS)

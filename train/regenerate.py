@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specjax import checkpoints
     from specjax.api import LLM, SamplingParams
     from specjax.config import ConfigError
-    from specjax.serving.batch_job import Shard
+    from specjax.jobs import Shard
     from specjax.training.regenerate import regenerate
 
     try:
