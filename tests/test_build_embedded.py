@@ -227,7 +227,7 @@ def test_exporting_one_drafter_counts_the_others_already_shipped(setup, capsys):
     """A build of one drafter into an output directory that ships others: those count toward the
     budget (a budget above the one drafter but below both refuses) and stay in BUILD.json's sizes,
     drafters and cache layers."""
-    from specjax.training.build import dir_bytes
+    from specjax.training.build_outputs import dir_bytes
     from train import build_embedded
 
     out = setup["root"] / "out"
@@ -246,6 +246,7 @@ def test_exporting_one_drafter_counts_the_others_already_shipped(setup, capsys):
 
 def test_cache_drafters_must_share_tap_layers(setup, tmp_path):
     from specjax.training import build as B
+    from train import build_stages as BS
 
     cfgs = tmp_path / "configs"
     cfgs.mkdir()
@@ -256,31 +257,31 @@ def test_cache_drafters_must_share_tap_layers(setup, tmp_path):
                         work_dir=str(tmp_path / "w"), config_dir=str(cfgs), drafters=("a", "b"),
                         eval_dir=str(setup["eval"]), scale=B.SCALES["smoke"])
     with pytest.raises(B.BuildError, match=r"b.yaml: model.target_layer_ids \[1\] differ"):
-        B.Build(s, runner=lambda step: 0)
+        BS.program_build(s, runner=lambda step: 0)
     # MTP-1 reads only the cache's final hidden state: it needs no tap layers of its own
     (cfgs / "m.yaml").write_text(yaml.safe_dump({"model": {"kind": "mtp"}, "data": {"mode": "cache"}}))
-    assert B.Build(B.BuildSettings(**{**s.__dict__, "drafters": ("a", "m")}),
-                   runner=lambda st: 0).layers == (0, 1)
+    assert BS.program_build(B.BuildSettings(**{**s.__dict__, "drafters": ("a", "m")}),
+                            runner=lambda st: 0).layers == (0, 1)
     with pytest.raises(B.BuildError, match="no training config"):
-        B.Build(B.BuildSettings(**{**s.__dict__, "drafters": ("zzz",)}), runner=lambda st: 0)
+        BS.program_build(B.BuildSettings(**{**s.__dict__, "drafters": ("zzz",)}), runner=lambda st: 0)
     assert not os.path.exists(tmp_path / "o")
 
 
 def test_draft_vocab_file_round_trip_and_errors(tmp_path):
     import numpy as np
 
-    from specjax.training import build as B
+    from specjax.training import build_outputs as BO
 
     p = str(tmp_path / "v.json")
-    B.write_draft_vocab(p, np.array([2, 5, 9]), coverage=0.5, counted_tokens=10, source="x")
-    np.testing.assert_array_equal(B.read_draft_vocab(p, size=3), [2, 5, 9])
+    BO.write_draft_vocab(p, np.array([2, 5, 9]), coverage=0.5, counted_tokens=10, source="x")
+    np.testing.assert_array_equal(BO.read_draft_vocab(p, size=3), [2, 5, 9])
     with pytest.raises(ValueError, match="3 draft ids, but the config's draft_vocab_size is 4"):
-        B.read_draft_vocab(p, size=4)
+        BO.read_draft_vocab(p, size=4)
     (tmp_path / "bad.json").write_text('{"draft_ids": []}')
     with pytest.raises(ValueError, match="bad.json: field 'draft_ids'"):
-        B.read_draft_vocab(str(tmp_path / "bad.json"))
+        BO.read_draft_vocab(str(tmp_path / "bad.json"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        B.read_draft_vocab(str(tmp_path / "none.json"))
+        BO.read_draft_vocab(str(tmp_path / "none.json"))
 
 
 def test_reference_rows_without_cache_drafters_still_write_the_training_file(setup, tmp_path):
@@ -291,6 +292,7 @@ def test_reference_rows_without_cache_drafters_still_write_the_training_file(set
     from serving_fixtures import write_jsonl
     from specjax.io import read_jsonl
     from specjax.training import build as B
+    from train import build_stages as BS
 
     cfgs = tmp_path / "configs"
     cfgs.mkdir()
@@ -307,7 +309,7 @@ def test_reference_rows_without_cache_drafters_still_write_the_training_file(set
                         eval_dir=str(setup["eval"]),
                         scale=dataclasses.replace(B.SCALES["smoke"], reference_rows=2))
     steps = []
-    b = B.Build(s, runner=lambda st: steps.append(st) or 0, log=lambda m: None)
+    b = BS.program_build(s, runner=lambda st: steps.append(st) or 0, log=lambda m: None)
     assert b.layers is None and not b.done_cache_references()
     b.run(["cache"])
     assert steps == []  # nothing to cache
@@ -317,8 +319,8 @@ def test_reference_rows_without_cache_drafters_still_write_the_training_file(set
     assert any('data.train_jsonl=["' in a and "references_2.jsonl" in a for a in steps[0].args)
     write_jsonl(work / "regen_prompts.jsonl", [conv(i) | {"turns": [f"q{i}"]} for i in range(5)])
     with pytest.raises(B.BuildError, match="no original reply to add"):
-        B.Build(dataclasses.replace(s, scale=dataclasses.replace(s.scale, reference_rows=3)),
-                runner=lambda st: 0, log=lambda m: None).run(["cache"])
+        BS.program_build(dataclasses.replace(s, scale=dataclasses.replace(s.scale, reference_rows=3)),
+                         runner=lambda st: 0, log=lambda m: None).run(["cache"])
 
 
 def test_every_embedded_config_is_a_shipped_drafters_and_loads():
@@ -343,6 +345,7 @@ def test_a_text_only_standalone_reads_text_rows_of_original_replies(setup, tmp_p
     from serving_fixtures import write_jsonl
     from specjax.io import read_jsonl
     from specjax.training import build as B
+    from train import build_stages as BS
 
     cfgs = tmp_path / "configs"
     cfgs.mkdir()
@@ -362,7 +365,7 @@ def test_a_text_only_standalone_reads_text_rows_of_original_replies(setup, tmp_p
                             config_dir=str(cfgs), drafters=(name,), eval_dir=str(setup["eval"]),
                             scale=dataclasses.replace(B.SCALES["smoke"], text_rows=2))
         steps = []
-        return B.Build(s, runner=lambda st: steps.append(st) or 0, log=lambda m: None), steps
+        return BS.program_build(s, runner=lambda st: steps.append(st) or 0, log=lambda m: None), steps
 
     tv, steps = build("tv")
     assert not tv.wants_text and tv.done_prepare()

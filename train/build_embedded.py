@@ -4,7 +4,7 @@ Usage: `python -m train.build_embedded [--stages prepare regenerate ...] [--draf
 [--scale full|smoke] [--rows N --max-new-tokens N --steps N ...] [--target T --out-dir D
 --work-dir W --config-dir C]`.
 
-Stages (`specjax.training.build`): prepare (ShareGPT prompts) -> regenerate (the target's own
+Stages (`specjax.training.build`, their programs launched by `train.build_stages`): prepare (ShareGPT prompts) -> regenerate (the target's own
 answers) -> cache (offline target features) -> vocab (draft vocabularies) -> train (each drafter)
 -> calibrate (STS of confidence heads) -> export (to <out-dir>/drafters/<name>, bfloat16, <= 40 MiB
 in all). Each stage is skipped when complete and resumes where it stopped, so after an interruption
@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import os
-import subprocess
 import sys
 import time
 from typing import Sequence
 
 from specjax.training import build as B
+from train.build_stages import program_build, run_child, run_in_process
 
 DEFAULT_WORK = os.path.join("runs", "embedded")
 DEFAULT_CONFIGS = os.path.join("configs", "embedded")
@@ -33,14 +32,6 @@ DEFAULT_EVAL = os.path.join("..", "shared", "data", "eval")
 
 def _log(msg: str) -> None:
     print(f"[build_embedded {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def run_child(step: B.Step) -> int:
-    return subprocess.call([sys.executable, "-m", step.module, *step.args])
-
-
-def run_in_process(step: B.Step) -> int:
-    return int(importlib.import_module(step.module).main(step.args) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             eval_dir=args.eval_dir, scale=scale, sharegpt=args.sharegpt, target_label=label,
             heldout_fraction=args.heldout_fraction, regen_slots=args.regen_slots,
             budget_mb=args.budget_mb)
-        build = B.Build(settings, run_in_process if args.in_process else run_child, log=_log)
+        build = program_build(settings, run_in_process if args.in_process else run_child, log=_log)
         build.run(args.stages)
     except (B.BuildError, ValueError, dt.EmbeddedTargetError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,172 @@
+"""What the drafter build writes besides its record: draft vocabulary files and the lean copies
+of the trained drafters that ship (without the frozen copies of the target's tensors)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from specjax.io import read_jsonl, write_json_atomic
+
+if TYPE_CHECKING:
+    from specjax.training.build import BuildSettings, DrafterPlan
+
+
+class BuildError(RuntimeError):
+    """A stage of the drafter build could not run or did not finish."""
+
+
+# ------------------------------------------------------------------------------------------------
+# draft vocabulary files
+
+
+def write_draft_vocab(path: str, draft_ids: np.ndarray, *, coverage: float,
+                      counted_tokens: int, source: str) -> None:
+    write_json_atomic(path, {"draft_vocab_size": int(len(draft_ids)), "coverage": coverage,
+                             "counted_tokens": counted_tokens, "source": source,
+                             "draft_ids": [int(i) for i in draft_ids]}, indent=None)
+
+
+def read_draft_vocab(path: str, *, size: int | None = None) -> np.ndarray:
+    """The `draft_ids` of a draft vocabulary file (checked against `size` when given)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"draft vocabulary file does not exist: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    ids = d.get("draft_ids") if isinstance(d, dict) else None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"{path}: field 'draft_ids' must be a non-empty list of token ids")
+    if size is not None and len(ids) != size:
+        raise ValueError(f"{path}: {len(ids)} draft ids, but the config's draft_vocab_size is "
+                         f"{size}")
+    return np.asarray(ids, np.int64)
+
+
+def build_vocab_files(s: "BuildSettings", sizes: Sequence[int]) -> dict[int, float]:
+    """Count the supervised tokens of regen.jsonl (tokenised as the trainer does) and write one
+    draft vocabulary per size; returns the coverage of each."""
+    from specjax import checkpoints
+    from specjax.drafters import vocab as dv
+    from specjax.training import features as feat
+
+    tcfg = checkpoints.read_target_config(s.target)
+    tok = checkpoints.load_tokenizer(s.target)
+    samples = feat.read_jsonl_samples([s.regen_out], tok, max_length=s.max_length,
+                                      min_loss_tokens=0)
+    counts = dv.token_counts((ids for ids, _ in samples), tcfg.vocab_size,
+                             masks=(m for _, m in samples))
+    out: dict[int, float] = {}
+    for n in sorted(set(sizes)):
+        choice = dv.build_draft_vocab(counts, n, always=tcfg.eos_token_ids)
+        write_draft_vocab(s.vocab_file(n), choice.draft_ids, coverage=choice.coverage,
+                          counted_tokens=int(counts.sum()), source=os.path.basename(s.regen_out))
+        out[n] = choice.coverage
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# shipped drafters
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of the regular files under `path` (0 when it does not exist)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total
+
+
+def frozen_tensor_names(path: str, target: Any) -> set[str]:
+    """Names of the tensors of drafter directory `path` that are frozen copies of the target's
+    embedding / lm_head (loading with the target restores them)."""
+    from specjax import checkpoints
+    from specjax.drafters import registry
+    from specjax.drafters.block import Frozen
+
+    key_maps = {"dspark": checkpoints.dspark_key_map, "mtp": checkpoints.mtp_key_map,
+                "eagle3": lambda: checkpoints.eagle3_key_map("deepspec"),
+                "standalone": checkpoints.standalone_key_map}
+    kind = registry.drafter_kind(path)
+    drafter = registry.load_drafter(path, target=target)
+    return {e.hf_name for e in checkpoints.param_entries(drafter, key_maps[kind]())
+            if isinstance(e.variable, Frozen) and e.hf_name is not None}
+
+
+def lean_copy(src: str, dst: str, target: Any) -> list[str]:
+    """Copy drafter directory `src` to `dst` without the frozen target copies (a DSpark drafter
+    for a 49k-token target would otherwise carry the 28M-entry embedding); returns the names left
+    out. Other files are copied as they are."""
+    from specjax import checkpoints
+
+    drop = frozen_tensor_names(src, target)
+    os.makedirs(dst, exist_ok=True)
+    weights = {checkpoints.SAFE_WEIGHTS, checkpoints.SAFE_INDEX}
+    for f in os.listdir(src):
+        if f not in weights and not f.endswith(".safetensors"):
+            shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
+    with checkpoints.SafetensorsDir(src) as reader:
+        names = [n for n in reader if n not in drop]
+        checkpoints.write_safetensors(dst, ((n, reader[n]) for n in names))
+    return sorted(drop)
+
+
+def export_drafters(s: "BuildSettings", plans: Sequence["DrafterPlan"],
+                    training_json: Callable[["DrafterPlan"], dict[str, Any]],
+                    log: Callable[[str], None]) -> dict[str, int]:
+    """Copy each trained export to <out>/drafters/<name> without the target's copies, with
+    `training_json(plan)` as its training.json; refused (nothing replaced) when the drafters in
+    <out> would take more than the budget. Returns the bytes of every shipped drafter (those
+    shipped before and not rebuilt now count as they are)."""
+    from specjax import checkpoints
+
+    target, _ = checkpoints.load_target(s.target)
+    for p in plans:
+        tmp = s.shipped_dir(p.name) + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        dropped = lean_copy(s.export_dir(p.name), tmp, target)
+        log(f"export {p.name}: left out the target's copies {dropped}")
+        write_json_atomic(os.path.join(tmp, "training.json"), training_json(p))
+    sizes = {p.name: dir_bytes(s.shipped_dir(p.name) + ".tmp") for p in plans}
+    drafters_dir = os.path.join(s.out_dir, "drafters")
+    kept = {n: dir_bytes(os.path.join(drafters_dir, n))
+            for n in (sorted(os.listdir(drafters_dir)) if os.path.isdir(drafters_dir) else [])
+            if n not in sizes and not n.endswith(".tmp")}
+    sizes = {**kept, **sizes}
+    total = sum(sizes.values())
+    if total > s.budget_mb * 2**20:
+        for p in plans:
+            shutil.rmtree(s.shipped_dir(p.name) + ".tmp", ignore_errors=True)
+        raise BuildError(f"the drafters take {total / 2**20:.1f} MiB in all, over the "
+                         f"{s.budget_mb:g} MiB budget: " + ", ".join(
+                             f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()))
+    for p in plans:
+        dst = s.shipped_dir(p.name)
+        shutil.rmtree(dst, ignore_errors=True)
+        os.replace(dst + ".tmp", dst)
+    return sizes
+
+
+def write_split(s: "BuildSettings") -> None:
+    """<out>/split.json: the prepare stage's manifest (held-out ids, excluded evaluation files)
+    plus `train_prompt_digests`, the `sharegpt.prompt_digest` of every regenerated prompt; and
+    the held-out prompts as <out>/prompts/heldout.jsonl."""
+    from specjax.training.sharegpt import prompt_digest
+
+    with open(os.path.join(s.sharegpt_dir, "manifest.json"), encoding="utf-8") as f:
+        split = json.load(f)
+    rows = read_jsonl(s.regen_prompts, objects=True)
+    split["train_prompt_digests"] = sorted({prompt_digest(r["turns"][0]) for r in rows})
+    write_json_atomic(os.path.join(s.out_dir, "split.json"), split)
+    os.makedirs(os.path.join(s.out_dir, "prompts"), exist_ok=True)
+    shutil.copyfile(os.path.join(s.sharegpt_dir, "heldout.jsonl"),
+                    os.path.join(s.out_dir, "prompts", "heldout.jsonl"))
+
+
+__all__ = ["BuildError", "build_vocab_files", "dir_bytes", "export_drafters", "frozen_tensor_names", "lean_copy",
+           "read_draft_vocab", "write_draft_vocab", "write_split"]
