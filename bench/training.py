@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     from specjax import checkpoints, default_target
     from specjax.training import features as feat
     from specjax.training.config import load_train_config
-    from train.train_draft import build
+    from specjax.training.run import build
 
     cfg = load_train_config(args.config, [f"schedule.total_steps={args.steps + 1}"])
     log("online: building")

@@ -250,7 +250,7 @@ def test_offline_cache_run_matches_online_run(target, tmp_path):
     import yaml
 
     from specjax.training.config import load_train_config
-    from train.train_draft import build
+    from specjax.training.run import build
 
     tdir = export_target(target, TCFG, tmp_path / "target")
     samples = _samples(6, seed=9)

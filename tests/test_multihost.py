@@ -230,7 +230,7 @@ def _head(log: str) -> dict:
 def test_two_process_data_parallel_step_equals_single_process_and_sigterm_stops_both(tmp_path):
     from specjax import sharding as shd
     from specjax.training.config import load_train_config
-    from train.train_draft import build
+    from specjax.training.run import build
 
     target = export_tiny_target(tmp_path / "target")
     cfg_path = _tiny_run(tmp_path, target)

@@ -306,7 +306,7 @@ def test_dspark_objective_online_chunked_equals_offline_plain(tmp_path, tiny_tar
     from specjax.training.config import load_train_config
     from specjax.training.features import target_features_jit
     from specjax.training.trainer import block_drafter_loss
-    from train.train_draft import build
+    from specjax.training.run import build
 
     run = build(load_train_config(_tiny_run_yaml(tmp_path, tiny_target_dir, total_steps=3)))
     assert run.drafter_config.variant == "dspark" and run.trainer.total_steps == 3
@@ -367,7 +367,7 @@ def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path, tiny_target_dir):
     assert len(steps) == 1 and 2 <= steps[0] < 10**6  # saved only because of the signal
     assert (tmp_path / "ckpt" / "train_config.yaml").exists()
     from specjax.training.config import load_train_config
-    from train.train_draft import build
+    from specjax.training.run import build
 
     run = build(load_train_config(cfg_path))
     state, pos = run.trainer.restore()
