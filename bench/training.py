@@ -38,6 +38,7 @@ def _reads_cache(out_dir: str, n_samples: int, max_length: int = 256) -> dict:
     (specjax/assets/smollm2/prompts/heldout.jsonl), so it needs no prepared training data."""
     from specjax import checkpoints, default_target
     from specjax.io import read_jsonl
+    from specjax.training import cache_build
     from specjax.training import features as feat
 
     path = default_target.gguf_path()
@@ -49,8 +50,8 @@ def _reads_cache(out_dir: str, n_samples: int, max_length: int = 256) -> dict:
         ids = np.asarray(tok(row["turns"][0], add_special_tokens=False)["input_ids"][:max_length], np.int32)
         samples.append((ids, np.ones_like(ids, np.uint8)))
     t0 = time.perf_counter()
-    feat.build_cache(out_dir, target, samples, tap_layers=(1, 14, 27),
-                     identity=feat.target_identity(path, tcfg))
+    cache_build.build_cache(out_dir, target, samples, tap_layers=(1, 14, 27),
+                            identity=feat.target_identity(path, tcfg))
     return {"samples": len(samples), "tokens": int(sum(len(s[0]) for s in samples)),
             "bytes_on_disk": feat.stored_tensor_bytes(out_dir), "build_s": time.perf_counter() - t0}
 
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         update_reads(args.out_dir, reads)
         return
     from specjax import checkpoints, default_target
+    from specjax.training import cache_build
     from specjax.training import features as feat
     from specjax.training.config import load_train_config
     from specjax.training.run import build
@@ -176,8 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         samples = feat.read_jsonl_samples(cfg.data.train_jsonl, tok, max_length=cfg.data.max_length,
                                           min_loss_tokens=cfg.data.min_loss_tokens)[:args.samples]
         t0 = time.perf_counter()
-        report = feat.build_cache(tmp, target, samples, tap_layers=online.tap_layers,
-                                  identity=feat.target_identity(cfg.model.target, tcfg))
+        report = cache_build.build_cache(tmp, target, samples, tap_layers=online.tap_layers,
+                                         identity=feat.target_identity(cfg.model.target, tcfg))
         build_s = time.perf_counter() - t0
         n_tokens = int(sum(len(s[0]) for s in samples))
         on_disk = feat.stored_tensor_bytes(tmp)

@@ -14,6 +14,7 @@ from flax import nnx
 from specjax.config import ConfigError, TargetConfig
 from specjax.checkpoints import export_target
 from specjax.models.decoder import CausalLM
+from specjax.training import cache_build
 from specjax.training import features as feat
 from specjax.training.config import DataConfig
 
@@ -96,9 +97,9 @@ def test_online_features_shapes_padding_and_no_gradient(target):
 def test_cache_roundtrip_equals_online(target, tmp_path):
     samples = _samples()
     with pytest.raises(ValueError, match="tap_layers"):  # a cache without taps has nothing to serve
-        feat.build_cache(tmp_path / "none", target, samples, tap_layers=(), identity=_ident())
-    rep = feat.build_cache(tmp_path / "c", target, samples, tap_layers=TAPS, identity=_ident(),
-                           tokenizer_name="tiny", batch_size=4, chunk_tokens=16)
+        cache_build.build_cache(tmp_path / "none", target, samples, tap_layers=(), identity=_ident())
+    rep = cache_build.build_cache(tmp_path / "c", target, samples, tap_layers=TAPS, identity=_ident(),
+                                  tokenizer_name="tiny", batch_size=4, chunk_tokens=16)
     assert rep.complete and rep.samples_written == len(samples)
     cache = feat.TargetCache(tmp_path / "c", expect_layers=TAPS, expect_hidden=H,
                              expect_target=_ident())
@@ -122,8 +123,8 @@ def test_cache_roundtrip_equals_online(target, tmp_path):
 def test_estimate_matches_bytes_written(target, tmp_path):
     samples = _samples(5, seed=2)
     chunk = 16
-    feat.build_cache(tmp_path / "c", target, samples, tap_layers=TAPS, identity=_ident(),
-                     chunk_tokens=chunk, batch_size=4)
+    cache_build.build_cache(tmp_path / "c", target, samples, tap_layers=TAPS, identity=_ident(),
+                            chunk_tokens=chunk, batch_size=4)
     n_tok = sum(len(s[0]) for s in samples)
     # estimate_bytes counts the tensor data: T * (5 + 2H(L+1)) + 8(N+1). The files hold exactly
     # that plus the padding of the last chunk of each token array (chunks are stored whole) and
@@ -138,8 +139,8 @@ def test_estimate_matches_bytes_written(target, tmp_path):
     assert written == raw + (padded - n_tok) * feat.bytes_per_token(H, len(TAPS)) + 4 * (
         16 * slots + 4)
     # Several shards per array when shards are small: still exact.
-    feat.build_cache(tmp_path / "s", target, samples, tap_layers=TAPS, identity=_ident(),
-                     chunk_tokens=chunk, shard_bytes=2048, batch_size=4)
+    cache_build.build_cache(tmp_path / "s", target, samples, tap_layers=TAPS, identity=_ident(),
+                            chunk_tokens=chunk, shard_bytes=2048, batch_size=4)
     assert feat.stored_tensor_bytes(tmp_path / "s") == feat.stored_bytes(
         n_tok, H, len(TAPS), len(samples), chunk_tokens=chunk, shard_bytes=2048)
     layout = feat.TargetCache(tmp_path / "s").manifest["arrays"]
@@ -151,8 +152,8 @@ def test_estimate_matches_bytes_written(target, tmp_path):
 def test_resume_after_partial_build(target, tmp_path):
     samples = _samples(9, seed=4)
     out = tmp_path / "c"
-    rep = feat.build_cache(out, target, samples, tap_layers=TAPS, identity=_ident(),
-                           batch_size=4, stop_after=3)
+    rep = cache_build.build_cache(out, target, samples, tap_layers=TAPS, identity=_ident(),
+                                  batch_size=4, stop_after=3)
     assert not rep.complete and rep.samples_written == 3
     assert not (out / "manifest.json").exists()
     state = json.loads((out / "build_state.json").read_text())
@@ -161,12 +162,12 @@ def test_resume_after_partial_build(target, tmp_path):
         feat.TargetCache(out)
     # A different sample set may not continue this partial build.
     with pytest.raises(feat.CacheMismatchError, match="plan_hash|num_samples|num_tokens"):
-        feat.build_cache(out, target, samples[:-1], tap_layers=TAPS, identity=_ident())
-    rep2 = feat.build_cache(out, target, samples, tap_layers=TAPS, identity=_ident(), batch_size=4)
+        cache_build.build_cache(out, target, samples[:-1], tap_layers=TAPS, identity=_ident())
+    rep2 = cache_build.build_cache(out, target, samples, tap_layers=TAPS, identity=_ident(), batch_size=4)
     assert rep2.complete and rep2.samples_written == len(samples) - 3
     assert not (out / "build_state.json").exists()
-    fresh = feat.build_cache(tmp_path / "fresh", target, samples, tap_layers=TAPS,
-                             identity=_ident(), batch_size=4)
+    fresh = cache_build.build_cache(tmp_path / "fresh", target, samples, tap_layers=TAPS,
+                                    identity=_ident(), batch_size=4)
     a, b = feat.TargetCache(out), feat.TargetCache(tmp_path / "fresh")
     for i in range(len(samples)):
         x, y = a[i], b[i]
@@ -175,14 +176,14 @@ def test_resume_after_partial_build(target, tmp_path):
                                        rtol=1e-2, atol=1e-2)
         np.testing.assert_array_equal(x["input_ids"], samples[i][0])
     # Rerunning a complete build is a no-op.
-    assert feat.build_cache(out, target, samples, tap_layers=TAPS,
-                            identity=_ident()).samples_written == 0
+    assert cache_build.build_cache(out, target, samples, tap_layers=TAPS,
+                                   identity=_ident()).samples_written == 0
     assert fresh.complete
 
 
 def test_reader_mismatch_errors(target, tmp_path):
-    feat.build_cache(tmp_path / "c", target, _samples(3), tap_layers=TAPS, identity=_ident(),
-                     batch_size=4)
+    cache_build.build_cache(tmp_path / "c", target, _samples(3), tap_layers=TAPS, identity=_ident(),
+                            batch_size=4)
     with pytest.raises(feat.CacheMismatchError, match="target_layer_ids"):
         feat.TargetCache(tmp_path / "c", expect_layers=(1, 2))
     with pytest.raises(feat.CacheMismatchError, match="hidden_size"):
@@ -197,10 +198,10 @@ def test_reader_mismatch_errors(target, tmp_path):
         feat.TargetCache(tmp_path / "missing")
     # A complete cache refuses a build for other layers.
     with pytest.raises(feat.CacheMismatchError, match="target_layer_ids"):
-        feat.build_cache(tmp_path / "c", target, _samples(3), tap_layers=(0,), identity=_ident())
+        cache_build.build_cache(tmp_path / "c", target, _samples(3), tap_layers=(0,), identity=_ident())
     with pytest.raises(ConfigError, match="out of range"):
-        feat.build_cache(tmp_path / "d", target, _samples(3), tap_layers=(LAYERS,),
-                         identity=_ident())
+        cache_build.build_cache(tmp_path / "d", target, _samples(3), tap_layers=(LAYERS,),
+                                identity=_ident())
     assert feat.config_hash(TCFG) != feat.config_hash(
         TargetConfig(**{**TCFG.__dict__, "rope_theta": 5000.0}))
 
@@ -263,8 +264,8 @@ def test_offline_cache_run_matches_online_run(target, tmp_path):
     from specjax.checkpoints import load_target
 
     t2, _ = load_target(tdir)
-    feat.build_cache(cache_dir, t2, loaded, tap_layers=TAPS,
-                     identity=feat.target_identity(tdir, TCFG), batch_size=4)
+    cache_build.build_cache(cache_dir, t2, loaded, tap_layers=TAPS,
+                            identity=feat.target_identity(tdir, TCFG), batch_size=4)
 
     def run(mode: str):
         cfg = {"model": {"kind": "dspark", "target": str(tdir), "mask_token_id": V - 1,
@@ -320,8 +321,8 @@ def test_cache_pool_serves_repeated_reads_and_is_bounded(target, tmp_path):
     """With a cache pool, a sample read once is served from memory (the files are not read again);
     with none (pool 0, tensorstore's default) every read goes back to the files."""
     samples = _samples()
-    feat.build_cache(tmp_path / "c", target, samples, tap_layers=TAPS, identity=_ident(), batch_size=4,
-                     chunk_tokens=16, shard_bytes=4096)
+    cache_build.build_cache(tmp_path / "c", target, samples, tap_layers=TAPS, identity=_ident(), batch_size=4,
+                            chunk_tokens=16, shard_bytes=4096)
     pooled = feat.TargetCache(tmp_path / "c", cache_pool_bytes=1 << 20)
     unpooled = feat.TargetCache(tmp_path / "c", cache_pool_bytes=0)
     for c in (pooled, unpooled):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from specjax import distributed as dist
 from specjax.config import ConfigError
@@ -35,7 +35,7 @@ def _layers(text: str) -> tuple[int, ...]:
     return ids
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.build_cache",
                                 description=__doc__.split("\n")[0],
                                 epilog="negative layer ids need the --layers=-1,3 form")
@@ -57,8 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="print the bytes the cache needs and exit without writing")
     p.add_argument("--quiet", action="store_true")
     dist.add_distributed_args(p)
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from specjax import checkpoints
     from specjax.drafters.block import default_target_layer_ids
     from specjax.training import features as feat
@@ -82,9 +85,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not samples:
         print("error: no sample left after filtering", file=sys.stderr)
         return 2
+    print(json.dumps(_estimate(args, tcfg, layers, samples)), flush=True)
+    if args.estimate:
+        return 0
+    return _cache_part(args, layers, samples, str(tok_dir) if tokenizer is not None else "")
+
+
+def _estimate(args: argparse.Namespace, tcfg: Any, layers: tuple[int, ...],
+              samples: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """The sizes the cache of `samples` will take."""
+    from specjax.training import features as feat
+
     n_tok = sum(len(s[0]) for s in samples)
     h, nl = tcfg.hidden_size, len(layers)
-    est = {
+    return {
         "num_samples": len(samples), "num_tokens": n_tok, "hidden_size": h,
         "target_layer_ids": list(layers), "bytes_per_token": feat.bytes_per_token(h, nl),
         "data_bytes": feat.estimate_bytes(n_tok, h, nl, len(samples)),
@@ -92,9 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           chunk_tokens=args.chunk_tokens,
                                           shard_bytes=args.shard_mb * 2**20),
     }
-    print(json.dumps(est), flush=True)
-    if args.estimate:
-        return 0
+
+
+def _cache_part(args: argparse.Namespace, layers: tuple[int, ...],
+                samples: list[tuple[Any, Any]], tokenizer_name: str) -> int:
+    """Cache this process's contiguous share of `samples` in its part directory."""
+    from specjax import checkpoints
+    from specjax.training import cache_build
+    from specjax.training import features as feat
     from specjax.training.cache_parts import part_dir, part_range
 
     index, count = dist.process_shard()
@@ -106,10 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     target, tcfg = checkpoints.load_target(args.target, dtype=args.dtype)
     part = {} if count == 1 else {"part": [index, count], "sample_range": [lo, hi]}
-    report = feat.build_cache(
+    report = cache_build.build_cache(
         out_dir, target, samples[lo:hi], tap_layers=layers,
-        identity=feat.target_identity(args.target, tcfg), tokenizer_name=str(tok_dir) if
-        tokenizer is not None else "", batch_size=args.batch_size,
+        identity=feat.target_identity(args.target, tcfg), tokenizer_name=tokenizer_name,
+        batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens, chunk_tokens=args.chunk_tokens,
         shard_bytes=args.shard_mb * 2**20,
         extra_manifest={"source_jsonl_paths": list(args.data), "max_length": args.max_length,

@@ -2,7 +2,7 @@
 
 `python -m train.build_cache` on N processes (one per host, `specjax.distributed`) gives process
 i the contiguous samples `part_range(num_samples, i, N)` and writes them as an ordinary cache
-(`specjax.training.features.build_cache`, resumable on its own) in `<out>/part-<i>-of-<N>`.
+(`specjax.training.cache_build.build_cache`, resumable on its own) in `<out>/part-<i>-of-<N>`.
 `open_target_cache(<out>)` reads either layout: a single cache, or all N parts in order as one
 data set whose sample k is the k-th sample of the input (parts are contiguous ranges).
 `open_target_caches([a, b, ...])` reads several such caches (e.g. the target's regenerated answers

@@ -6,7 +6,7 @@ Features of a sequence are the target's hidden taps at `tap_layers` (raw decoder
 
 * Online: `target_features(target_params, graphdef, ids, valid, tap_layers=...)` runs the frozen
   target inside the training step (stop_gradient), so no cache is needed.
-* Offline: `build_cache` writes a tensorstore zarr store; `TargetCache` reads it back and checks
+* Offline: `specjax.training.cache_build.build_cache` writes a tensorstore zarr store; `TargetCache` reads it back and checks
   that it was made for the target, layers and hidden size the trainer expects.
 
 Cache layout (`<dir>/`): token-major zarr v3 arrays, uncompressed: `input_ids` int32 [T],
@@ -26,20 +26,16 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import tensorstore as ts
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
-from specjax.decoding.buckets import next_pow2
-from specjax.io import iter_jsonl, write_json_atomic
+from specjax.io import iter_jsonl
 from specjax.models.layers import concat_taps
 
 Array = jax.Array
@@ -192,7 +188,7 @@ def stored_tensor_bytes(path: str | os.PathLike) -> int:
 # zarr helpers
 
 
-def _create(path: str, dtype: str, shape: Sequence[int], *, chunk: int,
+def create_array(path: str, dtype: str, shape: Sequence[int], *, chunk: int,
             shard: int | None) -> ts.TensorStore:
     """A new uncompressed zarr v3 array, chunked (and optionally sharded) along axis 0."""
     rest = list(shape[1:])
@@ -221,7 +217,7 @@ def cache_context(cache_pool_bytes: int | None = None) -> ts.Context:
     return ts.Context({"cache_pool": {"total_bytes_limit": int(n)}})
 
 
-def _open(path: str, context: ts.Context | None = None) -> ts.TensorStore:
+def open_array(path: str, context: ts.Context | None = None) -> ts.TensorStore:
     """Open an existing array. With a `context` (the reader's), cached shard indexes and chunks are
     trusted after open: a complete cache is never rewritten in place."""
     if not os.path.isdir(path):
@@ -232,7 +228,7 @@ def _open(path: str, context: ts.Context | None = None) -> ts.TensorStore:
     return ts.open(spec, open=True, context=context).result()
 
 
-def _plan_hash(ids: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> str:
+def plan_hash(ids: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> str:
     h = hashlib.sha256()
     for a, m in zip(ids, masks):
         h.update(np.asarray(a, np.int32).tobytes())
@@ -240,48 +236,6 @@ def _plan_hash(ids: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> str:
         h.update(np.asarray(m, np.uint8).tobytes())
         h.update(b";")
     return h.hexdigest()[:16]
-
-
-# ------------------------------------------------------------------------------------------------
-# building
-
-
-@dataclasses.dataclass(frozen=True)
-class BuildReport:
-    path: str
-    num_samples: int
-    num_tokens: int
-    samples_written: int  # by this call (0 when the cache was already complete)
-    complete: bool
-
-
-def _length_bucket(n: int, minimum: int = 16) -> int:
-    return next_pow2(n, minimum)
-
-
-def _rows_cap(s_pad: int, batch_size: int, max_batch_tokens: int | None) -> int:
-    if not max_batch_tokens:
-        return batch_size
-    return max(1, min(batch_size, max_batch_tokens // s_pad))
-
-
-def _batches(lengths: Sequence[int], start: int, batch_size: int, max_batch_tokens: int | None,
-             ) -> Iterable[tuple[int, int]]:
-    """Consecutive sample ranges [i0, i1) from `start` (contiguous rows in the token arrays), at
-    most `_rows_cap(bucket)` rows each, so every batch pads to one shape per length bucket."""
-    i = start
-    n = len(lengths)
-    while i < n:
-        j = i + 1
-        longest = lengths[i]
-        while j < n:
-            cand = max(longest, lengths[j])
-            if j + 1 - i > _rows_cap(_length_bucket(cand), batch_size, max_batch_tokens):
-                break
-            longest = cand
-            j += 1
-        yield i, j
-        i = j
 
 
 @functools.partial(jax.jit, static_argnums=(1,), static_argnames=("tap_layers", "dtype"))
@@ -293,150 +247,7 @@ def target_features_jit(target_params: Any, graphdef: Any, ids_bs: Array, valid_
                            dtype=dtype)
 
 
-def build_cache(out_dir: str | os.PathLike, target: nnx.Module, samples: Sequence[tuple[Any, Any]],
-                *, tap_layers: Sequence[int], identity: TargetIdentity,
-                tokenizer_name: str = "", batch_size: int = 8, max_batch_tokens: int | None = 65536,
-                chunk_tokens: int = 64, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                extra_manifest: Mapping[str, Any] | None = None, stop_after: int | None = None,
-                progress: bool = False) -> BuildReport:
-    """Write (or finish) an offline target cache for tokenised samples.
-
-    `samples`: (input_ids int [S_i], loss_mask [S_i]) pairs, already truncated and filtered; they
-    are stored in order. `target`: the frozen `CausalLM` (run as is, e.g. bf16). A rerun
-    over the same samples and target continues after the last complete sample (per batch: the
-    sample data is written and awaited, then `build_state.json` is advanced); the offsets index
-    and `manifest.json` are written last. A partial cache made from different samples, target or
-    layers is refused with the mismatching field named. `stop_after` ends this call after that
-    many samples have been written by it (a resumable partial build; used by tests).
-    """
-    out_dir = os.path.normpath(os.fspath(out_dir))
-    tap_layers = tuple(int(x) for x in tap_layers)
-    cfg: TargetConfig = target.config
-    if not tap_layers:
-        raise ValueError("tap_layers must name at least one target layer to cache")
-    for lid in tap_layers:
-        if not -1 <= lid < cfg.num_hidden_layers:
-            raise ConfigError(f"tap layer {lid} out of range [-1, {cfg.num_hidden_layers}) for the "
-                              f"target at {identity.path}")
-    if chunk_tokens < 1 or batch_size < 1:
-        raise ValueError("chunk_tokens and batch_size must be >= 1")
-    if not samples:
-        raise ValueError("no samples to cache")
-    ids_list = [np.asarray(s[0], np.int32).reshape(-1) for s in samples]
-    mask_list = [np.asarray(s[1], np.uint8).reshape(-1) for s in samples]
-    for i, (a, m) in enumerate(zip(ids_list, mask_list)):
-        if len(a) == 0 or len(a) != len(m):
-            raise ValueError(f"sample {i}: input_ids ({len(a)}) and loss_mask ({len(m)}) must be "
-                             "non-empty and of equal length")
-        if a.min() < 0 or a.max() >= cfg.vocab_size:
-            raise ValueError(f"sample {i}: token ids must be in [0, {cfg.vocab_size})")
-    lengths = [len(a) for a in ids_list]
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    num_tokens = int(offsets[-1])
-    h, nl = cfg.hidden_size, len(tap_layers)
-    layout = token_layout(num_tokens, h, nl, chunk_tokens=chunk_tokens, shard_bytes=shard_bytes)
-    header = {
-        "version": CACHE_VERSION, "target_layer_ids": list(tap_layers), "hidden_size": h,
-        "target": identity.to_dict(), "tokenizer": tokenizer_name, "num_samples": len(lengths),
-        "num_tokens": num_tokens, "chunk_tokens": chunk_tokens, "plan_hash":
-            _plan_hash(ids_list, mask_list), "hidden_dtype": "bfloat16", "token_dtype": "int32",
-        "mask_dtype": "uint8", "offsets": INDEX_ARRAY, "arrays": layout,
-        "bytes_per_token": bytes_per_token(h, nl),
-        "data_bytes": estimate_bytes(num_tokens, h, nl, len(lengths)),
-        "stored_bytes": stored_bytes(num_tokens, h, nl, len(lengths), chunk_tokens=chunk_tokens,
-                                     shard_bytes=shard_bytes),
-        **dict(extra_manifest or {}),
-    }
-    os.makedirs(out_dir, exist_ok=True)
-    man_path = os.path.join(out_dir, MANIFEST)
-    state_path = os.path.join(out_dir, BUILD_STATE)
-    if os.path.exists(man_path):  # complete: fine if it is the same cache, else refuse
-        _check_same_build(_read_json(man_path), header, out_dir)
-        return BuildReport(out_dir, len(lengths), num_tokens, 0, True)
-    done = 0
-    paths = {n: os.path.join(out_dir, n) for n in TOKEN_ARRAYS}
-    if os.path.exists(state_path):
-        prev = _read_json(state_path)
-        _check_same_build(prev.get("header", {}), header, out_dir)
-        done = int(prev.get("samples_done", 0))
-        arrays = {n: _open(p) for n, p in paths.items()}
-    else:
-        for n in TOKEN_ARRAYS + (INDEX_ARRAY,):
-            shutil.rmtree(os.path.join(out_dir, n), ignore_errors=True)
-        arrays = {n: _create(paths[n], spec["dtype"],
-                             [num_tokens] + ([spec["features"]] if spec["features"] else []),
-                             chunk=chunk_tokens, shard=spec["shard_tokens"])
-                  for n, spec in layout.items()}
-        write_json_atomic(state_path, {"header": header, "samples_done": 0})
-
-    graphdef, params = nnx.split(target)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(lengths), initial=done, desc="target cache", unit="sample")
-    written = 0
-    for i0, i1 in _batches(lengths, done, batch_size, max_batch_tokens):
-        if stop_after is not None and written >= stop_after:
-            break
-        i1 = min(i1, i0 + (stop_after - written)) if stop_after is not None else i1
-        rows = i1 - i0
-        s_pad = _length_bucket(max(lengths[i0:i1]))
-        b_pad = _rows_cap(s_pad, batch_size, max_batch_tokens)  # one shape per length bucket
-        ids_pad = np.zeros((b_pad, s_pad), np.int32)
-        valid = np.zeros((b_pad,), np.int32)
-        for r, i in enumerate(range(i0, i1)):
-            ids_pad[r, :lengths[i]] = ids_list[i]
-            valid[r] = lengths[i]
-        valid[rows:] = 1
-        taps, hid = target_features_jit(params, graphdef, jnp.asarray(ids_pad),
-                                        jnp.asarray(valid), tap_layers=tap_layers)
-        taps = np.asarray(taps, ml_dtypes.bfloat16)
-        hid = np.asarray(hid, ml_dtypes.bfloat16)
-        lo, hi = int(offsets[i0]), int(offsets[i1])
-        cat = {
-            "input_ids": np.concatenate(ids_list[i0:i1]),
-            "loss_mask": np.concatenate(mask_list[i0:i1]),
-            "taps": np.concatenate([taps[r, :lengths[i]] for r, i in enumerate(range(i0, i1))]),
-            "hidden": np.concatenate([hid[r, :lengths[i]] for r, i in enumerate(range(i0, i1))]),
-        }
-        futures = [arrays[n][lo:hi].write(cat[n]) for n in TOKEN_ARRAYS]
-        for f in futures:
-            f.result()
-        done = i1
-        written += rows
-        write_json_atomic(state_path, {"header": header, "samples_done": done})
-        if bar is not None:
-            bar.update(rows)
-    if bar is not None:
-        bar.close()
-    if done < len(lengths):
-        return BuildReport(out_dir, len(lengths), num_tokens, written, False)
-    idx = _create(os.path.join(out_dir, INDEX_ARRAY), "int64", [len(offsets)],
-                  chunk=len(offsets), shard=None)
-    idx.write(offsets).result()
-    manifest = dict(header)
-    manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    write_json_atomic(man_path, manifest)
-    os.remove(state_path)
-    return BuildReport(out_dir, len(lengths), num_tokens, written, True)
-
-
-_BUILD_FIELDS = ("version", "target_layer_ids", "hidden_size", "target", "num_samples",
-                 "num_tokens", "chunk_tokens", "arrays", "plan_hash")
-
-
-def _check_same_build(existing: Mapping[str, Any], header: Mapping[str, Any], out_dir: str) -> None:
-    for k in _BUILD_FIELDS:
-        if existing.get(k) != header.get(k):
-            raise CacheMismatchError(
-                f"{out_dir} already holds a cache (or a partial build) with a different '{k}' "
-                f"({existing.get(k)!r}, this build: {header.get(k)!r}); remove it or choose "
-                "another output directory")
-
-
-def _read_json(path: str) -> dict[str, Any]:
+def read_json(path: str) -> dict[str, Any]:
     try:
         with open(path) as f:
             return json.load(f)
@@ -470,7 +281,7 @@ class TargetCache:
             hint = " (a build is in progress or was interrupted: rerun build_cache to finish it)" \
                 if os.path.exists(os.path.join(self.path, BUILD_STATE)) else ""
             raise ConfigError(f"no {MANIFEST} in {self.path}: not a complete target cache{hint}")
-        self.manifest = _read_json(man)
+        self.manifest = read_json(man)
         m = self.manifest
         if m.get("version") != CACHE_VERSION:
             raise CacheMismatchError(f"{man}: field 'version' is {m.get('version')!r}, this reader "
@@ -492,8 +303,8 @@ class TargetCache:
             if check_target_path and got.get("path") != expect_target.path:
                 raise CacheMismatchError(f"{man}: field 'target.path' is {got.get('path')!r}, the "
                                          f"trainer expects {expect_target.path!r}")
-        self.arrays = {n: _open(os.path.join(self.path, n), self.context) for n in TOKEN_ARRAYS}
-        self.offsets = np.asarray(_open(os.path.join(self.path, INDEX_ARRAY)).read().result(),
+        self.arrays = {n: open_array(os.path.join(self.path, n), self.context) for n in TOKEN_ARRAYS}
+        self.offsets = np.asarray(open_array(os.path.join(self.path, INDEX_ARRAY)).read().result(),
                                   np.int64)
         if len(self.offsets) != m["num_samples"] + 1 or self.offsets[-1] != m["num_tokens"]:
             raise ConfigError(f"{self.path}: offsets index does not match the manifest")
@@ -588,8 +399,7 @@ def read_jsonl_samples(paths: Sequence[str | os.PathLike], tokenizer: Any, *, ma
     return out
 
 
-__all__ = ["BuildReport", "CacheMismatchError", "TargetCache", "TargetIdentity", "build_cache",
-           "bytes_per_token", "config_hash", "estimate_bytes", "read_jsonl_samples", "stored_bytes",
-           "token_layout",
-           "stored_tensor_bytes", "target_features", "target_features_jit", "target_identity",
-           "tokenize_record"]
+__all__ = ["CacheMismatchError", "TargetCache", "TargetIdentity", "bytes_per_token", "cache_context",
+           "config_hash", "create_array", "estimate_bytes", "open_array", "plan_hash", "read_json",
+           "read_jsonl_samples", "stored_bytes", "stored_tensor_bytes", "target_features",
+           "target_features_jit", "target_identity", "token_layout", "tokenize_record"]
