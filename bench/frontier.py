@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import command_line, load_bench_target, log, machine_info, md_table, pyplot, write_results
+from specjax.scheduling import ROUND_KINDS
 
 POLICIES = ("plain", "mtp1", "fixed-dflash", "fixed-dspark", "threshold", "confidence", "confidence_async")
 PREFILL = 128  # prompt bucket (the longest prompt kept)
@@ -357,7 +358,7 @@ def _report(by_temp, levels, target, drafter_note, args, argv) -> None:
           f"of the Table-1 sets. {args.max_tokens} new tokens, gamma {args.gamma}; closed loop per "
           f"concurrency level, policies taking turns, {args.repeats} runs per point, the median run "
           "reported (the range of all runs under runs). Rounds: the scheduler's decisions in the median "
-          "run (draft / plain = no drafting, drafter kept up to date / lite = no drafting, no drafter "
+          "run (draft / upkeep = no drafting, drafter kept up to date / lite = no drafting, no drafter "
           "upkeep).\n")
     for temp, (results, paired) in by_temp.items():
         md += f"\n## Temperature {temp:g}\n\n" + _section(results, levels, args, paired)
@@ -399,9 +400,9 @@ def _section(results, levels, args, paired) -> str:
             rows.append([policy, r["concurrency"], f"{r['aggregate_tokens_per_s']:.1f}",
                          f"{min(runs):.0f}–{max(runs):.0f}", f"{r['per_user_tokens_per_s']:.1f}",
                          f"{r['mean_verification_length']:.2f}", f"{r['tau']:.2f}",
-                         "/".join(str(k.get(x, 0)) for x in ("draft", "plain", "lite"))])
+                         "/".join(str(k.get(x, 0)) for x in ROUND_KINDS)])
     md = md_table(["policy", "concurrency", "aggregate tok/s", "runs", "per-user tok/s", "mean ell", "τ",
-                   "rounds draft/plain/lite"], rows, "lrrrrrrr")
+                   "rounds " + "/".join(ROUND_KINDS)], rows, "lrrrrrrr")
     best_fixed = _best_by_level(results, ("fixed-dflash", "fixed-dspark"))
     best_conf = _best_by_level(results, ("confidence", "confidence_async"))
     plain = _best_by_level(results, ["plain"])

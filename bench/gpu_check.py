@@ -17,7 +17,7 @@ Phases, in order; each records its results as soon as it ends:
           made monotone; `specjax.decoding.profiling.measure_cost_table`, as `serve.profile` does);
           then tokens/s at each concurrency with that table;
   async   the same drafter under `confidence_async`, the policy `make demo` and the server use, with
-          the curve's table: it also runs plain rounds (then lite ones, exactly plain decoding's cost)
+          the curve's table: it also runs upkeep rounds (then lite ones, exactly plain decoding's cost)
           when drafting does not pay on the table: tokens/s;
   fixed   the same drafter under the `fixed` policy (every draft token verified): tokens/s.
 
@@ -391,7 +391,7 @@ def run(rec: Recorder, p: Preset, progress: bool, threads: int, phases: tuple[st
 
     phase("plain", "plain", None, "plain", (1,), plain_rounds)
     table = phase("curve", "dspark-confidence", drafter, "confidence", p.tokens, curve)
-    # the shipped serving policy: capacity from old confidences, and plain (then lite) rounds when
+    # the shipped serving policy: capacity from old confidences, and upkeep (then lite) rounds when
     # drafting does not pay; it schedules with the curve's table (measured anew without one)
     phase("async", "dspark-confidence_async", drafter, "confidence_async", p.tokens,
           cost_table=table)

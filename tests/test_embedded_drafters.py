@@ -248,7 +248,7 @@ def perturb_drafter(llm, seed: int = 0) -> None:
     noisy = [x + jax.random.normal(k, x.shape, x.dtype) * (x.std() if x.size > 1 else 1.0)
              for k, x in zip(keys, leaves)]
     _, state = nnx.split(nnx.merge(graph, jax.tree.unflatten(treedef, noisy), rest))
-    llm.engine.d_params = state
+    llm.engine.runner.d_params = state
 
 
 @pytest.mark.parametrize("name", BY_DRAFTER)
@@ -271,12 +271,12 @@ def test_greedy_is_the_targets_and_reaches_the_floor(name, target, llms, heldout
     assert tau >= floor, f"{name}: acceptance length {tau:.3f} on held-out prompts < floor {floor}"
     if name not in CONTROLLED:
         return
-    trained = llm.engine.d_params
+    trained = llm.engine.runner.d_params
     try:
         perturb_drafter(llm)
         broken = heldout_greedy(llm, tok, prompts)[1]
     finally:
-        llm.engine.d_params = trained
+        llm.engine.runner.d_params = trained
     assert broken < floor, f"{name}: perturbed weights reach {broken:.3f} >= floor {floor}"
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from specjax.api import LLM, SamplingParams
-from specjax.decoding.buckets import UnwarmedBucketError
+from specjax.decoding.runner import UnwarmedBucketError
 from specjax.decoding.engine import EngineRequest
 from specjax.drafters.ngram import NGramDrafter
 
@@ -64,8 +64,7 @@ def test_greedy_ngram_equals_reference(llm, model):
 
 def test_no_recompiles_after_warmup_and_unwarmed_key_is_an_error(model):
     eng = small_engine(model, NGramDrafter(V, gamma=3), slots=4, max_len=40, prefill=8, tokens_buckets=(1, 2, 4))
-    keys_before = {n: list(e.keys) for n, e in
-                   (("prefill", eng.exe_prefill), ("round", eng.exe_fused))}
+    keys_before = {n: list(e.keys) for n, e in eng.runner.exes.items()}
     counts_before = eng.compile_counts()
     rng = np.random.default_rng(1)
     reqs = [EngineRequest(str(i), list(rng.integers(0, V, size=int(rng.integers(1, 20)))),
@@ -75,9 +74,9 @@ def test_no_recompiles_after_warmup_and_unwarmed_key_is_an_error(model):
     eng.run(reqs, progress=False)
     assert all(r.finish_reason for r in reqs)
     assert eng.compile_counts() == counts_before
-    assert {"prefill": list(eng.exe_prefill.keys), "round": list(eng.exe_fused.keys)} == keys_before
+    assert {n: list(e.keys) for n, e in eng.runner.exes.items()} == keys_before
     with pytest.raises(UnwarmedBucketError, match="not compiled at warm-up"):
-        eng.exe_fused((3, 3), *([None] * 12))
+        eng.runner.run("fused", (3, 3), ints_4b=None, floats_2b=None, keys_b2=None)
 
 
 def test_sharded_engine_matches_single_device(model):
@@ -92,10 +91,10 @@ def test_sharded_engine_matches_single_device(model):
     b, _ = run_greedy(sharded, ps, 10)
     assert a == b
     # state stays sharded across calls: cache slots over `data`, weights over `tensor`
-    k0 = sharded.cache.k[0]
+    k0 = sharded.runner.cache.k[0]
     assert k0.sharding.spec[0] == "data" and len(k0.sharding.device_set) == 8
-    assert sharded.dstate.history.sharding.spec[0] == "data"
-    q = sharded.t_params["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    assert sharded.runner.dstate.history.sharding.spec[0] == "data"
+    q = sharded.runner.t_params["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
     assert q.sharding.spec[1] == "tensor"
     assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0], q.shape[1] // 4)}
 
@@ -178,7 +177,7 @@ def test_threaded_warmup_compiles_every_key_and_decodes_exactly(model):
     with pytest.raises(ValueError, match="threads must be a positive integer"):
         eng.warmup(threads=0)
     eng.warmup(threads=4)
-    compiled = {("prefill", k) for k in eng.exe_prefill.keys} | {("round", k) for k in eng.exe_fused.keys}
+    compiled = {(n, k) for n, e in eng.runner.exes.items() for k in e.keys}
     assert compiled == set(eng.warm_keys()) and len(compiled) == 4
     ps = prompts()[:3]
     out, _ = run_greedy(eng, ps, n=8)

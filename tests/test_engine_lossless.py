@@ -2,7 +2,7 @@
 import jax.numpy as jnp
 import pytest
 
-from specjax.decoding import engine as engine_module
+from specjax.decoding import programs
 from specjax.decoding.engine import EngineRequest
 from specjax.sampling import SamplingArrays, probs_from_logits
 from specjax.decoding.verify import VerifyResult, verify_chain
@@ -92,7 +92,7 @@ def test_filtering_only_the_draft_is_caught(model, exact_filtered, monkeypatch):
         if logits.ndim == 3:  # the verify pass [slots, tokens, V]; prefill's first token stays filtered
             sa = SamplingArrays(sa.temperature, jnp.zeros_like(sa.top_k), jnp.ones_like(sa.top_p))
         return probs_from_logits(logits, sa)
-    monkeypatch.setattr(engine_module, "probs_from_logits", temperature_only)
+    monkeypatch.setattr(programs, "probs_from_logits", temperature_only)
     groups = sample_filtered_groups(filter_engine(model), 3000, seed0=3 * 10**6)
     pvals = [chi_square_pvalue(s, e) for s, e in zip(groups, exact_filtered)]
     assert max(pvals) < 1e-3, f"p filtered differently from q passed (p={pvals}): the test has no teeth"

@@ -4,8 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.decoding.engine import Engine, EngineConfig, EngineRequest, topk_prefix_fill
-from specjax.scheduling import CostTable, prefix_schedule
+from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
+from specjax.decoding.programs import topk_prefix_fill
+from specjax.scheduling import CostTable, RoundPlanner, prefix_schedule
 
 from engine_fixtures import (BigramDrafter, chi_square_pvalue, exact_continuations, sample_continuations,
                              tiny_target)
@@ -118,13 +119,13 @@ def test_engine_confidence_policy_is_exact(model, exact):
 def test_engine_scheduler_peeking_at_the_next_confidence_is_caught(model, exact, monkeypatch):
     """Negative control for the engine's host policy path: Algorithm 1, then drop a row's last admitted
     draft when the next position's confidence (which depends on that draft's token) is low."""
-    algorithm1 = Engine._host_lengths
+    algorithm1 = RoundPlanner._host_lengths
 
     def peeking(self, conf_rg):
         ell = algorithm1(self, conf_rg)
         nxt = np.take_along_axis(np.pad(conf_rg, ((0, 0), (0, 1)), constant_values=1.0), ell[:, None], 1)[:, 0]
         return np.where((ell > 0) & (nxt < 0.5), ell - 1, ell)
-    monkeypatch.setattr(Engine, "_host_lengths", peeking)
+    monkeypatch.setattr(RoundPlanner, "_host_lengths", peeking)
     eng = make_engine(model, "confidence", cost_table=shallow_staircase, tokens_buckets=(1, 2, 3, 4))
     samples = sample_continuations(eng, PROMPT, 20000, 3, seed0=2 * 10**6)
     p = chi_square_pvalue(samples, exact)
@@ -198,9 +199,10 @@ def test_async_policy_skips_drafting_when_plain_rounds_pay_more(model, exact):
     assert chi_square_pvalue(samples, exact) > 1e-3
     kinds = [k for k, _ in rounds]
     # a plain step (0.2 s) beats every drafted round of the staircase (>= 1 s): only probes draft, and
-    # after LITE_AFTER plain decisions in a row the plain rounds stop maintaining the drafter
-    assert kinds.count("draft") <= len(kinds) // (eng.PROBE_EVERY + 1) + 1
-    assert kinds[1:1 + eng.LITE_AFTER] == ["plain"] * eng.LITE_AFTER
+    # after LITE_AFTER upkeep rounds in a row the rounds stop maintaining the drafter (lite)
+    planner = eng.planner
+    assert kinds.count("draft") <= len(kinds) // (planner.PROBE_EVERY + 1) + 1
+    assert kinds[1:1 + planner.LITE_AFTER] == ["upkeep"] * planner.LITE_AFTER
     assert kinds.count("lite") > len(kinds) // 2
     assert all(e == 0 for k, e in rounds if k != "draft")
 
@@ -225,13 +227,13 @@ def test_async_probes_back_off_and_stale_rows_never_draft(model):
         eng.add_request(r)
     while eng.has_work():
         eng._admit_waiting()
-        fresh_at_round.append(bool(eng._fresh[0]))
+        fresh_at_round.append(bool(eng.planner.fresh[0]))
         eng.step()
     drafts = [i for i, (k, _) in enumerate(rounds) if k == "draft"]
     assert all(fresh_at_round[i] for i in drafts)  # a row a lite round left behind never drafts again
     gaps = np.diff(drafts)
     # probes come after 32, 64, 128, ... rounds without drafting (each waits for a fresh row)
-    want = [min(eng.PROBE_EVERY * 2 ** k, eng.PROBE_MAX) for k in range(len(gaps))]
+    want = [min(RoundPlanner.PROBE_EVERY * 2 ** k, RoundPlanner.PROBE_MAX) for k in range(len(gaps))]
     assert len(gaps) >= 3 and all(g > w for g, w in zip(gaps, want)), (gaps, want)
     assert all(e == 0 for k, e in rounds if k != "draft")
 
@@ -240,7 +242,7 @@ def test_async_round_admitting_no_draft_is_not_drafted(model):
     """Confidences of 0 admit no draft (after the first round, planned on the 0.5 prior), and the
     cost table's 1-token round (1.0 s) is below the measured plain round (1.1 s), as table noise can
     make it. A drafting round that verifies nothing still pays for a proposal, so the policy must go
-    plain and lite, drafting only in its probes (the rule before drafted all 280 rounds here)."""
+    upkeep and lite, drafting only in its probes (the rule before drafted all 280 rounds here)."""
     drafter = BigramDrafter(V, GAMMA, confidence=True, seed=7)
     drafter.conf_table[...] = jnp.zeros((V,), jnp.float32)
     eng = one_slot_async_engine(model, {1: 1.1}, drafter)

@@ -238,7 +238,7 @@ def test_metrics_count_what_the_responses_report(srv):
                      text, re.M)
     assert re.search(r'^vllm:request_success_total\{finished_reason="length",model_name="tiny"\} [1-9]', text, re.M)
     by_kind = after["rounds"]["by_kind"]  # every round counted once under the scheduler's decision
-    assert sorted(by_kind) == ["draft", "lite", "plain"] and sum(by_kind.values()) == after["rounds"]["count"]
+    assert sorted(by_kind) == ["draft", "lite", "upkeep"] and sum(by_kind.values()) == after["rounds"]["count"]
     assert re.search(r'^specjax:scheduler_rounds_total\{kind="draft",model_name="tiny"\} [1-9]', text, re.M)
 
 

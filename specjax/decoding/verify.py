@@ -86,19 +86,9 @@ def chain_round_probs(p_gv: Array, q_gv: Array, draft_g: Array, ell: Array | int
     return accept_g, next_nv
 
 
-@jax.jit
-def verify_chain(key_b: Array, p_bgv: Array, q_bgv: Array, draft_bg: Array, ell_b: Array,
-                 stop_ids: Array) -> VerifyResult:
-    """Verify one round of chain drafts for a batch of rows (see module docstring).
-
-    Args:
-      key_b: [B] typed PRNG keys (one per row, e.g. `sampling.round_key`).
-      p_bgv: [B, G+1, V] target probs (already through `probs_from_logits`).
-      q_bgv: [B, G, V] draft probs the draft tokens were drawn from.
-      draft_bg: [B, G] int32 draft tokens.
-      ell_b: [B] int32 in 0..G (values outside are clipped): how many drafts each row verifies.
-      stop_ids: [E] int32 stop tokens (E may be 0; -1 entries are padding).
-    """
+def _checked_inputs(key_b, p_bgv, q_bgv, draft_bg, ell_b, stop_ids) -> tuple[Array, ...]:
+    """`verify_chain`'s inputs as typed keys, float32 probs, int32 drafts, lengths clipped to 0..G and
+    flat stop ids; a shape that does not fit raises ValueError."""
     key_b = _as_typed_key(key_b)
     p_bgv = jnp.asarray(p_bgv, jnp.float32)
     q_bgv = jnp.asarray(q_bgv, jnp.float32)
@@ -115,6 +105,25 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgv: Array, draft_bg: Array, ell_
     if key_b.shape != (b,):
         raise ValueError(f"key_b must be [B] = ({b},) typed keys, got shape {key_b.shape}")
     ell_b = jnp.clip(jnp.broadcast_to(jnp.asarray(ell_b, jnp.int32), (b,)), 0, g)
+    return key_b, p_bgv, q_bgv, draft_bg, ell_b, stop_e
+
+
+@jax.jit
+def verify_chain(key_b: Array, p_bgv: Array, q_bgv: Array, draft_bg: Array, ell_b: Array,
+                 stop_ids: Array) -> VerifyResult:
+    """Verify one round of chain drafts for a batch of rows (see module docstring).
+
+    Args:
+      key_b: [B] typed PRNG keys (one per row, e.g. `sampling.round_key`).
+      p_bgv: [B, G+1, V] target probs (already through `probs_from_logits`).
+      q_bgv: [B, G, V] draft probs the draft tokens were drawn from.
+      draft_bg: [B, G] int32 draft tokens.
+      ell_b: [B] int32 in 0..G (values outside are clipped): how many drafts each row verifies.
+      stop_ids: [E] int32 stop tokens (E may be 0; -1 entries are padding).
+    """
+    key_b, p_bgv, q_bgv, draft_bg, ell_b, stop_e = _checked_inputs(key_b, p_bgv, q_bgv, draft_bg, ell_b, stop_ids)
+    b, g1, v = p_bgv.shape
+    g = g1 - 1
 
     fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
     key_u_b, key_next_b = fold(key_b, 0), fold(key_b, 1)

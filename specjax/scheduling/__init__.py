@@ -1,10 +1,9 @@
-"""Host-side scheduling: cost table and prefix-scheduling policies (numpy only; never imports jax)."""
+"""Host-side scheduling: cost table, prefix-scheduling policies and the engine's round planner
+(numpy only; never imports jax)."""
 from specjax.scheduling.cost_table import CostTable, CostTableMeta
+from specjax.scheduling.names import COST_AWARE_POLICIES, LOSSLESS_POLICIES, LOSSY_POLICY, POLICIES
+from specjax.scheduling.planner import ROUND_KINDS, RoundPlan, RoundPlanner
 from specjax.scheduling.policies import (
-    COST_AWARE_POLICIES,
-    LOSSLESS_POLICIES,
-    LOSSY_POLICY,
-    POLICIES,
     async_capacity,
     async_plan,
     expected_tokens_per_second,
@@ -19,6 +18,9 @@ __all__ = [
     "LOSSLESS_POLICIES",
     "LOSSY_POLICY",
     "POLICIES",
+    "ROUND_KINDS",
+    "RoundPlan",
+    "RoundPlanner",
     "async_capacity",
     "async_plan",
     "expected_tokens_per_second",

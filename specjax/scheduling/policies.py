@@ -37,18 +37,7 @@ from typing import Any
 import numpy as np
 
 from specjax.scheduling.cost_table import CostTable
-
-LOSSY_POLICY = "anticipating_global_search_LOSSY"
-LOSSLESS_POLICIES: tuple[str, ...] = (
-    "plain",
-    "fixed",
-    "mtp1",
-    "threshold",
-    "confidence",
-    "confidence_async",
-)
-POLICIES: tuple[str, ...] = LOSSLESS_POLICIES + (LOSSY_POLICY,)
-COST_AWARE_POLICIES: tuple[str, ...] = ("confidence", "confidence_async", LOSSY_POLICY)
+from specjax.scheduling.names import COST_AWARE_POLICIES, FIXED_POLICIES, LOSSY_POLICY, POLICIES
 
 LENGTH_DTYPE = np.int32
 
@@ -294,6 +283,11 @@ def prefix_survival(confidences: Any) -> np.ndarray:
     return np.cumprod(_validate_confidences(confidences, "confidences"), axis=1)
 
 
+def fixed_length(policy: str, gamma: int) -> int:
+    """Every row's ell under a fixed policy: plain 0, mtp1 min(1, gamma), fixed gamma."""
+    return {"plain": 0, "mtp1": min(1, gamma), "fixed": gamma}[policy]
+
+
 def plain(confidences: Any) -> np.ndarray:
     """No speculation: ell_r = 0 for every request. int32 [R]."""
     c = _validate_confidences(confidences, "confidences")
@@ -486,12 +480,8 @@ def prefix_schedule(
         return _confidence_async(c, old, cost_table)  # type: ignore[arg-type]
     if policy == LOSSY_POLICY:
         return _anticipating(c, cost_table)  # type: ignore[arg-type]
-    if policy == "plain":
-        out = np.zeros(R, dtype=LENGTH_DTYPE)
-    elif policy == "fixed":
-        out = np.full(R, G, dtype=LENGTH_DTYPE)
-    elif policy == "mtp1":
-        out = np.full(R, min(1, G), dtype=LENGTH_DTYPE)
+    if policy in FIXED_POLICIES:
+        out = np.full(R, fixed_length(policy, G), dtype=LENGTH_DTYPE)
     else:  # threshold
         out = _threshold(c, theta)
     _check_executable(out, cost_table, policy)

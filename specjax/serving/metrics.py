@@ -22,7 +22,7 @@ specjax's own:
     specjax:scheduler_slots_bucket                     histogram: slots bucket per round
     specjax:round_seconds                              histogram: wall time of one engine round
     specjax:scheduler_rounds_total{kind=...}           counter: rounds by the scheduler's decision: draft,
-                                                       plain (no drafting, drafter kept up to date) or
+                                                       upkeep (no drafting, drafter kept up to date) or
                                                        lite (no drafting, no drafter upkeep; every
                                                        round of plain decoding)
     specjax:request_rejected_total{reason=...}         counter: requests refused before admission
@@ -38,9 +38,10 @@ from typing import Any, Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from specjax.scheduling.planner import ROUND_KINDS  # `Engine.on_round` info["kind"]
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-ROUND_KINDS = ("draft", "plain", "lite")  # `Engine.on_round` info["kind"]
 _ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 

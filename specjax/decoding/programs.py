@@ -1,0 +1,199 @@
+"""The pure device functions the runner compiles, one per executable family (see runner.FAMILIES).
+
+Each takes a `Context` (the static parts: module graphs, tap layers, gamma, the verifier, state
+shardings) and arrays only; the tokens-per-slot bucket of a round arrives as the static `tokens`.
+A round, for the rows [0:sb] of the slots:
+  draft   -> DraftBlock (tokens, q, confidence) for every row, from its anchor;
+  verify  -> one target pass over [anchor, d_1..d_{tb-1}] (tb = tokens bucket >= 1 + max ell),
+             exact chain rejection sampling, commit: cache lengths += accepted + 1, drafter context
+             appended with the anchor and accepted drafts, new anchor = the corrected/bonus token.
+`fused` is draft and verify in one call (lengths known before drafting); `lite` is a plain
+decoding step that taps nothing and leaves the drafter's context behind.
+Per-round row inputs travel packed (one host->device copy each): rounds take ints_4b = (ell,
+active, counter, top_k), prefill takes ints_4b = (n_valid, slot, start, top_k); both take
+floats_2b = (temperature, top_p) and the rows' raw key data keys_b2.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.decoding.verify import VerifyResult
+from specjax.drafters.base import ContextUpdate
+from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Context:
+    """What the programs close over: static for the life of an engine."""
+
+    t_graph: Any
+    d_graph: Any  # None without a drafter
+    tap_layers: tuple[int, ...]
+    needs_hidden: bool
+    gamma: int
+    max_len: int
+    verifier: Callable[..., VerifyResult]
+    cache_shardings: Any = None  # state shardings under a mesh (None without one)
+    dstate_shardings: Any = None
+    replicated: Any = None
+
+    def drafter(self, d_params: Any) -> Any:
+        return nnx.merge(self.d_graph, d_params)
+
+    def constrain(self, cache: Any, dstate: Any, anchors: Array) -> tuple[Any, Any, Array]:
+        """Keep the state's shardings fixed across calls (the compiled executables require them)."""
+        if self.replicated is None:
+            return cache, dstate, anchors
+        cache = jax.lax.with_sharding_constraint(cache, self.cache_shardings)
+        if dstate is not None:  # None: a lite round, which does not carry the drafter's state
+            dstate = jax.lax.with_sharding_constraint(dstate, self.dstate_shardings)
+        return cache, dstate, jax.lax.with_sharding_constraint(anchors, self.replicated)
+
+    def gamma_columns(self, conf_bk: Array) -> Array:
+        """The first gamma confidence columns: a block drafter may draft past gamma, and every round
+        reports (and schedules on) gamma columns whichever program produced them."""
+        return conf_bk[:, : max(self.gamma, 1)]
+
+
+def topk_prefix_fill(conf_bg: Array, k_total: Array, active_b: Array, cap: int) -> Array:
+    """Admit the `k_total` draft positions with the largest prefix survival a_{r,j} = prod_{i<=j} c_{r,i}.
+
+    Only positions j < cap of active rows compete; ties go to earlier positions, then lower rows, so
+    each row's admitted set is a prefix (a is non-increasing along a row). Returns ell [B].
+    """
+    b, g = conf_bg.shape
+    if cap <= 0 or g == 0:
+        return jnp.zeros((b,), jnp.int32)
+    cap = min(cap, g)
+    surv = jnp.cumprod(conf_bg[:, :cap].astype(jnp.float32), axis=1)  # [B, cap]
+    surv = jnp.where(active_b[:, None], surv, -1.0)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, cap)).reshape(-1)
+    pos = jnp.broadcast_to(jnp.arange(cap)[None, :], (b, cap)).reshape(-1)
+    order = jnp.lexsort((rows, pos, -surv.reshape(-1)))  # primary: survival desc, then position, then row
+    rank = jnp.zeros((b * cap,), jnp.int32).at[order].set(jnp.arange(b * cap, dtype=jnp.int32))
+    chosen = (rank < k_total) & (surv.reshape(-1) >= 0)
+    return jnp.sum(chosen.reshape(b, cap), axis=1).astype(jnp.int32)
+
+
+def _unpack(ints_4b: Array, floats_2b: Array, keys_b2: Array) -> tuple[Array, Array, SamplingArrays, Array, Array]:
+    """A round's rows: (ell, active, sampling, draft keys, verify keys)."""
+    sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1])
+    keys = round_key(jax.random.wrap_key_data(keys_b2), ints_4b[2])
+    return ints_4b[0], ints_4b[1].astype(bool), sa, round_key(keys, 0), round_key(keys, 1)
+
+
+def _taps_update(ctx: Context, out: Any, tokens: Array, positions: Array, n_valid: Array) -> ContextUpdate:
+    taps = jnp.concatenate(out.taps, axis=-1) if out.taps else None
+    return ContextUpdate(tokens=tokens, positions=positions, taps=taps,
+                         hidden=out.hidden if ctx.needs_hidden else None, n_valid=n_valid)
+
+
+def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv, ell_b, active_b,
+                   sa, keys_b, stop_ids, tb: int, maintain: bool = True):
+    """Target pass over [anchor, drafts[:tb-1]], exact acceptance, commit. Returns new state + outputs.
+    With `maintain` False (a lite round) the target taps nothing and the drafter's context is left
+    behind: those rows may not draft again (see `RoundPlanner.fresh`)."""
+    target = nnx.merge(ctx.t_graph, t_params)
+    sb = ell_b.shape[0]
+    anchor_b = anchors[:sb]
+    start_b = cache.lengths[:sb]
+    toks = anchor_b[:, None] if tb == 1 else jnp.concatenate([anchor_b[:, None], draft_bg[:, :tb - 1]], 1)
+    positions = start_b[:, None] + jnp.arange(tb, dtype=jnp.int32)[None, :]
+    ell_b = jnp.where(active_b, jnp.minimum(ell_b, tb - 1), 0)
+    out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=ctx.tap_layers if maintain else (),
+                         logits="all")
+    p = probs_from_logits(out.logits, sa)  # [sb, tb, V]
+    if tb == 1:  # plain decoding: no drafts; the chain rule reduces to sampling from the target
+        q_bgv = jnp.zeros((sb, 0, p.shape[-1]), jnp.float32)
+        draft_bg = jnp.zeros((sb, 0), jnp.int32)
+    res = ctx.verifier(keys_b, p, q_bgv[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_ids)
+    n_commit = jnp.where(active_b, res.num_accepted + 1, 0)
+    cache = out.cache.with_lengths(cache.lengths.at[:sb].set(start_b + n_commit))
+    if ctx.d_graph is not None and maintain:
+        dstate = ctx.drafter(d_params).commit(dstate, _taps_update(ctx, out, toks, positions, n_commit))
+    new_anchor = jnp.where(active_b & (res.next_token >= 0), res.next_token, anchor_b)
+    cache, dstate, anchors = ctx.constrain(cache, dstate, anchors.at[:sb].set(new_anchor))
+    outs = {"tokens": res.tokens, "num_emitted": res.num_emitted, "num_accepted": res.num_accepted,
+            "stopped": res.stopped_on_draft}
+    return cache, dstate, anchors, outs
+
+
+def lite(ctx: Context, t_params, cache, anchors, ints_4b, floats_2b, keys_b2, stop_ids):
+    """A plain decoding step that leaves the drafter alone (no drafter arguments to pass either)."""
+    ell_b, active_b, sa, _, kv = _unpack(ints_4b, floats_2b, keys_b2)
+    cache, _, anchors, outs = _verify_commit(ctx, t_params, None, cache, None, anchors, None, None, ell_b,
+                                             active_b, sa, kv, stop_ids, 1, maintain=False)
+    return cache, anchors, outs
+
+
+def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, ints_4b, floats_2b, keys_b2, stop_ids, *,
+          tokens: int):
+    """Draft and verify in one call; `tokens` = 1 (an upkeep round) drafts nothing."""
+    ell_b, active_b, sa, kd, kv = _unpack(ints_4b, floats_2b, keys_b2)
+    sb = ell_b.shape[0]
+    conf = jnp.zeros((sb, max(ctx.gamma, 1)), jnp.float32)
+    draft_bg, q_bgv = None, None
+    if tokens > 1:
+        block = ctx.drafter(d_params).propose(dstate, anchors[:sb], cache.lengths[:sb], sa, kd)
+        draft_bg, q_bgv = block.tokens, block.q
+        if block.confidence is not None:
+            conf = ctx.gamma_columns(block.confidence)
+    cache, dstate, anchors, outs = _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv,
+                                                  ell_b, active_b, sa, kv, stop_ids, tokens)
+    outs["confidence"] = conf
+    return cache, dstate, anchors, outs
+
+
+def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, ints_4b, floats_2b, keys_b2):
+    """Propose a block for every row: (tokens [sb, G], q [sb, G, V], gamma confidences [sb, gamma])."""
+    _, _, sa, kd, _ = _unpack(ints_4b, floats_2b, keys_b2)
+    sb = keys_b2.shape[0]
+    block = ctx.drafter(d_params).propose(dstate, anchors[:sb], cache_lengths[:sb], sa, kd)
+    conf = block.confidence if block.confidence is not None else jnp.ones(block.tokens.shape, jnp.float32)
+    return block.tokens, block.q, ctx.gamma_columns(conf)
+
+
+def verify(ctx: Context, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv, conf_bg, ints_4b, floats_2b,
+           keys_b2, ctrl_2, stop_ids, *, tokens: int):
+    """Verify drafts; with ctrl = (K, 1), ell = top-K fill of the current survivals (a "device" fill)."""
+    ell_b, active_b, sa, _, kv = _unpack(ints_4b, floats_2b, keys_b2)
+    k_total, device_fill = ctrl_2[0], ctrl_2[1] > 0
+    filled = topk_prefix_fill(conf_bg, k_total, active_b & (ell_b > 0), tokens - 1)  # capped rows take none
+    ell = jnp.where(device_fill, jnp.minimum(filled, ell_b), ell_b)
+    cache, dstate, anchors, outs = _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv,
+                                                  ell, active_b, sa, kv, stop_ids, tokens)
+    outs["ell"] = jnp.where(active_b, jnp.minimum(ell, tokens - 1), 0)
+    return cache, dstate, anchors, outs
+
+
+def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, tokens_bt, ints_4b, floats_2b, keys_b2):
+    """Prefill P prompt chunks into slots (an id >= slots marks a padding row); samples each first token."""
+    target = nnx.merge(ctx.t_graph, t_params)
+    pb, plen = tokens_bt.shape
+    n_valid_p, slot_p, start_p = ints_4b[0], ints_4b[1], ints_4b[2]
+    sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1])
+    cache = cache.with_lengths(cache.lengths.at[slot_p].set(start_p, mode="drop"))
+    positions = start_p[:, None] + jnp.arange(plen, dtype=jnp.int32)[None, :]
+    out = target.forward(tokens_bt, positions, cache, n_valid_p, rows_b=slot_p, tap_layers=ctx.tap_layers,
+                         logits="last")
+    cache = out.cache
+    if ctx.d_graph is not None:
+        drafter = ctx.drafter(d_params)
+        fresh = drafter.init_state(pb, ctx.max_len)
+        old = jax.tree.map(lambda x: jnp.take(x, slot_p, axis=0, mode="clip"), dstate)
+        first = start_p == 0
+        sub = jax.tree.map(lambda f, o: jnp.where(first.reshape((pb,) + (1,) * (f.ndim - 1)), f, o), fresh, old)
+        sub = drafter.commit(sub, _taps_update(ctx, out, tokens_bt, positions, n_valid_p))
+        dstate = jax.tree.map(lambda x, s_: x.at[slot_p].set(s_, mode="drop"), dstate, sub)
+    p = probs_from_logits(out.logits[:, 0], sa)  # [P, V]
+    tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p)
+    anchors = anchors.at[slot_p].set(tok, mode="drop")
+    cache, dstate, anchors = ctx.constrain(cache, dstate, anchors)
+    return cache, dstate, anchors, tok

@@ -1,0 +1,246 @@
+"""The compiled programs: device state, warm-up and every call, driven by one table row per family.
+
+This is the only module that calls compiled executables. Each executable family (`FAMILIES`) names
+its pure function (decoding/programs.py), its argument layout, the state it donates and its bucket
+key fields; warm-up lowers each bucket key from that layout and `Runner.run` passes arguments in it,
+so a family's argument list is written once. Arguments named in `STATE` are the runner's resident
+device state (returned state replaces it); the others are per-call inputs, shaped by `INPUTS`.
+Every bucket key is compiled ahead; a call with an unwarmed key raises `UnwarmedBucketError`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Any, Callable, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import sharding as shd
+from specjax.decoding import programs
+from specjax.models import cache as kvc
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One executable family: a pure function compiled once per bucket key."""
+
+    name: str
+    fn: Callable[..., Any]  # fn(context, *args, **{f: size for f in static})
+    args: tuple[str, ...]  # argument layout: names in STATE or INPUTS
+    returns: tuple[str, ...]  # outputs in order; a name in STATE replaces that state
+    bucket: tuple[str, ...]  # bucket key fields: "rows" (slots or prompts), "tokens", "plen"
+    donate: tuple[str, ...] = ()  # state arguments whose buffers the call may reuse
+    static: tuple[str, ...] = ()  # bucket fields the function takes as static ints (not in any shape)
+
+
+_STATE = ("cache", "dstate", "anchors")
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("prefill", programs.prefill,
+           ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_2b", "keys_b2"),
+           (*_STATE, "first_b"), ("rows", "plen"), donate=_STATE),
+    Family("lite", programs.lite,
+           ("t_params", "cache", "anchors", "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
+           ("cache", "anchors", "outs"), ("rows",), donate=("cache", "anchors")),
+    Family("fused", programs.fused,
+           ("t_params", "d_params", *_STATE, "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
+           (*_STATE, "outs"), ("rows", "tokens"), donate=_STATE, static=("tokens",)),
+    Family("draft", programs.draft,
+           ("d_params", "dstate", "cache_lengths", "anchors", "ints_4b", "floats_2b", "keys_b2"),
+           ("draft_bg", "q_bgv", "conf_bg"), ("rows",)),
+    Family("verify", programs.verify,
+           ("t_params", "d_params", *_STATE, "draft_bg", "q_bgv", "conf_bg", "ints_4b", "floats_2b", "keys_b2",
+            "ctrl_2", "stop_ids"),
+           (*_STATE, "outs"), ("rows", "tokens"), donate=_STATE, static=("tokens",)),
+)}
+STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "cache_lengths", "stop_ids")
+# per-call inputs: (shape, dtype) from the bucket sizes (+ "gamma" columns, "vocab")
+INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
+    "ints_4b": lambda d: ((4, d["rows"]), jnp.int32),
+    "floats_2b": lambda d: ((2, d["rows"]), jnp.float32),
+    "keys_b2": lambda d: ((d["rows"], 2), jnp.uint32),
+    "tokens_bt": lambda d: ((d["rows"], d["plen"]), jnp.int32),
+    "draft_bg": lambda d: ((d["rows"], d["gamma"]), jnp.int32),
+    "q_bgv": lambda d: ((d["rows"], d["gamma"], d["vocab"]), jnp.float32),
+    "conf_bg": lambda d: ((d["rows"], d["gamma"]), jnp.float32),
+    "ctrl_2": lambda d: ((2,), jnp.int32),
+}
+
+
+class UnwarmedBucketError(RuntimeError):
+    """An executable was called with a bucket key that was not compiled at warm-up."""
+
+
+class Executables:
+    """One family's jitted function, compiled ahead for each bucket key; never compiles on a call."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], *, donate_argnums: tuple[int, ...] = (),
+                 static_argnames: tuple[str, ...] = ()):
+        self.name = name
+        self._jitted = jax.jit(fn, donate_argnums=donate_argnums, static_argnames=static_argnames)
+        self._compiled: dict[Hashable, Any] = {}
+        self.compile_seconds: dict[Hashable, float] = {}
+
+    def lower(self, key: Hashable, *abstract_args: Any, **static: int) -> Any:
+        """Trace and lower the function for `key` (None when `key` is compiled already)."""
+        return None if key in self._compiled else self._jitted.lower(*abstract_args, **static)
+
+    def install(self, key: Hashable, lowered: Any) -> None:
+        """Compile a `lower` result for `key`. XLA compiles without holding the GIL, so several
+        threads may install different keys at once."""
+        if lowered is None:
+            return
+        t0 = time.perf_counter()
+        self._compiled[key] = lowered.compile()
+        self.compile_seconds[key] = time.perf_counter() - t0
+
+    @property
+    def keys(self) -> list[Hashable]:
+        return list(self._compiled)
+
+    def __call__(self, key: Hashable, *args: Any) -> Any:
+        exe = self._compiled.get(key)
+        if exe is None:
+            raise UnwarmedBucketError(
+                f"{self.name}: bucket {key!r} was not compiled at warm-up (warmed: {sorted(self._compiled, key=str)})")
+        return exe(*args)
+
+    def jit_cache_size(self) -> int:
+        """Number of traces the underlying jit holds (must not grow while serving)."""
+        return self._jitted._cache_size()
+
+
+def abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) of a pytree of arrays, for lowering."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                        tree)
+
+
+class Runner:
+    """Device state threaded through the compiled programs of one engine, and the programs themselves."""
+
+    def __init__(self, target: Any, drafter: Any, *, slots: int, max_len: int, gamma: int,
+                 stop_ids: Sequence[int], verifier: Callable[..., Any], cache_dtype: str | None = None,
+                 mesh: jax.sharding.Mesh | None = None):
+        self.mesh, self.gamma, self.vocab = mesh, gamma, target.config.vocab_size
+        t_graph, t_params = nnx.split(target)
+        cache = target.init_cache(slots, max_len, dtype=cache_dtype)
+        if drafter is not None:
+            d_graph, d_params = nnx.split(drafter)
+            dstate = drafter.init_state(slots, max_len)
+        else:
+            d_graph, d_params, dstate = None, nnx.State({}), ()
+        anchors = jnp.zeros((slots,), jnp.int32)
+        shardings: dict[str, Any] = {}
+        if mesh is not None:
+            t_params = shd.shard_state(t_params, mesh, "serve")
+            d_params = shd.shard_state(d_params, mesh, "serve")
+            cache_axes, dstate_axes = _cache_axes(cache), _slot_axes(dstate)
+            cache = shd.shard_tree(cache, cache_axes, mesh, "serve")
+            dstate = shd.shard_tree(dstate, dstate_axes, mesh, "serve")
+            anchors = jax.device_put(anchors, shd.replicated(mesh))
+            shardings = dict(cache_shardings=shd.tree_shardings(cache, cache_axes, mesh, "serve"),
+                             dstate_shardings=shd.tree_shardings(dstate, dstate_axes, mesh, "serve"),
+                             replicated=shd.replicated(mesh))
+        self.t_params, self.d_params, self.cache, self.dstate, self.anchors = t_params, d_params, cache, dstate, anchors
+        self.stop_ids = self._resident(np.asarray(tuple(stop_ids) or (-1,), np.int32))
+        tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
+        needs_hidden = bool(getattr(drafter, "needs_hidden", False))
+        ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, **shardings)
+        self.exes = {f.name: Executables(f.name, functools.partial(f.fn, ctx),
+                                         donate_argnums=tuple(f.args.index(a) for a in f.donate),
+                                         static_argnames=f.static)
+                     for f in FAMILIES.values()}
+
+    @property
+    def cache_lengths(self) -> jax.Array:
+        return self.cache.lengths
+
+    def run(self, family: str, key: tuple[int, ...], **inputs: Any) -> Any:
+        """Call `family`'s executable for bucket `key` with the resident state and `inputs` (numpy
+        arrays are copied in); state outputs replace the state. Returns the other outputs (one, or a tuple)."""
+        fam = FAMILIES[family]
+        missing = set(fam.args) - set(STATE) - set(inputs)
+        if missing or set(inputs) - set(fam.args):
+            raise TypeError(f"{family} takes inputs {[a for a in fam.args if a not in STATE]}, got {sorted(inputs)}")
+        args = [getattr(self, a) if a in STATE else self.put(inputs[a]) for a in fam.args]
+        rest = []
+        for name, value in zip(fam.returns, self.exes[family](key, *args)):
+            if name in STATE:
+                setattr(self, name, value)
+            else:
+                rest.append(value)
+        return rest[0] if len(rest) == 1 else tuple(rest)
+
+    def warm(self, keys: Sequence[tuple[str, tuple[int, ...]]], *, threads: int | None = None,
+             progress: bool = True) -> float:
+        """Compile every (family, bucket key) ahead. Returns seconds spent.
+
+        Tracing runs in order on this thread; with `threads` > 1 that many threads then compile the
+        lowered executables at once (XLA compiles without the GIL). Default: one per CPU core, at
+        most 4 (a 30-layer target's bucket takes seconds to compile on a small CPU)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tqdm.auto import tqdm
+        from specjax.decoding import compile_cache
+        if threads is None:
+            threads = max(1, min(4, os.cpu_count() or 1))
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        compile_cache.enable()  # a second start loads the executables from disk
+        t0 = time.perf_counter()
+        jobs = [(self.exes[family], key, self._lower(family, key))
+                for family, key in tqdm(keys, desc="tracing buckets", disable=not progress, leave=False)]
+        bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
+
+        def install(job: tuple[Executables, tuple[int, ...], Any]) -> None:
+            job[0].install(job[1], job[2])
+            bar.update(1)
+        if threads == 1:
+            for job in jobs:
+                install(job)
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(install, jobs))  # list(): re-raises the first failure
+        bar.close()
+        return time.perf_counter() - t0
+
+    def _lower(self, family: str, key: tuple[int, ...]) -> Any:
+        """Lower one bucket key from the family's argument layout (abstract state, INPUTS shapes)."""
+        fam = FAMILIES[family]
+        dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), vocab=self.vocab)
+        sharding = None if self.mesh is None else shd.replicated(self.mesh)
+
+        def arg(name: str) -> Any:
+            if name in STATE:
+                return abstract(getattr(self, name))
+            shape, dtype = INPUTS[name](dims)
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        return self.exes[family].lower(key, *map(arg, fam.args), **{f: dims[f] for f in fam.static})
+
+    def compile_counts(self) -> dict[str, int]:
+        return {name: e.jit_cache_size() for name, e in self.exes.items()}
+
+    def put(self, x: Any) -> Any:
+        """A per-call host input; device arrays pass through. On one device the numpy array itself:
+        the compiled call copies it in for a fraction of a separate device_put's cost (which is ~5%
+        of a small batch's step). Every step waits for its outputs before the host touches its
+        arrays again."""
+        return self._resident(x) if self.mesh is not None and isinstance(x, np.ndarray) else x
+
+    def _resident(self, x: np.ndarray) -> Any:
+        """A device array that stays (replicated over the mesh when there is one)."""
+        return jax.device_put(x) if self.mesh is None else jax.device_put(x, shd.replicated(self.mesh))
+
+
+def _cache_axes(cache: kvc.KVCache) -> kvc.KVCache:
+    return kvc.KVCache(k=tuple(kvc.CACHE_AXES for _ in cache.k), v=tuple(kvc.CACHE_AXES for _ in cache.v),
+                       lengths=kvc.LENGTHS_AXES)
+
+
+def _slot_axes(tree: Any) -> Any:
+    return jax.tree.map(lambda x: ("cache_batch",) + (None,) * (x.ndim - 1), tree)
