@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn): completions (plain and streamed), chat, errors,
 metrics, continuous batching, load, client disconnects and the waiting-queue limit.
 
-The server is started through `serve.server.main(["--port", "0", ...])` on a thread, with the model
+The server is started through `specjax.cli.serve.main(["--port", "0", ...])` on a thread, with the model
 builder swapped for the shared tiny LLM (no checkpoint needed)."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ try:
 except ImportError:  # tests/ itself on sys.path
     from serving_fixtures import http_json, http_request, shared_tiny_llm, sse_events, tiny_chat_tokenizer
 
-import serve.server
+from specjax.cli import serve as serve_cli
 from specjax.api import SamplingParams, build_engine_request
 from specjax.serving import http_server
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError
@@ -47,9 +47,9 @@ def srv():
             "--max-tokens-limit", "32"]
     buf = io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(serve.server, "build_llm", lambda args, progress=False: llm)
+        mp.setattr(serve_cli, "build_llm", lambda args, progress=False: llm)
         mp.setattr(http_server, "make_server", make_server)
-        thread = threading.Thread(target=serve.server.main, args=(argv,), daemon=True)
+        thread = threading.Thread(target=serve_cli.main, args=(argv,), daemon=True)
         with contextlib.redirect_stdout(buf):
             thread.start()
             deadline = time.time() + 60
@@ -85,7 +85,7 @@ def _complete(url, **body):
 
 def test_port_0_is_printed_and_bound_to_localhost_by_default(srv):
     assert srv["port"] > 0
-    assert srv["host"] == "127.0.0.1" == serve.server.build_parser().parse_args([]).host
+    assert srv["host"] == "127.0.0.1" == serve_cli.build_parser().parse_args([]).host
     assert re.search(rf"http://127\.0\.0\.1:{srv['port']}\b", srv["printed"])
     assert http_json(srv["url"] + "/health") == (200, {"status": "ok"})
     status, models = http_json(srv["url"] + "/v1/models")

@@ -1,0 +1,67 @@
+"""OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+
+    specjax-serve --target DIR --drafter ngram --port 8000
+
+FastAPI on uvicorn. Binds 127.0.0.1 unless --host says otherwise; --port 0 picks a free port (printed
+on start-up). A request that finds --max-waiting requests already queued for a slot gets HTTP 503.
+SIGTERM (or Ctrl-C): stop accepting connections, finish the requests in flight, then exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from specjax.serving.cli import add_llm_args, build_llm
+from specjax.serving.http_server import DEFAULT_HOST
+from specjax.serving.openai_api import DEFAULT_MAX_WAITING
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specjax-serve", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST})")
+    p.add_argument("--port", type=int, default=8000, help="port (0: pick a free one)")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: target dir name)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: max-model-len - 1")
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: max-model-len - 1)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="requests allowed to wait for a slot; beyond it: HTTP 503")
+    p.add_argument("--shutdown-timeout", type=float, default=60.0,
+                   help="on SIGTERM, seconds to let requests in flight finish")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level")
+    add_llm_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from specjax.serving.http_server import bind_socket, run_server
+    from specjax.serving.openai_api import OpenAIApp, ServerLimits
+
+    try:
+        limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                              max_tokens=args.max_tokens_limit, request_timeout_s=args.request_timeout,
+                              max_waiting=args.max_waiting)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else "specjax")
+    llm = build_llm(args, progress=True)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    app = OpenAIApp.from_llm(llm, model_name=name, limits=limits)
+    host, port = sock.getsockname()[:2]
+    print(f"specjax server: model '{name}' on http://{host}:{port}", flush=True)
+    run_server(app, sock, shutdown_timeout_s=args.shutdown_timeout, drain_timeout_s=args.shutdown_timeout,
+               log_level=args.log_level)
+    print("specjax server: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
