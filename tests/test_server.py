@@ -38,9 +38,9 @@ def srv():
     made: dict = {}
     real_make_server = http_server.make_server
 
-    def make_server(api, **kw):
-        made["app"] = api
-        made["server"] = real_make_server(api, **kw)
+    def make_server(served, **kw):
+        made["served"] = served
+        made["server"] = real_make_server(served, **kw)
         return made["server"]
 
     argv = ["--port", "0", "--served-model-name", "tiny", "--max-body-bytes", "4096", "--max-prompt-tokens", "64",
@@ -53,13 +53,13 @@ def srv():
         with contextlib.redirect_stdout(buf):
             thread.start()
             deadline = time.time() + 60
-            while not (made.get("server") is not None and made["server"].started) and time.time() < deadline \
-                    and thread.is_alive():
+            while not (made.get("server") is not None and made["server"].started and made["served"].api is not None) \
+                    and time.time() < deadline and thread.is_alive():
                 time.sleep(0.01)
     m = re.search(r"http://([\d.]+):(\d+)", buf.getvalue())
     host, port = m.group(1), int(m.group(2))
     yield {"url": f"http://{host}:{port}", "host": host, "port": port, "printed": buf.getvalue(),
-           "app": made["app"], "llm": llm}
+           "app": made["served"].api, "llm": llm}
     made["server"].should_exit = True
     thread.join(30)
     assert not thread.is_alive()
@@ -173,7 +173,15 @@ def test_chat_with_a_tokenizer_template(srv):
     (b'{"prompt": [5, 640]}', "prompt", "vocabulary"),
     (b'{"prompt": "text"}', "prompt", "tokenizer"),
     (b'{"prompt": [5, 6], "stream": "yes"}', "stream", "boolean"),
-    (b'{"prompt": [5, 6], "n": 2}', "n", "not supported"),
+    (b'{"prompt": [5, 6], "n": 5}', "n", "[1, 4]"),
+    (b'{"prompt": [5, 6], "n": 0}', "n", "[1, 4]"),
+    (b'{"prompt": [5, 6], "logprobs": 1}', "logprobs", "not supported"),
+    (b'{"prompt": [5, 6], "echo": true}', "echo", "not supported"),
+    (b'{"prompt": [5, 6], "stop_token_ids": [64]}', "stop_token_ids", "vocabulary"),
+    (b'{"prompt": [5, 1.5]}', "prompt", "valid integer"),
+    (b'{"prompt": "\\ud800x"}', "prompt", "lone surrogate"),
+    (b'{"prompt": ["a\\udfff"]}', "prompt[0]", "lone surrogate"),
+    (b'', None, "JSON"),
 ])
 def test_bad_requests_get_400_naming_the_field(srv, raw, param, fragment):
     status, _, data = http_request(srv["url"] + "/v1/completions", "POST", raw=raw)

@@ -3,7 +3,8 @@
     specjax-serve --target DIR --drafter ngram --port 8000
 
 FastAPI on uvicorn. Binds 127.0.0.1 unless --host says otherwise; --port 0 picks a free port (printed
-on start-up). A request that finds --max-waiting requests already queued for a slot gets HTTP 503.
+on start-up, before warm-up: /health answers 503 with the reason until the engine is warm, then 200,
+and "specjax server: ready" is printed). The schema is at /openapi.json, its pages at /docs. A request that finds --max-waiting requests already queued for a slot gets HTTP 503.
 SIGTERM (or Ctrl-C): stop accepting connections, finish the requests in flight, then exit 0.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from specjax.serving.http_server import bind_socket, run_server
+    from specjax.serving.http_server import ServedApp, bind_socket, run_server
     from specjax.serving.openai_api import OpenAIApp, ServerLimits
 
     try:
@@ -48,19 +49,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else "specjax")
-    llm = build_llm(args, progress=True)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    app = OpenAIApp.from_llm(llm, model_name=name, limits=limits)
+
+    def load() -> OpenAIApp:
+        app = OpenAIApp.from_llm(build_llm(args, progress=True), model_name=name, limits=limits)
+        print("specjax server: ready", flush=True)
+        return app
     host, port = sock.getsockname()[:2]
-    print(f"specjax server: model '{name}' on http://{host}:{port}", flush=True)
-    run_server(app, sock, shutdown_timeout_s=args.shutdown_timeout, drain_timeout_s=args.shutdown_timeout,
-               log_level=args.log_level)
+    print(f"specjax server: model '{name}' on http://{host}:{port} (warming up: /health answers 200 when ready)",
+          flush=True)
+    ok = run_server(ServedApp(reason="loading the model and compiling its executables (warm-up)", limits=limits),
+                    sock, load=load, shutdown_timeout_s=args.shutdown_timeout, drain_timeout_s=args.shutdown_timeout,
+                    log_level=args.log_level)
     print("specjax server: stopped", flush=True)
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -3,17 +3,22 @@
 Endpoints:
     POST /v1/completions        prompt: a string (needs a tokenizer) or a list of token ids
     POST /v1/chat/completions   messages through the tokenizer's chat template
-    GET  /v1/models             the one served model
-    GET  /health                200 while the engine loop runs, else 503
+    GET  /v1/models             the one served model and its max_model_len
+    GET  /health                200 once warm-up is done and while the engine loop runs, else 503 + reason
     GET  /metrics               Prometheus text (see specjax.serving.metrics); /metrics.json: JSON snapshot
+    GET  /openapi.json, /docs   the schema: the pydantic models of `specjax.serving.schema` are the routes'
+                                bodies and answers, so every field, limit and error body is described
 
-`"stream": true` answers with Server-Sent Events: `data: {json}\\n\\n` chunks, the last one carrying
-`finish_reason`, `usage` and `spec_metrics`, then `data: [DONE]\\n\\n`. A client that disconnects
+`"stream": true` answers with Server-Sent Events: `data: {json}\\n\\n` chunks (each names its choice
+`index`), the last one of a choice carrying `finish_reason`, `usage` and `spec_metrics`; with
+`stream_options.include_usage` one more chunk with no choices and the usage of all of them; then
+`data: [DONE]\\n\\n`. A client that disconnects
 mid-stream (or while waiting for a plain answer) has its request aborted and its slot freed.
 
 Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON and bad
 fields (see `openai_api`), 404 for unknown paths or models, 405 for a wrong method, 413 for a body
-over `max_body_bytes`, 503 when the engine's waiting queue is full.
+over `max_body_bytes`, 503 while warming up or when the engine's waiting queue is full. Refused requests
+are counted by reason (`specjax:request_rejected_total{reason=...}`).
 
 `run_server` serves until SIGTERM / SIGINT, then stops accepting connections, lets the requests in
 flight finish (up to `shutdown_timeout_s`), drains the engine and returns. Binds 127.0.0.1 by default.
@@ -30,16 +35,50 @@ from typing import Any, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specjax.serving.metrics import CONTENT_TYPE
-from specjax.serving.openai_api import APIError, ClientGone, OpenAIApp
+from specjax.serving.openai_api import (APIError, ClientGone, OpenAIApp, ServerLimits, rejection_reason,
+                                        validation_error)
+from specjax.serving.schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                    CompletionResponse, ErrorResponse, Health, ModelList)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class ServedApp:
+    """What the routes serve: the `OpenAIApp` once it is ready, before that the reason it is not
+    (`/health` and the API answer 503 with that reason). `limits` bound request bodies meanwhile."""
+
+    def __init__(self, api: OpenAIApp | None = None, *, reason: str = "starting",
+                 limits: ServerLimits | None = None):
+        self.api = api
+        self.reason = reason
+        self.failed = False
+        self.limits = api.limits if api is not None else (limits or ServerLimits())
+
+    def ready(self, api: OpenAIApp) -> None:
+        self.api, self.limits = api, api.limits
+
+    def fail(self, reason: str) -> None:
+        self.reason, self.failed = reason, True
+
+    def get(self) -> OpenAIApp:
+        """The app; APIError 503 naming the reason while it is not ready."""
+        if self.api is None:
+            raise APIError(503, f"the server is not ready: {self.reason}", type="service_unavailable",
+                           code="not_ready")
+        return self.api
+
+    def count_rejected(self, err: APIError) -> None:
+        reason = rejection_reason(err)
+        if reason is not None and self.api is not None and self.api.metrics is not None:
+            self.api.metrics.request_rejected(reason)
 
 
 class _SSEResponse(StreamingResponse):
@@ -56,36 +95,81 @@ class _SSEResponse(StreamingResponse):
             self._on_close()
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes (413) before or while reading it."""
-    length = request.headers.get("content-length")
-    if length is not None:
-        try:
-            n = int(length)
-            if n < 0:
-                raise ValueError
-        except ValueError:
-            raise APIError(400, f"bad Content-Length {length!r}") from None
-        if n > limit:
-            raise APIError(413, f"request body of {n} bytes exceeds the limit of {limit} bytes",
-                           type="request_too_large")
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", type="request_too_large")
-        parts.append(part)
-    return b"".join(parts)
-
-
 def _error_response(err: APIError) -> JSONResponse:
     headers = {"Connection": "close"} if err.status == 413 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-def create_app(api: OpenAIApp) -> FastAPI:
-    """The FastAPI application serving `api` (no docs pages; every error in OpenAI's shape)."""
-    app = FastAPI(title="specjax", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+class _BodyLimit:
+    """ASGI middleware: a POST body is read whole (at most `limits.max_body_bytes`, else 413 before or
+    while reading it) and then handed to the app."""
+
+    def __init__(self, app: Any, served: ServedApp):
+        self.app, self.served = app, served
+
+    async def _refuse(self, err: APIError, scope: Any, receive: Any, send: Any) -> None:
+        self.served.count_rejected(err)
+        await _error_response(err)(scope, receive, send)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        limit = self.served.limits.max_body_bytes
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+                if n < 0:
+                    raise ValueError
+            except ValueError:
+                return await self._refuse(APIError(400, f"bad Content-Length {length.decode(errors='replace')!r}"),
+                                          scope, receive, send)
+            if n > limit:
+                return await self._refuse(APIError(413, f"request body of {n} bytes exceeds the limit of {limit} "
+                                                        f"bytes", type="request_too_large"), scope, receive, send)
+        parts, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            part = message.get("body", b"")
+            size += len(part)
+            if size > limit:
+                return await self._refuse(APIError(413, f"request body exceeds the limit of {limit} bytes",
+                                                   type="request_too_large"), scope, receive, send)
+            parts.append(part)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(parts), False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then: disconnect notices
+        await self.app(scope, replay, send)
+
+
+_ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in (
+    (400, "a bad or unsupported field (`param` names it), or a prompt over the limits"),
+    (404, "unknown model"), (413, "request body over the limit"),
+    (503, "not ready (warm-up), waiting queue full, or the engine stopped"),
+    (504, "the request did not finish in time"))}
+
+
+def _completion_responses(model: type) -> dict[int | str, Any]:
+    return {200: {"model": model, "description": "the answer; with `stream: true` Server-Sent Events of chunks "
+                                                 "ending with `data: [DONE]`",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **_ERRORS}
+
+
+def create_app(served: OpenAIApp | ServedApp) -> FastAPI:
+    """The FastAPI application (`/openapi.json`, `/docs`; every error in OpenAI's shape)."""
+    if isinstance(served, OpenAIApp):
+        served = ServedApp(served)
+    app = FastAPI(title="specjax", summary="OpenAI-compatible speculative decoding server",
+                  redirect_slashes=False)
+    app.add_middleware(_BodyLimit, served=served)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -97,35 +181,51 @@ def create_app(api: OpenAIApp) -> FastAPI:
             return _error_response(APIError(404, f"no route {path}", type="not_found_error"))
         return _error_response(APIError(exc.status_code, str(exc.detail), type="http_error"))
 
-    @app.get("/health")
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc.errors())
+        served.count_rejected(err)
+        return _error_response(err)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
     async def health() -> JSONResponse:
-        status, body = api.health()
+        """200 once warm-up is done and the engine runs; 503 with the reason before or after."""
+        if served.api is None:
+            return JSONResponse({"status": "error" if served.failed else "starting", "reason": served.reason},
+                                status_code=503)
+        status, body = served.api.health()
         return JSONResponse(body, status_code=status)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses={503: _ERRORS[503]})
     async def models() -> JSONResponse:
-        return JSONResponse(api.models())
+        """The served model, with its maximum context length (`max_model_len`)."""
+        return JSONResponse(served.get().models())
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
     async def metrics() -> Response:
-        data = api.metrics.exposition() if api.metrics is not None else b""
+        """Prometheus metrics (vLLM's names where they exist)."""
+        api = served.api
+        data = api.metrics.exposition() if api is not None and api.metrics is not None else b""
         return Response(data, media_type=CONTENT_TYPE)
 
-    @app.get("/metrics.json")
+    @app.get("/metrics.json", response_model=dict[str, Any])
     async def metrics_json() -> JSONResponse:
-        return JSONResponse(api.metrics.snapshot() if api.metrics is not None else {})
+        """The metrics as JSON, with derived rates (mean acceptance length...)."""
+        api = served.api
+        return JSONResponse(api.metrics.snapshot() if api is not None and api.metrics is not None else {})
 
-    async def completion(request: Request, chat: bool) -> Response:
+    async def completion(req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         try:
-            raw = await _read_body(request, api.limits.max_body_bytes)
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise APIError(400, f"malformed JSON in the request body: {e}") from None
-            result, chunks, abort = await api.complete(body, chat=chat, is_disconnected=request.is_disconnected)
+            api = served.get()
+            result, chunks, abort = await api.complete(req, is_disconnected=request.is_disconnected)
         except APIError as e:
-            if api.metrics is not None:
-                api.metrics.request_rejected(e.type)
+            served.count_rejected(e)
             return _error_response(e)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was aborted
@@ -141,14 +241,31 @@ def create_app(api: OpenAIApp) -> FastAPI:
             yield b"data: [DONE]\n\n"
         return _SSEResponse(events(), on_close=abort)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await completion(request, chat=False)
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=_completion_responses(CompletionResponse))
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Complete a prompt (a string, or a list of token ids)."""
+        return await completion(body, request)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await completion(request, chat=True)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_completion_responses(ChatCompletionResponse))
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Answer a conversation (the tokenizer's chat template; text content parts)."""
+        return await completion(body, request)
 
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:  # invalid bodies are answered 400 (OpenAI's error), never FastAPI's 422
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
@@ -167,32 +284,57 @@ def bind_socket(host: str = DEFAULT_HOST, port: int = 0, backlog: int = 2048) ->
     return sock
 
 
-def make_server(api: OpenAIApp, *, shutdown_timeout_s: float = 60.0, log_level: str = "warning") -> uvicorn.Server:
-    """A uvicorn server for `api` (not yet running): HTTP/1.1 keep-alive, graceful shutdown that waits up
-    to `shutdown_timeout_s` for the responses in flight."""
-    config = uvicorn.Config(create_app(api), lifespan="off", log_level=log_level, access_log=False,
+def make_server(served: OpenAIApp | ServedApp, *, shutdown_timeout_s: float = 60.0,
+                log_level: str = "warning") -> uvicorn.Server:
+    """A uvicorn server for `served` (not yet running): HTTP/1.1 keep-alive, graceful shutdown that waits
+    up to `shutdown_timeout_s` for the responses in flight."""
+    config = uvicorn.Config(create_app(served), lifespan="off", log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout_s, timeout_keep_alive=30)
     return uvicorn.Server(config)
 
 
-def run_server(api: OpenAIApp, sock: socket.socket, *, shutdown_timeout_s: float = 60.0,
-               drain_timeout_s: float = 60.0, log_level: str = "warning") -> None:
+def run_server(served: OpenAIApp | ServedApp, sock: socket.socket, *, load: Callable[[], OpenAIApp] | None = None,
+               shutdown_timeout_s: float = 60.0, drain_timeout_s: float = 60.0, log_level: str = "warning") -> bool:
     """Serve on `sock` (from `bind_socket`) in this thread until SIGTERM / SIGINT (main thread) or
     `server.should_exit`; then stop accepting, finish the responses in flight, drain the engine and
-    shut it down."""
-    server = make_server(api, shutdown_timeout_s=shutdown_timeout_s, log_level=log_level)
+    shut it down.
+
+    load: builds the app (model, engine warm-up) on a thread while the server already answers:
+    `/health` and the API say 503 with the reason until it returns. If it raises, the server stops.
+    Returns False when `load` failed, else True."""
+    if isinstance(served, OpenAIApp):
+        served = ServedApp(served)
+    server = make_server(served, shutdown_timeout_s=shutdown_timeout_s, log_level=log_level)
     if threading.current_thread() is threading.main_thread():
         # uvicorn handles the signal during serve() and re-raises it afterwards: let that be a no-op
         # so that the process exits 0 after the drain below
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
+
+    def load_app() -> None:
+        try:
+            api = load()
+        except Exception as e:
+            log.exception("the model could not be loaded")
+            served.fail(f"loading failed: {type(e).__name__}: {e}")
+            server.should_exit = True
+            return
+        if server.should_exit:  # stopped during warm-up: nobody will serve it
+            api.engine.shutdown()
+        else:
+            served.ready(api)
+    if load is not None:
+        threading.Thread(target=load_app, name="specjax-load", daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:
-        if not api.engine.drain(drain_timeout_s):
-            log.warning("%d requests still open %.0f s after shutdown began; failing them", api.engine.num_open,
-                        drain_timeout_s)
-        api.engine.shutdown()
+        api = served.api
+        if api is not None:
+            if not api.engine.drain(drain_timeout_s):
+                log.warning("%d requests still open %.0f s after shutdown began; failing them",
+                            api.engine.num_open, drain_timeout_s)
+            api.engine.shutdown()
+    return not served.failed
 
 
 class ServerThread:
@@ -201,7 +343,8 @@ class ServerThread:
     `url` is ready once the constructor returns; `stop()` shuts the HTTP server down gracefully
     (it leaves the engine running: the caller owns it)."""
 
-    def __init__(self, api: OpenAIApp, host: str = DEFAULT_HOST, port: int = 0, *, shutdown_timeout_s: float = 30.0):
+    def __init__(self, api: OpenAIApp | ServedApp, host: str = DEFAULT_HOST, port: int = 0, *,
+                 shutdown_timeout_s: float = 30.0):
         self.api = api
         self.sock = bind_socket(host, port)
         self.host, self.port = self.sock.getsockname()[:2]

@@ -25,7 +25,8 @@ specjax's own:
                                                        upkeep (no drafting, drafter kept up to date) or
                                                        lite (no drafting, no drafter upkeep; every
                                                        round of plain decoding)
-    specjax:request_rejected_total{reason=...}         counter: requests refused before admission
+    specjax:request_rejected_total{reason=...}         counter: requests refused before admission, by reason
+                                                       (REJECT_REASONS, shown from the start, and any other)
 
 Mean acceptance length (vLLM's, bonus token included) = 1 + accepted / drafts; it is in the JSON
 snapshot. Each `ServingMetrics` owns a private `CollectorRegistry`: no process-global state.
@@ -42,6 +43,9 @@ from specjax.scheduling.planner import ROUND_KINDS  # `Engine.on_round` info["ki
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# the refusals of the HTTP server (`openai_api.rejection_reason`) and the engine ("invalid_request")
+REJECT_REASONS = ("invalid_request", "context_length_exceeded", "model_not_found", "not_found", "request_too_large",
+                  "queue_full", "not_ready", "engine_not_running")
 _ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
@@ -110,6 +114,8 @@ class ServingMetrics:
             self.request_success.labels(m, reason)
         for kind in ROUND_KINDS:
             self.rounds_by_kind.labels(m, kind)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(m, reason)
 
     # ------------------------------------------------------------------ recording
     def observe_round(self, info: Mapping[str, Any]) -> None:

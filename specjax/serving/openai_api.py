@@ -13,16 +13,21 @@ does not finish within `request_timeout_s`.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+
+import pydantic
 
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
 from specjax.serving.detokenize import StreamDetokenizer
 from specjax.serving.metrics import ServingMetrics, request_spec_metrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
-from specjax.serving.schema import SAMPLING_FIELDS, FieldError, parse_sampling
+from specjax.serving.schema import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, FieldError,
+                                    parse_sampling)
 
 _FROM_LLM = object()  # sentinel: use the LLM's own tokenizer
 DEFAULT_MAX_WAITING = 512
@@ -97,14 +102,102 @@ class _Waiter:
 
 
 # fields we do not implement: a non-default value is refused rather than silently ignored
-_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
+_UNSUPPORTED = {"best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
                 "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
                 "tool_choice": None, "functions": None, "use_beam_search": False}
+_ENGINE_REJECTED = "rejected_by_engine"  # the engine refused the request (and counted it as invalid_request)
 _POLL_S = 1.0  # how often a waiting non-streamed request checks whether its client is still there
+_UNION_TAG = re.compile(r"^(str|int|bool|float|none)$|\[")  # pydantic's names of union members in an error's loc
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _path(loc: Sequence[Any]) -> str:
+    """`("messages", 0, "role")` -> `messages[0].role` (union member tags left out)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _UNION_TAG.search(str(part)):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
+    """The 400 for pydantic errors of a request body (the first error; `param` is its field path)."""
+    if not errors:
+        return APIError(400, "invalid request body")
+    def loc_of(e: dict[str, Any]) -> tuple[Any, ...]:
+        loc = tuple(e.get("loc") or ())
+        return loc[1:] if loc and loc[0] == "body" else loc  # FastAPI's prefix
+
+    err = errors[0]
+    loc = loc_of(err)
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON in the request body: {(err.get('ctx') or {}).get('error', err['msg'])}")
+    if not loc and err.get("type") in ("model_attributes_type", "dict_type", "model_type", "missing"):
+        return APIError(400, "the request body must be a JSON object")
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        return APIError(400, str(cause), param=cause.field)
+    path = _path(loc) or None
+    if err.get("type") == "missing":
+        return APIError(400, f"missing field '{path}'", param=path)
+    if cause is not None:
+        return APIError(400, str(cause), param=path)
+    # a union (e.g. `prompt`: a string or token ids) fails once per member: name their common field
+    def clean(e: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(p for p in loc_of(e) if isinstance(p, int) or not _UNION_TAG.search(str(p)))
+    group = [e for e in errors if clean(e)[:1] == clean(err)[:1]]
+    if len(group) == 1:
+        return APIError(400, f"'{path}': {err['msg']}", param=path)
+    prefix = clean(err)
+    for e in group:
+        c = clean(e)
+        k = 0
+        while k < min(len(prefix), len(c)) and prefix[k] == c[k]:
+            k += 1
+        prefix = prefix[:k]
+    path = _path(prefix) or None
+    forms = "; ".join(dict.fromkeys(f"{_path(clean(e))}: {e['msg']}" for e in group))
+    return APIError(400, f"'{path}' matches none of its allowed forms ({forms})", param=path)
+
+
+def parse_request(body: Any, *, chat: bool) -> CompletionRequest | ChatCompletionRequest:
+    """A request model from a decoded JSON body (callers without FastAPI); APIError 400 naming the field."""
+    cls = ChatCompletionRequest if chat else CompletionRequest
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return cls.model_validate(body)
+    except pydantic.ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def rejection_reason(err: APIError) -> str | None:
+    """The `specjax:request_rejected_total` reason label of an error answer; None when it is no refusal
+    to count here (a failure after admission, or a refusal the engine counted itself)."""
+    if err.code == _ENGINE_REJECTED or (err.status >= 500 and err.status != 503):
+        return None
+    if err.code is not None:
+        return err.code
+    return {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
+            413: "request_too_large"}.get(err.status, err.type)
+
+
+def combined_spec_metrics(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One `spec_metrics` block for several choices: counts added, acceptance length recomputed."""
+    if len(blocks) == 1:
+        return blocks[0]
+    drafts, accepted = sum(b["num_drafts"] for b in blocks), sum(b["num_accepted_tokens"] for b in blocks)
+    width = max(len(b["accepted_per_pos"]) for b in blocks)
+    return {"mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0, "num_drafts": drafts,
+            "num_draft_tokens": sum(b["num_draft_tokens"] for b in blocks), "num_accepted_tokens": accepted,
+            "accepted_per_pos": [sum(b["accepted_per_pos"][k] for b in blocks if k < len(b["accepted_per_pos"]))
+                                 for k in range(width)],
+            "num_rounds": sum(b["num_rounds"] for b in blocks)}
 
 
 @dataclasses.dataclass
@@ -113,6 +206,7 @@ class _Parsed:
     sp: SamplingParams
     stream: bool
     include_usage: bool
+    n: int
 
 
 class OpenAIApp:
@@ -133,6 +227,7 @@ class OpenAIApp:
         self.metrics = metrics if metrics is not None else engine.metrics
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
         self.max_tokens = min(self.limits.max_tokens or self.max_model_len - 1, self.max_model_len - 1)
+        self.max_n = int(engine.engine.cfg.max_slots)
         self.created = int(time.time())
 
     @classmethod
@@ -149,9 +244,9 @@ class OpenAIApp:
                    limits=limits, metrics=metrics)
 
     # ------------------------------------------------------------------ parsing
-    def _parse_common(self, body: Any, *, chat: bool) -> _Parsed:
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
+    def _parse_common(self, req: CompletionRequest | ChatCompletionRequest) -> _Parsed:
+        chat = isinstance(req, ChatCompletionRequest)
+        body = req.model_dump(exclude_unset=True)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model '{model}' does not exist (served: '{self.model_name}')", param="model",
@@ -160,26 +255,26 @@ class OpenAIApp:
             v = body.get(name, default)
             if v is not None and v != default and not (name == "logprobs" and v is False):
                 raise APIError(400, f"'{name}' is not supported by this server", param=name)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise APIError(400, f"'stream' must be a boolean, got {stream!r}", param="stream")
-        opts = body.get("stream_options") or {}
-        if not isinstance(opts, dict):
-            raise APIError(400, "'stream_options' must be an object", param="stream_options")
-        include_usage = bool(opts.get("include_usage", False))
+        n = body.get("n")
+        n = 1 if n is None else n
+        if not 1 <= n <= self.max_n:
+            raise APIError(400, f"'n' is {n}; it must be in [1, {self.max_n}] (this server's sequences at once)",
+                           param="n")
+        stream = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if chat:
             prompt_ids, what = self._chat_prompt(body), "messages"
         else:
             prompt_ids, what = self._completion_prompt(body), "prompt"
-        n = len(prompt_ids)
-        if n > self.max_prompt_tokens:
-            raise APIError(400, f"'{what}' has {n} tokens; the limit is {self.max_prompt_tokens} "
+        n_prompt = len(prompt_ids)
+        if n_prompt > self.max_prompt_tokens:
+            raise APIError(400, f"'{what}' has {n_prompt} tokens; the limit is {self.max_prompt_tokens} "
                                 f"(max_model_len {self.max_model_len})", param=what, code="context_length_exceeded")
         fields = {k: body[k] for k in SAMPLING_FIELDS if k in body}
         mt_name = "max_tokens"
         if chat and body.get("max_completion_tokens") is not None:
             mt_name, fields["max_tokens"] = "max_completion_tokens", body["max_completion_tokens"]
-        default_mt = min(self.max_tokens, self.max_model_len - n) if chat else 16
+        default_mt = min(self.max_tokens, self.max_model_len - n_prompt) if chat else 16
         try:
             sp = parse_sampling(fields, SamplingParams(max_tokens=max(default_mt, 1)),
                                 has_tokenizer=self.tokenizer is not None)
@@ -187,18 +282,22 @@ class OpenAIApp:
             if e.field == "max_tokens" and mt_name != "max_tokens":
                 raise APIError(400, str(e).replace("'max_tokens'", f"'{mt_name}'"), param=mt_name) from None
             raise APIError(400, str(e), param=e.field) from None
+        if sp.seed is not None and sp.seed + n - 1 >= 1 << 63:
+            raise APIError(400, f"'seed' must be below 2**63 - n, got {sp.seed}", param="seed")
         mt = sp.max_tokens
         if mt > self.max_tokens:
             raise APIError(400, f"'{mt_name}' is {mt}; the limit is {self.max_tokens}", param=mt_name)
-        if n + mt > self.max_model_len:
+        if n_prompt + mt > self.max_model_len:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                                f"asks for {n + mt} ({n} in the {what}, {mt} in the completion): lower '{mt_name}'",
-                           param=mt_name, code="context_length_exceeded")
-        return _Parsed(prompt_ids, sp, stream, include_usage)
+                                f"asks for {n_prompt + mt} ({n_prompt} in the {what}, {mt} in the completion): lower "
+                                f"'{mt_name}'", param=mt_name, code="context_length_exceeded")
+        bad_stop = [t for t in sp.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise APIError(400, f"'stop_token_ids' holds {bad_stop[0]}, outside the vocabulary [0, "
+                                f"{self.vocab_size})", param="stop_token_ids")
+        return _Parsed(prompt_ids, sp, stream, include_usage, n)
 
     def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
-        if "prompt" not in body:
-            raise APIError(400, "missing field 'prompt'", param="prompt")
         p = body["prompt"]
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # a batch of one
@@ -207,29 +306,47 @@ class OpenAIApp:
                 raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
             if not p:
                 raise APIError(400, "'prompt' is empty", param="prompt")
-            return encode_text(self.tokenizer, p)
+            ids = encode_text(self.tokenizer, p)
+            if not ids:
+                raise APIError(400, "'prompt' has no tokens", param="prompt")
+            return ids
         if isinstance(p, list) and p and all(_is_int(t) for t in p):
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:
                 raise APIError(400, f"'prompt' token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                param="prompt")
             return list(p)
-        if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if isinstance(p, list) and len(p) > 1:
             raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
         raise APIError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt")
 
+    @staticmethod
+    def _message_text(i: int, content: Any) -> str:
+        """A message's content as one string: text parts joined by newlines (as vLLM does)."""
+        if content is None or isinstance(content, str):
+            return content or ""
+        texts = []
+        for j, part in enumerate(content):
+            if part.get("type") != "text":
+                raise APIError(400, f"'messages[{i}].content[{j}].type': content parts of type {part.get('type')!r} "
+                                    f"are not supported (only 'text')", param=f"messages[{i}].content[{j}].type")
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"'messages[{i}].content[{j}].text' must be a string",
+                               param=f"messages[{i}].content[{j}].text")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
     def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
-        msgs = body.get("messages")
-        if msgs is None:
-            raise APIError(400, "missing field 'messages'", param="messages")
+        msgs = body["messages"]
+        if not msgs:
+            raise APIError(400, "'messages' is empty", param="messages")
         if self.tokenizer is None:
             raise APIError(400, "chat completions need a tokenizer with a chat template; this model has no "
                                 "tokenizer (use /v1/completions with token ids)", param="messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "the tokenizer has no chat template; use /v1/completions", param="messages")
-        think = body.get("chat_template_kwargs", {}) or {}
-        if not isinstance(think, dict):
-            raise APIError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+        msgs = [{**m, "content": self._message_text(i, m.get("content"))} for i, m in enumerate(msgs)]
+        think = body.get("chat_template_kwargs") or {}
         try:
             return encode_chat(self.tokenizer, msgs, enable_thinking=think.get("enable_thinking", False))
         except (ValueError, TypeError, KeyError) as e:
@@ -239,18 +356,31 @@ class OpenAIApp:
                            param="messages") from None
 
     # ------------------------------------------------------------------ generation
-    def _submit(self, parsed: _Parsed, rid: str) -> RequestStream:
-        try:
-            req = build_engine_request(parsed.prompt_ids, parsed.sp, request_id=rid, tokenizer=self.tokenizer)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+    def _submit(self, parsed: _Parsed, rid: str) -> list[RequestStream]:
+        """One engine request per choice (choice i: seed + i when a seed is given, else its own stream)."""
         holdback = max((len(s) for s in parsed.sp.stop or ()), default=0)
+        streams: list[RequestStream] = []
         try:
-            return self.engine.submit(req, holdback_tokens=holdback)
-        except QueueFullError as e:
-            raise APIError(503, str(e), type="server_overloaded", code="queue_full") from None
-        except RequestError as e:
-            raise APIError(503, str(e), type="service_unavailable") from None
+            for i in range(parsed.n):
+                sp = parsed.sp
+                if sp.seed is not None and i:
+                    sp = dataclasses.replace(sp, seed=sp.seed + i)
+                try:
+                    req = build_engine_request(parsed.prompt_ids, sp, request_id=f"{rid}-{i}",
+                                               tokenizer=self.tokenizer)
+                except ValueError as e:
+                    raise APIError(400, str(e)) from None
+                try:
+                    streams.append(self.engine.submit(req, holdback_tokens=holdback))
+                except QueueFullError as e:
+                    raise APIError(503, str(e), type="server_overloaded", code="queue_full") from None
+                except RequestError as e:
+                    raise APIError(503, str(e), type="service_unavailable", code="engine_not_running") from None
+        except APIError:
+            for s in streams:
+                self.engine.abort(s)
+            raise
+        return streams
 
     def _decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -261,10 +391,10 @@ class OpenAIApp:
 
     def _failed(self, ev: StreamEvent) -> APIError:
         if ev.rejected:
-            return APIError(400, ev.error or "rejected")
+            return APIError(400, ev.error or "rejected", code=_ENGINE_REJECTED)
         return APIError(503 if not self.engine.is_alive else 500, ev.error or "failed", type="server_error")
 
-    async def complete(self, body: Any, *, chat: bool,
+    async def complete(self, req: CompletionRequest | ChatCompletionRequest,
                        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
                        ) -> tuple[dict[str, Any] | None, AsyncIterator[dict[str, Any]] | None, Callable[[], None]]:
         """Parse, submit, and return (json body, None, abort) or (None, chunk iterator, abort).
@@ -272,85 +402,98 @@ class OpenAIApp:
         Must run on an event loop. is_disconnected: polled while a non-streamed request waits (a
         gone client's request is aborted: `ClientGone`). The caller of a chunk iterator calls
         `abort` when it stops reading early (a no-op once the request has ended)."""
-        parsed = self._parse_common(body, chat=chat)
+        chat = isinstance(req, ChatCompletionRequest)
+        parsed = self._parse_common(req)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        stream = self._submit(parsed, rid)
-        abort = lambda: self.engine.abort(stream)  # noqa: E731
-        waiter = _Waiter(self.engine, stream, self.limits.request_timeout_s, is_disconnected)
+        streams = self._submit(parsed, rid)
+
+        def abort() -> None:
+            for s in streams:
+                self.engine.abort(s)
+        waiters = [_Waiter(self.engine, s, self.limits.request_timeout_s, is_disconnected) for s in streams]
         try:
-            first = await waiter.next()
-            if first.error is not None:  # the first event decides between an error and a 200 answer
-                raise self._failed(first)
+            firsts = [await w.next() for w in waiters]
+            for first in firsts:  # the first events decide between an error and a 200 answer
+                if first.error is not None:
+                    raise self._failed(first)
             if parsed.stream:
-                detok = StreamDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-                waiter.is_disconnected = None  # the HTTP layer notices a gone stream reader itself
-                return None, self._chunks(parsed, stream, rid, chat, first, waiter, detok), abort
-            ev = first
-            while not ev.finished:
-                ev = await waiter.next()
-            if ev.error is not None:
-                raise self._failed(ev)
+                for w in waiters:
+                    w.is_disconnected = None  # the HTTP layer notices a gone stream reader itself
+                return None, self._chunks(parsed, streams, rid, chat, firsts, waiters), abort
+            for ev, w in zip(firsts, waiters):
+                while not ev.finished:
+                    ev = await w.next()
+                if ev.error is not None:
+                    raise self._failed(ev)
         except BaseException:
             abort()
             raise
-        req = stream.request
-        ids = list(req.output_ids)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": req.finish_reason, "token_ids": ids, "logprobs": None}
-        text = self._decode(ids)
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        choices, n_out = [], 0
+        for i, s in enumerate(streams):
+            ids = list(s.request.output_ids)
+            n_out += len(ids)
+            choice: dict[str, Any] = {"index": i, "finish_reason": s.request.finish_reason, "token_ids": ids,
+                                      "logprobs": None}
+            text = self._decode(ids)
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        spec = combined_spec_metrics([request_spec_metrics(s.request.metrics) for s in streams])
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [choice], "usage": self._usage(parsed, len(ids)),
-                "spec_metrics": request_spec_metrics(req.metrics)}, None, abort
+                "model": self.model_name, "choices": choices, "usage": self._usage(parsed, n_out),
+                "spec_metrics": spec}, None, abort
 
-    async def _chunks(self, parsed: _Parsed, stream: RequestStream, rid: str, chat: bool, ev: StreamEvent,
-                      waiter: _Waiter, detok: StreamDetokenizer | None) -> AsyncIterator[dict[str, Any]]:
+    async def _chunks(self, parsed: _Parsed, streams: list[RequestStream], rid: str, chat: bool,
+                      firsts: list[StreamEvent], waiters: list[_Waiter]) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of every choice, in the order their events arrive (each chunk names its choice)."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        choices = [_ChoiceStream(self, i, s, chat) for i, s in enumerate(streams)]
 
-        def chunk(text: str, ids: list[int], finish: str | None, first: bool = False) -> dict[str, Any]:
-            c: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": ids, "logprobs": None}
-            if chat:
-                c["delta"] = ({"role": "assistant", "content": text} if first else
-                              ({"content": text} if text or finish is None else {}))
-            else:
-                c["text"] = text
+        def wrap(c: dict[str, Any]) -> dict[str, Any]:
             return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
 
-        sent_ids: list[int] = []
-        sent_text: list[str] = []
-        first = True
-        while True:
-            if ev.error is not None:
-                yield APIError(500, ev.error, type="server_error").body()
-                return
-            if ev.finished:
-                final_ids = list(ev.output_ids or [])
-                new_ids = final_ids[len(sent_ids):] if final_ids[:len(sent_ids)] == sent_ids else []
-                # the rest of the text: one full decode at the end (linear), which also renders a
-                # trailing incomplete character the way the non-streamed answer does
-                full, before = self._decode(final_ids), "".join(sent_text)
-                text = full[len(before):] if full.startswith(before) else ""
-                out = chunk(text, new_ids, ev.finish_reason, first)
-                out["usage"] = self._usage(parsed, len(final_ids))
-                out["spec_metrics"] = request_spec_metrics(stream.request.metrics)
-                yield out
-                if parsed.include_usage:
-                    yield {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                           "usage": out["usage"], "spec_metrics": out["spec_metrics"]}
-                return
-            sent_ids += ev.token_ids
-            text = detok.push(ev.token_ids) if detok is not None else ""
-            sent_text.append(text)
-            yield chunk(text, list(ev.token_ids), None, first)
-            first = False
-            try:
-                ev = await waiter.next()
-            except APIError as e:  # timed out mid-stream (the request was aborted)
-                yield e.body()
-                return
+        pending: dict[asyncio.Future[StreamEvent], int] = {}
+        ready = list(enumerate(firsts))
+        finals: list[dict[str, Any]] = []
+        try:
+            while ready or pending:
+                for i, ev in ready:
+                    if ev.error is not None:
+                        yield APIError(500, ev.error, type="server_error").body()
+                        return
+                    c = choices[i].chunk(ev)
+                    out = wrap(c)
+                    if ev.finished:
+                        out["usage"] = self._usage(parsed, len(ev.output_ids or []))
+                        out["spec_metrics"] = request_spec_metrics(streams[i].request.metrics)
+                        finals.append(out)
+                    else:
+                        pending[asyncio.ensure_future(waiters[i].next())] = i
+                    yield out
+                ready = []
+                if not pending:
+                    break
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    i = pending.pop(fut)
+                    try:
+                        ready.append((i, fut.result()))
+                    except APIError as e:  # timed out mid-stream (the request was aborted)
+                        yield e.body()
+                        return
+                ready.sort()
+        finally:
+            for fut in pending:
+                fut.cancel()
+        if parsed.include_usage:
+            n_out = sum(f["usage"]["completion_tokens"] for f in finals)
+            yield {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                   "usage": self._usage(parsed, n_out),
+                   "spec_metrics": combined_spec_metrics([f["spec_metrics"] for f in finals])}
+
 
     # ------------------------------------------------------------------ other endpoints
     def models(self) -> dict[str, Any]:
@@ -360,4 +503,39 @@ class OpenAIApp:
     def health(self) -> tuple[int, dict[str, Any]]:
         if self.engine.is_alive:
             return 200, {"status": "ok"}
-        return 503, {"status": "error", "error": self.engine.error or "engine not running"}
+        return 503, {"status": "error", "reason": self.engine.error or "engine not running"}
+
+
+class _ChoiceStream:
+    """One choice's streamed deltas: incremental text and token ids; the final chunk completes the text."""
+
+    def __init__(self, app: OpenAIApp, index: int, stream: RequestStream, chat: bool):
+        self.app, self.index, self.stream, self.chat = app, index, stream, chat
+        self.detok = StreamDetokenizer(app.tokenizer) if app.tokenizer is not None else None
+        self.sent_ids: list[int] = []
+        self.sent_text: list[str] = []
+        self.first = True
+
+    def chunk(self, ev: StreamEvent) -> dict[str, Any]:
+        if ev.finished:
+            final_ids = list(ev.output_ids or [])
+            sent = self.sent_ids
+            ids = final_ids[len(sent):] if final_ids[:len(sent)] == sent else []
+            # the rest of the text: one full decode at the end (linear), which also renders a
+            # trailing incomplete character the way the non-streamed answer does
+            full, before = self.app._decode(final_ids), "".join(self.sent_text)
+            text = full[len(before):] if full.startswith(before) else ""
+        else:
+            ids = list(ev.token_ids)
+            self.sent_ids += ids
+            text = self.detok.push(ids) if self.detok is not None else ""
+            self.sent_text.append(text)
+        finish = ev.finish_reason if ev.finished else None
+        c: dict[str, Any] = {"index": self.index, "finish_reason": finish, "token_ids": ids, "logprobs": None}
+        if self.chat:
+            c["delta"] = ({"role": "assistant", "content": text} if self.first else
+                          ({"content": text} if text or finish is None else {}))
+        else:
+            c["text"] = text
+        self.first = False
+        return c

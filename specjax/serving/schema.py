@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import pydantic
 
@@ -127,3 +127,217 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
         return dataclasses.replace(defaults, **given)
     except (ValueError, TypeError) as e:
         raise FieldError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- request and response bodies
+# The HTTP routes take and answer these models, so /openapi.json describes them. The models check JSON
+# types (strictly: no "1" for 1, no 1.0 for a token id); the values are checked by `parse_sampling` and
+# `OpenAIApp`, whose refusals name the field as well.
+
+MAX_TOP_LOGPROBS = 20
+_SEED_MAX = (1 << 63) - 1
+
+
+def first_surrogate(obj: Any, path: str = "") -> str | None:
+    """The path (`messages[0].content`) of the first string in `obj` holding a lone surrogate, or None."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(obj, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    else:
+        return None
+    for p, v in items:
+        found = first_surrogate(v, p)
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_surrogates(data: Any) -> Any:
+    bad = first_surrogate(data)
+    if bad is not None:
+        raise FieldError(f"'{bad}' is not valid Unicode (it holds a lone surrogate code point)", bad)
+    return data
+
+
+class _Body(pydantic.BaseModel):
+    """Unknown fields are ignored (as OpenAI's API does); lone surrogates anywhere are refused."""
+
+    model_config = pydantic.ConfigDict(extra="allow")
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return _refuse_surrogates(data)
+
+
+class StreamOptions(pydantic.BaseModel):
+    include_usage: pydantic.StrictBool | None = None
+
+
+class ContentPart(_Body):
+    """One part of a message's content; only `"type": "text"` parts are served (text concatenated)."""
+
+    type: pydantic.StrictStr
+    text: pydantic.StrictStr | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: pydantic.StrictStr | list[ContentPart] | None = None
+    name: pydantic.StrictStr | None = None
+
+
+class _GenerationRequest(SamplingFields):
+    """Fields shared by completions and chat completions (sampling fields from `SamplingFields`)."""
+
+    model_config = pydantic.ConfigDict(extra="allow", frozen=True)
+
+    model: pydantic.StrictStr | None = None
+    n: pydantic.StrictInt | None = pydantic.Field(None, description="choices per prompt (at most the engine's slots)")
+    stream: pydantic.StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    user: pydantic.StrictStr | None = None
+    stop: str | tuple[str, ...] | None = None  # one string or a list (the `SamplingFields` check applies)
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return _refuse_surrogates(data)
+
+
+_LIMITS = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+           "top_k": {"minimum": -1}, "max_tokens": {"minimum": 1}, "seed": {"minimum": 0, "maximum": _SEED_MAX},
+           "num_speculative_tokens": {"minimum": 0}, "n": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
+           "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}, "logprobs": {"minimum": 0, "maximum": 5}}
+
+
+def _document_limits(schema: dict[str, Any]) -> None:
+    for name, limits in _LIMITS.items():
+        prop = schema.get("properties", {}).get(name)
+        if prop is not None:
+            for alt in prop.get("anyOf", [prop]):
+                if alt.get("type") in ("integer", "number"):
+                    alt.update(limits)
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions: `prompt` is a string (needs a tokenizer) or a list of token ids."""
+
+    model_config = pydantic.ConfigDict(extra="allow", frozen=True, json_schema_extra=_document_limits)
+
+    prompt: pydantic.StrictStr | list[pydantic.StrictInt] | list[pydantic.StrictStr] | list[list[pydantic.StrictInt]]
+    echo: pydantic.StrictBool | None = None
+    logprobs: pydantic.StrictInt | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions: `messages` through the tokenizer's chat template."""
+
+    model_config = pydantic.ConfigDict(extra="allow", frozen=True, json_schema_extra=_document_limits)
+
+    messages: list[ChatMessage] = pydantic.Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: pydantic.StrictInt | None = pydantic.Field(None, description="alias of max_tokens")
+    logprobs: pydantic.StrictBool | None = None
+    top_logprobs: pydantic.StrictInt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class Usage(pydantic.BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpecMetrics(pydantic.BaseModel):
+    """Speculative decoding of one request (vLLM's definitions: acceptance length counts the bonus token)."""
+
+    mean_acceptance_length: float
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+    num_rounds: int
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class AssistantMessage(pydantic.BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(pydantic.BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason | None
+    token_ids: list[int]
+    logprobs: dict[str, Any] | None = None
+
+
+class CompletionChoice(pydantic.BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    token_ids: list[int]
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletionResponse(pydantic.BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    spec_metrics: SpecMetrics
+
+
+class CompletionResponse(pydantic.BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    spec_metrics: SpecMetrics
+
+
+class ErrorDetail(pydantic.BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(pydantic.BaseModel):
+    """Every error answer (OpenAI's shape); `param` names the offending field."""
+
+    error: ErrorDetail
+
+
+class ModelCard(pydantic.BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(pydantic.BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(pydantic.BaseModel):
+    """`status` "ok" (200), else "starting" or "error" (503) with the `reason`."""
+
+    status: Literal["ok", "starting", "error"]
+    reason: str | None = None
