@@ -50,7 +50,7 @@ def export_random_target(out_dir: str, seed: int = 0) -> str:
 
 
 def start_server(target: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
-    """`python -m serve.server` on 127.0.0.1, port 0; returns (process, port) once it listens."""
+    """`python -m serve.server` on 127.0.0.1, port 0; returns (process, port) once it is warm."""
     slots = args.max_num_seqs
     cmd = [sys.executable, "-m", "serve.server", "--target", target, "--port", "0", "--served-model-name", "bench",
            "--max-num-seqs", str(slots), "--max-model-len", str(args.max_model_len), "--max-prefill", "32",
@@ -63,11 +63,13 @@ def start_server(target: str, args: argparse.Namespace) -> tuple[subprocess.Pope
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
     env.setdefault("JAX_PLATFORMS", "cpu")
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        m = re.search(r"http://127\.0\.0\.1:(\d+)", proc.stdout.readline())
-        if m:
-            return proc, int(m.group(1))
+    deadline, port = time.time() + 600, None
+    while time.time() < deadline and proc.poll() is None:  # the port is printed first, "ready" after warm-up
+        line = proc.stdout.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        port = int(m.group(1)) if m else port
+        if port is not None and "specjax server: ready" in line:
+            return proc, port
     proc.kill()
     raise RuntimeError(f"the server did not start (exit {proc.poll()}): {' '.join(cmd)}")
 

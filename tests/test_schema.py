@@ -35,6 +35,9 @@ def test_fields_map_onto_sampling_params():
     ("stop", [""], "non-empty"),
     ("stop_token_ids", [1, "2"], "list of integers"),
     ("num_speculative_tokens", -1, "num_speculative_tokens"),
+    ("num_speculative_tokens", 1 << 31, "at most"),  # beyond the engine's int32 rows
+    ("top_k", 1 << 40, "at most"),
+    ("temperature", 1e300, "at most"),  # beyond float32
 ])
 def test_errors_name_the_field(field, value, fragment):
     with pytest.raises(FieldError, match=fragment) as ei:

@@ -15,9 +15,9 @@ import threading
 import time
 
 try:
-    from tests.serving_fixtures import export_tiny_target, sse_events
+    from tests.serving_fixtures import export_tiny_target, http_json, sse_events
 except ImportError:  # tests/ itself on sys.path
-    from serving_fixtures import export_tiny_target, sse_events
+    from serving_fixtures import export_tiny_target, http_json, sse_events
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MAX_TOKENS = 400
@@ -48,10 +48,17 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_connections(tmp_path):
     try:
         port = None
         deadline = time.time() + 180
-        while port is None and time.time() < deadline and proc.poll() is None:
-            m = re.search(r"http://127\.0\.0\.1:(\d+)", proc.stdout.readline())
-            port = int(m.group(1)) if m else None
-        assert port is not None, (tmp_path / "stderr.txt").read_text()[-3000:]
+        ready = False
+        while not ready and time.time() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else port
+            if port is not None and m:  # bound before warm-up: not ready yet
+                status, body = http_json(f"http://127.0.0.1:{port}/health")
+                assert status in (200, 503) and body["status"] in ("ok", "starting"), body
+            ready = "specjax server: ready" in line
+        assert port is not None and ready, (tmp_path / "stderr.txt").read_text()[-3000:]
+        assert http_json(f"http://127.0.0.1:{port}/health") == (200, {"status": "ok"})
         outs = [{} for _ in range(3)]
         starts = [threading.Event() for _ in outs]
         threads = [threading.Thread(target=_stream, args=(port, [5 + i, 6, 7], starts[i], outs[i]), daemon=True)

@@ -56,14 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def load() -> OpenAIApp:
-        app = OpenAIApp.from_llm(build_llm(args, progress=True), model_name=name, limits=limits)
-        print("specjax server: ready", flush=True)
-        return app
+        return OpenAIApp.from_llm(build_llm(args, progress=True), model_name=name, limits=limits)
     host, port = sock.getsockname()[:2]
     print(f"specjax server: model '{name}' on http://{host}:{port} (warming up: /health answers 200 when ready)",
           flush=True)
     ok = run_server(ServedApp(reason="loading the model and compiling its executables (warm-up)", limits=limits),
-                    sock, load=load, shutdown_timeout_s=args.shutdown_timeout, drain_timeout_s=args.shutdown_timeout,
+                    sock, load=load, on_ready=lambda: print("specjax server: ready", flush=True),
+                    shutdown_timeout_s=args.shutdown_timeout, drain_timeout_s=args.shutdown_timeout,
                     log_level=args.log_level)
     print("specjax server: stopped", flush=True)
     return 0 if ok else 1

@@ -294,14 +294,14 @@ def make_server(served: OpenAIApp | ServedApp, *, shutdown_timeout_s: float = 60
 
 
 def run_server(served: OpenAIApp | ServedApp, sock: socket.socket, *, load: Callable[[], OpenAIApp] | None = None,
-               shutdown_timeout_s: float = 60.0, drain_timeout_s: float = 60.0, log_level: str = "warning") -> bool:
+               on_ready: Callable[[], None] | None = None, shutdown_timeout_s: float = 60.0, drain_timeout_s: float = 60.0, log_level: str = "warning") -> bool:
     """Serve on `sock` (from `bind_socket`) in this thread until SIGTERM / SIGINT (main thread) or
     `server.should_exit`; then stop accepting, finish the responses in flight, drain the engine and
     shut it down.
 
     load: builds the app (model, engine warm-up) on a thread while the server already answers:
-    `/health` and the API say 503 with the reason until it returns. If it raises, the server stops.
-    Returns False when `load` failed, else True."""
+    `/health` and the API say 503 with the reason until it returns (then `on_ready()` is called). If
+    it raises, the server stops. Returns False when `load` failed, else True."""
     if isinstance(served, OpenAIApp):
         served = ServedApp(served)
     server = make_server(served, shutdown_timeout_s=shutdown_timeout_s, log_level=log_level)
@@ -323,6 +323,8 @@ def run_server(served: OpenAIApp | ServedApp, sock: socket.socket, *, load: Call
             api.engine.shutdown()
         else:
             served.ready(api)
+            if on_ready is not None:
+                on_ready()
     if load is not None:
         threading.Thread(target=load_app, name="specjax-load", daemon=True).start()
     try:

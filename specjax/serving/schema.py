@@ -17,6 +17,8 @@ import pydantic
 
 from specjax.api import SamplingParams
 
+# what the engine's per-row float32 / int32 arrays hold: larger values are refused, naming the field
+_ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tokens": (1 << 31) - 1}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_tokens", "stop", "stop_token_ids", "seed",
                    "num_speculative_tokens")
 
@@ -119,6 +121,8 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
     if given.get("stop") and not has_tokenizer:
         raise FieldError("'stop' strings need a tokenizer; this model has none (use 'stop_token_ids')", "stop")
     for name, v in given.items():  # each field alone, so that the error names it
+        if name in _ENGINE_MAX and v > _ENGINE_MAX[name]:
+            raise FieldError(f"'{name}' must be at most {_ENGINE_MAX[name]:g}, got {v!r}", name)
         try:
             dataclasses.replace(defaults, **{name: v})
         except (ValueError, TypeError) as e:
@@ -212,9 +216,10 @@ class _GenerationRequest(SamplingFields):
         return _refuse_surrogates(data)
 
 
-_LIMITS = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-           "top_k": {"minimum": -1}, "max_tokens": {"minimum": 1}, "seed": {"minimum": 0, "maximum": _SEED_MAX},
-           "num_speculative_tokens": {"minimum": 0}, "n": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
+_LIMITS = {"temperature": {"minimum": 0, "maximum": _ENGINE_MAX["temperature"]},
+           "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "top_k": {"minimum": -1, "maximum": _ENGINE_MAX["top_k"]},
+           "max_tokens": {"minimum": 1}, "seed": {"minimum": 0, "maximum": _SEED_MAX},
+           "num_speculative_tokens": {"minimum": 0, "maximum": _ENGINE_MAX["num_speculative_tokens"]}, "n": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
            "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}, "logprobs": {"minimum": 0, "maximum": 5}}
 
 

@@ -1,0 +1,192 @@
+"""The server as real clients use it: the official `openai` package (chat, completions, streaming, `n`,
+content parts, errors as the SDK's exception types), the OpenAPI schema and docs, and the lifecycle
+(/health 503 with a reason until warm-up is done, /v1/models, rejected requests counted by reason).
+
+A tiny random target with a word-level chat tokenizer ("w5 w6 ..."); the chat template joins the
+message contents and adds "w9", so a conversation's prompt is known token by token."""
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+try:
+    from tests.serving_fixtures import http_json, http_request, shared_tiny_llm, tiny_chat_tokenizer
+except ImportError:  # tests/ itself on sys.path
+    from serving_fixtures import http_json, http_request, shared_tiny_llm, tiny_chat_tokenizer
+
+from specjax.cli import serve as serve_cli
+from specjax.serving.http_server import ServedApp, ServerThread
+from specjax.serving.openai_api import OpenAIApp, ServerLimits
+
+
+@pytest.fixture(scope="module")
+def served():
+    llm = shared_tiny_llm()
+    api = OpenAIApp.from_llm(llm, model_name="tiny", tokenizer=tiny_chat_tokenizer(),
+                             limits=ServerLimits(max_tokens=16))
+    server = ServerThread(api)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    try:
+        yield {"url": server.url, "api": api, "client": client}
+    finally:
+        server.stop()
+        api.engine.drain(60)
+        api.engine.shutdown()
+
+
+def _ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def test_completions_and_chat_through_the_openai_client(served):
+    c = served["client"]
+    r = c.completions.create(model="tiny", prompt=[5, 6, 7, 9], max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.model == "tiny" and len(r.choices) == 1
+    ids = _ids(r.choices[0])
+    assert 1 <= len(ids) <= 6 and r.usage.prompt_tokens == 4 and r.usage.completion_tokens == len(ids)
+    assert r.choices[0].text == served["api"].tokenizer.decode(ids, skip_special_tokens=True)
+    # the same prompt as a conversation: "w5" + "w6" + "w7" (text parts) + generation prompt "w9"
+    chat = c.chat.completions.create(model="tiny", max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "w5"},
+        {"role": "user", "content": [{"type": "text", "text": "w6"}, {"type": "text", "text": "w7"}]}])
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == 4 and _ids(chat.choices[0]) == ids  # greedy: the same tokens
+    assert chat.choices[0].message.content == r.choices[0].text
+    # max_completion_tokens is max_tokens' alias; stop as a string or a list
+    short = c.chat.completions.create(model="tiny", max_completion_tokens=2, temperature=0,
+                                      messages=[{"role": "user", "content": "w5 w6 w7"}])
+    assert _ids(short.choices[0]) == ids[:2] and short.choices[0].finish_reason == "length"
+    words = r.choices[0].text.split()
+    if len(words) >= 2 and words[1] != words[0]:
+        for stop in (words[1], [words[1], "w63 w63 w63"]):
+            cut = c.completions.create(model="tiny", prompt=[5, 6, 7, 9], max_tokens=6, temperature=0, stop=stop)
+            assert cut.choices[0].text.split() == words[:1] and cut.choices[0].finish_reason == "stop"
+
+
+def test_streaming_through_the_openai_client_with_usage(served):
+    c = served["client"]
+    plain = c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0)
+    chunks = list(c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == plain.choices[0].text
+    assert [t for ch in chunks if ch.choices for t in _ids(ch.choices[0])] == _ids(plain.choices[0])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    chat = list(c.chat.completions.create(model="tiny", max_tokens=5, temperature=0, stream=True,
+                                          messages=[{"role": "user", "content": "w5 w6"}]))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_choices_each_with_its_own_seed_stream(served):
+    """n parallel samples of one prompt: choice i is the request with seed + i, streamed or not."""
+    c = served["client"]
+    kw = dict(model="tiny", prompt=[5, 6, 7], max_tokens=10, temperature=1.0, seed=11)
+    r = c.completions.create(n=3, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    singles = [_ids(c.completions.create(**{**kw, "seed": 11 + i}).choices[0]) for i in range(3)]
+    assert [_ids(ch) for ch in r.choices] == singles
+    assert len({tuple(s) for s in singles}) > 1  # different streams, not copies
+    assert r.usage.completion_tokens == sum(len(s) for s in singles) and r.usage.prompt_tokens == 3
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    usage = None
+    for ch in c.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw):
+        for choice in ch.choices:
+            streamed[choice.index] += _ids(choice)
+        usage = ch.usage or usage
+    assert [streamed[i] for i in range(3)] == singles and usage.completion_tokens == r.usage.completion_tokens
+
+
+@pytest.mark.parametrize("kwargs, param, fragment", [
+    (dict(messages=[{"role": "wizard", "content": "w5"}]), "messages[0].role", "'tool'"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0].type", "'image_url'"),
+    (dict(messages=[{"role": "user", "content": "w5"}], n=9), "n", "[1, 4]"),
+    (dict(messages=[{"role": "user", "content": "w5"}], max_completion_tokens=0), "max_completion_tokens",
+     "max_completion_tokens"),
+    (dict(messages=[{"role": "user", "content": "w5"}], temperature=-1), "temperature", "temperature"),
+    (dict(messages=[{"role": "user", "content": "w5"}], logprobs=True), "logprobs", "not supported"),
+    (dict(messages=[], max_tokens=2), "messages", "messages"),
+])
+def test_refusals_are_the_sdks_exceptions_naming_the_field(served, kwargs, param, fragment):
+    with pytest.raises(openai.BadRequestError) as ei:
+        served["client"].chat.completions.create(model="tiny", **kwargs)
+    e = ei.value
+    assert e.status_code == 400 and e.param == param and fragment in e.body["message"], e.body
+
+
+def test_unknown_model_is_the_sdks_not_found_error(served):
+    with pytest.raises(openai.NotFoundError) as ei:
+        served["client"].completions.create(model="gpt-9", prompt=[5], max_tokens=1)
+    assert ei.value.param == "model" and ei.value.code == "model_not_found"
+
+
+def test_models_lists_the_served_name_and_context_length(served):
+    models = served["client"].models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert models.data[0].model_extra["max_model_len"] == served["api"].max_model_len == 128
+
+
+def test_openapi_schema_and_docs_describe_the_routes(served):
+    status, schema = http_json(served["url"] + "/openapi.json")
+    assert status == 200
+    paths = schema["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(paths)
+    chat = paths["/v1/chat/completions"]["post"]
+    assert set(chat["responses"]) == {"200", "400", "404", "413", "503", "504"}  # never FastAPI's 422
+    assert "text/event-stream" in chat["responses"]["200"]["content"]
+    comps = schema["components"]["schemas"]
+    req = comps["ChatCompletionRequest"]["properties"]
+    assert {"messages", "n", "stop", "max_completion_tokens", "stream_options", "top_logprobs"} <= set(req)
+    assert comps["ChatMessage"]["properties"]["role"]["enum"] == ["system", "user", "assistant", "tool"]
+    assert {"minimum": 0, "maximum": 20}.items() <= req["top_logprobs"]["anyOf"][0].items()
+    assert set(comps["ErrorDetail"]["required"]) == {"message", "type", "param", "code"}
+    status, headers, page = http_request(served["url"] + "/docs")
+    assert status == 200 and headers["content-type"].startswith("text/html") and b"openapi.json" in page
+
+
+def _rejected(url: str, reason: str) -> float:
+    text = http_request(url + "/metrics")[2].decode()
+    m = re.search(rf'^specjax:request_rejected_total\{{model_name="tiny",reason="{reason}"\}} (\S+)$', text, re.M)
+    assert m, f"no series for reason {reason}"
+    return float(m.group(1))
+
+
+def test_metrics_count_refusals_by_reason(served):
+    url = served["url"]
+    before = {r: _rejected(url, r) for r in ("invalid_request", "model_not_found", "request_too_large")}
+    http_request(url + "/v1/completions", "POST", {"prompt": [5], "top_p": 2})
+    http_request(url + "/v1/completions", "POST", {"prompt": [5], "model": "other"})
+    http_request(url + "/v1/completions", "POST", raw=b"{" + b" " * (1 << 20) + b"}")
+    assert {r: _rejected(url, r) - v for r, v in before.items()} == {
+        "invalid_request": 1, "model_not_found": 1, "request_too_large": 1}
+
+
+def test_health_is_503_with_a_reason_until_the_app_is_ready(served):
+    pending = ServedApp(reason="warming up", limits=ServerLimits())
+    server = ServerThread(pending)
+    try:
+        assert http_json(server.url + "/health") == (503, {"status": "starting", "reason": "warming up"})
+        status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": [5], "max_tokens": 1})
+        assert status == 503 and r["error"]["code"] == "not_ready" and "warming up" in r["error"]["message"]
+        assert http_json(server.url + "/v1/models")[0] == 503
+        pending.ready(served["api"])
+        assert http_json(server.url + "/health") == (200, {"status": "ok"})
+        status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": [5], "max_tokens": 1})
+        assert status == 200, r
+    finally:
+        server.stop()
+
+
+def test_serve_exits_1_when_the_model_cannot_be_loaded(monkeypatch, capsys):
+    def broken(args, progress=False):
+        raise ValueError("no such checkpoint")
+    monkeypatch.setattr(serve_cli, "build_llm", broken)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("rc", serve_cli.main(["--port", "0"])), daemon=True)
+    t.start()
+    t.join(60)
+    assert out.get("rc") == 1 and "stopped" in capsys.readouterr().out
