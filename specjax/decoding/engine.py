@@ -51,12 +51,15 @@ class EngineConfig:
     tokens_buckets: tuple[int, ...] | None = None
     prefill_buckets: tuple[int, ...] | None = None
     prefill_batch_buckets: tuple[int, ...] | None = None  # prompts per prefill call
+    max_logprobs: int = 0  # top alternatives a request may ask for (0: no log-probabilities computed)
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
 
 @dataclasses.dataclass
@@ -112,12 +115,23 @@ class EngineRequest:
     stop_token_ids: tuple[int, ...] = ()
     stop_check: Callable[[list[int]], int | None] | None = None  # -> tokens to keep, if a stop hit
     max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
+    logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
     # filled by the engine
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    # with `logprobs`: per output token (its log-probability, top ids, their log-probabilities)
+    output_logprobs: list[tuple[float, list[int], list[float]]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
     slot: int = -1
     rounds: int = 0
+
+
+def _token_logprobs(req: EngineRequest, outs: dict[str, Any], row: int, n: int
+                    ) -> list[tuple[float, list[int], list[float]]]:
+    """The first `n` tokens' entries of `req.output_logprobs` from a program's outputs (row `row`)."""
+    k = req.logprobs or 0
+    return [(float(outs["logprob"][row, j]), outs["top_id"][row, j, :k].tolist(),
+             outs["top_logprob"][row, j, :k].tolist()) for j in range(n)]
 
 
 class Engine:
@@ -154,7 +168,7 @@ class Engine:
             raise ValueError(f"largest slots bucket {self.buckets.slots[-1]} must equal max_slots {slots}")
         self.runner = Runner(target, drafter, slots=slots, max_len=max_len, gamma=self.gamma,
                              stop_ids=self.eos_token_ids, verifier=verifier, cache_dtype=config.cache_dtype,
-                             mesh=mesh)
+                             mesh=mesh, max_logprobs=config.max_logprobs)
         self.lengths = np.zeros((slots,), np.int64)  # committed cache rows per slot
         self.slot_req: list[EngineRequest | None] = [None] * slots
         self.queue: list[EngineRequest] = []
@@ -251,6 +265,9 @@ class Engine:
             raise ValueError(f"request {req.request_id}: prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
         if req.max_tokens <= 0:
             raise ValueError(f"request {req.request_id}: max_tokens must be > 0, got {req.max_tokens}")
+        if req.logprobs is not None and not 0 <= req.logprobs <= self.cfg.max_logprobs:
+            raise ValueError(f"request {req.request_id}: logprobs must be in [0, {self.cfg.max_logprobs}] "
+                             f"(the engine's max_logprobs), got {req.logprobs}")
         req.metrics.start_time = time.perf_counter()
         self.queue.append(req)
 
@@ -297,6 +314,7 @@ class Engine:
                 self.lengths[req.slot] = len(req.prompt_ids)
                 req.metrics.first_token_time = time.perf_counter()
                 self._append(req, [req.output_ids.pop()])  # the sampled first token, checked for stops
+                del req.output_logprobs[len(req.output_ids):]
                 if req.finish_reason:
                     finished.append(req)
         return finished
@@ -321,11 +339,13 @@ class Engine:
                 ints[:, row] = n, r.slot, offsets[i], r.top_k
                 floats[:, row] = r.temperature, r.top_p
                 key_data[row] = self._key_data[r.slot]
-            tok = np.asarray(self.runner.run("prefill", (pb, plen), tokens_bt=toks, ints_4b=ints, floats_2b=floats,
-                                             keys_b2=key_data))
+            outs = jax.device_get(self.runner.run("prefill", (pb, plen), tokens_bt=toks, ints_4b=ints,
+                                                  floats_2b=floats, keys_b2=key_data))
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 offsets[i] += n
-                first[i] = int(tok[row])
+                first[i] = int(outs["tokens"][row, 0])
+                if batch[i].logprobs is not None and offsets[i] == len(batch[i].prompt_ids):
+                    batch[i].output_logprobs = _token_logprobs(batch[i], outs, row, 1)
         for i, r in enumerate(batch):
             r.output_ids.append(first[i])
 
@@ -415,7 +435,11 @@ class Engine:
             r.rounds += 1
             r.metrics.record_round(int(ell[i]), int(n_acc[i]), self.gamma)
             self.lengths[i] += int(n_acc[i]) + 1
+            n0 = len(r.output_ids)
             self._append(r, outs["tokens"][i, : int(outs["num_emitted"][i])].tolist())
+            if r.logprobs is not None:  # entries for the tokens kept (stop rules may cut or trim)
+                r.output_logprobs += _token_logprobs(r, outs, i, max(len(r.output_ids) - n0, 0))
+                del r.output_logprobs[len(r.output_ids):]
             if r.finish_reason:
                 finished.append(r)
         dt = time.perf_counter() - t0

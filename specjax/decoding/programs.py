@@ -40,6 +40,7 @@ class Context:
     gamma: int
     max_len: int
     verifier: Callable[..., VerifyResult]
+    max_logprobs: int = 0  # top alternatives computed per emitted token (0: no log-probabilities)
     cache_shardings: Any = None  # state shardings under a mesh (None without one)
     dstate_shardings: Any = None
     replicated: Any = None
@@ -121,8 +122,22 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, dra
     new_anchor = jnp.where(active_b & (res.next_token >= 0), res.next_token, anchor_b)
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors.at[:sb].set(new_anchor))
     outs = {"tokens": res.tokens, "num_emitted": res.num_emitted, "num_accepted": res.num_accepted,
-            "stopped": res.stopped_on_draft}
+            "stopped": res.stopped_on_draft, **_logprobs(ctx, out.logits, sa, res.tokens)}
     return cache, dstate, anchors, outs
+
+
+def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array) -> dict[str, Array]:
+    """With `max_logprobs` K > 0: log-probabilities of `tokens` [B, T] and the top K alternatives under
+    the target's distribution after the request's temperature, top-k and top-p (temperature 0 read
+    as 1), at the positions that emitted them ({} when K = 0). Each position's distribution depends
+    only on the prefix, so speculation does not change the values."""
+    if ctx.max_logprobs == 0:
+        return {}
+    sa_lp = SamplingArrays(jnp.where(sa.temperature > 0, sa.temperature, 1.0), sa.top_k, sa.top_p)
+    lp = jnp.log(probs_from_logits(logits, sa_lp))  # [B, T, V]
+    tok = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    top_lp, top_id = jax.lax.top_k(lp, min(ctx.max_logprobs, lp.shape[-1]))
+    return {"logprob": tok, "top_logprob": top_lp, "top_id": top_id}
 
 
 def lite(ctx: Context, t_params, cache, anchors, ints_4b, floats_2b, keys_b2, stop_ids):
@@ -196,4 +211,4 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, tokens_bt,
     tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p)
     anchors = anchors.at[slot_p].set(tok, mode="drop")
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors)
-    return cache, dstate, anchors, tok
+    return cache, dstate, anchors, {"tokens": tok[:, None], **_logprobs(ctx, out.logits, sa, tok[:, None])}

@@ -42,7 +42,7 @@ _STATE = ("cache", "dstate", "anchors")
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("prefill", programs.prefill,
            ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_2b", "keys_b2"),
-           (*_STATE, "first_b"), ("rows", "plen"), donate=_STATE),
+           (*_STATE, "first"), ("rows", "plen"), donate=_STATE),
     Family("lite", programs.lite,
            ("t_params", "cache", "anchors", "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
            ("cache", "anchors", "outs"), ("rows",), donate=("cache", "anchors")),
@@ -125,7 +125,7 @@ class Runner:
 
     def __init__(self, target: Any, drafter: Any, *, slots: int, max_len: int, gamma: int,
                  stop_ids: Sequence[int], verifier: Callable[..., Any], cache_dtype: str | None = None,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0):
         self.mesh, self.gamma, self.vocab = mesh, gamma, target.config.vocab_size
         t_graph, t_params = nnx.split(target)
         cache = target.init_cache(slots, max_len, dtype=cache_dtype)
@@ -150,7 +150,8 @@ class Runner:
         self.stop_ids = self._resident(np.asarray(tuple(stop_ids) or (-1,), np.int32))
         tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
         needs_hidden = bool(getattr(drafter, "needs_hidden", False))
-        ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, **shardings)
+        ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
+                               **shardings)
         self.exes = {f.name: Executables(f.name, functools.partial(f.fn, ctx),
                                          donate_argnums=tuple(f.args.index(a) for a in f.donate),
                                          static_argnames=f.static)
