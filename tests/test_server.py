@@ -175,7 +175,7 @@ def test_chat_with_a_tokenizer_template(srv):
     (b'{"prompt": [5, 6], "stream": "yes"}', "stream", "boolean"),
     (b'{"prompt": [5, 6], "n": 5}', "n", "[1, 4]"),
     (b'{"prompt": [5, 6], "n": 0}', "n", "[1, 4]"),
-    (b'{"prompt": [5, 6], "logprobs": 1}', "logprobs", "not supported"),
+    (b'{"prompt": [5, 6], "logprobs": 21}', "logprobs", "[0, 20]"),
     (b'{"prompt": [5, 6], "echo": true}', "echo", "not supported"),
     (b'{"prompt": [5, 6], "stop_token_ids": [64]}', "stop_token_ids", "vocabulary"),
     (b'{"prompt": [5, 1.5]}', "prompt", "valid integer"),

@@ -108,7 +108,8 @@ def test_n_choices_each_with_its_own_seed_stream(served):
     (dict(messages=[{"role": "user", "content": "w5"}], max_completion_tokens=0), "max_completion_tokens",
      "max_completion_tokens"),
     (dict(messages=[{"role": "user", "content": "w5"}], temperature=-1), "temperature", "temperature"),
-    (dict(messages=[{"role": "user", "content": "w5"}], logprobs=True), "logprobs", "not supported"),
+    (dict(messages=[{"role": "user", "content": "w5"}], logprobs=True, top_logprobs=21), "top_logprobs", "[0, 20]"),
+    (dict(messages=[{"role": "user", "content": "w5"}], top_logprobs=2), "top_logprobs", "needs 'logprobs'"),
     (dict(messages=[], max_tokens=2), "messages", "messages"),
 ])
 def test_refusals_are_the_sdks_exceptions_naming_the_field(served, kwargs, param, fragment):
@@ -116,6 +117,39 @@ def test_refusals_are_the_sdks_exceptions_naming_the_field(served, kwargs, param
         served["client"].chat.completions.create(model="tiny", **kwargs)
     e = ei.value
     assert e.status_code == 400 and e.param == param and fragment in e.body["message"], e.body
+
+
+def test_logprobs_in_chat_and_completions_streamed_or_not(served):
+    """Chat `logprobs` + `top_logprobs` and completions `logprobs` report the same values for the same
+    tokens; greedy: the chosen token is the top alternative; streamed chunks carry their tokens' entries."""
+    c, tok = served["client"], served["api"].tokenizer
+    chat = c.chat.completions.create(model="tiny", max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+                                     messages=[{"role": "user", "content": "w5 w6 w7"}])
+    ids = _ids(chat.choices[0])
+    content = chat.choices[0].logprobs.content
+    assert [e.token for e in content] == [tok.decode([t]) for t in ids]
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token  # greedy: the argmax
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob) and e.logprob <= 0
+        assert e.bytes == list(e.token.encode())
+    comp = c.completions.create(model="tiny", prompt=[5, 6, 7, 9], max_tokens=6, temperature=0, logprobs=3)
+    lp = comp.choices[0].logprobs
+    assert _ids(comp.choices[0]) == ids and lp.tokens == [e.token for e in content]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in content], abs=1e-6)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(d) <= 3 for d in lp.top_logprobs)
+    # sampled, n = 2, streamed: each choice's chunks carry exactly its tokens' entries
+    kw = dict(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0.9, top_k=10, seed=5, n=2, logprobs=2)
+    kw = {k: v for k, v in kw.items() if k != "top_k"} | {"extra_body": {"top_k": 10}}
+    whole = c.completions.create(**kw)
+    got: dict[int, list[float]] = {0: [], 1: []}
+    for ch in c.completions.create(stream=True, **kw):
+        for choice in ch.choices:
+            assert len(choice.logprobs.token_logprobs) == len(_ids(choice))
+            got[choice.index] += choice.logprobs.token_logprobs
+    for choice in whole.choices:
+        assert got[choice.index] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-6)
+        assert all(-9999.0 <= x <= 0 for x in choice.logprobs.token_logprobs)
 
 
 def test_unknown_model_is_the_sdks_not_found_error(served):

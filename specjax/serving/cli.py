@@ -36,6 +36,8 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slots-buckets", type=_int_list, default=None, help="e.g. 1,2,4,8 (last = max-num-seqs)")
     g.add_argument("--tokens-buckets", type=_int_list, default=None, help="tokens per slot buckets, e.g. 1,2,4,5")
     g.add_argument("--prefill-buckets", type=_int_list, default=None, help="prefill length buckets, e.g. 16,32")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most top log-probabilities a request may ask for (0: none computed, a little faster)")
 
 
 def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
@@ -53,9 +55,9 @@ def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
             max_slots=args.max_num_seqs, max_len=args.max_model_len, gamma=args.num_speculative_tokens,
             policy=policy, max_prefill=args.max_prefill, seed=args.seed, threshold=args.threshold,
             slots_buckets=args.slots_buckets,
-            tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets)
+            tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets, max_logprobs=args.max_logprobs)
     return LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                policy=args.policy, dtype=args.dtype, seed=args.seed, max_prefill=args.max_prefill,
                engine_config=engine_config, progress=progress, cost_table=args.cost_table,
-               threshold=args.threshold)
+               threshold=args.threshold, max_logprobs=args.max_logprobs)

@@ -102,9 +102,10 @@ class _Waiter:
 
 
 # fields we do not implement: a non-default value is refused rather than silently ignored
-_UNSUPPORTED = {"best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
+_UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None,
                 "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
                 "tool_choice": None, "functions": None, "use_beam_search": False}
+_LOGPROB_FLOOR = -9999.0  # what -inf is sent as (JSON has no infinities; vLLM's value)
 _ENGINE_REJECTED = "rejected_by_engine"  # the engine refused the request (and counted it as invalid_request)
 _POLL_S = 1.0  # how often a waiting non-streamed request checks whether its client is still there
 _UNION_TAG = re.compile(r"^(str|int|bool|float|none)$|\[")  # pydantic's names of union members in an error's loc
@@ -207,6 +208,7 @@ class _Parsed:
     stream: bool
     include_usage: bool
     n: int
+    logprobs: int | None  # top alternatives per token (0: the token's own); None: no log-probabilities
 
 
 class OpenAIApp:
@@ -228,6 +230,7 @@ class OpenAIApp:
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
         self.max_tokens = min(self.limits.max_tokens or self.max_model_len - 1, self.max_model_len - 1)
         self.max_n = int(engine.engine.cfg.max_slots)
+        self.max_logprobs = int(engine.engine.cfg.max_logprobs)
         self.created = int(time.time())
 
     @classmethod
@@ -253,13 +256,14 @@ class OpenAIApp:
                            code="model_not_found")
         for name, default in _UNSUPPORTED.items():
             v = body.get(name, default)
-            if v is not None and v != default and not (name == "logprobs" and v is False):
+            if v is not None and v != default:
                 raise APIError(400, f"'{name}' is not supported by this server", param=name)
         n = body.get("n")
         n = 1 if n is None else n
         if not 1 <= n <= self.max_n:
             raise APIError(400, f"'n' is {n}; it must be in [1, {self.max_n}] (this server's sequences at once)",
                            param="n")
+        logprobs = self._logprobs_asked(body, chat)
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if chat:
@@ -295,7 +299,25 @@ class OpenAIApp:
         if bad_stop:
             raise APIError(400, f"'stop_token_ids' holds {bad_stop[0]}, outside the vocabulary [0, "
                                 f"{self.vocab_size})", param="stop_token_ids")
-        return _Parsed(prompt_ids, sp, stream, include_usage, n)
+        return _Parsed(prompt_ids, sp, stream, include_usage, n, logprobs)
+
+    def _logprobs_asked(self, body: dict[str, Any], chat: bool) -> int | None:
+        """Chat: `logprobs` true (+ `top_logprobs` k); completions: `logprobs` k. Bounded by the engine."""
+        if chat:
+            top = body.get("top_logprobs")
+            if top is not None and not body.get("logprobs"):
+                raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            k, name = (top or 0) if body.get("logprobs") else None, "top_logprobs" if top is not None else "logprobs"
+        else:
+            k, name = body.get("logprobs"), "logprobs"
+        if k is None:
+            return None
+        if self.max_logprobs == 0:
+            raise APIError(400, f"'{name}': this server computes no log-probabilities (start it with "
+                                f"--max-logprobs N)", param=name)
+        if not 0 <= k <= self.max_logprobs:
+            raise APIError(400, f"'{name}' must be in [0, {self.max_logprobs}], got {k}", param=name)
+        return k
 
     def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
         p = body["prompt"]
@@ -362,7 +384,7 @@ class OpenAIApp:
         streams: list[RequestStream] = []
         try:
             for i in range(parsed.n):
-                sp = parsed.sp
+                sp = dataclasses.replace(parsed.sp, logprobs=parsed.logprobs)
                 if sp.seed is not None and i:
                     sp = dataclasses.replace(sp, seed=sp.seed + i)
                 try:
@@ -381,6 +403,37 @@ class OpenAIApp:
                 self.engine.abort(s)
             raise
         return streams
+
+    def _token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _logprobs_block(self, parsed: _Parsed, req: Any, a: int, b: int, chat: bool,
+                        text_offset: int = 0) -> dict[str, Any] | None:
+        """OpenAI's `logprobs` object for output tokens a..b-1 (chat: `content`; completions: `tokens`,
+        `token_logprobs`, `top_logprobs`, `text_offset`: where each token's text starts in the tokens'
+        texts joined, from `text_offset`). -inf (outside top-k / top-p) is sent as -9999."""
+        if parsed.logprobs is None:
+            return None
+        entries = req.output_logprobs[a:b]
+        ids = req.output_ids[a:b]
+
+        def num(x: float) -> float:
+            return max(float(x), _LOGPROB_FLOOR)
+        if chat:
+            def item(t: int, lp: float) -> dict[str, Any]:
+                text = self._token_text(t)
+                return {"token": text, "logprob": num(lp), "bytes": list(text.encode("utf-8"))}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(u, v) for u, v in zip(top_ids, top_lps)]}
+                                for t, (lp, top_ids, top_lps) in zip(ids, entries)]}
+        tokens = [self._token_text(t) for t in ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [num(lp) for lp, _, _ in entries],
+                "top_logprobs": [{self._token_text(u): num(v) for u, v in zip(top_ids, top_lps)}
+                                 for _, top_ids, top_lps in entries],
+                "text_offset": offsets}
 
     def _decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -433,7 +486,7 @@ class OpenAIApp:
             ids = list(s.request.output_ids)
             n_out += len(ids)
             choice: dict[str, Any] = {"index": i, "finish_reason": s.request.finish_reason, "token_ids": ids,
-                                      "logprobs": None}
+                                      "logprobs": self._logprobs_block(parsed, s.request, 0, len(ids), chat)}
             text = self._decode(ids)
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -464,7 +517,7 @@ class OpenAIApp:
                     if ev.error is not None:
                         yield APIError(500, ev.error, type="server_error").body()
                         return
-                    c = choices[i].chunk(ev)
+                    c = choices[i].chunk(ev, parsed)
                     out = wrap(c)
                     if ev.finished:
                         out["usage"] = self._usage(parsed, len(ev.output_ids or []))
@@ -514,9 +567,11 @@ class _ChoiceStream:
         self.detok = StreamDetokenizer(app.tokenizer) if app.tokenizer is not None else None
         self.sent_ids: list[int] = []
         self.sent_text: list[str] = []
+        self.token_chars = 0  # completions' `text_offset` of the next token
         self.first = True
 
-    def chunk(self, ev: StreamEvent) -> dict[str, Any]:
+    def chunk(self, ev: StreamEvent, parsed: _Parsed) -> dict[str, Any]:
+        start = len(self.sent_ids)
         if ev.finished:
             final_ids = list(ev.output_ids or [])
             sent = self.sent_ids
@@ -531,7 +586,11 @@ class _ChoiceStream:
             text = self.detok.push(ids) if self.detok is not None else ""
             self.sent_text.append(text)
         finish = ev.finish_reason if ev.finished else None
-        c: dict[str, Any] = {"index": self.index, "finish_reason": finish, "token_ids": ids, "logprobs": None}
+        logprobs = self.app._logprobs_block(parsed, self.stream.request, start, start + len(ids), self.chat,
+                                            self.token_chars)
+        if logprobs is not None and not self.chat:
+            self.token_chars += sum(len(t) for t in logprobs["tokens"])
+        c: dict[str, Any] = {"index": self.index, "finish_reason": finish, "token_ids": ids, "logprobs": logprobs}
         if self.chat:
             c["delta"] = ({"role": "assistant", "content": text} if self.first else
                           ({"content": text} if text or finish is None else {}))

@@ -220,7 +220,7 @@ _LIMITS = {"temperature": {"minimum": 0, "maximum": _ENGINE_MAX["temperature"]},
            "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "top_k": {"minimum": -1, "maximum": _ENGINE_MAX["top_k"]},
            "max_tokens": {"minimum": 1}, "seed": {"minimum": 0, "maximum": _SEED_MAX},
            "num_speculative_tokens": {"minimum": 0, "maximum": _ENGINE_MAX["num_speculative_tokens"]}, "n": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
-           "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}, "logprobs": {"minimum": 0, "maximum": 5}}
+           "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}, "logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}}
 
 
 def _document_limits(schema: dict[str, Any]) -> None:
