@@ -8,8 +8,9 @@ client threads, each sending streamed /v1/completions requests back to back (clo
 level's request count is done or its time bound passes. Per level: requests/s, generated tokens/s,
 time to first token (TTFT) and inter-token latency (ITL: the gap between two streamed chunks divided
 over the tokens of the later chunk) at p50/p99, and errors (non-200 answers, resets, timeouts,
-streams without [DONE] or with the wrong token count; the goal is 0). Writes
-bench/results/server_load.{json,md,png}.
+streams without [DONE] or with the wrong token count; the goal is 0). Then the same levels through
+the official `openai` async client with n = 2 choices and logprobs on (`--no-openai-client` skips
+them). Writes bench/results/server_load.{json,md,png}.
 """
 from __future__ import annotations
 
@@ -157,7 +158,69 @@ def run_level(port: int, clients: int, n_requests: int, max_tokens: int, prompt_
             "load_1min": [load0, load_average()[0]]}
 
 
-def markdown(levels: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+def run_openai_level(port: int, clients: int, n_requests: int, max_tokens: int, prompt_len: int, bound_s: float,
+                     timeout: float, n: int = 2, logprobs: int = 1,
+                     vocab_size: int = TINY_SHAPE["vocab_size"]) -> dict[str, Any]:
+    """The same closed loop through the official `openai` async client: `clients` asyncio tasks on one
+    event loop, streamed completions with `n` choices and `logprobs` on. TTFT and ITL are per choice
+    (its first token; the gaps between its chunks over their tokens); an answer missing a choice's
+    tokens or logprobs is an error."""
+    import asyncio
+
+    import openai
+
+    async def main() -> tuple[list[dict[str, Any]], float]:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                                    timeout=timeout)
+        issued, results = [0], []
+        t_start = time.perf_counter()
+        deadline = t_start + bound_s
+
+        async def one(prompt: list[int]) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            chunks: dict[int, list[tuple[float, int]]] = {i: [] for i in range(n)}
+            try:
+                stream = await client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens,
+                                                         temperature=0, n=n, logprobs=logprobs, stream=True)
+                async for ev in stream:
+                    for ch in ev.choices:
+                        k = len(ch.model_extra.get("token_ids") or [])
+                        if ch.logprobs is None or len(ch.logprobs.token_logprobs) != k:
+                            return {"error": "a chunk without its tokens' logprobs"}
+                        if k:
+                            chunks[ch.index].append((time.perf_counter() - t0, k))
+            except openai.OpenAIError as e:
+                return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            tokens = [sum(k for _, k in c) for c in chunks.values()]
+            if tokens != [max_tokens] * n:
+                return {"error": f"incomplete stream: {tokens} of {max_tokens} tokens per choice"}
+            itl = [(t1 - t0_) / k for c in chunks.values() for (t0_, _), (t1, k) in zip(c, c[1:]) for _ in range(k)]
+            return {"ttft": [c[0][0] for c in chunks.values()], "tokens": sum(tokens), "itl": itl}
+
+        async def client_task(k: int) -> None:
+            rng = np.random.default_rng(k)
+            while issued[0] < n_requests and time.perf_counter() <= deadline:
+                issued[0] += 1
+                results.append(await one([int(t) for t in rng.integers(3, vocab_size, size=prompt_len)]))
+
+        await asyncio.gather(*(client_task(k) for k in range(clients)))
+        await client.close()
+        return results, time.perf_counter() - t_start
+
+    results, wall = asyncio.run(main())
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    ttft = np.array([x for r in ok for x in r["ttft"]]) * 1e3
+    itl = np.array([x for r in ok for x in r["itl"]]) * 1e3
+    pct = lambda a, q: float(np.percentile(a, q)) if a.size else float("nan")  # noqa: E731
+    return {"clients": clients, "n": n, "logprobs": logprobs, "requests": len(results), "completed": len(ok),
+            "errors": len(errors), "error_examples": sorted(set(errors))[:5], "wall_s": round(wall, 3),
+            "requests_per_s": len(ok) / wall, "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+            "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
+            "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99)}
+
+
+def markdown(levels: list[dict[str, Any]], meta: dict[str, Any], sdk_levels: list[dict[str, Any]] = ()) -> str:
     rows = [[lv["clients"], f"{lv['completed']}/{lv['requests']}", f"{lv['requests_per_s']:.1f}",
              f"{lv['tokens_per_s']:.0f}", f"{lv['ttft_ms_p50']:.1f}", f"{lv['ttft_ms_p99']:.1f}",
              f"{lv['itl_ms_p50']:.2f}", f"{lv['itl_ms_p99']:.2f}", lv["errors"],
@@ -172,7 +235,21 @@ def markdown(levels: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"greedy) back to back on fresh connections; client threads run in the benchmark process on the "
             f"same 2 CPUs as the server. TTFT is measured from sending to the first streamed token; ITL "
             f"is the gap between streamed chunks divided over the chunk's tokens. Goal: 0 errors at every "
-            f"level ({'met' if total_err == 0 else f'NOT met: {total_err} errors'}).\n\n" + table)
+            f"level ({'met' if total_err == 0 else f'NOT met: {total_err} errors'}).\n\n" + table + sdk_table(sdk_levels))
+
+
+def sdk_table(levels: list[dict[str, Any]]) -> str:
+    """The `openai` async client levels (n choices, logprobs on), or nothing when none ran."""
+    if not levels:
+        return ""
+    rows = [[lv["clients"], f"{lv['completed']}/{lv['requests']}", f"{lv['requests_per_s']:.1f}",
+             f"{lv['tokens_per_s']:.0f}", f"{lv['ttft_ms_p50']:.1f}", f"{lv['ttft_ms_p99']:.1f}",
+             f"{lv['itl_ms_p50']:.2f}", f"{lv['itl_ms_p99']:.2f}", lv["errors"]] for lv in levels]
+    return (f"\n\nThe same load through the official `openai` async client (one event loop, one task per client), "
+            f"n = {levels[0]['n']} choices per request and logprobs = {levels[0]['logprobs']}; TTFT and ITL per "
+            f"choice; tok/s counts both choices.\n\n"
+            + md_table(["clients", "done/sent", "req/s", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                        "ITL p99 ms", "errors"], rows))
 
 
 def plot(levels: list[dict[str, Any]], path: str) -> None:
@@ -222,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=128)
     p.add_argument("--max-waiting", type=int, default=512)
     p.add_argument("--out-dir", default=os.path.join("bench", "results"))
+    p.add_argument("--no-openai-client", dest="openai_client", action="store_false",
+                   help="skip the levels through the openai async client (n=2, logprobs on)")
     args = p.parse_args(argv)
     if args.prompt_len + args.max_tokens > args.max_model_len:
         p.error("--prompt-len + --max-tokens must fit --max-model-len")
@@ -234,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
               f"waiting-queue limit {args.max_waiting}")
     log(f"starting the server ({model}; {engine})")
     proc, port = start_server(target, args)
-    levels = []
+    levels, sdk_levels = [], []
     try:
         one_request(port, [5, 6, 7], args.max_tokens, args.request_timeout)  # first request: warm paths
         for c in args.concurrency:
@@ -245,6 +324,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{lv['tokens_per_s']:.0f} tok/s, TTFT p50 {lv['ttft_ms_p50']:.1f} ms p99 {lv['ttft_ms_p99']:.1f} ms, "
                 f"ITL p50 {lv['itl_ms_p50']:.1f} ms p99 {lv['itl_ms_p99']:.1f} ms, errors {lv['errors']}")
             levels.append(lv)
+        if args.openai_client:
+            for c in args.concurrency:
+                n = max(args.min_requests, args.requests_per_client * c)
+                log(f"openai client: {c} clients, {n} requests, n=2, logprobs on")
+                lv = run_openai_level(port, c, n, args.max_tokens, args.prompt_len, args.level_seconds,
+                                      args.request_timeout)
+                log(f"  {lv['completed']}/{lv['requests']} ok, {lv['tokens_per_s']:.0f} tok/s, TTFT p50 "
+                    f"{lv['ttft_ms_p50']:.1f} ms p99 {lv['ttft_ms_p99']:.1f} ms, ITL p50 {lv['itl_ms_p50']:.1f} ms "
+                    f"p99 {lv['itl_ms_p99']:.1f} ms, errors {lv['errors']}")
+                sdk_levels.append(lv)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -255,9 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         tmp.cleanup()
     meta = {"command": command_line("bench.server_load", argv), "model": model, "engine": engine,
             "max_tokens": args.max_tokens, "prompt_len": args.prompt_len}
-    result = {"benchmark": "server_load", **meta, "levels": levels, "server_exit_code": rc,
-              "errors_total": sum(lv["errors"] for lv in levels), "machine": machine_info()}
-    md = markdown(levels, meta)
+    result = {"benchmark": "server_load", **meta, "levels": levels, "openai_client_levels": sdk_levels,
+              "server_exit_code": rc, "errors_total": sum(lv["errors"] for lv in levels + sdk_levels),
+              "machine": machine_info()}
+    md = markdown(levels, meta, sdk_levels)
     print(md)
     write_results("server_load", result, md, out_dir=args.out_dir, plot=lambda path: plot(levels, path))
     return 0 if result["errors_total"] == 0 and rc == 0 else 1

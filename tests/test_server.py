@@ -434,3 +434,14 @@ def test_bench_server_load_client_counts_tokens_latencies_and_errors(srv):
     finally:
         eng.max_waiting = saved
     assert (bad["completed"], bad["errors"]) == (0, 4) and "HTTP 503" in bad["error_examples"][0]
+
+
+def test_bench_server_load_openai_client_level(srv):
+    """bench.server_load's level through the openai async client: n = 2 choices, logprobs on."""
+    from bench import server_load
+
+    level = server_load.run_openai_level(srv["port"], clients=3, n_requests=6, max_tokens=6, prompt_len=5,
+                                         bound_s=60, timeout=60, vocab_size=64)
+    assert (level["requests"], level["completed"], level["errors"]) == (6, 6, 0), level["error_examples"]
+    assert level["tokens_per_s"] == pytest.approx(2 * 6 * level["requests_per_s"])
+    assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"] and 0 <= level["itl_ms_p50"] <= level["itl_ms_p99"]
