@@ -159,7 +159,7 @@ def run_level(port: int, clients: int, n_requests: int, max_tokens: int, prompt_
 
 
 def run_openai_level(port: int, clients: int, n_requests: int, max_tokens: int, prompt_len: int, bound_s: float,
-                     timeout: float, n: int = 2, logprobs: int = 1,
+                     timeout: float, n: int = 2, logprobs: int = 1, model: str = "bench",
                      vocab_size: int = TINY_SHAPE["vocab_size"]) -> dict[str, Any]:
     """The same closed loop through the official `openai` async client: `clients` asyncio tasks on one
     event loop, streamed completions with `n` choices and `logprobs` on. TTFT and ITL are per choice
@@ -180,7 +180,7 @@ def run_openai_level(port: int, clients: int, n_requests: int, max_tokens: int, 
             t0 = time.perf_counter()
             chunks: dict[int, list[tuple[float, int]]] = {i: [] for i in range(n)}
             try:
-                stream = await client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens,
+                stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
                                                          temperature=0, n=n, logprobs=logprobs, stream=True)
                 async for ev in stream:
                     for ch in ev.choices:

@@ -441,7 +441,7 @@ def test_bench_server_load_openai_client_level(srv):
     from bench import server_load
 
     level = server_load.run_openai_level(srv["port"], clients=3, n_requests=6, max_tokens=6, prompt_len=5,
-                                         bound_s=60, timeout=60, vocab_size=64)
+                                         bound_s=60, timeout=60, model="tiny", vocab_size=64)
     assert (level["requests"], level["completed"], level["errors"]) == (6, 6, 0), level["error_examples"]
     assert level["tokens_per_s"] == pytest.approx(2 * 6 * level["requests_per_s"])
     assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"] and 0 <= level["itl_ms_p50"] <= level["itl_ms_p99"]
