@@ -1,11 +1,21 @@
 """OpenAI-compatible request handling, independent of the HTTP stack (see `http_server` for routes).
 
-`OpenAIApp` validates a request body (errors are `APIError`: OpenAI-style JSON naming the field),
-submits it to the continuous-batching `AsyncEngine`, and answers a response body or, for
+`OpenAIApp` takes a validated request model (`specjax.serving.schema`; `parse_request` makes one from
+a decoded body), checks its values (errors are `APIError`: OpenAI-style JSON whose `param` names the
+field), submits it to the continuous-batching `AsyncEngine`, and answers a response body or, for
 `"stream": true`, an async iterator of chunks. Every response carries OpenAI's `usage` and a
 `spec_metrics` block (mean_acceptance_length, num_drafts, num_draft_tokens, num_accepted_tokens,
-accepted_per_pos) for that request; choices also carry `token_ids`. Streamed text is detokenized
-incrementally (`specjax.serving.detokenize`), linear in the output's length.
+accepted_per_pos; added over the choices) for that request; choices also carry `token_ids`. Streamed
+text is detokenized incrementally (`specjax.serving.detokenize`), linear in the output's length.
+
+OpenAI's fields: message content as a string or text parts (joined by newlines); roles system, user,
+assistant, tool; `n` choices up to the engine's slots (one engine request each, choice i seeded with
+seed + i when a seed is given); `stop` a string or a list; `max_completion_tokens` (chat) as
+`max_tokens`; `stream_options.include_usage`. Log-probabilities (chat `logprobs` + `top_logprobs`,
+completions `logprobs`, at most the engine's `max_logprobs`) are those of the target's distribution
+after the request's temperature, top-k and top-p, with temperature 0 read as 1 (vLLM's processed
+log-probabilities); speculation does not change them. Not served (400 naming the field): `echo`,
+`best_of`, `suffix`, penalties, `logit_bias`, tools.
 
 Status codes: 400 bad or unsupported fields, prompts or max_tokens over the limits; 404 unknown
 model; 503 when the engine's waiting queue is full or the engine is not running; 504 when a request
