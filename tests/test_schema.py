@@ -62,3 +62,30 @@ def test_server_and_batch_job_use_the_same_schema():
     with pytest.raises(FieldError) as ej:
         parse_sampling(row, D)
     assert (ei.value.field, str(ei.value)) == (ej.value.field, str(ej.value)) == ("top_p", str(ej.value))
+
+
+@pytest.mark.parametrize("chat, body, param, fragment", [
+    (True, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "'tool'"),
+    (True, {"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content",
+     "messages[0].content[0].type: Field required"),
+    (True, {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content", "lone surrogate"),
+    (True, {"messages": "hi"}, "messages", "valid list"),
+    (True, {}, "messages", "missing"),
+    (False, {"prompt": [1.5]}, "prompt", "matches none of its allowed forms"),
+    (False, {"prompt": [1], "stream": "yes"}, "stream", "boolean"),
+    (False, {"prompt": [1], "stop": [1]}, "stop", "stop"),
+    (False, [1, 2], None, "JSON object"),
+])
+def test_request_models_refuse_naming_the_field_path(chat, body, param, fragment):
+    with pytest.raises(openai_api.APIError) as ei:
+        openai_api.parse_request(body, chat=chat)
+    assert ei.value.status == 400 and ei.value.param == param and fragment in ei.value.message, ei.value.message
+
+
+def test_request_models_accept_openai_shapes():
+    req = openai_api.parse_request({"messages": [{"role": "system", "content": None},
+                                                 {"role": "user", "content": [{"type": "text", "text": "x"}]}],
+                                    "stop": "s", "max_completion_tokens": 3, "stream_options": {"include_usage": True},
+                                    "unknown_field": 1}, chat=True)
+    assert req.stop == ("s",) and req.max_completion_tokens == 3 and req.stream_options.include_usage
+    assert openai_api.parse_request({"prompt": [[1, 2]]}, chat=False).prompt == [[1, 2]]
