@@ -245,7 +245,7 @@ def sdk_table(levels: list[dict[str, Any]]) -> str:
     rows = [[lv["clients"], f"{lv['completed']}/{lv['requests']}", f"{lv['requests_per_s']:.1f}",
              f"{lv['tokens_per_s']:.0f}", f"{lv['ttft_ms_p50']:.1f}", f"{lv['ttft_ms_p99']:.1f}",
              f"{lv['itl_ms_p50']:.2f}", f"{lv['itl_ms_p99']:.2f}", lv["errors"]] for lv in levels]
-    return (f"\n\nThe same load through the official `openai` async client (one event loop, one task per client), "
+    return (f"\nThe same load through the official `openai` async client (one event loop, one task per client), "
             f"n = {levels[0]['n']} choices per request and logprobs = {levels[0]['logprobs']}; TTFT and ITL per "
             f"choice; tok/s counts both choices.\n\n"
             + md_table(["clients", "done/sent", "req/s", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
