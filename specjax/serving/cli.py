@@ -1,4 +1,4 @@
-"""Command-line options shared by the serving programs (`serve.server`, `serve.batch`)."""
+"""Command-line options shared by the serving programs (`specjax.cli.serve`, `specjax.cli.batch`, `serve.profile`)."""
 from __future__ import annotations
 
 import argparse
