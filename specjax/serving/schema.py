@@ -139,6 +139,8 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
 # `OpenAIApp`, whose refusals name the field as well.
 
 MAX_TOP_LOGPROBS = 20
+LOGPROBS_DOC = ("log-probabilities of the output tokens under the target's distribution after the request's "
+                "temperature, top-k and top-p (temperature 0 read as 1); -9999 stands for -inf")
 _SEED_MAX = (1 << 63) - 1
 
 
@@ -238,8 +240,9 @@ class CompletionRequest(_GenerationRequest):
     model_config = pydantic.ConfigDict(extra="allow", frozen=True, json_schema_extra=_document_limits)
 
     prompt: pydantic.StrictStr | list[pydantic.StrictInt] | list[pydantic.StrictStr] | list[list[pydantic.StrictInt]]
-    echo: pydantic.StrictBool | None = None
-    logprobs: pydantic.StrictInt | None = None
+    echo: pydantic.StrictBool | None = pydantic.Field(None, description="not served (only false)")
+    logprobs: pydantic.StrictInt | None = pydantic.Field(
+        None, description=f"top alternatives per token, with the {LOGPROBS_DOC}")
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -249,8 +252,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = pydantic.Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: pydantic.StrictInt | None = pydantic.Field(None, description="alias of max_tokens")
-    logprobs: pydantic.StrictBool | None = None
-    top_logprobs: pydantic.StrictInt | None = None
+    logprobs: pydantic.StrictBool | None = pydantic.Field(None, description=f"answer the {LOGPROBS_DOC}")
+    top_logprobs: pydantic.StrictInt | None = pydantic.Field(None, description="top alternatives per token")
     chat_template_kwargs: dict[str, Any] | None = None
 
 
