@@ -18,7 +18,6 @@ from specjax.eval.consistency import GreedyRounds, pooled_tau, walk_rounds
 
 NAMES = ("dspark", "eagle3", "mtp1")
 PROMPTS, TOKENS = 4, 32
-SLOTS, PREFILL, MAX_LEN = 4, 128, 192
 TAU_TOLERANCE = 0.01
 
 needs_target = [pytest.mark.real_target,
@@ -62,53 +61,27 @@ def target():
     return model, tcfg, checkpoints.load_tokenizer(dt.gguf_path())
 
 
-@pytest.fixture(scope="module")
-def prompts(target):
-    """The first PROMPTS held-out prompts that fit the prefill bucket, chat-templated."""
-    from specjax.api import encode_chat
-    from specjax.io import read_jsonl
-
-    out = []
-    for row in read_jsonl(dt.heldout_prompts_path(), objects=True):
-        ids = encode_chat(target[2], [{"role": "user", "content": row["turns"][0]}])
-        if len(ids) <= PREFILL:
-            out.append(ids)
-        if len(out) == PROMPTS:
-            return out
-    raise AssertionError(f"fewer than {PROMPTS} held-out prompts fit {PREFILL} tokens")
-
-
-def _llm(name: str, target: tuple):
-    """The shipped drafter `name` behind a fixed-policy engine at its own proposal length."""
-    from specjax.api import LLM
-    from specjax.decoding.engine import EngineConfig
-    from specjax.drafters.registry import load_drafter
-
-    model, tcfg, _ = target
-    drafter = load_drafter(dt.drafter_dir(name), target=model)
-    g = int(drafter.gamma)
-    cfg = EngineConfig(max_slots=SLOTS, max_len=MAX_LEN, gamma=g, policy="fixed", max_prefill=PREFILL,
-                       slots_buckets=(SLOTS,), tokens_buckets=(g + 1,), prefill_buckets=(PREFILL,),
-                       prefill_batch_buckets=(SLOTS,))
-    return LLM(target=(model, tcfg), drafter=drafter, tokenizer=dt.gguf_path(), engine_config=cfg)
-
-
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[*needs_target, pytest.mark.xdist_group(f"drafter-{n}")])
                                   for n in NAMES])
-def test_engine_rounds_equal_the_training_forward_replay(name, target, prompts):
-    from specjax.eval.consistency import engine_greedy_rounds, simulate_greedy_rounds
+def test_engine_rounds_equal_the_training_forward_replay(name, target):
+    """The engine is test_embedded_drafters' (its shape, hence its compiled programs in make test:
+    gamma 3, mtp1 1; the replay caps its proposals the same way)."""
+    from specjax.eval.consistency import engine_greedy_rounds, simulate_greedy_rounds, text_features
+    from test_embedded_drafters import MAX_LEN, _heldout_ids, _llm
 
     if name not in dt.available_drafters():
         pytest.skip(f"drafter {name} is not shipped")
     model = target[0]
-    llm = _llm(name, target)
+    llm = _llm(name, target[:2])
+    prompts = _heldout_ids(target[2], PROMPTS)
     answers, engine = engine_greedy_rounds(llm, prompts, TOKENS)
     assert sum(r.num_drafts for r in engine) > 0 and sum(sum(r.accepted) for r in engine) > 0, engine
+    features = text_features(model, [p + a for p, a in zip(prompts, answers)])
 
     def replay(**control) -> list[GreedyRounds]:
-        return [simulate_greedy_rounds(model, llm.drafter, p, a, max_tokens=TOKENS, max_len=MAX_LEN,
-                                       gamma=llm.engine.gamma, **control)
-                for p, a in zip(prompts, answers)]
+        return simulate_greedy_rounds(model, llm.drafter, prompts, answers, max_tokens=TOKENS,
+                                      max_len=MAX_LEN, gamma=llm.engine.gamma, features=features,
+                                      **control)
 
     sim = replay()
     tau_engine, tau_sim = pooled_tau(engine), pooled_tau(sim)

@@ -27,6 +27,7 @@ reads the final-normed hidden state: the final norm over layer L - 1 + layer_off
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -92,97 +93,173 @@ def walk_rounds(prompt_len: int, text_ids: Sequence[int], drafts: np.ndarray, *,
     return GreedyRounds(tuple(proposed), tuple(accepted))
 
 
-def _shift_rows(x_sf: Array, shift: int) -> Array:
-    """x[t - shift] at t (edge rows repeated)."""
+@dataclasses.dataclass(frozen=True)
+class TextFeatures:
+    """The target's features of a batch of texts, as online training computes them
+    (`specjax.training.features.target_features`), right-padded to one length.
+
+    `ids_bs` int32 [B, S] (0 past each text), `lengths_b` [B], `taps_bslh` [B, S, L, H] the raw
+    outputs of the layers `layer_ids` (-1 = the embedding output), `hidden_bsh` [B, S, H] the
+    final-normed hidden state.
+    """
+
+    ids_bs: np.ndarray
+    lengths_b: np.ndarray
+    layer_ids: tuple[int, ...]
+    taps_bslh: Array
+    hidden_bsh: Array
+
+    def taps(self, layers: Sequence[int], shift: int = 0) -> Array:
+        """Concatenated taps [B, S, len(layers) * H] of `layers`; row t holds row t - shift's."""
+        missing = [x for x in layers if x not in self.layer_ids]
+        if missing:
+            raise ValueError(f"tap layers {missing} were not computed (have {self.layer_ids})")
+        t = jnp.stack([self.taps_bslh[:, :, self.layer_ids.index(x)] for x in layers], axis=2)
+        return _shift_rows(t.reshape(t.shape[:2] + (-1,)), shift)
+
+    def final_hidden(self, target: Any, layer_offset: int = 0, shift: int = 0) -> Array:
+        """The final-normed hidden state [B, S, H] (with `layer_offset`, the target's final norm
+        over layer L - 1 + layer_offset's output); row t holds row t - shift's."""
+        if layer_offset == 0:
+            return _shift_rows(self.hidden_bsh, shift)
+        last = target.config.num_hidden_layers - 1
+        return _shift_rows(target.model.norm(self.taps([last + layer_offset])), shift)
+
+
+def _shift_rows(x_bsf: Array, shift: int) -> Array:
+    """x[:, t - shift] at t (edge rows repeated)."""
     if shift == 0:
-        return x_sf
-    idx = jnp.clip(jnp.arange(x_sf.shape[0]) - shift, 0, x_sf.shape[0] - 1)
-    return x_sf[idx]
+        return x_bsf
+    idx = jnp.clip(jnp.arange(x_bsf.shape[1]) - shift, 0, x_bsf.shape[1] - 1)
+    return x_bsf[:, idx]
 
 
-def target_text_features(target: Any, text_ids: Sequence[int], tap_layers: Sequence[int], *,
-                         dtype: Any = None) -> tuple[Array | None, Array]:
-    """(taps [S, L*H] or None, final-normed hidden [S, H]) of one text, computed as online
-    training does (`target_features`); `dtype` None keeps the target's compute dtype (what the
-    engine hands its drafter)."""
+def text_features(target: Any, texts: Sequence[Sequence[int]], *,
+                  layer_ids: Sequence[int] | None = None, length_multiple: int = 64,
+                  dtype: Any = None) -> TextFeatures:
+    """`TextFeatures` of `texts` in one target forward, padded to a multiple of `length_multiple`.
+
+    `layer_ids`: the layers to keep (default every layer and the embedding output, enough for any
+    drafter and the layer-offset controls; [B, S, L + 1, H] floats, so meant for a few short
+    texts). `dtype` None keeps the target's compute dtype (what the engine hands its drafter)."""
+    if not texts or not all(len(t) for t in texts):
+        raise ValueError("texts must be one or more non-empty token id lists")
+    n_layers = target.config.num_hidden_layers
+    layers = tuple(range(-1, n_layers)) if layer_ids is None else tuple(int(x) for x in layer_ids)
+    lengths = np.asarray([len(t) for t in texts], np.int32)
+    s = -(-int(lengths.max()) // length_multiple) * length_multiple
+    ids = np.zeros((len(texts), s), np.int32)
+    for i, t in enumerate(texts):
+        ids[i, :len(t)] = t
     graphdef, params = nnx.split(target)
-    ids = jnp.asarray(np.asarray(text_ids, np.int32)[None])
-    taps, hidden = target_features_jit(params, graphdef, ids, jnp.asarray([ids.shape[1]], jnp.int32),
-                                       tap_layers=tuple(int(x) for x in tap_layers), dtype=dtype)
-    return (None if taps is None else taps[0]), hidden[0]
+    taps, hidden = target_features_jit(params, graphdef, jnp.asarray(ids), jnp.asarray(lengths),
+                                       tap_layers=layers, dtype=dtype)
+    taps = taps.reshape(taps.shape[:2] + (len(layers), -1))
+    return TextFeatures(ids, lengths, layers, taps, hidden)
 
 
-def _to_target_ids(drafter: Any, logits_xn: Array) -> np.ndarray:
+def _argmax_ids(drafter: Any, logits_xn: Array) -> Array:
     idx = jnp.argmax(logits_xn, axis=-1)
     vocab = getattr(drafter, "draft_vocab", None)
-    return np.asarray(idx if vocab is None else vocab.to_target(idx), np.int64)
+    return idx.astype(jnp.int32) if vocab is None else vocab.to_target(idx)
 
 
-def draft_table(target: Any, drafter: Any, text_ids: Sequence[int], prompt_len: int, *,
-                tap_shift: int = 0, layer_offset: int = 0, dtype: Any = None) -> np.ndarray:
-    """Greedy proposals [len(text_ids), gamma] (target ids) from the drafter's training forward
-    at every anchor position prompt_len..len - 2 (other rows -1); see the module docstring."""
-    ids = np.asarray(text_ids, np.int32)
-    s, g = len(ids), int(drafter.gamma)
-    if not 1 <= prompt_len < s:
-        raise ValueError(f"prompt_len must be in [1, {s}), got {prompt_len}")
-    ids_bs = jnp.asarray(ids[None])
-    anchors = np.arange(prompt_len, s - 1)
-    out = np.full((s, g), -1, np.int64)
-    if not len(anchors):
-        return out
-    if getattr(drafter, "needs_hidden", False):  # MTP-1: the final-normed hidden state
+def drafter_family(drafter: Any) -> str:
+    """Which training forward replays `drafter`: "block" (DSpark / DFlash `train_forward` over
+    anchors), "eagle3" (`ttt_forward`) or "mtp" (`train_forward` on the final hidden state)."""
+    if getattr(drafter, "needs_hidden", False) and hasattr(drafter, "train_forward"):
+        return "mtp"
+    if hasattr(drafter, "ttt_forward"):
+        return "eagle3"
+    if hasattr(drafter, "backbone_hidden") and hasattr(drafter, "train_forward"):
+        return "block"
+    raise ValueError(f"no training forward to replay for {type(drafter).__name__}")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _proposals(graphdef: Any, family: str, state: Any, feats_bsf: Array, ids_bs: Array,
+               anchors_ba: Array, keep_ba: Array) -> Array:
+    """Greedy proposals (target ids): [B, A, K] of each anchor (block), [K, B, S] of each row
+    (Eagle3: step k at row t predicts ids[t + k + 2]) or [B, S] (MTP-1: row t predicts ids[t + 2])."""
+    drafter = nnx.merge(graphdef, state)
+    if family == "mtp":
+        return _argmax_ids(drafter, drafter.train_forward(feats_bsf, ids_bs))
+    if family == "eagle3":
+        return _argmax_ids(drafter, drafter.ttt_forward(feats_bsf, ids_bs, drafter.gamma))
+    _, logits, _ = drafter.train_forward(feats_bsf, ids_bs, anchors_ba, keep_ba)
+    return _argmax_ids(drafter, logits)
+
+
+def draft_tables(target: Any, drafter: Any, features: TextFeatures, prompt_lens: Sequence[int], *,
+                 tap_shift: int = 0, layer_offset: int = 0, anchor_multiple: int = 16,
+                 ) -> list[np.ndarray]:
+    """Per text, the greedy proposals [len, gamma] (target ids) of the drafter's training forward
+    from an anchor at each position prompt_len..len - 2 (other rows -1): row a, slot k predicts
+    position a + k + 1 (module docstring). Block anchors are padded to a multiple of
+    `anchor_multiple` (unkept blocks), so a batch compiles once per padded shape."""
+    family = drafter_family(drafter)
+    g = int(drafter.gamma)
+    lengths = features.lengths_b
+    for p, n in zip(prompt_lens, lengths):
+        if not 1 <= p < n:
+            raise ValueError(f"prompt length {p} must be in [1, text length {n})")
+    if family == "mtp":
         if g != 1:
-            raise ValueError(f"a hidden-state drafter proposes 1 token, this one gamma={g}")
-        last = target.config.num_hidden_layers - 1
-        if layer_offset:
-            taps, _ = target_text_features(target, ids, (last + layer_offset,), dtype=dtype)
-            hidden = target.model.norm(taps)
+            raise ValueError(f"an MTP drafter proposes 1 token, this one gamma={g}")
+        feats = features.final_hidden(target, layer_offset, tap_shift).astype(drafter.dtype)
+    else:
+        feats = features.taps([x + layer_offset for x in drafter.tap_layers], tap_shift)
+    spans = [np.arange(p, n - 1) for p, n in zip(prompt_lens, lengths)]
+    a_pad = max(1, -(-max(len(s) for s in spans) // anchor_multiple) * anchor_multiple)
+    anchors = np.zeros((len(spans), a_pad), np.int32)
+    keep = np.zeros((len(spans), a_pad), bool)
+    for i, s in enumerate(spans):
+        anchors[i, :len(s)], keep[i, :len(s)] = s, True
+    graphdef, state = nnx.split(drafter)
+    out = np.asarray(_proposals(graphdef, family, state, feats, jnp.asarray(features.ids_bs),
+                                jnp.asarray(anchors), jnp.asarray(keep)), np.int64)
+    tables = []
+    for i, (s, n) in enumerate(zip(spans, lengths)):
+        t = np.full((int(n), g), -1, np.int64)
+        if family == "block":
+            t[s] = out[i, :len(s)]
+        elif family == "eagle3":
+            t[s] = out[:, i, s - 1].T
         else:
-            _, hidden = target_text_features(target, ids, (), dtype=dtype)
-        hidden = _shift_rows(hidden, tap_shift).astype(drafter.dtype)
-        logits = drafter.train_forward(hidden[None], ids_bs)[0]  # row t predicts ids[t + 2]
-        out[anchors, 0] = _to_target_ids(drafter, logits[anchors - 1])
-        return out
-    layers = tuple(int(x) + layer_offset for x in drafter.tap_layers)
-    if not layers:
-        raise ValueError(f"{type(drafter).__name__} reads no target features: nothing to simulate")
-    taps, _ = target_text_features(target, ids, layers, dtype=dtype)
-    taps = _shift_rows(taps, tap_shift).astype(drafter.dtype)[None]
-    if hasattr(drafter, "ttt_forward"):  # Eagle3: step k - 1 at row a - 1 predicts ids[a + k]
-        logits = drafter.ttt_forward(taps, ids_bs, g)[:, 0]  # [K, S, N]
-        out[anchors] = _to_target_ids(drafter, logits[:, anchors - 1]).T
-        return out
-    if hasattr(drafter, "backbone_hidden"):  # block drafter: slot k of anchor a -> ids[a + k]
-        a_ba = jnp.asarray(anchors[None], jnp.int32)
-        _, logits, _ = drafter.train_forward(taps, ids_bs, a_ba, jnp.ones_like(a_ba, bool))
-        out[anchors] = _to_target_ids(drafter, logits[0])
-        return out
-    raise ValueError(f"no training forward to simulate for {type(drafter).__name__}")
+            t[s, 0] = out[i, s - 1]
+        tables.append(t)
+    return tables
 
 
-def simulate_greedy_rounds(target: Any, drafter: Any, prompt_ids: Sequence[int],
-                           answer_ids: Sequence[int], *, max_tokens: int | None = None,
+def simulate_greedy_rounds(target: Any, drafter: Any, prompts: Sequence[Sequence[int]],
+                           answers: Sequence[Sequence[int]], *, max_tokens: int | Sequence[int] | None = None,
                            max_len: int, gamma: int | None = None, tap_shift: int = 0,
-                           layer_offset: int = 0, dtype: Any = None) -> GreedyRounds:
-    """The drafting rounds a fixed-policy engine runs at T=0 to produce `answer_ids` after
-    `prompt_ids`, replayed from the drafter's training forward (module docstring).
+                           layer_offset: int = 0, features: TextFeatures | None = None,
+                           ) -> list[GreedyRounds]:
+    """The drafting rounds a fixed-policy engine runs at T=0 to produce each of `answers` after
+    its prompt, replayed from the drafter's training forward (module docstring).
 
-    `max_tokens`: the request's limit (default len(answer_ids): exact for an answer that ended on
-    it); `max_len`: the engine's cache length; `gamma`: the engine's proposal length (default the
-    drafter's). `tap_shift` / `layer_offset` misalign the features (negative controls).
+    `max_tokens`: each request's limit (default its answer's length: exact for an answer that ended
+    on it); `max_len`: the engine's cache length; `gamma`: the engine's proposal length (default
+    the drafter's). `tap_shift` / `layer_offset` misalign the features (negative controls).
+    `features`: `text_features` of the texts prompt + answer, to reuse across calls.
     """
-    if not answer_ids:
-        raise ValueError("answer_ids is empty: the engine emits at least the prefill's token")
-    text = list(prompt_ids) + list(answer_ids)
-    table = draft_table(target, drafter, text, len(prompt_ids), tap_shift=tap_shift,
-                        layer_offset=layer_offset, dtype=dtype)
+    if len(prompts) != len(answers) or any(not a for a in answers):
+        raise ValueError("need one non-empty answer per prompt (the prefill emits a token)")
+    texts = [list(p) + list(a) for p, a in zip(prompts, answers)]
+    if features is None:
+        features = text_features(target, texts)
+    elif [list(r[:n]) for r, n in zip(features.ids_bs, features.lengths_b)] != texts:
+        raise ValueError("features were computed for other texts")
+    tables = draft_tables(target, drafter, features, [len(p) for p in prompts],
+                          tap_shift=tap_shift, layer_offset=layer_offset)
     g = int(drafter.gamma) if gamma is None else int(gamma)
-    if not 0 <= g <= table.shape[1]:
-        raise ValueError(f"gamma {g} exceeds the drafter's proposal length {table.shape[1]}")
-    return walk_rounds(len(prompt_ids), text, table, gamma=g,
-                       max_tokens=len(answer_ids) if max_tokens is None else max_tokens,
-                       max_len=max_len)
+    if not 0 <= g <= int(drafter.gamma):
+        raise ValueError(f"gamma {g} exceeds the drafter's proposal length {drafter.gamma}")
+    if max_tokens is None or isinstance(max_tokens, (int, np.integer)):
+        max_tokens = [len(a) if max_tokens is None else int(max_tokens) for a in answers]
+    return [walk_rounds(len(p), text, table, gamma=g, max_tokens=m, max_len=max_len)
+            for p, text, table, m in zip(prompts, texts, tables, max_tokens)]
 
 
 def engine_greedy_rounds(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
@@ -203,5 +280,5 @@ def engine_greedy_rounds(llm: Any, prompts: Sequence[Sequence[int]], max_tokens:
     return [o.token_ids for o in outs], rounds
 
 
-__all__ = ["GreedyRounds", "draft_table", "engine_greedy_rounds", "pooled_tau",
-           "simulate_greedy_rounds", "target_text_features", "walk_rounds"]
+__all__ = ["GreedyRounds", "TextFeatures", "draft_tables", "drafter_family", "engine_greedy_rounds",
+           "pooled_tau", "simulate_greedy_rounds", "text_features", "walk_rounds"]
