@@ -85,8 +85,8 @@ def walk_rounds(prompt_len: int, text_ids: Sequence[int], drafts: np.ndarray, *,
         ell = max(0, min(gamma, max_len - 1 - a, max_tokens - emitted - 1))
         n = 0
         if ell:
-            match = drafts[a, :min(ell, end - a)] == text[a + 1:a + 1 + min(ell, end - a)]
-            n = int(np.cumprod(match).sum())
+            k = min(ell, end - a)  # no draft is accepted past the text's end
+            n = int(np.cumprod(drafts[a, :k] == text[a + 1:a + 1 + k]).sum())
             proposed.append(ell)
             accepted.append(n)
         a += n + 1
