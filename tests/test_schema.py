@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specjax.api import SamplingParams
-from specjax.serving import batch_job, openai_api
+from specjax.serving import batch_job, errors, openai_api
 from specjax.serving.schema import SAMPLING_FIELDS, FieldError, SamplingFields, parse_sampling
 
 D = SamplingParams(max_tokens=16)
@@ -77,15 +77,15 @@ def test_server_and_batch_job_use_the_same_schema():
     (False, [1, 2], None, "JSON object"),
 ])
 def test_request_models_refuse_naming_the_field_path(chat, body, param, fragment):
-    with pytest.raises(openai_api.APIError) as ei:
-        openai_api.parse_request(body, chat=chat)
+    with pytest.raises(errors.APIError) as ei:
+        errors.parse_request(body, chat=chat)
     assert ei.value.status == 400 and ei.value.param == param and fragment in ei.value.message, ei.value.message
 
 
 def test_request_models_accept_openai_shapes():
-    req = openai_api.parse_request({"messages": [{"role": "system", "content": None},
+    req = errors.parse_request({"messages": [{"role": "system", "content": None},
                                                  {"role": "user", "content": [{"type": "text", "text": "x"}]}],
                                     "stop": "s", "max_completion_tokens": 3, "stream_options": {"include_usage": True},
                                     "unknown_field": 1}, chat=True)
     assert req.stop == ("s",) and req.max_completion_tokens == 3 and req.stream_options.include_usage
-    assert openai_api.parse_request({"prompt": [[1, 2]]}, chat=False).prompt == [[1, 2]]
+    assert errors.parse_request({"prompt": [[1, 2]]}, chat=False).prompt == [[1, 2]]

@@ -40,8 +40,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specjax.serving.metrics import CONTENT_TYPE
-from specjax.serving.openai_api import (APIError, ClientGone, OpenAIApp, ServerLimits, rejection_reason,
-                                        validation_error)
+from specjax.serving.errors import APIError, rejection_reason, validation_error
+from specjax.serving.openai_api import OpenAIApp, ServerLimits
+from specjax.serving.streams import ClientGone
 from specjax.serving.schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, Health, ModelList)
 
@@ -170,7 +171,15 @@ def create_app(served: OpenAIApp | ServedApp) -> FastAPI:
     app = FastAPI(title="specjax", summary="OpenAI-compatible speculative decoding server",
                   redirect_slashes=False)
     app.add_middleware(_BodyLimit, served=served)
+    _add_error_handlers(app, served)
+    _add_info_routes(app, served)
+    _add_completion_routes(app, served)
+    _answer_invalid_bodies_400(app)
+    return app
 
+
+def _add_error_handlers(app: FastAPI, served: ServedApp) -> None:
+    """Unknown routes and methods, invalid bodies and APIError all answer OpenAI's error body."""
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         path = request.url.path
@@ -191,6 +200,9 @@ def create_app(served: OpenAIApp | ServedApp) -> FastAPI:
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return _error_response(exc)
 
+
+def _add_info_routes(app: FastAPI, served: ServedApp) -> None:
+    """/health, /v1/models, /metrics and /metrics.json."""
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
     async def health() -> JSONResponse:
         """200 once warm-up is done and the engine runs; 503 with the reason before or after."""
@@ -220,6 +232,9 @@ def create_app(served: OpenAIApp | ServedApp) -> FastAPI:
         api = served.api
         return JSONResponse(api.metrics.snapshot() if api is not None and api.metrics is not None else {})
 
+
+def _add_completion_routes(app: FastAPI, served: ServedApp) -> None:
+    """/v1/completions and /v1/chat/completions (JSON, or SSE when streamed)."""
     async def completion(req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         try:
             api = served.get()
@@ -253,9 +268,12 @@ def create_app(served: OpenAIApp | ServedApp) -> FastAPI:
         """Answer a conversation (the tokenizer's chat template; text content parts)."""
         return await completion(body, request)
 
+
+def _answer_invalid_bodies_400(app: FastAPI) -> None:
+    """The schema documents OpenAI's 400 for invalid bodies, never FastAPI's 422."""
     base_openapi = app.openapi
 
-    def openapi() -> dict[str, Any]:  # invalid bodies are answered 400 (OpenAI's error), never FastAPI's 422
+    def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = base_openapi()
             for item in schema.get("paths", {}).values():
@@ -266,7 +284,6 @@ def create_app(served: OpenAIApp | ServedApp) -> FastAPI:
             app.openapi_schema = schema
         return app.openapi_schema
     app.openapi = openapi  # type: ignore[method-assign]
-    return app
 
 
 def bind_socket(host: str = DEFAULT_HOST, port: int = 0, backlog: int = 2048) -> socket.socket:

@@ -43,7 +43,7 @@ from specjax.scheduling.planner import ROUND_KINDS  # `Engine.on_round` info["ki
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-# the refusals of the HTTP server (`openai_api.rejection_reason`) and the engine ("invalid_request")
+# the refusals of the HTTP server (`errors.rejection_reason`) and the engine ("invalid_request")
 REJECT_REASONS = ("invalid_request", "context_length_exceeded", "model_not_found", "not_found", "request_too_large",
                   "queue_full", "not_ready", "engine_not_running")
 _ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)

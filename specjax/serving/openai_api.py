@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
-import pydantic
-
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
-from specjax.serving.detokenize import StreamDetokenizer
 from specjax.serving.metrics import ServingMetrics, request_spec_metrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
+from specjax.serving.errors import ENGINE_REJECTED, APIError
+from specjax.serving.streams import ChoiceStream, Waiter
 from specjax.serving.schema import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, FieldError,
                                     parse_sampling)
 
@@ -66,136 +64,14 @@ class ServerLimits:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
-class APIError(Exception):
-    """An error answered as OpenAI-style JSON with an HTTP status."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-class ClientGone(Exception):
-    """The client disconnected while its request was running (the request was aborted)."""
-
-
-class _Waiter:
-    """Awaits one request's events under its deadline (504 and abort after it); with `is_disconnected`,
-    also asks every `_POLL_S` seconds whether the client is still there (abort and `ClientGone` if not)."""
-
-    def __init__(self, engine: AsyncEngine, stream: RequestStream, timeout_s: float,
-                 is_disconnected: Callable[[], Awaitable[bool]] | None):
-        self.engine, self.stream, self.timeout_s, self.is_disconnected = engine, stream, timeout_s, is_disconnected
-        now = time.monotonic()
-        self.deadline, self.poll_at = now + timeout_s, now + _POLL_S
-
-    async def next(self) -> StreamEvent:
-        while True:
-            now = time.monotonic()
-            left = self.deadline - now
-            if left <= 0:
-                self.engine.abort(self.stream)
-                raise APIError(504, f"the request did not finish within {self.timeout_s} s", type="timeout")
-            if self.is_disconnected is not None and now >= self.poll_at:
-                self.poll_at = now + _POLL_S
-                if await self.is_disconnected():
-                    self.engine.abort(self.stream)
-                    raise ClientGone()
-            wait = left if self.is_disconnected is None else min(left, max(self.poll_at - now, 1e-3))
-            try:
-                return await self.stream.aget(timeout=wait)
-            except TimeoutError:
-                continue
-
-
-# fields we do not implement: a non-default value is refused rather than silently ignored
 _UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None,
                 "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
                 "tool_choice": None, "functions": None, "use_beam_search": False}
 _LOGPROB_FLOOR = -9999.0  # what -inf is sent as (JSON has no infinities; vLLM's value)
-_ENGINE_REJECTED = "rejected_by_engine"  # the engine refused the request (and counted it as invalid_request)
-_POLL_S = 1.0  # how often a waiting non-streamed request checks whether its client is still there
-_UNION_TAG = re.compile(r"^(str|int|bool|float|none)$|\[")  # pydantic's names of union members in an error's loc
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _path(loc: Sequence[Any]) -> str:
-    """`("messages", 0, "role")` -> `messages[0].role` (union member tags left out)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not _UNION_TAG.search(str(part)):
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
-    """The 400 for pydantic errors of a request body (the first error; `param` is its field path)."""
-    if not errors:
-        return APIError(400, "invalid request body")
-    def loc_of(e: dict[str, Any]) -> tuple[Any, ...]:
-        loc = tuple(e.get("loc") or ())
-        return loc[1:] if loc and loc[0] == "body" else loc  # FastAPI's prefix
-
-    err = errors[0]
-    loc = loc_of(err)
-    if err.get("type") == "json_invalid":
-        return APIError(400, f"malformed JSON in the request body: {(err.get('ctx') or {}).get('error', err['msg'])}")
-    if not loc and err.get("type") in ("model_attributes_type", "dict_type", "model_type", "missing"):
-        return APIError(400, "the request body must be a JSON object")
-    cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, FieldError):
-        return APIError(400, str(cause), param=cause.field)
-    path = _path(loc) or None
-    if err.get("type") == "missing":
-        return APIError(400, f"missing field '{path}'", param=path)
-    if cause is not None:
-        return APIError(400, str(cause), param=path)
-    # a union (e.g. `prompt`: a string or token ids) fails once per member: name their common field
-    def clean(e: dict[str, Any]) -> tuple[Any, ...]:
-        return tuple(p for p in loc_of(e) if isinstance(p, int) or not _UNION_TAG.search(str(p)))
-    group = [e for e in errors if clean(e)[:1] == clean(err)[:1]]
-    if len(group) == 1:
-        return APIError(400, f"'{path}': {err['msg']}", param=path)
-    prefix = clean(err)
-    for e in group:
-        c = clean(e)
-        k = 0
-        while k < min(len(prefix), len(c)) and prefix[k] == c[k]:
-            k += 1
-        prefix = prefix[:k]
-    path = _path(prefix) or None
-    forms = "; ".join(dict.fromkeys(f"{_path(clean(e))}: {e['msg']}" for e in group))
-    return APIError(400, f"'{path}' matches none of its allowed forms ({forms})", param=path)
-
-
-def parse_request(body: Any, *, chat: bool) -> CompletionRequest | ChatCompletionRequest:
-    """A request model from a decoded JSON body (callers without FastAPI); APIError 400 naming the field."""
-    cls = ChatCompletionRequest if chat else CompletionRequest
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return cls.model_validate(body)
-    except pydantic.ValidationError as e:
-        raise validation_error(e.errors()) from None
-
-
-def rejection_reason(err: APIError) -> str | None:
-    """The `specjax:request_rejected_total` reason label of an error answer; None when it is no refusal
-    to count here (a failure after admission, or a refusal the engine counted itself)."""
-    if err.code == _ENGINE_REJECTED or (err.status >= 500 and err.status != 503):
-        return None
-    if err.code is not None:
-        return err.code
-    return {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
-            413: "request_too_large"}.get(err.status, err.type)
 
 
 def combined_spec_metrics(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -454,7 +330,7 @@ class OpenAIApp:
 
     def _failed(self, ev: StreamEvent) -> APIError:
         if ev.rejected:
-            return APIError(400, ev.error or "rejected", code=_ENGINE_REJECTED)
+            return APIError(400, ev.error or "rejected", code=ENGINE_REJECTED)
         return APIError(503 if not self.engine.is_alive else 500, ev.error or "failed", type="server_error")
 
     async def complete(self, req: CompletionRequest | ChatCompletionRequest,
@@ -473,7 +349,7 @@ class OpenAIApp:
         def abort() -> None:
             for s in streams:
                 self.engine.abort(s)
-        waiters = [_Waiter(self.engine, s, self.limits.request_timeout_s, is_disconnected) for s in streams]
+        waiters = [Waiter(self.engine, s, self.limits.request_timeout_s, is_disconnected) for s in streams]
         try:
             firsts = [await w.next() for w in waiters]
             for first in firsts:  # the first events decide between an error and a 200 answer
@@ -509,11 +385,11 @@ class OpenAIApp:
                 "spec_metrics": spec}, None, abort
 
     async def _chunks(self, parsed: _Parsed, streams: list[RequestStream], rid: str, chat: bool,
-                      firsts: list[StreamEvent], waiters: list[_Waiter]) -> AsyncIterator[dict[str, Any]]:
+                      firsts: list[StreamEvent], waiters: list[Waiter]) -> AsyncIterator[dict[str, Any]]:
         """The chunks of every choice, in the order their events arrive (each chunk names its choice)."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
-        choices = [_ChoiceStream(self, i, s, chat) for i, s in enumerate(streams)]
+        choices = [ChoiceStream(self, i, s, chat) for i, s in enumerate(streams)]
 
         def wrap(c: dict[str, Any]) -> dict[str, Any]:
             return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
@@ -567,44 +443,3 @@ class OpenAIApp:
         if self.engine.is_alive:
             return 200, {"status": "ok"}
         return 503, {"status": "error", "reason": self.engine.error or "engine not running"}
-
-
-class _ChoiceStream:
-    """One choice's streamed deltas: incremental text and token ids; the final chunk completes the text."""
-
-    def __init__(self, app: OpenAIApp, index: int, stream: RequestStream, chat: bool):
-        self.app, self.index, self.stream, self.chat = app, index, stream, chat
-        self.detok = StreamDetokenizer(app.tokenizer) if app.tokenizer is not None else None
-        self.sent_ids: list[int] = []
-        self.sent_text: list[str] = []
-        self.token_chars = 0  # completions' `text_offset` of the next token
-        self.first = True
-
-    def chunk(self, ev: StreamEvent, parsed: _Parsed) -> dict[str, Any]:
-        start = len(self.sent_ids)
-        if ev.finished:
-            final_ids = list(ev.output_ids or [])
-            sent = self.sent_ids
-            ids = final_ids[len(sent):] if final_ids[:len(sent)] == sent else []
-            # the rest of the text: one full decode at the end (linear), which also renders a
-            # trailing incomplete character the way the non-streamed answer does
-            full, before = self.app._decode(final_ids), "".join(self.sent_text)
-            text = full[len(before):] if full.startswith(before) else ""
-        else:
-            ids = list(ev.token_ids)
-            self.sent_ids += ids
-            text = self.detok.push(ids) if self.detok is not None else ""
-            self.sent_text.append(text)
-        finish = ev.finish_reason if ev.finished else None
-        logprobs = self.app._logprobs_block(parsed, self.stream.request, start, start + len(ids), self.chat,
-                                            self.token_chars)
-        if logprobs is not None and not self.chat:
-            self.token_chars += sum(len(t) for t in logprobs["tokens"])
-        c: dict[str, Any] = {"index": self.index, "finish_reason": finish, "token_ids": ids, "logprobs": logprobs}
-        if self.chat:
-            c["delta"] = ({"role": "assistant", "content": text} if self.first else
-                          ({"content": text} if text or finish is None else {}))
-        else:
-            c["text"] = text
-        self.first = False
-        return c
