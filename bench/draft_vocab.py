@@ -54,7 +54,7 @@ def propose_call(n: int, batch: int, gamma: int, context: int) -> Callable[[], A
 
     from specjax.sampling import SamplingArrays
     from specjax.drafters.base import ContextUpdate
-    from specjax.drafters.block import BlockDrafterConfig
+    from specjax.drafters.dspark import BlockDrafterConfig
     from specjax.drafters.dspark import DSparkDrafter
 
     cfg = BlockDrafterConfig(vocab_size=V, hidden_size=H, intermediate_size=MLP,

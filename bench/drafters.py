@@ -52,7 +52,9 @@ def build_drafter(name: str, target: BenchTarget, gamma: int, args: argparse.Nam
     """An untrained drafter `name` for `target` proposing `gamma` tokens (MTP-1: always 1)."""
     from flax import nnx
 
-    from specjax.drafters.block import BlockDrafterConfig, default_target_layer_ids
+    from specjax.drafters.common import default_target_layer_ids
+    from specjax.drafters.dspark import BlockDrafterConfig
+
     cfg = target.config
     taps = default_target_layer_ids(cfg.num_hidden_layers, args.num_taps)
     if name in ("dspark_markov", "dspark_rnn", "dflash"):
@@ -414,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-len ({args.max_len}) must hold --context + max gamma + 1 "
                      f"({args.context + max(args.gammas) + 1})")
 
-    from specjax.drafters.block import default_target_layer_ids
+    from specjax.drafters.common import default_target_layer_ids
     target = load_bench_target(use_embedded=not args.random_target)
     log(f"target: {target.description}")
     rows = measure(target, args)

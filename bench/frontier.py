@@ -38,7 +38,7 @@ def _drafters(target) -> tuple[dict[str, Any], str]:
             notes.append(name)
     if notes:
         from flax import nnx
-        from specjax.drafters.block import BlockDrafterConfig
+        from specjax.drafters.dspark import BlockDrafterConfig
         from specjax.drafters.dspark import make_block_drafter
         ids = (1, max(1, target.config.num_hidden_layers // 2))
         for name in [n for n in notes if n in ("dflash", "dspark")]:

@@ -292,7 +292,7 @@ def _models(p: Preset):
     from flax import nnx
 
     from specjax.config import TargetConfig
-    from specjax.drafters.block import BlockDrafterConfig
+    from specjax.drafters.dspark import BlockDrafterConfig
     from specjax.drafters.dspark import make_block_drafter
     from specjax.models.decoder import CausalLM
     cfg = TargetConfig(**p.target)

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info()
     md = (f"# Draft training throughput\n\nCommand: `{command_line('bench.training', argv)}`\n\n"
           f"DSpark drafter of `{args.config}` on the embedded target, batch {cfg.data.batch_size} x "
-          f"{cfg.data.max_length} tokens, {cfg.model.num_anchors} anchors per sequence; {args.steps} timed steps.\n\n"
+          f"{cfg.data.max_length} tokens, {cfg.model.section.num_anchors} anchors per sequence; {args.steps} timed steps.\n\n"
           + md_table(["features", "step ms (median)", "supervised tokens/s"],
                      [["online (target inside the step)", f"{res_online['step_ms_median']:.0f}",
                        f"{res_online['tokens_per_s']:.0f}"],

@@ -48,7 +48,16 @@ def _coerce(value: Any, tp: Any, field: str) -> Any:
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any], *, source: str = "") -> T:
-    """Build a frozen dataclass from a mapping; unknown keys and wrong types raise ConfigError."""
+    """Build a frozen dataclass from a mapping; unknown keys and wrong types raise ConfigError.
+    A class with its own reader (`cls.from_mapping(data, source=...)`) is read by it."""
+    reader = getattr(cls, "from_mapping", None)
+    if reader is not None:
+        return reader(data, source=source)
+    return fields_from_dict(cls, data, source=source)
+
+
+def fields_from_dict(cls: type[T], data: Mapping[str, Any], *, source: str = "") -> T:
+    """`from_dict` field by field (for a class's own reader)."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -71,12 +80,50 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, source: str = "") -> T:
 def to_dict(obj: Any) -> dict[str, Any]:
     """A dataclass as plain YAML/JSON-able data (tuples become lists)."""
     def conv(v: Any) -> Any:
+        if hasattr(v, "config_dict"):  # a class with its own layout (the inverse of from_mapping)
+            return v.config_dict()
         if dataclasses.is_dataclass(v):
             return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
         if isinstance(v, (list, tuple)):
             return [conv(x) for x in v]
         return v
     return conv(obj)
+
+
+def coerce_floats(obj: Any) -> None:
+    """Accept YAML 1.1 number strings such as '6e-4' for a frozen dataclass's float fields; reject
+    other non-numbers (ConfigError names the field)."""
+    for f in dataclasses.fields(obj):
+        if f.type not in ("float", "float | None"):
+            continue
+        v = getattr(obj, f.name)
+        if v is None and f.type == "float | None":
+            continue
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                raise ConfigError(f"field '{f.name}' must be a number, got {v!r}") from None
+            object.__setattr__(obj, f.name, v)
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"field '{f.name}' must be a number, got {v!r}")
+        else:
+            object.__setattr__(obj, f.name, float(v))
+
+
+def check_positive(obj: Any, *names: str) -> None:
+    """ConfigError unless each named field is None or > 0."""
+    for n in names:
+        v = getattr(obj, n)
+        if v is not None and not v > 0:
+            raise ConfigError(f"field '{n}' must be > 0, got {v!r}")
+
+
+def check_non_negative(obj: Any, *names: str) -> None:
+    """ConfigError unless each named field is >= 0."""
+    for n in names:
+        if getattr(obj, n) < 0:
+            raise ConfigError(f"field '{n}' must be >= 0, got {getattr(obj, n)!r}")
 
 
 def read_yaml_mapping(path: str | os.PathLike) -> Mapping[str, Any]:

@@ -1,4 +1,4 @@
-"""DFlash block backbone + DSpark heads: masks, train/infer equivalence, caches, frozen parts."""
+"""DSpark / DFlash drafter (block backbone + heads): masks, train/infer equivalence, caches, frozen parts."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,10 +13,9 @@ from flax import nnx
 from specjax.config import ConfigError, TargetConfig, from_dict, to_dict
 from specjax.sampling import SamplingArrays, probs_from_logits
 from specjax.drafters.base import ContextUpdate, Drafter
-from specjax.drafters.block import (BlockBackbone, BlockDrafterConfig, Frozen,
-                                    attend_context_and_block, default_target_layer_ids)
-from specjax.drafters.dspark import (ConfidenceHead, DSparkDrafter, MarkovHead, RNNHead,
-                                     make_block_drafter)
+from specjax.drafters.common import Frozen, attend_context_and_block, default_target_layer_ids
+from specjax.drafters.dspark import BlockDrafterConfig, DSparkDrafter, make_block_drafter
+from specjax.drafters.dspark_layers import ConfidenceHead, MarkovHead, RNNHead
 from specjax.models.layers import gqa_attention
 from specjax.models.decoder import CausalLM
 
@@ -141,8 +140,6 @@ def test_config_validation_and_roundtrip():
         BlockDrafterConfig.from_target(TCFG, target_layer_ids=(3,), mask_token_id=0)
     with pytest.raises(ConfigError, match="hidden_size"):
         dataclasses.replace(cfg, hidden_size=16, num_attention_heads=2).check_target(TCFG)
-    with pytest.raises(ConfigError, match="DSparkDrafter"):
-        BlockBackbone(cfg)
     assert default_target_layer_ids(36) == (1, 9, 17, 25, 33)
     assert default_target_layer_ids(40) == (1, 10, 19, 28, 37)
     with pytest.raises(ConfigError):

@@ -12,12 +12,12 @@ from specjax.config import ConfigError, TargetConfig
 from specjax.sampling import SamplingArrays
 from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate
-from specjax.drafters.block import BlockDrafterConfig
+from specjax.drafters.dspark import BlockDrafterConfig
 from specjax.drafters.dspark import make_block_drafter
 from specjax.drafters.eagle3 import Eagle3Config, make_eagle3_drafter
 from specjax.drafters.mtp import MTPConfig, make_mtp_drafter
 from specjax.models.decoder import CausalLM
-from specjax.training import losses
+from specjax.drafters import losses
 from specjax.training.config import ModelConfig
 from specjax.training.objectives import make_objective
 
@@ -224,9 +224,12 @@ def test_objectives_train_a_subset_drafter(kind):
     batch = {"input_ids": jnp.asarray(ids), "loss_mask": jnp.asarray(lm),
              "valid": jnp.full((2,), 13, jnp.int32)}
     choice = dv.build_draft_vocab(dv.token_counts([ids], 64, [lm]), 16)
-    mc = ModelConfig(kind=kind, target="unused", target_layer_ids=(0, 1, 2), num_draft_layers=1,
-                     block_size=3, compute_dtype="float32", mask_token_id=63, markov_rank=4,
-                     num_anchors=4, draft_vocab_size=16)
+    own = {"dspark": dict(target_layer_ids=(0, 1, 2), num_draft_layers=1, block_size=3,
+                          mask_token_id=63, markov_rank=4, num_anchors=4),
+           "eagle3": dict(target_layer_ids=(0, 1, 2), num_draft_layers=1, block_size=3),
+           "mtp": {}}[kind]
+    mc = ModelConfig.from_mapping(dict(kind=kind, target="unused", compute_dtype="float32",
+                                       draft_vocab_size=16, **own))
     with pytest.raises(ConfigError, match="needs draft_ids"):
         make_objective(mc, target, TCFG, target_graphdef=gd)
     obj = make_objective(mc, target, TCFG, target_graphdef=gd, feature_dtype=jnp.float32,

@@ -16,10 +16,10 @@ from safetensors.numpy import save_file
 from specjax import checkpoints
 from specjax.config import ConfigError, TargetConfig
 from specjax.sampling import SamplingArrays
-from specjax.drafters import registry
+from specjax.drafters import dspark_kind, registry
 from specjax.drafters.base import ContextUpdate
-from specjax.drafters.block import BlockDrafterConfig, Calibration, Frozen
-from specjax.drafters.dspark import DSparkDrafter, make_block_drafter
+from specjax.drafters.common import Calibration, Frozen
+from specjax.drafters.dspark import BlockDrafterConfig, DSparkDrafter, make_block_drafter
 from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, make_eagle3_drafter
 from specjax.drafters.mtp import make_mtp_drafter
 from specjax.drafters.ngram import NGramDrafter
@@ -491,11 +491,11 @@ def test_export_drafter_entry_point(target, tmp_path):
 
 def test_set_confidence_temperatures_in_place(target, tmp_path):
     out = registry.save_drafter(_make("dspark", target), tmp_path / "sts")
-    checkpoints.set_confidence_temperatures(out, [1.0, 2.0, 4.0])
+    dspark_kind.set_confidence_temperatures(out, [1.0, 2.0, 4.0])
     np.testing.assert_allclose(registry.load_drafter(out).confidence_temperatures[...], [1, 2, 4])
     flash = registry.save_drafter(_make("dflash", target), tmp_path / "flash")
     with pytest.raises(ConfigError, match="confidence head"):
-        checkpoints.set_confidence_temperatures(flash, [1.0, 2.0, 4.0])
+        dspark_kind.set_confidence_temperatures(flash, [1.0, 2.0, 4.0])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,10 +10,11 @@ from flax import nnx
 from specjax.config import ConfigError, TargetConfig
 from specjax.sampling import SamplingArrays
 from specjax.drafters.base import ContextUpdate, Drafter
-from specjax.drafters.block import Frozen
+from specjax.drafters.common import Frozen
 from specjax.drafters.eagle3 import (Eagle3Config, Eagle3Drafter, attend_causal_plus_diagonal,
                                      make_eagle3_drafter)
 from specjax.drafters.mtp import MTPConfig, MTPDrafter, make_mtp_drafter
+from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.standalone import StandaloneDrafter
 from specjax.models.layers import gqa_attention
 from specjax.models.decoder import CausalLM
@@ -403,3 +404,40 @@ def test_gradients_skip_frozen_embedding_and_lm_head(kind, target, drafters):
     for name in want_frozen:
         assert np.all(flat[name] == 0), name
     assert isinstance(d, (Eagle3Drafter, MTPDrafter))
+
+
+def test_drafters_import_no_training_engine_or_serving():
+    """The import layers: no module of `specjax.drafters` imports the training package, the
+    decoding engine or serving (at module level or inside a function)."""
+    import ast
+    import pathlib
+
+    import specjax.drafters
+
+    banned = ("specjax.training", "specjax.decoding.engine", "specjax.serving", "train", "serve",
+              "bench")
+    bad = []
+    for path in sorted(pathlib.Path(specjax.drafters.__path__[0]).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{path.name}: {n}" for n in names
+                    if any(n == b or n.startswith(b + ".") for b in banned)]
+    assert not bad, bad
+
+
+def test_every_kind_is_one_table_entry():
+    """`registry.KINDS` holds each kind's (config, build, load, save, objective); the kinds with
+    files dispatch by architecture and by drafter class."""
+    from specjax.drafters import registry
+
+    assert set(registry.KINDS) == {"dspark", "dflash", "eagle3", "mtp", "standalone", "ngram"}
+    for name, kind in registry.KINDS.items():
+        assert kind.name == name and callable(kind.load) and callable(kind.save)
+        if kind.config is not None:
+            assert callable(kind.build) and callable(kind.objective)
+        for arch in kind.architectures:
+            assert registry.kind_of_architecture({"architectures": [arch]}) == name
+    assert registry.kind_of_drafter(NGramDrafter(V)).name == "ngram"
+    with pytest.raises(ConfigError, match="unsupported drafter architecture 'Nope'"):
+        registry.kind_of_architecture({"architectures": ["Nope"]})

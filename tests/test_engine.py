@@ -155,7 +155,7 @@ def test_block_drafter_verified_below_its_block_reports_gamma_confidences():
     """A block-5 DSpark drafter verified at gamma 2 (fused fixed rounds): every round reports gamma
     confidences per request, so round logs stay rectangular (a block-wide row broke evaluation)."""
     from flax import nnx
-    from specjax.drafters.block import BlockDrafterConfig
+    from specjax.drafters.dspark import BlockDrafterConfig
     from specjax.drafters.dspark import make_block_drafter
     model = tiny_target(16, seed=3)
     dcfg = BlockDrafterConfig.from_target(model.config, target_layer_ids=(0, 1), mask_token_id=15,

@@ -34,7 +34,7 @@ def setup(tmp_path_factory):
 
     from serving_fixtures import export_tiny_target, tiny_chat_tokenizer
     from specjax import checkpoints
-    from specjax.drafters.block import BlockDrafterConfig
+    from specjax.drafters.dspark import BlockDrafterConfig
     from specjax.drafters.dspark import make_block_drafter
     from specjax.drafters.registry import save_drafter
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.training import losses as L
+from specjax.drafters import losses as L
 
 # jit once per shape: op-by-op dispatch is slow on small CPUs
 _dspark = jax.jit(L.dspark_loss, static_argnames=("chunk_anchors",))

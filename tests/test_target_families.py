@@ -24,7 +24,7 @@ from specjax import checkpoints
 from specjax.config import ConfigError, TargetConfig
 from specjax.decoding.engine import EngineRequest
 from specjax.drafters import registry
-from specjax.drafters.block import BlockDrafterConfig
+from specjax.drafters.dspark import BlockDrafterConfig
 from specjax.drafters.dspark import make_block_drafter
 from specjax.drafters.eagle3 import Eagle3Config, make_eagle3_drafter
 from specjax.drafters.mtp import MTPConfig, make_mtp_drafter

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from specjax import sharding as shd
-from specjax.drafters.block import Frozen
+from specjax.drafters.common import Frozen
 from specjax.models.layers import Linear
 from specjax.training.config import CheckpointConfig, LoggingConfig, OptimizerConfig
 from specjax.training.data import EpochBatches
@@ -305,7 +305,8 @@ def _tiny_run_yaml(tmp_path, target_dir, *, total_steps=10**6, save_every=10**6,
 def test_dspark_objective_online_chunked_equals_offline_plain(tmp_path, tiny_target_dir):
     from specjax.training.config import load_train_config
     from specjax.training.features import target_features_jit
-    from specjax.training.trainer import block_drafter_loss
+    from specjax.drafters.dspark_kind import block_drafter_loss
+    from specjax.training.objectives import trainer_loss
     from specjax.training.run import build
 
     run = build(load_train_config(_tiny_run_yaml(tmp_path, tiny_target_dir, total_steps=3)))
@@ -319,7 +320,7 @@ def test_dspark_objective_online_chunked_equals_offline_plain(tmp_path, tiny_tar
     # the unchunked loss on precomputed (cache-style) features.
     taps, hid = target_features_jit(aux, run.target_graphdef, batch["input_ids"], batch["valid"],
                                     tap_layers=run.tap_layers)
-    plain_fn = block_drafter_loss(num_anchors=4)
+    plain_fn = trainer_loss(block_drafter_loss(num_anchors=4))
 
     @jax.jit
     def both(p, b, k):
@@ -381,8 +382,10 @@ def test_train_configs_load_and_validate(tmp_path):
 
     ds = load_train_config(os.path.join(ROOT, "configs/train/dspark.yaml"))
     df = load_train_config(os.path.join(ROOT, "configs/train/dflash.yaml"))
-    assert (ds.model.alpha_ce, ds.model.alpha_tv, ds.model.alpha_conf) == (0.1, 0.9, 1.0)
-    assert (df.model.alpha_ce, df.model.alpha_tv, df.model.markov_rank) == (1.0, 0.0, 0)
+    assert (ds.model.section.alpha_ce, ds.model.section.alpha_tv,
+            ds.model.section.alpha_conf) == (0.1, 0.9, 1.0)
+    assert (df.model.section.alpha_ce, df.model.section.alpha_tv,
+            df.model.section.markov_rank) == (1.0, 0.0, 0)
     assert ds.optimizer.learning_rate == 6e-4 and ds.data.batch_size == 512
     assert ds.data.grad_accum_steps == 64 and df.data.mode == "online"
     over = load_train_config(os.path.join(ROOT, "configs/train/dspark.yaml"),

@@ -8,6 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from specjax.drafters import block_layout as BL
 from specjax.training import data as D
 
 SIMPLE_TEMPLATE = (
@@ -112,10 +113,10 @@ def test_completion_loss_mask(tok):
 
 def test_anchor_candidates():
     lm = np.array([[0, 0, 1, 1, 1, 0, 1, 1, 0, 1]])
-    cand = np.asarray(D.anchor_candidates(lm))
+    cand = np.asarray(BL.anchor_candidates(lm))
     assert np.flatnonzero(cand[0]).tolist() == [2, 3, 6]
     # the last position is never a candidate
-    assert not np.asarray(D.anchor_candidates(np.ones((1, 4))))[0, -1]
+    assert not np.asarray(BL.anchor_candidates(np.ones((1, 4))))[0, -1]
 
 
 def _check_anchor_draw(anchors, keep, cand, num):
@@ -132,14 +133,14 @@ def _check_anchor_draw(anchors, keep, cand, num):
 def test_sample_anchors_jax_and_numpy():
     lm = np.array([[0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 0],
                    [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]])
-    cand = np.asarray(D.anchor_candidates(lm))
-    draw = jax.jit(D.sample_anchors, static_argnums=2)
+    cand = np.asarray(BL.anchor_candidates(lm))
+    draw = jax.jit(BL.sample_anchors, static_argnums=2)
     for seed in range(3):
         for num in (2, 4, 20):
             a, k = draw(jax.random.key(seed), jnp.asarray(lm), num)
             assert a.shape == (2, num) and a.dtype == jnp.int32 and k.dtype == jnp.bool_
             _check_anchor_draw(np.asarray(a), np.asarray(k), cand, num)
-            a, k = D.sample_anchors(np.random.default_rng(seed), lm, num)
+            a, k = BL.sample_anchors(np.random.default_rng(seed), lm, num)
             assert isinstance(a, np.ndarray) and a.shape == (2, num)
             _check_anchor_draw(a, k, cand, num)
 
@@ -147,12 +148,12 @@ def test_sample_anchors_jax_and_numpy():
 def test_sample_anchors_is_uniform():
     lm = np.array([[1, 1, 0, 1, 1, 0, 1, 1]])  # candidates 0, 3, 6
     keys = jax.random.split(jax.random.key(0), 3000)
-    a, _ = jax.jit(jax.vmap(lambda kk: D.sample_anchors(kk, lm, 1)))(keys)
+    a, _ = jax.jit(jax.vmap(lambda kk: BL.sample_anchors(kk, lm, 1)))(keys)
     counts = np.bincount(np.asarray(a)[:, 0, 0], minlength=8)[[0, 3, 6]]
     assert counts.sum() == 3000
     np.testing.assert_allclose(counts / 3000, 1 / 3, atol=0.04)
     rng = np.random.default_rng(0)
-    pairs = [tuple(D.sample_anchors(rng, lm, 2)[0][0]) for _ in range(1500)]
+    pairs = [tuple(BL.sample_anchors(rng, lm, 2)[0][0]) for _ in range(1500)]
     freq = {p: pairs.count(p) / 1500 for p in set(pairs)}
     assert set(freq) == {(0, 3), (0, 6), (3, 6)}
     np.testing.assert_allclose(list(freq.values()), 1 / 3, atol=0.05)
@@ -164,7 +165,7 @@ KEEP = np.array([[True, True, False]])
 
 def test_block_attention_mask_reference_case():
     s, k = 12, 3
-    m = np.asarray(D.block_attention_mask(ANCHORS, KEEP, s, k))
+    m = np.asarray(BL.block_attention_mask(ANCHORS, KEEP, s, k))
     assert m.shape == (1, 9, s + 9) and m.dtype == bool
     for q in range(3):  # block 0 (anchor 5): context 0..4 and its own block
         assert np.flatnonzero(m[0, q]).tolist() == [0, 1, 2, 3, 4, 12, 13, 14]
@@ -174,10 +175,10 @@ def test_block_attention_mask_reference_case():
 
 
 def test_block_positions_and_labels():
-    pos = np.asarray(D.block_positions(ANCHORS, 3))
+    pos = np.asarray(BL.block_positions(ANCHORS, 3))
     assert pos.tolist() == [[5, 6, 7, 9, 10, 11, 0, 1, 2]]
     ids = np.arange(100, 112)[None]
-    lab = np.asarray(D.block_labels(ids, ANCHORS, KEEP, 3))
+    lab = np.asarray(BL.block_labels(ids, ANCHORS, KEEP, 3))
     assert lab.tolist() == [[[106, 107, 108], [110, 111, 111], [0, 0, 0]]]
 
 
@@ -185,14 +186,14 @@ def test_eval_mask_cumprod_hole_and_bounds():
     s = 12
     lm = np.ones((1, s), np.int32)
     lm[0, :3] = 0
-    em = np.asarray(D.eval_mask(lm, ANCHORS, KEEP, 3))
+    em = np.asarray(BL.eval_mask(lm, ANCHORS, KEEP, 3))
     # anchor 9: labels 10, 11, 12 (past the end) -> last slot invalid; dummy -> nothing
     assert em.tolist() == [[[True, True, True], [True, True, False], [False, False, False]]]
     # a hole at label a+3 (slot 2) zeroes slots 2..K-1 even though later labels are valid
     k = 5
     lm2 = np.ones((1, 20), np.int32)
     lm2[0, 5 + 3] = 0
-    em2 = np.asarray(D.eval_mask(lm2, np.array([[5]]), np.array([[True]]), k))
+    em2 = np.asarray(BL.eval_mask(lm2, np.array([[5]]), np.array([[True]]), k))
     assert em2.tolist() == [[[True, True, False, False, False]]]
 
 

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from specjax import checkpoints
-    from specjax.drafters.block import default_target_layer_ids
+    from specjax.drafters.common import default_target_layer_ids
     from specjax.training import features as feat
 
     try:

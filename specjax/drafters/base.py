@@ -17,6 +17,10 @@ inside its jitted round, so every method must be traceable with static shapes:
 their positions with the target's hidden taps there (concatenated in `tap_layers` order) and the
 final-normed target hidden state there. At prefill these are the prompt tokens; after a verify round
 they are the anchor plus the accepted draft tokens (the new anchor comes next round).
+
+`Kind` is what a drafter kind's module declares for `specjax.drafters.registry.KINDS` (its
+config, build, load, save and objective); `TargetView` is what a kind's training objective sees
+of the frozen target.
 """
 from __future__ import annotations
 
@@ -53,3 +57,46 @@ class Drafter(Protocol):
                 key_b: Array) -> DraftBlock: ...
 
     def commit(self, state: Any, update: ContextUpdate) -> Any: ...
+
+
+class TargetView(Protocol):
+    """What a kind's training objective sees of the frozen target for one batch (built by
+    `specjax.training.objectives`): features from an offline cache or computed online."""
+
+    def features(self, dtype: Any) -> tuple[Array | None, Array]:
+        """(taps [B, S, L*H] at the kind's tap layers or None without any, final-normed hidden
+        [B, S, H]): as stored in an offline cache batch, else run online in `dtype` (None: the
+        target's compute dtype)."""
+
+    def logits(self, hidden_bsh: Array) -> Array:
+        """The target's own output logits of final-normed hidden states (online only)."""
+
+
+class Kind(NamedTuple):
+    """One drafter kind: everything the library knows about it, owned by the kind's module and
+    collected by `specjax.drafters.registry.KINDS`.
+
+    name: the kind (`model.kind` in training configs).
+    architectures: config.json `architectures[0]` values it reads (the first is written); () for
+        a kind that only trains (e.g. "dflash", whose files are the DSpark architecture's).
+    drafter_type: the module class `save` writes.
+    load(path, d, source, target_config, target_model, *, dtype, compute_dtype, gamma, mesh,
+        rules) -> drafter.
+    save(drafter, target_config, *, dtype, extra, num_anchors) -> (config.json mapping, key map or
+        None when the kind stores no tensors).
+    config: the training section dataclass (the `model:` fields of this kind), or None.
+    build(section, target, target_config, *, rngs, dtype, param_dtype, draft_ids) -> (drafter,
+        drafter config, tap layers read online).
+    objective(section, *, feature_dtype) -> loss(model, batch, rng, target: TargetView).
+    cache: whether it can train from an offline target cache.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    drafter_type: type | None
+    load: Any
+    save: Any
+    config: type | None = None
+    build: Any = None
+    objective: Any = None
+    cache: bool = False

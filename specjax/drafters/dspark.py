@@ -1,150 +1,141 @@
-"""DSpark heads on the block backbone: a sequential (Markov / RNN) logit bias and a confidence head.
+"""DSpark / DFlash block drafters (reference §2, §3): a parallel drafter over the target's hidden
+taps, with an optional sequential head and confidence head.
 
-* `MarkovHead` (reference §3.2): z_k = U_k + W2 W1[x_{k-1}] with W1 a [V, r] table and W2 a bias-free
-  Linear r -> V; x_0 is the anchor.
-* `RNNHead` (§3.4): state s_0 = 0; from [s_{k-1}; W1[x_{k-1}]; h_k] one Linear (2r+H) -> 3r (with
-  bias) gives gate g, candidate c, output o; s_k = g*s_{k-1} + (1-g)*c; bias = W2 tanh(o).
-* `ConfidenceHead` (§3.5): logit = w . [h_k; W1[x_{k-1}]] + b (or w . h_k + b without the Markov
-  table); c_k = sigmoid(logit / T_k) at inference with STS temperatures T_k
-  (`confidence_temperatures`, ones until calibrated).
+Context features `ctx = hidden_norm(fc(concat_l taps_l))` are injected into every draft layer as
+extra keys/values (projected by the layer's own k_proj/v_proj/k_norm, rotated at the context
+positions). A block of `gamma` inputs (the anchor + gamma-1 mask tokens, slot j at position a+j)
+attends to the context strictly before the anchor and to its own block bidirectionally, and yields
+gamma logits: slot j predicts the token at a+j+1 (anchor as first prediction, reference §3.1). The
+sequential (Markov / RNN) head adds a logit bias from the previous token, the confidence head a
+per-slot acceptance logit (`specjax.drafters.dspark_layers`). DFlash is this drafter with neither
+head (markov_rank 0, no confidence head).
+
+The same module trains (`train_forward`: A anchors per sequence in one call, block-sparse mask,
+`specjax.drafters.block_layout`) and serves (the `Drafter` protocol of `specjax.drafters.base`: a
+per-slot context K/V cache that `commit` appends to and `propose` reads). Embedding and lm_head
+are frozen copies of the target's (`specjax.drafters.common.Frozen`). Attribute names mirror the
+Hugging Face / DeepSpec checkpoint names (reference §2.6); the checkpoint format, the training
+section and the objective of the kind are in `specjax.drafters.dspark_kind`.
 
 Previous tokens: teacher-forced in training (prev = [anchor, labels[:K-1]]), the sampled draft
 tokens at inference (prev = [anchor, sampled[:-1]]).
 
-With a draft vocabulary of N tokens the heads read and write draft indices: W1 has N + 1 rows (row
-N stands for every target token outside the subset, e.g. an anchor the drafter could not have
-proposed) and W2 maps r -> N.
+Draft vocabulary (`draft_vocab_size` N > 0, an extension of ours: DeepSpec has none, and a config
+without the field is the full vocabulary): the lm_head holds the target head's columns of the N
+draft tokens, the sequential head is N wide, tokens are sampled as draft indices and proposed as
+target ids, and the q handed to verification is zero outside the subset (`specjax.drafters.vocab`).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.config import TargetConfig
-from specjax.drafters.block import (BlockBackbone, BlockDrafterConfig, Calibration,
-                                    copy_frozen_from_target)
-from specjax.drafters.vocab import install_draft_vocab
-from specjax.models.layers import Embed, Linear
+from specjax.config import ConfigError, TargetConfig
+from specjax.drafters import vocab as dv
+from specjax.drafters.base import ContextUpdate, DraftBlock
+from specjax.drafters.block_layout import block_attention_mask, block_positions
+from specjax.drafters.common import (Calibration, FrozenEmbed, FrozenLMHead, TapDims,
+                                     copy_frozen_from_target)
+from specjax.drafters.dspark_layers import ConfidenceHead, DraftDecoderLayer, MarkovHead, RNNHead
+from specjax.models import cache as kvc
+from specjax.models.layers import Linear, RMSNorm
+from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
 
 Array = jax.Array
+MARKOV_HEAD_TYPES = ("vanilla", "rnn")
 
 
-def _markov_tables(vocab: int, rank: int, out_vocab: int | None, *, rngs: nnx.Rngs, dtype,
-                   param_dtype) -> tuple[Embed, Linear]:
-    w1 = Embed(vocab, rank, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-    w1.embedding = nnx.Param(w1.embedding[...], logical_axes=("vocab", "rank"))
-    w2 = Linear(rank, out_vocab or vocab, logical_axes=("rank", "vocab"), rngs=rngs, dtype=dtype,
-                param_dtype=param_dtype)
-    return w1, w2
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockDrafterConfig(TapDims):
+    """A DFlash / DSpark block drafter (the layer dimensions and `target_layer_ids` of `TapDims`).
+
+    `block_size` is gamma (slots per block = draft tokens per proposal). `markov_rank` 0 means no
+    sequential head (DFlash); `markov_head_type` is "vanilla" (W2 W1[x_{k-1}]) or "rnn".
+    `confidence_head_with_markov` feeds W1[x_{k-1}] to the confidence head as well as the backbone
+    hidden state (needs markov_rank > 0).
+    """
+
+    mask_token_id: int
+    num_draft_layers: int = 5
+    block_size: int = 7
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("num_draft_layers", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"field '{name}' must be an integer > 0, got {v!r}")
+        if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"field 'mask_token_id' must be in [0, vocab_size={self.vocab_size}), "
+                              f"got {self.mask_token_id!r}")
+        if not isinstance(self.markov_rank, int) or self.markov_rank < 0:
+            raise ConfigError(f"field 'markov_rank' must be an integer >= 0, got {self.markov_rank!r}")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ConfigError(f"field 'markov_head_type' must be one of {MARKOV_HEAD_TYPES}, "
+                              f"got {self.markov_head_type!r}")
+        if self.confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
+            raise ConfigError("field 'confidence_head_with_markov' needs 'markov_rank' > 0 "
+                              "(set confidence_head_with_markov: false for a head-less backbone)")
+
+    @property
+    def variant(self) -> str:
+        """"dspark" when a sequential or confidence head is configured, else "dflash"."""
+        return "dspark" if (self.markov_rank > 0 or self.confidence_head) else "dflash"
+
+    def layer_config(self, num_layers: int | None = None) -> TargetConfig:
+        """The Qwen3 layer config the draft decoder layers are built from."""
+        return super().layer_config(num_layers or self.num_draft_layers)
 
 
-class MarkovHead(nnx.Module):
-    """Vanilla rank-r Markov transition bias W2 W1[x_{k-1}] (reference §3.2); W1 has `vocab`
-    rows, W2 `out_vocab` (default `vocab`) outputs."""
+class DSparkDrafter(nnx.Module):
+    """The DSpark drafter: block backbone + optional sequential head (`markov_head`) + optional
+    `confidence_head`. With markov_rank 0 and no confidence head it is the DFlash drafter.
 
-    def __init__(self, vocab: int, rank: int, *, rngs: nnx.Rngs, dtype="float32",
-                 param_dtype="float32", out_vocab: int | None = None):
-        self.rank = rank
-        self.markov_w1, self.markov_w2 = _markov_tables(vocab, rank, out_vocab, rngs=rngs,
-                                                        dtype=dtype, param_dtype=param_dtype)
-
-    def embed_prev(self, prev: Array) -> Array:
-        """W1[prev] [..., r]."""
-        return self.markov_w1(prev)
-
-    def bias_sequence(self, h_xkh: Array, prev_xk: Array) -> Array:
-        """Biases [..., K, V] (float32) for all slots at once (teacher-forced prev tokens)."""
-        del h_xkh
-        return self.markov_w2(self.markov_w1(prev_xk)).astype(jnp.float32)
-
-    def init_carry(self, batch_shape: tuple[int, ...], dtype) -> tuple:
-        del batch_shape, dtype
-        return ()
-
-    def step(self, carry: tuple, h_bh: Array, prev_b: Array) -> tuple[tuple, Array]:
-        """One slot: (carry, bias [B, V] float32)."""
-        del h_bh
-        return carry, self.markov_w2(self.markov_w1(prev_b)).astype(jnp.float32)
-
-
-class RNNHead(nnx.Module):
-    """Gated recurrent transition bias (reference §3.4, paper Eq. 6)."""
-
-    def __init__(self, vocab: int, rank: int, hidden: int, *, rngs: nnx.Rngs, dtype="float32",
-                 param_dtype="float32", out_vocab: int | None = None):
-        self.rank = rank
-        self.markov_w1, self.markov_w2 = _markov_tables(vocab, rank, out_vocab, rngs=rngs,
-                                                        dtype=dtype, param_dtype=param_dtype)
-        self.joint_proj = Linear(2 * rank + hidden, 3 * rank, logical_axes=("features", "rank"),
-                                 use_bias=True, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-
-    def embed_prev(self, prev: Array) -> Array:
-        return self.markov_w1(prev)
-
-    def init_carry(self, batch_shape: tuple[int, ...], dtype) -> Array:
-        """s_0 = 0 [..., r]."""
-        return jnp.zeros(tuple(batch_shape) + (self.rank,), dtype)
-
-    def step(self, s: Array, h_xh: Array, prev_x: Array) -> tuple[Array, Array]:
-        """(s_k, bias_k [..., V] float32) from s_{k-1}, h_k and x_{k-1}; the bias uses z_k
-        (the pre-update state)."""
-        z = jnp.concatenate([s.astype(h_xh.dtype), self.markov_w1(prev_x).astype(h_xh.dtype), h_xh],
-                            axis=-1)
-        g, c, o = jnp.split(self.joint_proj(z), 3, axis=-1)
-        g = jax.nn.sigmoid(g)
-        s_new = g * s + (1.0 - g) * jnp.tanh(c)
-        bias = self.markov_w2(jnp.tanh(o)).astype(jnp.float32)
-        return s_new.astype(s.dtype), bias
-
-    def bias_sequence(self, h_xkh: Array, prev_xk: Array) -> Array:
-        """Unrolls the recurrence over the K slots (teacher-forced prev) -> [..., K, V] float32."""
-        kk = h_xkh.shape[-2]
-        s = self.init_carry(h_xkh.shape[:-2], h_xkh.dtype)
-        out = []
-        for k in range(kk):
-            s, bias = self.step(s, h_xkh[..., k, :], prev_xk[..., k])
-            out.append(bias)
-        return jnp.stack(out, axis=-2)
-
-
-class ConfidenceHead(nnx.Module):
-    """Per-slot acceptance logit w . [h_k (; W1[x_{k-1}])] + b (reference §3.5), float32."""
-
-    def __init__(self, in_features: int, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32"):
-        self.proj = Linear(in_features, 1, logical_axes=("features", None), use_bias=True,
-                           rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-
-    def __call__(self, h_xh: Array, extra_xr: Array | None = None) -> Array:
-        x = h_xh if extra_xr is None else jnp.concatenate([h_xh, extra_xr.astype(h_xh.dtype)], -1)
-        return self.proj(x)[..., 0].astype(jnp.float32)
-
-
-class DSparkDrafter(BlockBackbone):
-    """Block backbone + optional sequential head (`markov_head`) + optional `confidence_head`.
-
-    With markov_rank 0 and no confidence head this is the DFlash drafter. See `BlockBackbone` for
-    `train_forward`, `init_state`, `commit`, `propose`.
+    Protocol attributes: `gamma` (= block_size), `tap_layers` (= target_layer_ids),
+    `needs_hidden` (False). State: a `specjax.models.cache.KVCache` with one entry per draft layer
+    holding the normed, rotated context keys/values [slots, max_len, nkv, hd] and `lengths[slots]`.
     """
 
     def __init__(self, cfg: BlockDrafterConfig, *, rngs: nnx.Rngs | None = None, dtype="float32",
                  param_dtype="float32"):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
-        super().__init__(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.config = cfg
+        self.gamma = cfg.block_size
+        self.tap_layers = tuple(cfg.target_layer_ids)
+        self.needs_hidden = False
+        self.dtype = jnp.dtype(dtype)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        h = cfg.hidden_size
+        self.embed_tokens = FrozenEmbed(cfg.vocab_size, h, **kw)
+        self.fc = Linear(cfg.num_taps * h, h, logical_axes=("features", "embed"), **kw)
+        self.hidden_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.layers = nnx.List([DraftDecoderLayer(cfg.layer_config(), **kw)
+                                for _ in range(cfg.num_draft_layers)])
+        self.norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.lm_head = FrozenLMHead(h, cfg.out_vocab_size, **kw)
+        self.draft_vocab = (dv.DraftVocab(cfg.vocab_size, cfg.draft_vocab_size)
+                            if cfg.draft_vocab_size else nnx.data(None))
+        self.markov_head = nnx.data(None)
         if cfg.markov_rank > 0:
             n = cfg.draft_vocab_size
             rows = n + 1 if n else cfg.vocab_size  # + the "outside the draft vocabulary" row
-            kw["out_vocab"] = cfg.out_vocab_size
-            if cfg.markov_head_type == "vanilla":
-                self.markov_head = MarkovHead(rows, cfg.markov_rank, **kw)
-            else:
-                self.markov_head = RNNHead(rows, cfg.markov_rank, cfg.hidden_size, **kw)
-            del kw["out_vocab"]
+            head_cls = MarkovHead if cfg.markov_head_type == "vanilla" else RNNHead
+            extra = () if head_cls is MarkovHead else (h,)
+            self.markov_head = head_cls(rows, cfg.markov_rank, *extra, out_vocab=cfg.out_vocab_size,
+                                        **kw)
+        self.confidence_head = nnx.data(None)
+        self.confidence_temperatures = nnx.data(None)
         if cfg.confidence_head:
-            extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
-            self.confidence_head = ConfidenceHead(cfg.hidden_size + extra, **kw)
+            width = h + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+            self.confidence_head = ConfidenceHead(width, **kw)
             self.confidence_temperatures = Calibration(jnp.ones((cfg.block_size,), jnp.float32),
                                                        logical_axes=(None,))
 
@@ -158,8 +149,187 @@ class DSparkDrafter(BlockBackbone):
                              f"got {temps!r}")
         self.confidence_temperatures[...] = jnp.asarray(t)
 
+    # ------------------------------------------------------------------ shared pieces
+    def context_features(self, taps_bsf: Array) -> Array:
+        """ctx = hidden_norm(fc(taps)) [B, S, H] from concatenated target taps [B, S, L*H]."""
+        want = self.config.num_taps * self.config.hidden_size
+        if taps_bsf.shape[-1] != want:
+            raise ValueError(f"taps last dim must be num_taps*hidden = {want}, got shape "
+                             f"{taps_bsf.shape}")
+        return self.hidden_norm(self.fc(taps_bsf))
 
-DFlashDrafter = DSparkDrafter
+    def lm_logits(self, h_xh: Array) -> Array:
+        """Frozen lm_head applied to hidden [..., H] -> float32 logits [..., N] (N = V without a
+        draft vocabulary; with one, the target's logits restricted to the draft tokens)."""
+        return self.lm_head(h_xh)
+
+    def draft_labels(self, labels: Array) -> Array:
+        """Target-id labels -> indices into the draft logits (-1: outside the draft vocabulary)."""
+        return dv.draft_labels(self.draft_vocab, labels)
+
+    def head_bias(self, h_xkh: Array, prev_xk: Array) -> Array | None:
+        """Sequential-head logit bias [..., K, N] (float32) with teacher-forced prev tokens
+        (target ids)."""
+        if self.markov_head is None:
+            return None
+        return self.markov_head.bias_sequence(h_xkh, dv.draft_index(self.draft_vocab, prev_xk))
+
+    def draft_logits(self, h_xkh: Array, prev_xk: Array) -> Array:
+        """z_k = lm_head(h_k) + head bias(prev_k): float32 [..., K, N]; chunk over leading axes."""
+        z = self.lm_logits(h_xkh)
+        bias = self.head_bias(h_xkh, prev_xk)
+        return z if bias is None else z + bias
+
+    def confidence_logits(self, h_xkh: Array, prev_xk: Array) -> Array | None:
+        """Raw confidence logits [..., K] (float32), or None without a confidence head."""
+        if self.confidence_head is None:
+            return None
+        extra = None
+        if self.config.confidence_head_with_markov:
+            extra = self.markov_head.embed_prev(dv.draft_index(self.draft_vocab, prev_xk))
+        return self.confidence_head(h_xkh, extra)
+
+    # ------------------------------------------------------------------ training
+    def backbone_hidden(self, taps_bsf: Array, input_ids_bs: Array, anchors_ba: Array,
+                        keep_ba: Array) -> Array:
+        """Final-normed backbone hidden [B, A, K, H] for A anchor blocks per sequence.
+
+        Block slot 0 holds ids[a] (the mask token for unkept blocks), slots 1.. the mask token;
+        slot j sits at position a+j and sees context t < a and its own block (reference §2.4).
+        """
+        cfg = self.config
+        b, s = input_ids_bs.shape
+        a = anchors_ba.shape[1]
+        kk = self.gamma
+        if taps_bsf.shape[:2] != (b, s):
+            raise ValueError(f"taps_bsf {taps_bsf.shape} must be [B, S, L*H] with B, S of "
+                             f"input_ids_bs {input_ids_bs.shape}")
+        if anchors_ba.shape != (b, a) or keep_ba.shape != (b, a):
+            raise ValueError(f"anchors_ba {anchors_ba.shape} and keep_ba {keep_ba.shape} must be "
+                             f"[B={b}, A]")
+        ctx = self.context_features(taps_bsf)
+        anchor_tok = jnp.take_along_axis(input_ids_bs, jnp.clip(anchors_ba, 0, s - 1), axis=1)
+        slot0 = jnp.where(keep_ba, anchor_tok, cfg.mask_token_id)
+        ids_bak = jnp.concatenate(
+            [slot0[..., None].astype(jnp.int32),
+             jnp.full((b, a, kk - 1), cfg.mask_token_id, jnp.int32)], axis=-1)
+        x = self.embed_tokens(ids_bak.reshape(b, a * kk))
+        pos_blk = jnp.asarray(block_positions(anchors_ba, kk), jnp.int32).reshape(b, a * kk)
+        pos_ctx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        mask = block_attention_mask(anchors_ba, keep_ba, s, kk)
+        for layer in self.layers:
+            x = layer.train_block(x, pos_blk, ctx, pos_ctx, mask)
+        return self.norm(x).reshape(b, a, kk, -1)
+
+    def teacher_prev_tokens(self, input_ids_bs: Array, anchors_ba: Array) -> Array:
+        """Teacher-forced previous tokens [B, A, K]: [ids[a], ids[a+1], .., ids[a+K-1]] (clamped)."""
+        s = input_ids_bs.shape[1]
+        idx = anchors_ba[..., None] + jnp.arange(self.gamma, dtype=jnp.int32)
+        idx = jnp.clip(idx, 0, s - 1)
+        b, a, kk = idx.shape
+        return jnp.take_along_axis(input_ids_bs, idx.reshape(b, a * kk), axis=1).reshape(b, a, kk)
+
+    def train_forward(self, taps_bsf: Array, input_ids_bs: Array, anchors_ba: Array,
+                      keep_ba: Array, prev_tokens_bak: Array | None = None,
+                      *, with_logits: bool = True
+                      ) -> tuple[Array, Array | None, Array | None]:
+        """Training forward over A anchors per sequence.
+
+        Returns (hidden [B,A,K,H], logits [B,A,K,N] float32 or None if not `with_logits`,
+        confidence logits [B,A,K] float32 or None). `prev_tokens_bak` defaults to the teacher-forced
+        [anchor, labels[..., :K-1]] (labels[j] = ids[a+j+1]); with `with_logits=False` a trainer can
+        compute `draft_logits(h, prev)` itself in chunks over anchors.
+        """
+        h = self.backbone_hidden(taps_bsf, input_ids_bs, anchors_ba, keep_ba)
+        prev = prev_tokens_bak if prev_tokens_bak is not None else \
+            self.teacher_prev_tokens(input_ids_bs, anchors_ba)
+        logits = self.draft_logits(h, prev) if with_logits else None
+        return h, logits, self.confidence_logits(h, prev)
+
+    # ------------------------------------------------------------------ inference
+    def init_state(self, slots: int, max_len: int) -> kvc.KVCache:
+        """Empty per-layer context K/V caches [slots, max_len, nkv, hd] and lengths [slots]."""
+        cfg = self.config
+        return kvc.KVCache.init(num_layers=cfg.num_draft_layers, slots=slots, max_len=max_len,
+                                kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                dtype=self.dtype)
+
+    def commit(self, state: kvc.KVCache, update: ContextUpdate) -> kvc.KVCache:
+        """Append the context K/V of update rows [0:B] at each row's length (write, then mask)."""
+        if update.taps is None:
+            raise ValueError("block drafter commit needs update.taps (target hidden taps at "
+                             f"layers {self.tap_layers})")
+        b, t = update.tokens.shape
+        if update.taps.shape[:2] != (b, t):
+            raise ValueError(f"update.taps {update.taps.shape} must be [B={b}, T={t}, L*H]")
+        lengths = state.lengths[:b]
+        ctx = self.context_features(update.taps)
+        pos = update.positions.astype(jnp.int32)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(ctx, pos)
+            ks.append(kvc.write(state.k[i], k, lengths))
+            vs.append(kvc.write(state.v[i], v, lengths))
+        n = jnp.clip(update.n_valid.astype(jnp.int32), 0, t)
+        return kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=state.lengths.at[:b].add(n))
+
+    def block_hidden(self, state: kvc.KVCache, anchor_b: Array, position_b: Array) -> Array:
+        """Backbone hidden [B, K, H] of one block per row over its cached context."""
+        b = anchor_b.shape[0]
+        kk = self.gamma
+        lengths = state.lengths[:b]
+        ids = jnp.concatenate([anchor_b.astype(jnp.int32)[:, None],
+                               jnp.full((b, kk - 1), self.config.mask_token_id, jnp.int32)], axis=1)
+        x = self.embed_tokens(ids)
+        pos = position_b.astype(jnp.int32)[:, None] + jnp.arange(kk, dtype=jnp.int32)[None, :]
+        m = state.max_len
+        mask_ctx = jnp.arange(m, dtype=jnp.int32)[None, None, :] < lengths[:, None, None]
+        mask_ctx = jnp.broadcast_to(mask_ctx, (b, kk, m))
+        for i, layer in enumerate(self.layers):
+            x = layer.cached_block(x, pos, state.k[i][:b], state.v[i][:b], mask_ctx)
+        return self.norm(x)
+
+    def propose_with_logits(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
+                            sampling: SamplingArrays, key_b: Array) -> tuple[DraftBlock, Array]:
+        """`propose`, also returning the draft logits z [B, K, V] (float32) the q came from
+        (-inf outside a draft vocabulary)."""
+        b = anchor_b.shape[0]
+        vocab = self.draft_vocab
+        h = self.block_hidden(state, anchor_b, position_b)  # [B, K, H]
+        u = self.lm_logits(h)  # [B, K, N]
+        head = self.markov_head
+        carry0 = (head.init_carry((b,), h.dtype) if head is not None else None,
+                  dv.draft_index(vocab, anchor_b))
+
+        def step(carry, xs):
+            head_carry, prev_b = carry  # prev_b: draft index of the previous token
+            k, u_bn, h_bh = xs
+            z = u_bn
+            if head is not None:
+                head_carry, bias = head.step(head_carry, h_bh, prev_b)
+                z = z + bias
+            q = probs_from_logits(z, sampling)
+            d = sample(round_key(key_b, k), q)  # a draft index
+            return (head_carry, d), (d, q, z)
+
+        xs = (jnp.arange(self.gamma, dtype=jnp.int32), jnp.swapaxes(u, 0, 1), jnp.swapaxes(h, 0, 1))
+        _, (d_kb, q_kbn, z_kbn) = jax.lax.scan(step, carry0, xs)
+        tokens = dv.target_ids(vocab, jnp.swapaxes(d_kb, 0, 1))
+        conf = None
+        if self.confidence_head is not None:
+            prev = jnp.concatenate([anchor_b.astype(jnp.int32)[:, None], tokens[:, :-1]], axis=1)
+            c_logit = self.confidence_logits(h, prev)
+            temps = self.confidence_temperatures[...].astype(jnp.float32)
+            conf = jax.nn.sigmoid(c_logit / temps[None, :])
+        q = dv.full_probs(vocab, jnp.swapaxes(q_kbn, 0, 1))
+        block = DraftBlock(tokens=tokens, q=q, confidence=conf)
+        return block, dv.full_logits(vocab, jnp.swapaxes(z_kbn, 0, 1))
+
+    def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
+                sampling: SamplingArrays, key_b: Array) -> DraftBlock:
+        """Propose gamma tokens per row [0:B]: the anchor at position_b sees cached context
+        j < lengths[b]; tokens are sampled left to right from q = probs_from_logits(z_k)."""
+        return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b)[0]
 
 
 def make_block_drafter(target_model, target_config: TargetConfig, cfg: BlockDrafterConfig,
@@ -171,11 +341,10 @@ def make_block_drafter(target_model, target_config: TargetConfig, cfg: BlockDraf
     exactly when cfg.draft_vocab_size > 0."""
     cfg.check_target(target_config)
     drafter = DSparkDrafter(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-    install_draft_vocab(drafter, cfg.draft_vocab_size, draft_ids)
+    dv.install_draft_vocab(drafter, cfg.draft_vocab_size, draft_ids)
     copy_frozen_from_target(drafter.embed_tokens, drafter.lm_head, target_model,
                             drafter.draft_vocab)
     return drafter
 
 
-__all__ = ["ConfidenceHead", "DFlashDrafter", "DSparkDrafter", "MarkovHead", "RNNHead",
-           "make_block_drafter"]
+__all__ = ["BlockDrafterConfig", "DSparkDrafter", "MARKOV_HEAD_TYPES", "make_block_drafter"]

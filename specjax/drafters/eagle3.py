@@ -5,7 +5,7 @@ Architecture. Target hidden taps (concatenated in `target_layer_ids` order, widt
 `[input_layernorm(embed(x)) ; hidden_norm(g)]` (2H wide) into its q/k/v projections (per-head q/k
 RMSNorm, RoPE, causal GQA attention); the residual stream is the un-normed g; then the usual
 post-attention norm + SwiGLU. Logits are `lm_head(norm(out))`: `norm` is trainable, `embed_tokens`
-and `lm_head` are frozen full-vocabulary copies of the target's (`block.Frozen` variables, read
+and `lm_head` are frozen full-vocabulary copies of the target's (`common.Frozen` variables, read
 through `stop_gradient`; an optimizer built with `wrt=nnx.Param` never sees them).
 
 Pairs. Position j of the draft sequence pairs the feature of position j with the NEXT token
@@ -22,16 +22,24 @@ to the committed pairs and to the earlier steps of this proposal (kept in a smal
 buffer of gamma entries, which is what writing past the committed length and masking would give,
 without copying the context cache).
 
-Checkpoint names (Eagle3 convention of the EAGLE3/SpecForge release format, which DeepSpec's
-Eagle3 trainer adapts; DeepSpec's own Qwen3 Eagle3 modeling file was not available to check):
-`fc.weight [H, L*H]`, `midlayer.hidden_norm.weight`, `midlayer.input_layernorm.weight`,
-`midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]`, `midlayer.self_attn.o_proj.weight`,
-`midlayer.self_attn.{q_norm,k_norm}.weight`, `midlayer.post_attention_layernorm.weight`,
-`midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight`, `embed_tokens.weight`.
-Our NNX attribute paths are exactly these module paths (Linear `kernel` <-> HF `weight`).
+Checkpoint: architectures ["Qwen3Eagle3Model"] (DeepSpec; also read: "Eagle3DraftModel", and
+SpecForge's "LlamaForCausalLMEagle3"). Tensor names: `embed_tokens.weight`, `fc.weight [H, L*H]`,
+`layers.0.{hidden_norm,input_layernorm,post_attention_layernorm}.weight`,
+`layers.0.self_attn.{q,k,v}_proj.weight [*, 2H]`, `layers.0.self_attn.o_proj.weight`,
+`layers.0.self_attn.{q_norm,k_norm}.weight`, `layers.0.mlp.{gate,up,down}_proj.weight`,
+`norm.weight`, `lm_head.weight`; SpecForge's files name the layer `midlayer.` (our module's own
+attribute name), which is read too. config.json: the target's config plus `target_layer_ids,
+ttt_length, step_loss_decay, draft_num_hidden_layers, num_target_layers` and our
+`num_speculative_tokens` (gamma; default ttt_length, as DeepSpec proposes).
 
-`PairCacheDrafter` (the pending-feature cache, propose loop and step-0 training forward) is shared
-with `specjax.drafters.mtp.MTPDrafter`.
+The pending-feature pair cache, propose loop and step-0 training forward are
+`specjax.drafters.common.PairCacheDrafter`, shared with MTP-1.
+
+Objective (kind "eagle3"): `ttt_forward` over `block_size` steps against the target's next-token
+distribution, soft CE with step weights `ttt_decay`^k (`specjax.drafters.losses.eagle3_loss`);
+step k at row t predicts ids[t+k+2], target logits lm_head(hidden[t+1]) restricted to the draft
+vocabulary. A position whose label lies outside a draft vocabulary is dropped from every step
+(EAGLE-3 masks by the target's top token; the label is what the training text holds).
 
 Draft vocabulary (`draft_vocab_size` N > 0, EAGLE-3's reduced vocabulary): `lm_head` holds the
 target head's columns of the N draft tokens; each step samples a draft index, feeds the target id
@@ -41,102 +49,46 @@ elsewhere). The maps are stored as EAGLE-3's `d2t` / `t2d` tensors (`specjax.dra
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.checkpoints import drafters as hf
+from specjax.checkpoints.common import KeyMap
 from specjax.config import ConfigError, TargetConfig
-from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.drafters import losses
 from specjax.drafters import vocab as dv
-from specjax.drafters.base import ContextUpdate, DraftBlock
-from specjax.drafters.dims import (check_same_width, check_tap_layers, layer_config, target_dims,
-                                   validate_layer_dims, validate_tap_layer_ids)
-from specjax.drafters.block import (Frozen, FrozenEmbed, FrozenLMHead, attend_context_and_block,
-                                    copy_frozen_from_target)
-from specjax.models import cache as kvc
-from specjax.models.layers import Linear, RMSNorm, SwiGLU, gqa_attention
+from specjax.drafters.base import ContextUpdate, Kind, TargetView
+from specjax.drafters.common import (FrozenEmbed, FrozenHeadTraining, FrozenLMHead,
+                                     PairCacheDrafter, TapDims, copy_frozen_from_target,
+                                     default_target_layer_ids, drafter_key_map, shift_left)
+from specjax.drafters.loading import check_target, fill
 from specjax.models.decoder import Attention
+from specjax.models.layers import Linear, RMSNorm, SwiGLU
 
 Array = jax.Array
+ARCHITECTURE = "Qwen3Eagle3Model"
+ARCHITECTURE_ALIASES = ("Eagle3DraftModel", "LlamaForCausalLMEagle3")
 
-@dataclasses.dataclass(frozen=True)
-class Eagle3Config:
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eagle3Config(TapDims):
     """An Eagle3 drafter. `gamma`: tokens proposed per round; `ttt_length`: training unroll."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    target_layer_ids: tuple[int, ...]
     gamma: int = 7
     ttt_length: int = 7
     step_loss_decay: float = 0.8
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    rope_type: str = "default"
-    rope_factor: float = 1.0
-    draft_vocab_size: int = 0  # N > 0: draft over N target tokens (EAGLE-3 d2t/t2d); 0 = all
 
     def __post_init__(self) -> None:
-        validate_layer_dims(self)
-        dv.validate_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
-        object.__setattr__(self, "target_layer_ids", validate_tap_layer_ids(self.target_layer_ids))
+        super().__post_init__()
         for name in ("gamma", "ttt_length"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"field '{name}' must be an integer >= 1, got {v!r}")
         if not 0.0 < self.step_loss_decay <= 1.0:
             raise ConfigError(f"field 'step_loss_decay' must be in (0, 1], got {self.step_loss_decay}")
-
-    @property
-    def num_taps(self) -> int:
-        return len(self.target_layer_ids)
-
-    @property
-    def out_vocab_size(self) -> int:
-        return self.draft_vocab_size or self.vocab_size
-
-    @classmethod
-    def from_target(cls, target: TargetConfig, *, target_layer_ids: tuple[int, ...],
-                    **overrides: Any) -> "Eagle3Config":
-        """Copy the layer dimensions of `target`; `overrides` set the other fields."""
-        args = target_dims(target)
-        args.update(overrides)
-        cfg = cls(target_layer_ids=tuple(target_layer_ids), **args)
-        cfg.check_target(target)
-        return cfg
-
-    def check_target(self, target: TargetConfig) -> None:
-        """Raise ConfigError if this drafter cannot read `target` (widths or layer ids differ)."""
-        check_same_width(self, target)
-        check_tap_layers(self.target_layer_ids, target)
-
-
-# ------------------------------------------------------------------------------------------------
-# the pending-feature pair cache (shared with MTP)
-
-
-class PairCacheState(NamedTuple):
-    """Per-slot drafter state; every leaf has a leading `slots` axis."""
-
-    k: Array  # [slots, max_len, nkv, hd] normed, rotated keys of committed pairs
-    v: Array  # [slots, max_len, nkv, hd]
-    lengths: Array  # [slots] int32: committed pairs (= position of the pending feature)
-    pending: Array  # [slots, H] feature of the last committed position (awaits its next token)
-    has_pending: Array  # [slots] bool
-
-
-def shift_left(ids_bs: Array, k: int, fill: int = 0) -> Array:
-    """ids[:, t + k] at t (`fill` past the end)."""
-    s = ids_bs.shape[1]
-    if k >= s:
-        return jnp.full_like(ids_bs, fill)
-    pad = jnp.full((ids_bs.shape[0], k), fill, ids_bs.dtype)
-    return jnp.concatenate([ids_bs[:, k:], pad], axis=1)
 
 
 def attend_causal_plus_diagonal(q_bthd: Array, k0_bthd: Array, v0_bthd: Array,
@@ -164,131 +116,6 @@ def attend_causal_plus_diagonal(q_bthd: Array, k0_bthd: Array, v0_bthd: Array,
         pj = jnp.moveaxis(probs[..., t + j], 3, 1)  # [B, T, nkv, g]
         out = out + pj[..., None] * vj[:, :, :, None, :].astype(jnp.float32)
     return out.reshape(b, t, nh, hd).astype(q_bthd.dtype)
-
-
-class PairCacheDrafter(nnx.Module):
-    """Shared machinery of one-layer drafters over (feature_j, token_{j+1}) pairs.
-
-    Subclasses define `_features(update)` ([B, T, H] per committed position), `_attn_input(feat,
-    tok)` -> (attention input, residual), `_attention()` (the Attention module), `_finish(residual,
-    attn_out)` (layer output, H wide, before the final norm), `_logits(out)` (float32 [.., N]) and
-    the attributes `gamma`, `hidden_size`, `num_kv_heads`, `head_dim`, `dtype`, `draft_vocab`
-    (a `vocab.DraftVocab` of N tokens, or None: N = V).
-    """
-
-    gamma: int
-    hidden_size: int
-    num_kv_heads: int
-    head_dim: int
-
-    # hooks -------------------------------------------------------------------------------------
-    def _features(self, update: ContextUpdate) -> Array:
-        raise NotImplementedError
-
-    def _attn_input(self, feat_bth: Array, tok_bt: Array) -> tuple[Array, Array]:
-        raise NotImplementedError
-
-    def _attention(self) -> Attention:
-        raise NotImplementedError
-
-    def _finish(self, residual_bth: Array, attn_bthd: Array) -> Array:
-        raise NotImplementedError
-
-    def _logits(self, out_xh: Array) -> Array:
-        raise NotImplementedError
-
-    # training ----------------------------------------------------------------------------------
-    def step0_layer(self, feats_bsh: Array, input_ids_bs: Array) -> Array:
-        """Layer output [B, S, H] of pairs (feats[t], ids[t+1]) at positions t, causal attention
-        (the last position is paired with token 0 and has no target)."""
-        b, s = input_ids_bs.shape
-        toks = shift_left(input_ids_bs.astype(jnp.int32), 1)
-        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        x_in, res = self._attn_input(feats_bsh, toks)
-        attn = self._attention()
-        q = attn.queries(x_in, pos)
-        k, v = attn.keys_values(x_in, pos)
-        return self._finish(res, gqa_attention(q, k, v, kvc.causal_mask(s)))
-
-    # inference ---------------------------------------------------------------------------------
-    def init_state(self, slots: int, max_len: int) -> PairCacheState:
-        """Empty pair cache [slots, max_len, nkv, hd], no pending feature."""
-        shape = (slots, max_len, self.num_kv_heads, self.head_dim)
-        return PairCacheState(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
-                              lengths=jnp.zeros((slots,), jnp.int32),
-                              pending=jnp.zeros((slots, self.hidden_size), self.dtype),
-                              has_pending=jnp.zeros((slots,), bool))
-
-    def commit(self, state: PairCacheState, update: ContextUpdate) -> PairCacheState:
-        """Append the pairs that the committed positions of rows [0:B] complete (module docstring)."""
-        b, t = update.tokens.shape
-        feats = self._features(update).astype(self.dtype)  # [B, T, H]
-        if feats.shape[:2] != (b, t):
-            raise ValueError(f"features {feats.shape} must be [B={b}, T={t}, H]")
-        n = jnp.clip(update.n_valid.astype(jnp.int32), 0, t)
-        has = state.has_pending[:b]
-        pos = update.positions.astype(jnp.int32)
-        f_all = jnp.concatenate([state.pending[:b, None, :], feats], axis=1)  # [B, T+1, H]
-        p_all = jnp.concatenate([pos[:, :1] - 1, pos], axis=1)  # pending sits just before P
-        # pair i = (f_all[i], tokens[i]); without a pending feature the first pair is (f_P, x_{P+1})
-        idx = jnp.arange(t, dtype=jnp.int32)[None, :] + jnp.where(has, 0, 1)[:, None]
-        idx_f = jnp.clip(idx, 0, t)
-        f_pair = jnp.take_along_axis(f_all, idx_f[..., None], axis=1)
-        p_pair = jnp.take_along_axis(p_all, idx_f, axis=1)
-        t_pair = jnp.take_along_axis(update.tokens.astype(jnp.int32), jnp.clip(idx, 0, t - 1), axis=1)
-        n_pairs = jnp.where(has, n, jnp.maximum(n - 1, 0))
-        x_in, _ = self._attn_input(f_pair, t_pair)
-        k, v = self._attention().keys_values(x_in, p_pair)
-        lengths = state.lengths[:b]
-        new_k = kvc.write(state.k, k, lengths)
-        new_v = kvc.write(state.v, v, lengths)
-        last = jnp.take_along_axis(feats, jnp.clip(n - 1, 0, t - 1)[:, None, None], axis=1)[:, 0]
-        pending = jnp.where((n > 0)[:, None], last, state.pending[:b])
-        return PairCacheState(k=new_k, v=new_v, lengths=state.lengths.at[:b].add(n_pairs),
-                              pending=state.pending.at[:b].set(pending),
-                              has_pending=state.has_pending.at[:b].set(has | (n > 0)))
-
-    def propose_with_logits(self, state: PairCacheState, anchor_b: Array, position_b: Array,
-                            sampling: SamplingArrays, key_b: Array) -> tuple[DraftBlock, Array]:
-        """`propose`, also returning the draft logits [B, gamma, V] (float32) each q came from
-        (-inf outside a draft vocabulary)."""
-        b = anchor_b.shape[0]
-        vocab = self.draft_vocab
-        g = self.gamma
-        lengths = state.lengths[:b]
-        k_ctx, v_ctx = state.k[:b], state.v[:b]
-        m = k_ctx.shape[1]
-        mask_ctx = (jnp.arange(m, dtype=jnp.int32)[None, :] < lengths[:, None])[:, None, :]  # [B,1,M]
-        base_pos = position_b.astype(jnp.int32) - 1  # the pending feature's position
-        attn = self._attention()
-        buf = jnp.zeros((b, g, self.num_kv_heads, self.head_dim), k_ctx.dtype)
-
-        def step(carry, k):
-            feat_bh, tok_b, dk, dv_ = carry
-            pos = (base_pos + k)[:, None]
-            x_in, res = self._attn_input(feat_bh[:, None, :], tok_b[:, None])
-            q = attn.queries(x_in, pos)
-            kk, vv = attn.keys_values(x_in, pos)
-            dk = jax.lax.dynamic_update_slice_in_dim(dk, kk.astype(dk.dtype), k, axis=1)
-            dv_ = jax.lax.dynamic_update_slice_in_dim(dv_, vv.astype(dv_.dtype), k, axis=1)
-            mask_blk = jnp.broadcast_to((jnp.arange(g) <= k)[None, None, :], (b, 1, g))
-            a = attend_context_and_block(q, k_ctx, v_ctx, mask_ctx, dk, dv_, mask_blk)
-            out = self._finish(res, a)  # [B, 1, H]
-            z = self._logits(out)[:, 0]  # [B, N] float32
-            q_bn = probs_from_logits(z, sampling)
-            nxt = dv.target_ids(vocab, sample(round_key(key_b, k), q_bn))
-            return (out[:, 0].astype(feat_bh.dtype), nxt, dk, dv_), (nxt, q_bn, z)
-
-        carry0 = (state.pending[:b], anchor_b.astype(jnp.int32), buf, buf)
-        _, (tok_gb, q_gbn, z_gbn) = jax.lax.scan(step, carry0, jnp.arange(g, dtype=jnp.int32))
-        block = DraftBlock(tokens=jnp.swapaxes(tok_gb, 0, 1),
-                           q=dv.full_probs(vocab, jnp.swapaxes(q_gbn, 0, 1)), confidence=None)
-        return block, dv.full_logits(vocab, jnp.swapaxes(z_gbn, 0, 1))
-
-    def propose(self, state: PairCacheState, anchor_b: Array, position_b: Array,
-                sampling: SamplingArrays, key_b: Array) -> DraftBlock:
-        """Propose gamma tokens for rows [0:B] (anchor at position_b), sampled from the q returned."""
-        return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b)[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -349,7 +176,7 @@ class Eagle3Drafter(PairCacheDrafter):
         h = cfg.hidden_size
         self.embed_tokens = FrozenEmbed(cfg.vocab_size, h, rngs=rngs, **kw)
         self.fc = Linear(cfg.num_taps * h, h, logical_axes=("features", "embed"), rngs=rngs, **kw)
-        self.midlayer = Eagle3DecoderLayer(layer_config(cfg), rngs=rngs, **kw)
+        self.midlayer = Eagle3DecoderLayer(cfg.layer_config(), rngs=rngs, **kw)
         self.norm = RMSNorm(h, eps=cfg.rms_norm_eps, **kw)
         self.lm_head = FrozenLMHead(h, cfg.out_vocab_size, rngs=rngs, **kw)
         self.draft_vocab = (dv.DraftVocab(cfg.vocab_size, cfg.draft_vocab_size)
@@ -422,7 +249,7 @@ class Eagle3Drafter(PairCacheDrafter):
 
     def ttt_forward(self, taps_bsf: Array, input_ids_bs: Array, horizon: int | None = None) -> Array:
         """Training-time-test logits [K, B, S, N] (float32); see `ttt_hidden`. Step k's logits at
-        row t predict ids[t+k+2]: pass them to `specjax.training.losses.eagle3_loss` with target
+        row t predict ids[t+k+2]: pass them to `specjax.drafters.losses.eagle3_loss` with target
         logits lm_head(target_final_hidden[t+1]) at row t (restricted to the draft vocabulary)."""
         return self._logits(self.ttt_hidden(taps_bsf, input_ids_bs, horizon))
 
@@ -437,7 +264,166 @@ def make_eagle3_drafter(target_model: Any, cfg: Eagle3Config, rngs: nnx.Rngs | N
     copy_frozen_from_target(d.embed_tokens, d.lm_head, target_model, d.draft_vocab)
     return d
 
+# ------------------------------------------------------------------------------------------------
+# checkpoint format
 
-__all__ = ["Eagle3Attention", "Eagle3Config", "Eagle3DecoderLayer", "Eagle3Drafter", "Frozen",
-           "PairCacheDrafter", "PairCacheState", "attend_causal_plus_diagonal",
-           "make_eagle3_drafter", "shift_left"]
+
+def key_map(layout: str = "deepspec") -> KeyMap:
+    """Eagle3 drafter <-> `layers.0.*` (layout "deepspec") or `midlayer.*` ("midlayer")."""
+    if layout == "deepspec":
+        return KeyMap(prefix_map={"midlayer.": "layers.0."}, variable_types=drafter_key_map().variable_types)
+    if layout == "midlayer":
+        return drafter_key_map()
+    raise ValueError(f"unknown Eagle3 layout {layout!r} (known: 'deepspec', 'midlayer')")
+
+
+def layout(names: Iterable[str]) -> str:
+    """"midlayer" if a checkpoint's tensors use SpecForge's `midlayer.` names, else "deepspec"."""
+    return "midlayer" if any(n.startswith("midlayer.") for n in names) else "deepspec"
+
+
+def config_from_hf(d: Mapping[str, Any], *, source: str = "config.json") -> Eagle3Config:
+    """An `Eagle3Config` from an Eagle3 config.json mapping (DeepSpec `Qwen3Eagle3Model`; the tap
+    layers may also come from SpecForge's `eagle_config.eagle_aux_hidden_state_layer_ids`).
+    gamma = `num_speculative_tokens`, else `ttt_length` (DeepSpec proposes ttt_length tokens)."""
+    if hf.architecture(d, source) not in (ARCHITECTURE, *ARCHITECTURE_ALIASES):
+        raise ConfigError(f"{source}: architectures {d.get('architectures')!r} is not an Eagle3 "
+                          f"architecture")
+    tc = hf.one_layer_from_hf(d, source, "an Eagle3")
+    src = d
+    if d.get("target_layer_ids") is None and isinstance(d.get("eagle_config"), Mapping) and \
+            d["eagle_config"].get("eagle_aux_hidden_state_layer_ids") is not None:
+        src = {"target_layer_ids": d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]}
+    hf.require(src, source, "target_layer_ids")
+    ids = hf.int_list_field(src, "target_layer_ids", source)
+    hf.check_layer_ids_vs_count(ids, d, source)
+    ttt = hf.int_field(d, "ttt_length", source, minimum=1) if d.get("ttt_length") is not None else 7
+    decay = d.get("step_loss_decay", 0.8)
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)):
+        raise ConfigError(f"{source}: field 'step_loss_decay' must be a number, got {decay!r}")
+    gamma = hf.int_field(d, hf.GAMMA_FIELD, source, minimum=1) \
+        if d.get(hf.GAMMA_FIELD) is not None else ttt
+    try:
+        return Eagle3Config(**hf.layer_dims_from_hf(tc), target_layer_ids=ids, gamma=gamma,
+                            ttt_length=ttt, step_loss_decay=float(decay),
+                            draft_vocab_size=hf.draft_vocab_size_from_hf(d, tc.vocab_size, source))
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def hf_config(cfg: Eagle3Config, target_config: Any = None, *, dtype: Any = "float32",
+              extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpec `Qwen3Eagle3Model` config.json mapping of an `Eagle3Config` (plus our
+    `num_speculative_tokens` = gamma)."""
+    base, tcfg = hf.target_hf_base(target_config)
+    if tcfg is not None:
+        cfg.check_target(tcfg)
+    d = hf.draft_layers_dict(base, cfg, 1, ARCHITECTURE, dtype)
+    d.update(target_layer_ids=list(cfg.target_layer_ids), ttt_length=cfg.ttt_length,
+             step_loss_decay=float(cfg.step_loss_decay), draft_num_hidden_layers=1,
+             **{hf.GAMMA_FIELD: cfg.gamma})
+    hf.set_draft_vocab_size(d, cfg.draft_vocab_size)
+    if tcfg is not None:
+        d["num_target_layers"] = tcfg.num_hidden_layers
+    else:
+        d.pop("num_target_layers", None)
+    d = hf.merge_extra(d, extra)
+    hf.check_round_trip(config_from_hf(d, source="the written config.json"), cfg)
+    return d
+
+
+def _load(path: str, d: Mapping[str, Any], source: str, tcfg: TargetConfig | None, tmodel: Any,
+          *, dtype: Any, compute_dtype: Any, gamma: int | None, mesh: Any, rules: Any
+          ) -> Eagle3Drafter:
+    cfg = config_from_hf(d, source=source)
+    if gamma is not None:
+        cfg = dataclasses.replace(cfg, gamma=int(gamma))
+    check_target(cfg.check_target, tcfg, source)
+    drafter = nnx.eval_shape(lambda: Eagle3Drafter(cfg, rngs=nnx.Rngs(0), dtype=compute_dtype,
+                                                   param_dtype=dtype))
+    fill(drafter, path, lambda names: key_map(layout(names)), cfg=cfg, target_model=tmodel,
+         mesh=mesh, rules=rules)
+    return drafter
+
+
+def _save(drafter: Eagle3Drafter, target_config: Any, *, dtype: Any,
+          extra: Mapping[str, Any] | None, num_anchors: int) -> tuple[dict[str, Any], KeyMap]:
+    del num_anchors
+    return hf_config(drafter.config, target_config, dtype=dtype, extra=extra), key_map()
+
+
+# ------------------------------------------------------------------------------------------------
+# training
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eagle3Training(FrozenHeadTraining):
+    """The `model:` fields of kind "eagle3": one midlayer (`num_draft_layers` 1) on
+    `target_layer_ids` (empty: 3 evenly spaced layers), training-time test over `block_size` steps
+    (also the proposal length) with step weights `ttt_decay`^k."""
+
+    target_layer_ids: tuple[int, ...] = ()
+    num_draft_layers: int = 1
+    block_size: int = 7
+    ttt_decay: float = 0.8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_draft_layers != 1:
+            raise ConfigError(f"field 'num_draft_layers' must be 1 for kind 'eagle3' (one "
+                              f"midlayer), got {self.num_draft_layers}")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) \
+                or self.block_size < 1:
+            raise ConfigError(f"field 'block_size' must be > 0, got {self.block_size!r}")
+        if not 0.0 < self.ttt_decay <= 1.0:
+            raise ConfigError(f"field 'ttt_decay' must be in (0, 1], got {self.ttt_decay!r}")
+
+
+def _build(sec: Eagle3Training, target: Any, tcfg: TargetConfig, *, rngs: nnx.Rngs, dtype: Any,
+           param_dtype: Any, draft_ids: Any) -> tuple[Eagle3Drafter, Eagle3Config,
+                                                      tuple[int, ...]]:
+    layer_ids = tuple(sec.target_layer_ids) or default_target_layer_ids(tcfg.num_hidden_layers, 3)
+    cfg = Eagle3Config.from_target(tcfg, target_layer_ids=layer_ids, gamma=sec.block_size,
+                                   ttt_length=sec.block_size, step_loss_decay=sec.ttt_decay,
+                                   draft_vocab_size=sec.draft_vocab_size, **sec.width())
+    drafter = make_eagle3_drafter(target, cfg, rngs, dtype=dtype, param_dtype=param_dtype,
+                                  draft_ids=draft_ids)
+    sec.init_norm(drafter.norm, target)
+    return drafter, cfg, layer_ids
+
+
+def eagle3_loss_fn(*, horizon: int, decay: float = 0.8, chunk_tokens: int | None = None,
+                   feature_dtype: Any = jnp.bfloat16):
+    """The Eagle3 training-time-test loss `(model, batch, rng, target) -> (loss, metrics)` over
+    `horizon` steps (reference §4; module docstring)."""
+    if horizon < 1:
+        raise ValueError(f"horizon must be >= 1, got {horizon}")
+
+    def loss_fn(model: Any, batch: Mapping[str, Array], rng: Array, target: TargetView):
+        del rng
+        ids = jnp.asarray(batch["input_ids"], jnp.int32)
+        lm = jnp.asarray(batch["loss_mask"]).astype(jnp.float32)
+        taps_bsf, hid = target.features(feature_dtype)
+        taps_bsf = taps_bsf.astype(feature_dtype)
+        step_logits = model.ttt_forward(taps_bsf, ids, horizon)  # [K, B, S, N]
+        t_logits = model.lm_head(shift_left(hid.astype(feature_dtype), 1))  # [B, S, N]
+        in_vocab = dv.draft_labels(model.draft_vocab, shift_left(ids, 2)) >= 0
+        mask = shift_left(lm, 2) * in_vocab.astype(jnp.float32)
+        return losses.eagle3_loss(step_logits, t_logits, mask, decay=decay,
+                                  chunk_tokens=chunk_tokens)
+
+    return loss_fn
+
+
+def _objective(sec: Eagle3Training, *, feature_dtype: Any):
+    return eagle3_loss_fn(horizon=sec.block_size, decay=sec.ttt_decay,
+                          chunk_tokens=sec.chunk_anchors, feature_dtype=feature_dtype)
+
+
+KINDS = (Kind("eagle3", (ARCHITECTURE, *ARCHITECTURE_ALIASES), Eagle3Drafter, _load, _save,
+              Eagle3Training, _build, _objective, cache=True),)
+
+__all__ = ["ARCHITECTURE", "ARCHITECTURE_ALIASES", "Eagle3Attention", "Eagle3Config",
+           "Eagle3DecoderLayer", "Eagle3Drafter", "Eagle3Training", "KINDS",
+           "attend_causal_plus_diagonal", "config_from_hf", "eagle3_loss_fn", "hf_config",
+           "key_map", "layout", "make_eagle3_drafter"]

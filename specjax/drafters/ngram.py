@@ -3,19 +3,25 @@
 It keeps each slot's token history and proposes the gamma tokens that followed the most recent
 earlier occurrence of the current suffix (longest n-gram first, n from `max_ngram` down to
 `min_ngram`). Its q is one-hot on the proposed token, so verification stays exact.
+
+Checkpoint: architectures ["SpecjaxNGramDrafter"], config.json only (`vocab_size`,
+`num_speculative_tokens`, `max_ngram`, `min_ngram`), no tensors.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.drafters.base import ContextUpdate, DraftBlock
+from specjax.checkpoints import drafters as hf
+from specjax.config import ConfigError, TargetConfig
+from specjax.drafters.base import ContextUpdate, DraftBlock, Kind
 from specjax.models import cache as kvc
 
 Array = jax.Array
+ARCHITECTURE = "SpecjaxNGramDrafter"
 
 
 class NGramState(NamedTuple):
@@ -71,3 +77,64 @@ class NGramDrafter(nnx.Module):
         tokens = jnp.take_along_axis(seq, src, axis=1)
         q = jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
         return DraftBlock(tokens.astype(jnp.int32), q, None)
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoint format
+
+
+def config_from_hf(d: Mapping[str, Any], *,
+                   source: str = "config.json") -> dict[str, int | None]:
+    """The n-gram drafter's fields: {vocab_size (or None), gamma, max_ngram, min_ngram}."""
+    if hf.architecture(d, source) != ARCHITECTURE:
+        raise ConfigError(f"{source}: architectures {d.get('architectures')!r} is not "
+                          f"{ARCHITECTURE!r}")
+    out: dict[str, int | None] = {"vocab_size": None, "gamma": 4, "max_ngram": 3, "min_ngram": 1}
+    if d.get("vocab_size") is not None:
+        out["vocab_size"] = hf.int_field(d, "vocab_size", source, minimum=1)
+    for ours, field in (("gamma", hf.GAMMA_FIELD), ("max_ngram", "max_ngram"),
+                        ("min_ngram", "min_ngram")):
+        if d.get(field) is not None:
+            out[ours] = hf.int_field(d, field, source, minimum=1)
+    if out["min_ngram"] > out["max_ngram"]:
+        raise ConfigError(f"{source}: field 'min_ngram' ({out['min_ngram']}) exceeds "
+                          f"'max_ngram' ({out['max_ngram']})")
+    return out
+
+
+def hf_config(vocab_size: int, gamma: int, max_ngram: int, min_ngram: int, *,
+              extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The `SpecjaxNGramDrafter` config.json mapping (no tensors)."""
+    d = {"architectures": [ARCHITECTURE], "vocab_size": int(vocab_size),
+         hf.GAMMA_FIELD: int(gamma), "max_ngram": int(max_ngram), "min_ngram": int(min_ngram)}
+    return hf.merge_extra(d, extra)
+
+
+def _load(path: str, d: Mapping[str, Any], source: str, tcfg: TargetConfig | None, tmodel: Any,
+          *, dtype: Any, compute_dtype: Any, gamma: int | None, mesh: Any, rules: Any
+          ) -> NGramDrafter:
+    del path, tmodel, dtype, compute_dtype, mesh, rules
+    f = config_from_hf(d, source=source)
+    vocab = f["vocab_size"]
+    if tcfg is not None:
+        if vocab is not None and vocab != tcfg.vocab_size:
+            raise ConfigError(f"{source}: drafter is incompatible with the target: field "
+                              f"'vocab_size' ({vocab}) differs from the target's "
+                              f"({tcfg.vocab_size})")
+        vocab = tcfg.vocab_size
+    if vocab is None:
+        raise ConfigError(f"{source}: missing field(s) ['vocab_size'] (or pass target=...)")
+    return NGramDrafter(vocab, gamma=int(gamma) if gamma is not None else f["gamma"],
+                        max_ngram=f["max_ngram"], min_ngram=f["min_ngram"])
+
+
+def _save(drafter: NGramDrafter, target_config: Any, *, dtype: Any,
+          extra: Mapping[str, Any] | None, num_anchors: int) -> tuple[dict[str, Any], None]:
+    del target_config, dtype, num_anchors
+    return hf_config(drafter.vocab_size, drafter.gamma, drafter.max_ngram, drafter.min_ngram,
+                     extra=extra), None
+
+
+KINDS = (Kind("ngram", (ARCHITECTURE,), NGramDrafter, _load, _save),)
+
+__all__ = ["ARCHITECTURE", "KINDS", "NGramDrafter", "NGramState", "config_from_hf", "hf_config"]

@@ -7,23 +7,44 @@ accepted drafts after a round), extending its cache; `propose` runs gamma single
 the state are untouched, so the next commit overwrites those entries). It reads no target
 features (`tap_layers` = (), `needs_hidden` = False).
 
-Checkpoint names: the draft model is a plain CausalLM held as `model`, so its Hugging
-Face names are its own (`model.embed_tokens.weight`, `model.layers.{i}...`, `lm_head.weight`),
-obtained by dropping our leading `model.` attribute.
+Checkpoint: the draft model is a plain CausalLM held as `model`, so its Hugging Face names are
+its own (`model.embed_tokens.weight`, `model.layers.{i}...`, `lm_head.weight`), obtained by dropping
+our leading `model.` attribute. Its config.json is a Qwen3 / Llama / Qwen2 CausalLM config (so
+transformers loads it as is) with `"specjax_drafter": "standalone"` and `num_speculative_tokens`;
+a plain checkpoint of these families loads too, and architectures "SpecjaxStandaloneDrafter" is
+read (the family then comes from `model_type`).
+
+Objective (kind "standalone"): a small LM of the `draft_*` dimensions (the target's family,
+vocabulary, RoPE and EOS) distilled from the target: next-token CE + TV against the target's
+logits (`specjax.drafters.losses.mtp_loss`). With `alpha_tv` 0 it is the cross-entropy on the
+training text alone (`losses.lm_loss`): the frozen target is not run, so a step costs only the
+draft LM (sequence-level distillation on the target's regenerated answers).
 """
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.config import ConfigError, TargetConfig
-from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
-from specjax.drafters.base import ContextUpdate, DraftBlock
+from specjax import checkpoints
+from specjax.checkpoints import drafters as hf
+from specjax.checkpoints.common import KeyMap
+from specjax.config import (SUPPORTED_ARCHITECTURES, ConfigError, TargetConfig,
+                            check_non_negative, check_positive)
+from specjax.drafters import losses
+from specjax.drafters.base import ContextUpdate, DraftBlock, Kind, TargetView
+from specjax.drafters.common import TrainingSection, shift_left
 from specjax.models import cache as kvc
 from specjax.models.decoder import CausalLM
+from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
 
 Array = jax.Array
+ARCHITECTURE = "SpecjaxStandaloneDrafter"
+MARKER_FIELD = "specjax_drafter"  # value "standalone" on a CausalLM config
+_CAUSAL_LMS = tuple(a for a in SUPPORTED_ARCHITECTURES if a.endswith("ForCausalLM"))
 
 
 class StandaloneDrafter(nnx.Module):
@@ -94,4 +115,153 @@ class StandaloneDrafter(nnx.Module):
         return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b)[0]
 
 
-__all__ = ["StandaloneDrafter"]
+
+# ------------------------------------------------------------------------------------------------
+# checkpoint format
+
+
+def config_from_hf(d: Mapping[str, Any], *, source: str = "config.json",
+                   default_gamma: int = 4) -> tuple[TargetConfig, int]:
+    """(the draft LM's TargetConfig, gamma) of a standalone drafter config.json (module
+    docstring); gamma = `num_speculative_tokens` or `default_gamma`."""
+    arch = hf.architecture(d, source)
+    if arch != ARCHITECTURE and arch not in _CAUSAL_LMS:
+        raise ConfigError(f"{source}: architectures {d.get('architectures')!r} is not a standalone "
+                          f"draft LM")
+    marker = d.get(MARKER_FIELD)
+    if marker is not None and marker != "standalone":
+        raise ConfigError(f"{source}: field '{MARKER_FIELD}' must be 'standalone', "
+                          f"got {marker!r}")
+    lm = dict(d)
+    if arch == ARCHITECTURE:
+        lm["architectures"] = []  # the family comes from model_type
+    tc = TargetConfig.from_hf_dict(lm, source=source)
+    if d.get(hf.GAMMA_FIELD) is not None:
+        return tc, hf.int_field(d, hf.GAMMA_FIELD, source, minimum=1)
+    return tc, default_gamma
+
+
+def hf_config(model_config: TargetConfig, gamma: int, *, dtype: Any = "float32",
+              extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A CausalLM config.json mapping (loadable by transformers) marked as a standalone
+    drafter with its proposal length."""
+    d = model_config.to_hf_dict()
+    d["torch_dtype"] = str(jnp.dtype(dtype))
+    d[MARKER_FIELD] = "standalone"
+    d[hf.GAMMA_FIELD] = int(gamma)
+    return hf.merge_extra(d, extra)
+
+
+def key_map() -> KeyMap:
+    """Standalone drafter (its LM held as `model`) <-> plain CausalLM names."""
+    return KeyMap(prefix_map={"model.": ""})
+
+
+def _load(path: str, d: Mapping[str, Any], source: str, tcfg: TargetConfig | None, tmodel: Any,
+          *, dtype: Any, compute_dtype: Any, gamma: int | None, mesh: Any, rules: Any
+          ) -> StandaloneDrafter:
+    del tmodel
+    lm_cfg, saved_gamma = config_from_hf(d, source=source)
+    if tcfg is not None and lm_cfg.vocab_size != tcfg.vocab_size:
+        raise ConfigError(f"{source}: drafter is incompatible with the target: draft model field "
+                          f"'vocab_size' ({lm_cfg.vocab_size}) differs from the target's "
+                          f"({tcfg.vocab_size})")
+    model = checkpoints.load_target_weights(path, lm_cfg, dtype=dtype,
+                                            compute_dtype=compute_dtype, mesh=mesh, rules=rules)
+    return StandaloneDrafter(model, int(gamma) if gamma is not None else saved_gamma)
+
+
+def _save(drafter: StandaloneDrafter, target_config: Any, *, dtype: Any,
+          extra: Mapping[str, Any] | None, num_anchors: int) -> tuple[dict[str, Any], KeyMap]:
+    del num_anchors
+    if target_config is not None:
+        drafter.check_target(hf.target_hf_base(target_config)[1])
+    return hf_config(drafter.model.config, drafter.gamma, dtype=dtype, extra=extra), key_map()
+
+
+# ------------------------------------------------------------------------------------------------
+# training
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StandaloneTraining(TrainingSection):
+    """The `model:` fields of kind "standalone": a `num_draft_layers`-layer LM proposing
+    `block_size` tokens, with the `draft_*` dimensions (`draft_intermediate_size` 0 = the
+    target's), and the loss weights of CE and TV against the target."""
+
+    num_draft_layers: int = 5
+    block_size: int = 7
+    draft_hidden_size: int = 128
+    draft_num_attention_heads: int = 2
+    draft_num_key_value_heads: int = 1
+    draft_head_dim: int = 64
+    alpha_ce: float = 0.1
+    alpha_tv: float = 0.9
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive(self, "num_draft_layers", "block_size", "draft_hidden_size",
+                       "draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim")
+        check_non_negative(self, "alpha_ce", "alpha_tv")
+
+    def lm_config(self, tcfg: TargetConfig) -> TargetConfig:
+        """The draft LM's config: the target's family, vocab, RoPE and EOS with `draft_*` dims."""
+        return dataclasses.replace(
+            tcfg, hidden_size=self.draft_hidden_size,
+            intermediate_size=self.draft_intermediate_size or tcfg.intermediate_size,
+            num_hidden_layers=self.num_draft_layers,
+            num_attention_heads=self.draft_num_attention_heads,
+            num_key_value_heads=self.draft_num_key_value_heads, head_dim=self.draft_head_dim,
+            tie_word_embeddings=True)
+
+
+def _build(sec: StandaloneTraining, target: Any, tcfg: TargetConfig, *, rngs: nnx.Rngs,
+           dtype: Any, param_dtype: Any, draft_ids: Any
+           ) -> tuple[StandaloneDrafter, TargetConfig, tuple[int, ...]]:
+    del target
+    if draft_ids is not None:
+        raise ConfigError("draft_ids were given for kind 'standalone' (no draft vocabulary)")
+    cfg = sec.lm_config(tcfg)
+    drafter = StandaloneDrafter.from_config(cfg, sec.block_size, rngs=rngs, dtype=dtype,
+                                            param_dtype=param_dtype)
+    return drafter, cfg, ()
+
+
+def standalone_loss_fn(*, alpha_ce: float = 0.1, alpha_tv: float = 0.9,
+                       chunk_tokens: int | None = None):
+    """The distillation loss `(model, batch, rng, target) -> (loss, metrics)` (module
+    docstring)."""
+
+    def loss_fn(model: Any, batch: Mapping[str, Array], rng: Array, target: TargetView):
+        del rng
+        ids = jnp.asarray(batch["input_ids"], jnp.int32)
+        lm = jnp.asarray(batch["loss_mask"]).astype(jnp.float32)
+        valid = batch.get("valid")
+        b, s = ids.shape
+        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        vb = None if valid is None else jnp.asarray(valid, jnp.int32)
+        if alpha_tv == 0:
+            hid = model.model.forward(ids, pos, valid_b=vb, logits="none").hidden
+            loss, metrics = losses.lm_loss(hid, model.model.logits, shift_left(ids, 1),
+                                           shift_left(lm, 1), chunk_tokens=chunk_tokens)
+            return alpha_ce * loss, {**metrics, "loss": alpha_ce * loss}
+        z = model.model.forward(ids, pos, valid_b=vb, logits="all").logits
+        _, hid = target.features(None)
+        t_logits = jax.lax.stop_gradient(target.logits(hid))
+        return losses.mtp_loss(z, t_logits, shift_left(ids, 1), shift_left(lm, 1),
+                               alpha_ce=alpha_ce, alpha_tv=alpha_tv, chunk_tokens=chunk_tokens)
+
+    return loss_fn
+
+
+def _objective(sec: StandaloneTraining, *, feature_dtype: Any):
+    del feature_dtype
+    return standalone_loss_fn(alpha_ce=sec.alpha_ce, alpha_tv=sec.alpha_tv,
+                              chunk_tokens=sec.chunk_anchors)
+
+
+KINDS = (Kind("standalone", (ARCHITECTURE, *_CAUSAL_LMS), StandaloneDrafter, _load, _save,
+              StandaloneTraining, _build, _objective, cache=False),)
+
+__all__ = ["ARCHITECTURE", "KINDS", "MARKER_FIELD", "StandaloneDrafter", "StandaloneTraining",
+           "config_from_hf", "hf_config", "key_map", "standalone_loss_fn"]

@@ -49,7 +49,7 @@ def head_rms(w_ln_h: np.ndarray, kernel_hf: np.ndarray, head_dim: int) -> np.nda
 
 
 def copy_layer_from_target(drafter: Any, target_model: Any, layer_id: int) -> None:
-    """Warm-start `drafter` (a BlockBackbone / DSparkDrafter) from target layer `layer_id`, in place
+    """Warm-start `drafter` (a DSparkDrafter) from target layer `layer_id`, in place
     (draft layer i from target layer layer_id + i). Raises ConfigError naming the field when the
     target has no such layer, tap layer_id - 1 is not one of the drafter's taps, or a draft MLP is
     wider than the target's."""

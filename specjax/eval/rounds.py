@@ -15,7 +15,7 @@ fixed verification policy it does not change a single decoded token.
 
 Calibration files. `save_calibration(dir, temps, meta)` writes `<dir>/calibration.json`
 (`specjax.scheduling.calibration.save_sts`) and, for a DSpark drafter directory, also the
-`confidence_temperatures` field of its config.json (`specjax.checkpoints.set_confidence_temperatures`), so
+`confidence_temperatures` field of its config.json (`specjax.drafters.dspark_kind.set_confidence_temperatures`), so
 that loading the directory applies them. `apply_calibration(drafter, dir)` applies a directory's
 calibration to a loaded drafter (the config.json field, else a `calibration.json` found there).
 """
@@ -259,7 +259,7 @@ def calibrate_rounds(log: RoundLog, collect_temperature: float = 1.0, *, grid: A
 def save_calibration(drafter_dir: str | os.PathLike, temps: Any, meta: dict[str, Any] | None = None) -> str:
     """Write `<drafter_dir>/calibration.json`; for a DSpark drafter directory also store the
     temperatures in its config.json (`confidence_temperatures`). Returns the calibration file path."""
-    from specjax import checkpoints
+    from specjax.drafters import dspark_kind
     from specjax.config import read_json
 
     d = os.fspath(drafter_dir)
@@ -270,8 +270,8 @@ def save_calibration(drafter_dir: str | os.PathLike, temps: Any, meta: dict[str,
     cfg_path = os.path.join(d, "config.json")
     if os.path.isfile(cfg_path):
         archs = read_json(cfg_path).get("architectures") or []
-        if archs and archs[0] == checkpoints.DSPARK_ARCHITECTURE:
-            checkpoints.set_confidence_temperatures(d, [float(t) for t in np.asarray(temps).ravel()])
+        if archs and archs[0] == dspark_kind.ARCHITECTURE:
+            dspark_kind.set_confidence_temperatures(d, [float(t) for t in np.asarray(temps).ravel()])
     return path
 
 
@@ -282,7 +282,7 @@ def apply_calibration(drafter: Any, drafter_dir: str | os.PathLike | None) -> np
     The config.json field `confidence_temperatures` (which `load_drafter` already applies, and which
     `save_calibration` writes together with calibration.json) wins; otherwise `calibration.json`
     is used. ValueError if the length differs from gamma or the drafter cannot take temperatures."""
-    from specjax import checkpoints
+    from specjax.drafters import dspark_kind
     from specjax.config import read_json
 
     if drafter_dir is None:
@@ -293,8 +293,8 @@ def apply_calibration(drafter: Any, drafter_dir: str | os.PathLike | None) -> np
     temps = None
     if os.path.isfile(cfg_path):
         cfg = read_json(cfg_path)
-        if isinstance(cfg, dict) and cfg.get(checkpoints.CONFIDENCE_TEMPERATURES_FIELD) is not None:
-            temps = checkpoints.confidence_temperatures_from_hf(cfg, gamma, cfg_path).astype(np.float64)
+        if isinstance(cfg, dict) and cfg.get(dspark_kind.CONFIDENCE_TEMPERATURES_FIELD) is not None:
+            temps = dspark_kind.confidence_temperatures_from_hf(cfg, gamma, cfg_path).astype(np.float64)
     path = os.path.join(d, CALIBRATION_FILE)
     if temps is None and os.path.isfile(path):
         temps, _ = load_sts(path)

@@ -87,14 +87,10 @@ def frozen_tensor_names(path: str, target: Any) -> set[str]:
     embedding / lm_head (loading with the target restores them)."""
     from specjax import checkpoints
     from specjax.drafters import registry
-    from specjax.drafters.block import Frozen
+    from specjax.drafters.common import Frozen
 
-    key_maps = {"dspark": checkpoints.dspark_key_map, "mtp": checkpoints.mtp_key_map,
-                "eagle3": lambda: checkpoints.eagle3_key_map("deepspec"),
-                "standalone": checkpoints.standalone_key_map}
-    kind = registry.drafter_kind(path)
     drafter = registry.load_drafter(path, target=target)
-    return {e.hf_name for e in checkpoints.param_entries(drafter, key_maps[kind]())
+    return {e.hf_name for e in checkpoints.param_entries(drafter, registry.key_map_of(drafter))
             if isinstance(e.variable, Frozen) and e.hf_name is not None}
 
 

@@ -13,42 +13,12 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from specjax.config import ConfigError, from_dict, read_yaml_mapping, to_dict
+from specjax.drafters.registry import KINDS, TRAINING_KINDS
+from specjax.config import (ConfigError, check_positive, coerce_floats, fields_from_dict,
+                            from_dict, read_yaml_mapping, to_dict)
 
-MODEL_KINDS = ("dspark", "dflash", "eagle3", "mtp", "standalone")
-BLOCK_KINDS = ("dspark", "dflash")
-# kinds that can train from an offline target cache (taps + final hidden); standalone needs the
-# target's full logits and trains online
-CACHE_KINDS = BLOCK_KINDS + ("eagle3", "mtp")
 DATA_MODES = ("cache", "online")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _fix_floats(obj: Any) -> None:
-    """Accept YAML 1.1 number strings such as '6e-4' for float fields; reject other non-numbers."""
-    for f in dataclasses.fields(obj):
-        if f.type not in ("float", "float | None"):
-            continue
-        v = getattr(obj, f.name)
-        if v is None and f.type == "float | None":
-            continue
-        if isinstance(v, str):
-            try:
-                v = float(v)
-            except ValueError:
-                raise ConfigError(f"field '{f.name}' must be a number, got {v!r}") from None
-            object.__setattr__(obj, f.name, v)
-        elif isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"field '{f.name}' must be a number, got {v!r}")
-        else:
-            object.__setattr__(obj, f.name, float(v))
-
-
-def _positive(obj: Any, *names: str) -> None:
-    for n in names:
-        v = getattr(obj, n)
-        if v is not None and not v > 0:
-            raise ConfigError(f"field '{n}' must be > 0, got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +34,8 @@ class OptimizerConfig:
     warmup_ratio: float = 0.04  # warmup steps = int(warmup_ratio * total_steps)
 
     def __post_init__(self) -> None:
-        _fix_floats(self)
-        _positive(self, "learning_rate", "eps")
+        coerce_floats(self)
+        check_positive(self, "learning_rate", "eps")
         for n in ("b1", "b2"):
             if not 0.0 <= getattr(self, n) < 1.0:
                 raise ConfigError(f"field '{n}' must be in [0, 1), got {getattr(self, n)!r}")
@@ -83,7 +53,7 @@ class ScheduleConfig:
     total_steps: int | None = None
 
     def __post_init__(self) -> None:
-        _positive(self, "num_epochs", "total_steps")
+        check_positive(self, "num_epochs", "total_steps")
 
     def resolve_total_steps(self, steps_per_epoch: int) -> int:
         """T: total_steps if set, else num_epochs * steps_per_epoch (reference §6.3)."""
@@ -137,7 +107,7 @@ class DataConfig:
         if self.mode == "online" and not self.train_jsonl:
             raise ConfigError("field 'train_jsonl' must list at least one file when data.mode is "
                               "'online'")
-        _positive(self, "max_length", "batch_size", "micro_batch_size")
+        check_positive(self, "max_length", "batch_size", "micro_batch_size")
         if self.min_loss_tokens < 0:
             raise ConfigError(f"field 'min_loss_tokens' must be >= 0, got {self.min_loss_tokens}")
         if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
@@ -168,7 +138,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not self.directory:
             raise ConfigError("field 'directory' must be a non-empty path")
-        _positive(self, "save_every", "keep")
+        check_positive(self, "save_every", "keep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +152,7 @@ class LoggingConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        _positive(self, "every")
+        check_positive(self, "every")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,116 +164,71 @@ class MeshConfig:
     tensor: int = 1
 
     def __post_init__(self) -> None:
-        _positive(self, "data", "tensor")
+        check_positive(self, "data", "tensor")
         if self.fsdp < 0:
             raise ConfigError(f"field 'fsdp' must be >= 0, got {self.fsdp}")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The drafter to train, the target it reads, and its loss (reference §5.1, §6.1).
+    """The drafter to train: its `kind`, the target it reads (a Hugging Face checkpoint directory
+    or GGUF file), dtypes, the init seed, and the kind's own section: a
+    `specjax.drafters.registry.KINDS[kind].config` (e.g. `specjax.drafters.dspark_kind.BlockTraining`
+    for "dspark": heads, anchors, loss weights; reference §5.1, §6.1).
 
-    `target` is a Hugging Face Qwen3 checkpoint directory. `target_layer_ids` empty means the
-    evenly spaced default. `mask_token_id` None means vocab_size - 1 would be wrong for real
-    tokenizers, so it is required for training DSpark / DFlash (Qwen3: 151669).
-
-    Kinds: "dspark" / "dflash" (block drafters), "eagle3" (training-time test over `block_size`
-    steps, `ttt_decay`), "mtp" (MTP-1 on the target's final hidden state) and "standalone" (a
-    small Qwen3 LM of the `draft_*` dimensions, distilled from the target). The block-only fields
-    (markov / confidence heads, anchors) are ignored for the other kinds; `num_draft_layers` is
-    the layer count of Eagle3 (1 supported) and of the standalone LM. `draft_vocab_size` N > 0
-    makes a dspark / dflash / eagle3 / mtp drafter propose over the N most frequent tokens of
-    the training data (`specjax.drafters.vocab`); 0 = the full vocabulary.
+    In YAML the section's fields sit under `model:` next to `kind` (`from_mapping` splits them;
+    a field the kind does not have is an error naming the kind), and `config_dict` writes the same
+    layout back.
     """
 
     kind: str = "dspark"
     target: str = ""
-    mask_token_id: int | None = None
-    target_layer_ids: tuple[int, ...] = ()
-    num_draft_layers: int = 5
-    block_size: int = 7
-    markov_rank: int = 256
-    markov_head_type: str = "vanilla"
-    confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-    num_anchors: int = 512
-    alpha_ce: float = 0.1
-    alpha_tv: float = 0.9
-    alpha_conf: float = 1.0
-    loss_decay: float = 4.0
-    chunk_anchors: int | None = None  # compute vocabulary-sized terms this many anchors at a time
     compute_dtype: str = "bfloat16"
     param_dtype: str = "float32"  # master weights
     target_dtype: str = "bfloat16"  # the frozen target (online mode)
     init_seed: int = 0
-    # start the drafter's final norm (before its frozen lm_head) at the target's final norm
-    # weight instead of one (DeepSpec: one); every kind but standalone, which has its own head
-    init_norm_from_target: bool = False
-    # dspark / dflash: start the draft layer(s) from target layer L (and L+1, ..) with fc reading
-    # tap L-1 (`specjax.drafters.warm_start`); None = random, as DeepSpec
-    init_layer_from_target: int | None = None
-    draft_vocab_size: int = 0
-    # eagle3: decay of the per-step TTT loss weights (the unroll horizon is block_size)
-    ttt_decay: float = 0.8
-    # the MLP width of the drafter's own layers, every kind (0 = the target's intermediate_size)
-    draft_intermediate_size: int = 0
-    # standalone: the draft LM's other dimensions (vocabulary, RoPE and EOS are the target's)
-    draft_hidden_size: int = 128
-    draft_num_attention_heads: int = 2
-    draft_num_key_value_heads: int = 1
-    draft_head_dim: int = 64
+    section: Any = None  # the kind's section; None = its defaults
 
     def __post_init__(self) -> None:
-        _fix_floats(self)
-        if self.kind not in MODEL_KINDS:
-            raise ConfigError(f"field 'kind' must be one of {MODEL_KINDS}, got {self.kind!r}")
+        if self.kind not in TRAINING_KINDS:
+            raise ConfigError(f"field 'kind' must be one of {TRAINING_KINDS}, got {self.kind!r}")
         if not self.target:
             raise ConfigError("field 'target' (the target checkpoint directory) is required")
-        if self.kind in BLOCK_KINDS and (self.mask_token_id is None or self.mask_token_id < 0):
-            raise ConfigError(f"field 'mask_token_id' must be a token id >= 0, got "
-                              f"{self.mask_token_id!r}")
-        _positive(self, "num_draft_layers", "block_size", "num_anchors", "loss_decay",
-                  "chunk_anchors")
-        for n in ("alpha_ce", "alpha_tv", "alpha_conf"):
-            if getattr(self, n) < 0:
-                raise ConfigError(f"field '{n}' must be >= 0, got {getattr(self, n)!r}")
         for n in ("compute_dtype", "param_dtype", "target_dtype"):
             if getattr(self, n) not in DTYPES:
                 raise ConfigError(f"field '{n}' must be one of {DTYPES}, got {getattr(self, n)!r}")
-        if self.kind == "dflash" and (self.markov_rank or self.confidence_head):
-            raise ConfigError("kind 'dflash' has no sequential or confidence head: set "
-                              "markov_rank: 0 and confidence_head: false (or use kind 'dspark')")
-        if isinstance(self.draft_intermediate_size, bool) or \
-                not isinstance(self.draft_intermediate_size, int) or self.draft_intermediate_size < 0:
-            raise ConfigError(f"field 'draft_intermediate_size' must be an integer >= 0 (0 = the "
-                              f"target's), got {self.draft_intermediate_size!r}")
-        _positive(self, "draft_hidden_size", "draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim")
-        if not 0.0 < self.ttt_decay <= 1.0:
-            raise ConfigError(f"field 'ttt_decay' must be in (0, 1], got {self.ttt_decay!r}")
-        if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
-                or self.draft_vocab_size < 0:
-            raise ConfigError(f"field 'draft_vocab_size' must be an integer >= 0 (0 = full "
-                              f"vocabulary), got {self.draft_vocab_size!r}")
-        if not isinstance(self.init_norm_from_target, bool):
-            raise ConfigError(f"field 'init_norm_from_target' must be true or false, got "
-                              f"{self.init_norm_from_target!r}")
-        if self.kind == "standalone" and self.init_norm_from_target:
-            raise ConfigError("field 'init_norm_from_target' is not supported for kind "
-                              "'standalone' (its own LM head is not the target's)")
-        if self.init_layer_from_target is not None:
-            v = self.init_layer_from_target
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"field 'init_layer_from_target' must be a target layer id >= 1 "
-                                  f"or null, got {v!r}")
-            if self.kind not in BLOCK_KINDS:
-                raise ConfigError(f"field 'init_layer_from_target' is only supported for the block "
-                                  f"kinds {BLOCK_KINDS}, got kind {self.kind!r}")
-        if self.kind == "standalone" and self.draft_vocab_size:
-            raise ConfigError("field 'draft_vocab_size' is not supported for kind 'standalone' "
-                              "(its own LM head is already small)")
-        if self.kind in BLOCK_KINDS and self.confidence_head and self.alpha_conf == 0:
-            raise ConfigError("field 'alpha_conf' is 0 but confidence_head is true: the head "
-                              "would never be trained")
+        section_cls = KINDS[self.kind].config
+        if self.section is None:
+            object.__setattr__(self, "section", section_cls())
+        elif type(self.section) is not section_cls:
+            raise ConfigError(f"kind {self.kind!r} takes a {section_cls.__name__} section, got "
+                              f"{type(self.section).__name__}")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, source: str = "") -> "ModelConfig":
+        """Read a `model:` mapping: the fields above plus the kind's section fields, flat."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"section"}
+        kind = data.get("kind", "dspark")
+        if kind not in TRAINING_KINDS:
+            raise ConfigError(f"field 'kind' must be one of {TRAINING_KINDS}, got {kind!r}"
+                              + (f" in {source}" if source else ""))
+        section = fields_from_dict(KINDS[kind].config,
+                                   {k: v for k, v in data.items() if k not in own},
+                                   source=f"{source} (kind {kind!r})" if source else
+                                   f"kind {kind!r}")
+        common = {k: v for k, v in data.items() if k in own}
+        return fields_from_dict(cls, {**common, "section": section}, source=source)
+
+    def config_dict(self) -> dict[str, Any]:
+        """The flat `model:` mapping `from_mapping` reads."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "section"}
+        return {**own, **to_dict(self.section)}
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """The section's draft vocabulary size (0: the full vocabulary, or a kind without one)."""
+        return getattr(self.section, "draft_vocab_size", 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +280,6 @@ def train_config_dict(cfg: TrainConfig) -> dict[str, Any]:
     return to_dict(cfg)
 
 
-__all__ = ["BLOCK_KINDS", "CheckpointConfig", "DataConfig", "LoggingConfig", "MeshConfig", "ModelConfig",
+__all__ = ["CheckpointConfig", "DataConfig", "LoggingConfig", "MeshConfig", "ModelConfig",
            "OptimizerConfig", "ScheduleConfig", "TrainConfig", "apply_overrides",
            "load_train_config", "train_config_dict"]

@@ -27,7 +27,7 @@ from specjax.config import ConfigError
 from specjax.drafters import registry
 from specjax.training import features as feat
 from specjax.training.cache_parts import open_target_caches
-from specjax.training.config import CACHE_KINDS, TrainConfig, train_config_dict
+from specjax.training.config import TrainConfig, train_config_dict
 from specjax.training.data import EpochBatches, collate_block_batch
 from specjax.training.objectives import make_objective
 from specjax.training.trainer import Trainer
@@ -76,8 +76,8 @@ def build(cfg: TrainConfig, *, mesh: Any = None, draft_ids: Any = None) -> Run:
     `draft_ids`: the draft vocabulary's target ids (required when model.draft_vocab_size > 0)."""
     mc, dc = cfg.model, cfg.data
     mesh = mesh if mesh is not None else train_mesh(cfg)
-    if dc.mode == "cache" and mc.kind not in CACHE_KINDS:
-        raise ConfigError(f"data.mode 'cache' supports kinds {CACHE_KINDS}; kind {mc.kind!r} "
+    if dc.mode == "cache" and mc.kind not in registry.CACHE_KINDS:
+        raise ConfigError(f"data.mode 'cache' supports kinds {registry.CACHE_KINDS}; kind {mc.kind!r} "
                           f"trains online (data.mode: online)")
     target, tcfg = checkpoints.load_target(mc.target, dtype=mc.target_dtype)
     target_graphdef, aux = nnx.split(target)

@@ -14,9 +14,8 @@ binds `frozen`. Master weights are float32 in the state; the module computes in 
 gradient norm is not finite leaves the state unchanged and the host loop stops with
 `NonFiniteLossError`.
 
-A loss function has the signature `loss_fn(model, batch, rng, aux) -> (loss, metrics)`;
-`block_drafter_loss` is the DSpark / DFlash objective (reference §5.1) over offline or online
-target features.
+A loss function has the signature `loss_fn(model, batch, rng, aux) -> (loss, metrics)`
+(`specjax.training.objectives` makes one for every drafter kind).
 """
 from __future__ import annotations
 
@@ -452,100 +451,4 @@ def _host_metrics(metrics: Mapping[str, Array]) -> dict[str, float]:
 # DSpark / DFlash objective
 
 
-def _chunked_over_anchors(fn: Callable[..., tuple[Array, ...]], arrays: tuple[Array, ...],
-                          chunk: int | None) -> tuple[Array, ...]:
-    """fn over slices of axis 1 (anchors) in rematerialised chunks; outputs concatenated back."""
-    a = arrays[0].shape[1]
-    if chunk is None or chunk >= a:
-        return fn(*arrays)
-    n = -(-a // chunk)
-    pad = n * chunk - a
-
-    def split(x):
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape((x.shape[0], n, chunk) + x.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
-
-    body = jax.checkpoint(lambda xs: fn(*xs))
-    outs = jax.lax.map(body, tuple(split(x) for x in arrays))
-
-    def join(o):
-        o = jnp.moveaxis(o, 0, 1)
-        return o.reshape((o.shape[0], n * chunk) + o.shape[3:])[:, :a]
-
-    return tuple(join(o) for o in outs)
-
-
-def gather_positions(x_bsh: Array, idx_bak: Array) -> Array:
-    """x[b, clip(idx[b, a, k], 0, S-1)] -> [B, A, K, H]."""
-    b, s = x_bsh.shape[:2]
-    idx = jnp.clip(idx_bak, 0, s - 1)
-    flat = jnp.take_along_axis(x_bsh, idx.reshape(b, -1)[..., None], axis=1)
-    return flat.reshape(idx.shape + x_bsh.shape[2:])
-
-
-def block_drafter_loss(*, num_anchors: int, alpha_ce: float = 0.1, alpha_tv: float = 0.9,
-                       alpha_conf: float = 1.0, decay: float = 4.0,
-                       chunk_anchors: int | None = None, target_graphdef: Any = None,
-                       tap_layers: Sequence[int] | None = None, feature_dtype: Any = jnp.bfloat16,
-                       ) -> LossFn:
-    """The DSpark / DFlash loss function for `Trainer` (reference §5.1, §6.2).
-
-    Batch: input_ids [B,S], loss_mask [B,S], valid [B], and either taps [B,S,L*H] + hidden
-    [B,S,H] (offline cache) or nothing more (online: `aux` holds the target's parameters, run
-    through `target_graphdef` at `tap_layers`). Per step: up to `num_anchors` anchors per row
-    sampled from `rng`; the drafter (`specjax.drafters.dspark.DSparkDrafter`) gives draft logits
-    with teacher-forced previous tokens; target logits = frozen lm_head(target hidden at a+j)
-    (with a draft vocabulary: restricted to its tokens, and labels outside it leave the CE out;
-    `specjax.training.losses`). Vocabulary-sized work runs `chunk_anchors` anchors at a time.
-    """
-    from specjax.training import data as tdata
-    from specjax.training import losses
-    from specjax.training.features import target_features
-
-    online = target_graphdef is not None
-    if online and not tap_layers:
-        raise ValueError("online features need tap_layers")
-
-    def loss_fn(model: Any, batch: Mapping[str, Array], rng: Array, aux: Any):
-        ids = jnp.asarray(batch["input_ids"], jnp.int32)
-        lm = batch["loss_mask"]
-        if "taps" in batch:
-            taps, hid = batch["taps"], batch["hidden"]
-        elif online:
-            taps, hid = target_features(aux, target_graphdef, ids, batch.get("valid"),
-                                        tap_layers=tuple(tap_layers), dtype=feature_dtype)
-        else:
-            raise ValueError("batch has no 'taps'/'hidden' and no online target was configured")
-        kk = model.gamma
-        anchors, keep = tdata.sample_anchors(rng, lm, num_anchors)
-        labels = model.draft_labels(tdata.block_labels(ids, anchors, keep, kk))  # -1: not draftable
-        emask = tdata.eval_mask(lm, anchors, keep, kk)
-        h = model.backbone_hidden(taps, ids, anchors, keep)  # [B, A, K, H]
-        prev = model.teacher_prev_tokens(ids, anchors)  # [B, A, K]
-        conf = model.confidence_logits(h, prev)
-        t_idx = anchors[..., None] + jnp.arange(kk, dtype=jnp.int32)
-        t_hidden = gather_positions(hid, t_idx)  # target hidden at a + j
-
-        def terms(h_c, prev_c, th_c, lab_c):
-            z = model.draft_logits(h_c, prev_c)
-            t = model.lm_logits(th_c)
-            return losses.dspark_slot_terms(z, t, lab_c)
-
-        ce, l1 = _chunked_over_anchors(terms, (h, prev, t_hidden, labels), chunk_anchors)
-        loss, metrics = losses.dspark_loss_from_terms(
-            ce, l1, emask, conf if alpha_conf > 0 else None, alpha_ce=alpha_ce,
-            alpha_tv=alpha_tv, alpha_conf=alpha_conf, decay=decay, ce_mask_bak=labels >= 0)
-        metrics = dict(metrics)
-        keep_f = keep.astype(jnp.float32)
-        cand = tdata.anchor_candidates(lm).astype(jnp.float32)
-        metrics["valid_anchors_per_seq"] = jnp.mean(jnp.sum(cand, axis=1))
-        metrics["sampled_anchors_per_seq"] = jnp.mean(jnp.sum(keep_f, axis=1))
-        metrics["tokens_per_block"] = jnp.sum(emask) / jnp.maximum(jnp.sum(keep_f), 1.0)
-        return loss, metrics
-
-    return loss_fn
-
-
-__all__ = ["FitResult", "MetricsLogger", "NonFiniteLossError", "ResumableIterator", "Trainer",
-           "block_drafter_loss", "gather_positions"]
+__all__ = ["FitResult", "MetricsLogger", "NonFiniteLossError", "ResumableIterator", "Trainer"]

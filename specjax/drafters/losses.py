@@ -58,7 +58,7 @@ def _ce_l1(z_xv: Array, t_xv: Array, labels_x: Array) -> tuple[Array, Array]:
     return ce, jnp.sum(jnp.abs(p_d - p_t), axis=-1)
 
 
-def _map_over_axis1(fn: Callable[..., tuple[Array, ...]], arrays: tuple[Array, ...], chunk: int | None,
+def map_over_axis1(fn: Callable[..., tuple[Array, ...]], arrays: tuple[Array, ...], chunk: int | None,
                     ) -> tuple[Array, ...]:
     """Apply `fn` (array slices along axis 1 -> outputs [B, c, ...]) in chunks of `chunk` along axis 1.
 
@@ -99,7 +99,7 @@ def dspark_slot_terms(draft_logits_bakv: Array, target_logits_bakv: Array, label
     _check_ndim("draft_logits_bakv", draft_logits_bakv, 4)
     _check_same_shape("target_logits_bakv", target_logits_bakv, draft_logits_bakv.shape)
     _check_same_shape("labels_bak", labels_bak, draft_logits_bakv.shape[:3])
-    return _map_over_axis1(_ce_l1, (draft_logits_bakv, target_logits_bakv, labels_bak), chunk_anchors)
+    return map_over_axis1(_ce_l1, (draft_logits_bakv, target_logits_bakv, labels_bak), chunk_anchors)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def eagle3_loss(step_logits_kbsv: Array, target_logits_bsv: Array, mask_bs: Arra
     for k in range(n_steps):
         n = s - k
         m = mask[:, k:]
-        ce, agree, overlap = _map_over_axis1(
+        ce, agree, overlap = map_over_axis1(
             _eagle_step_terms, (step_logits_kbsv[k, :, :n], target_logits_bsv[:, k:]), chunk_tokens)
         loss_k = jnp.sum(m * ce) / norm
         total = total + (decay ** k) * loss_k
@@ -285,7 +285,7 @@ def mtp_loss(draft_logits_btv: Array, target_logits_btv: Array, labels_bt: Array
     _check_same_shape("target_logits_btv", target_logits_btv, draft_logits_btv.shape)
     _check_same_shape("labels_bt", labels_bt, draft_logits_btv.shape[:2])
     _check_same_shape("mask_bt", mask_bt, draft_logits_btv.shape[:2])
-    ce, l1 = _map_over_axis1(_ce_l1, (draft_logits_btv, target_logits_btv, labels_bt), chunk_tokens)
+    ce, l1 = map_over_axis1(_ce_l1, (draft_logits_btv, target_logits_btv, labels_bt), chunk_tokens)
     w = mask_bt.astype(jnp.float32)
     denom = jnp.sum(w) + _EPS
     w_ce = w * (labels_bt >= 0).astype(jnp.float32)
@@ -317,7 +317,7 @@ def lm_loss(hidden_bth: Array, head: Callable[[Array], Array], labels_bt: Array,
     _check_ndim("hidden_bth", hidden_bth, 3)
     _check_same_shape("labels_bt", labels_bt, hidden_bth.shape[:2])
     _check_same_shape("mask_bt", mask_bt, hidden_bth.shape[:2])
-    ce, top1 = _map_over_axis1(lambda h, y: _ce_top1(head(h), y), (hidden_bth, labels_bt), chunk_tokens)
+    ce, top1 = map_over_axis1(lambda h, y: _ce_top1(head(h), y), (hidden_bth, labels_bt), chunk_tokens)
     w = mask_bt.astype(jnp.float32)
     denom = jnp.sum(w) + _EPS
     loss = jnp.sum(w * ce) / denom
