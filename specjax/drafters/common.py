@@ -104,11 +104,6 @@ class LayerDims:
             rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_type=self.rope_type,
             rope_factor=self.rope_factor, tie_word_embeddings=False)
 
-    def dims_dict(self) -> dict[str, Any]:
-        """The `LayerDims` fields of this config, without the draft vocabulary."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(LayerDims)
-                if f.name != "draft_vocab_size"}
-
     @classmethod
     def from_target(cls, target: TargetConfig, **fields: Any):
         """Copy the layer dimensions of `target`; `fields` set the drafter-only fields (and may
