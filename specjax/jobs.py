@@ -20,6 +20,10 @@ Sharding: with `Shard(i, n)` this process takes the rows whose index is i modulo
 `<stem>.shard-<i>-of-<n>.jsonl` (and its own errors file); row indices and ids stay global, so
 the shards together hold exactly the rows one process would have written.
 
+`deadline` (a `time.monotonic()` value) ends a run early: past it the runner admits and steps no
+more and returns (`JobSummary.stopped`); the rows written stay, the rows in flight are dropped
+(the engine still holds their requests: discard it), and a rerun continues as after a kill.
+
 `window` bounds the rows admitted but not yet written (requests in flight, plus the reorder
 buffer when ordered), so continuous batching keeps the engine's slots full with bounded memory.
 """
@@ -131,6 +135,7 @@ class JobSummary:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
+    stopped: str | None = None  # why the run ended before the shard's last row ("time limit")
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -230,10 +235,15 @@ class _JobRun:
         self.next_index = next_index  # ordered: the index of the next row to write
         self.open = 0  # rows admitted and not yet written
 
-    def run(self, todo: Iterator[tuple[int, JsonlLine]], window: int) -> None:
+    def run(self, todo: Iterator[tuple[int, JsonlLine]], window: int,
+            deadline: float | None = None) -> None:
         t0, last_post, exhausted = time.perf_counter(), 0.0, False
         try:
             while True:
+                if deadline is not None and time.monotonic() >= deadline:
+                    if self.open or next(todo, None) is not None:
+                        self.summary.stopped = "time limit"
+                    break
                 while not exhausted and self.open < window:
                     nxt = next(todo, None)
                     if nxt is None:
@@ -304,13 +314,15 @@ class _JobRun:
 
 def run_jsonl_job(kind: JobKind, engine: Any, input_path: str, output_path: str, *,
                   window: int, errors_path: str | None = None, shard: Shard | None = None,
-                  limit: int | None = None, progress: bool = True, desc: str = "job") -> JobSummary:
+                  limit: int | None = None, progress: bool = True, desc: str = "job",
+                  deadline: float | None = None) -> JobSummary:
     """Run (or resume) `kind` over `input_path` on `engine` (module docstring).
 
     output_path: the job's output (a shard suffix is added when `shard.count > 1`); errors_path:
     default `<stem>.errors.jsonl` of the shard's output; shard: default
     jax.process_index()/count(); window: rows admitted but not yet written; limit: process at
-    most this many rows in this run."""
+    most this many rows in this run; deadline: a `time.monotonic()` value that ends the run
+    (module docstring)."""
     from tqdm.auto import tqdm
 
     if not os.path.isfile(input_path):
@@ -335,7 +347,8 @@ def run_jsonl_job(kind: JobKind, engine: Any, input_path: str, output_path: str,
     bar = tqdm(total=len(todo), desc=desc, unit="row", disable=not progress)
     t0 = time.perf_counter()
     try:
-        _JobRun(kind, engine, summary, shard, first_line, next_index, bar).run(iter(todo), window)
+        _JobRun(kind, engine, summary, shard, first_line, next_index, bar).run(
+            iter(todo), window, deadline)
     finally:
         bar.close()
     summary.seconds = time.perf_counter() - t0

@@ -275,3 +275,51 @@ def test_shards_split_rows_resume_and_together_equal_one_process(llm, tmp_path):
     with pytest.raises(ValueError, match="does not continue"):
         regenerate(llm, str(src), str(tmp_path / "wrong" / "x.jsonl"), sampling=_sp(), seed=3,
                    shard=Shard(0, 2), progress=False)
+
+
+class _RecordingLLM:
+    """The LLM, with every request's prompt ids recorded."""
+
+    def __init__(self, llm):
+        self._llm, self.prompts = llm, []
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+    def make_request(self, ids, sp, request_id=None):
+        self.prompts.append((request_id, list(ids)))
+        return self._llm.make_request(ids, sp, request_id=request_id)
+
+
+def test_multi_turn_answers_each_turn_on_the_targets_own_earlier_answers(llm, tmp_path):
+    """Turn 2's prompt holds the target's own turn-1 answer, never the conversation's original
+    one; a later turn that leaves no room in the context ends the conversation after the answers
+    it has (the row is not lost)."""
+    from specjax.api import encode_chat
+    from specjax.training.regenerate import regenerate
+
+    original = "w60 w60 w60 w60 w60 w60"
+    long_turn = " ".join(f"w{3 + i % 60}" for i in range(200))  # > max_model_len 128
+    src = _write(tmp_path / "p.jsonl", [
+        json.dumps({"id": "m", "conversations": [
+            {"from": "human", "value": "w10 w11"}, {"from": "gpt", "value": original},
+            {"from": "human", "value": "w13 w14"}, {"from": "gpt", "value": original}]}),
+        json.dumps({"id": "full", "turns": ["w20", long_turn]})])
+    rec = _RecordingLLM(llm)
+    out = tmp_path / "out.jsonl"
+    s = regenerate(rec, str(src), str(out), sampling=_sp(), seed=1, progress=False)
+    assert (s.completed, s.errors) == (2, 0)
+    rows = read_jsonl(out)
+    conv = rows[0]["conversations"]
+    assert [m["role"] for m in conv] == ["user", "assistant", "user", "assistant"]
+    own = conv[1]["content"]
+    assert own and own != original
+    tok = llm.tokenizer
+    turn2 = dict(rec.prompts)["0:1"]
+    assert turn2 == encode_chat(tok, conv[:3], enable_thinking=False)
+    theirs = [conv[0], {"role": "assistant", "content": original}, conv[2]]
+    assert turn2 != encode_chat(tok, theirs, enable_thinking=False)  # negative control
+    text = tok.decode(turn2, skip_special_tokens=True)
+    assert own in text and original not in text and "w13 w14" in text
+    # the second row: turn 2 does not fit, so the row is its first exchange
+    assert [m["role"] for m in rows[1]["conversations"]] == ["user", "assistant"]

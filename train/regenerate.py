@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Sequence
 
 from specjax import distributed as dist
@@ -58,12 +59,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-prefill", type=int, default=512, help="largest prefill chunk")
     p.add_argument("--window", type=int, default=None, help="rows in flight + reorder buffer (default 4 x slots)")
     p.add_argument("--limit", type=int, default=None, help="process at most this many rows in this run")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall seconds for this run from its start (loading and compiling included): "
+                        "past them it stops, keeping every row written (rerun to resume)")
     p.add_argument("--dtype", default="float32", help="target dtype (float32 or bfloat16)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--shard", default=None, help="i/n: take rows with index %% n == i "
                                                  "(default: jax.process_index()/process_count())")
     dist.add_distributed_args(p)
     args = p.parse_args(argv)
+    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
 
     from specjax import checkpoints
     from specjax.api import LLM, SamplingParams
@@ -80,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_len = args.max_model_len or min(8192, tcfg.max_position_embeddings)
         if max_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {max_len}")
+        if args.budget_s is not None and args.budget_s <= 0:
+            raise ValueError(f"--budget-s must be > 0, got {args.budget_s:g}")
         if args.limit is not None and args.limit < 0:
             raise ValueError(f"--limit must be >= 0, got {args.limit}")
         llm = LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer,
@@ -88,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   progress=not args.quiet)
         summary = regenerate(llm, args.prompts, args.out, errors_path=args.errors, sampling=sp,
                              enable_thinking=args.thinking, seed=args.seed, window=args.window,
-                             limit=args.limit, shard=shard, progress=not args.quiet)
+                             limit=args.limit, shard=shard, progress=not args.quiet,
+                             deadline=deadline)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

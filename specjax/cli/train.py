@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Sequence
 
 from specjax import distributed as dist
@@ -32,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECTION.FIELD=VALUE", help="override a config field (repeatable)")
     p.add_argument("--steps", type=int, default=None,
                    help="stop after this many optimizer steps in total (default: the schedule's)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall seconds for this run (from its start, loading and compiling "
+                        "included): past it, save a checkpoint and export the drafter trained so "
+                        "far; a rerun continues")
     p.add_argument("--draft-vocab", default=None, metavar="JSON",
                    help="draft vocabulary file ({\"draft_ids\": [...]}, written by the "
                         "embedded build's vocab stage); needed when model.draft_vocab_size > 0")
@@ -43,12 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     from specjax.config import ConfigError
     from specjax.training.build_outputs import read_draft_vocab
     from specjax.training.config import load_train_config
     from specjax.training.run import build, train
 
     try:
+        if args.budget_s is not None and args.budget_s <= 0:
+            raise ValueError(f"--budget-s must be > 0, got {args.budget_s:g}")
         dist.initialize_from_args(args)
         cfg = load_train_config(args.config, args.overrides)
         draft_ids = None
@@ -58,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    train(cfg, run, steps=args.steps, export_dtype=args.export_dtype)
+    train(cfg, run, steps=args.steps, export_dtype=args.export_dtype, deadline=deadline)
     return 0
 
 

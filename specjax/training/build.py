@@ -32,6 +32,7 @@ After each stage `<out>/BUILD.json` records it (`specjax.training.build_record`)
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
@@ -39,10 +40,12 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence
 import yaml
 
 from specjax.io import read_jsonl, write_jsonl_atomic
-from specjax.training.build_outputs import (BuildError, build_vocab_files, export_drafters,
-                                            write_split)
-from specjax.training.build_record import (RECORD_NAME, count_rows, load_record, note_stage,
-                                           provenance)
+from specjax.training.answers import answer_stats, answered, read_answers
+from specjax.training.build_budget import Budget, UnitRef, format_plan
+from specjax.training.build_outputs import (PROGRESS_NAME, BuildError, build_vocab_files,
+                                            export_drafters, write_split)
+from specjax.training.build_record import (RECORD_NAME, count_rows, drafter_build, load_record,
+                                           note_stage, provenance)
 
 STAGES = ("prepare", "regenerate", "cache", "vocab", "train", "calibrate", "export")
 
@@ -62,6 +65,12 @@ class Scale:
     # original ShareGPT replies that a drafter trained on text alone (the standalone LM with
     # alpha_tv 0: no target features, so text costs it no target pass) reads besides the answers
     text_rows: int = 0
+    max_turns: int | None = 1  # user turns answered per conversation (None: every turn)
+    context_tokens: int | None = None  # tokens per conversation (None: prompt + answer + 64)
+    online: bool = False  # every drafter reads online target features (no offline cache)
+    batch_size: int | None = None  # every drafter's data.batch_size (None: each config's own)
+    compute_dtype: str | None = None  # every drafter's model.compute_dtype (None: the config's)
+    min_unit_s: float = 1.0  # with a budget: the fewest seconds a unit (stage, drafter) runs in
 
 
 SCALES = {
@@ -74,6 +83,13 @@ SCALES = {
     # proves the real path in minutes (garbage drafters: never export these into the package)
     "smoke": Scale(rows=16, max_new_tokens=32, prompt_max_tokens=128, prepare_limit=2000,
                    steps=20, calibrate_prompts=4, calibrate_tokens=32, text_rows=8),
+    # one budgeted run on one accelerator (`--budget-s`): every user turn answered, online
+    # target features at batch 64 in bfloat16; the step count sets the learning-rate schedule
+    # and the budget usually stops training first (a later run resumes toward it)
+    "gpu": Scale(rows=6144, max_new_tokens=256, prompt_max_tokens=256, prepare_limit=None,
+                 steps=4000, calibrate_prompts=64, calibrate_tokens=128, text_rows=8000,
+                 max_turns=None, context_tokens=1024, online=True, batch_size=64,
+                 compute_dtype="bfloat16", min_unit_s=20.0),
 }
 
 
@@ -99,6 +115,9 @@ class BuildSettings:
     cache_batch: int = 8
     budget_mb: float = 40.0
     seed: int = 0
+    seed_answers: str | None = None  # answers artifact (gzip JSONL) whose prompts are not regenerated
+    budget_s: float | None = None  # wall-clock budget of the whole build (`build_budget`)
+    command: str | None = None  # the command line that runs the build (recorded per drafter)
 
     def __post_init__(self) -> None:
         for name in ("rows", "max_new_tokens", "prompt_max_tokens", "calibrate_prompts",
@@ -112,6 +131,10 @@ class BuildSettings:
         for name in ("reference_rows", "text_rows"):
             if getattr(self.scale, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self.scale, name)}")
+        if self.scale.max_turns is not None and self.scale.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.scale.max_turns}")
+        if self.budget_s is not None and self.budget_s <= 0:
+            raise ValueError(f"--budget-s must be > 0, got {self.budget_s:g}")
         if self.regen_slots < 1:
             raise ValueError(f"regen_slots must be >= 1, got {self.regen_slots}")
         if not self.drafters:
@@ -134,6 +157,18 @@ class BuildSettings:
     @property
     def regen_out(self) -> str:
         return self.work("regen.jsonl")
+
+    @property
+    def regen_seed(self) -> str:
+        """The seed artifact's answers to prompts of this build (written once, then kept)."""
+        return self.work("regen_seed.jsonl")
+
+    @property
+    def answers_files(self) -> list[str]:
+        """The answers every drafter trains on: the seeded ones (when any), then regen.jsonl."""
+        seeded = os.path.isfile(self.regen_seed)
+        return (([self.regen_seed] if seeded else [])
+                + ([self.regen_out] if os.path.isfile(self.regen_out) or not seeded else []))
 
     @property
     def regen_errors(self) -> str:
@@ -173,7 +208,10 @@ class BuildSettings:
 
     @property
     def max_length(self) -> int:
-        """Token budget of one training conversation: prompt + answer + chat-template overhead."""
+        """Token budget of one training conversation: prompt + answer + chat-template overhead
+        (or the scale's `context_tokens`)."""
+        if self.scale.context_tokens is not None:
+            return self.scale.context_tokens
         return self.scale.prompt_max_tokens + self.scale.max_new_tokens + 64
 
 
@@ -238,7 +276,7 @@ class Launcher(Protocol):
 
     def regenerate(self, build: "Build") -> None: ...
 
-    def cache(self, build: "Build", data: str, out: str) -> None: ...
+    def cache(self, build: "Build", data: Sequence[str], out: str) -> None: ...
 
     def train(self, build: "Build", plan: DrafterPlan) -> None: ...
 
@@ -246,6 +284,11 @@ class Launcher(Protocol):
 
 
 Unit = tuple[str, Callable[[], bool], Callable[[], None]]  # (record key, done, work)
+
+
+def online_plan(p: DrafterPlan) -> DrafterPlan:
+    """The plan of a drafter trained on online target features (the scale's `online`)."""
+    return p._replace(mode="online")
 
 
 class Build:
@@ -257,9 +300,14 @@ class Build:
         self.launch = launch
         self.log = log
         self.plans = [drafter_plan(settings, n) for n in settings.drafters]
+        if settings.scale.online:
+            self.plans = [online_plan(p) for p in self.plans]
         self.layers = cache_layers(self.plans)
         self.record = load_record(settings.record_path)
         self._exported = False
+        self.budget = (Budget(settings.budget_s, settings.scale.min_unit_s)
+                       if settings.budget_s is not None else None)
+        self.unit_budget_s: float | None = None  # the running unit's share (with a budget)
 
     # running -------------------------------------------------------------------------------
     def run(self, stages: Sequence[str] = STAGES) -> None:
@@ -268,9 +316,23 @@ class Build:
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; stages: {', '.join(STAGES)}")
         chosen = [x for x in STAGES if x in stages]
-        for i, name in enumerate(chosen, 1):
-            for key, done, work in self._units(name):
-                self._run_unit(f"[{i}/{len(chosen)}] {key}", key, done, work)
+        units = [(i, name, u) for i, name in enumerate(chosen, 1) for u in self._units(name)]
+        todo: list[UnitRef] = []
+        if self.budget is not None:
+            todo = [(u[0], name) for _, name, u in units if name == "export" or not u[1]()]
+            self.budget.check(todo)
+            self.log(format_plan(self.budget, todo))
+        for i, name, (key, done, work) in units:
+            tag = f"[{i}/{len(chosen)}] {key}"
+            if self.budget is not None and (key, name) in todo:
+                todo = todo[todo.index((key, name)):]
+                self.unit_budget_s = self.budget.share(todo)
+                if self.unit_budget_s < self.budget.min_unit_s:
+                    self.log(f"{tag}: {self.unit_budget_s:.0f} s left for it, below "
+                             f"{self.budget.min_unit_s:g} s: skipped (rerun with more budget)")
+                    continue
+                tag += f" (share {self.unit_budget_s:.0f} s)"
+            self._run_unit(tag, key, done, work)
 
     def _run_unit(self, tag: str, key: str, done: Callable[[], bool],
                   work: Callable[[], None]) -> None:
@@ -281,15 +343,17 @@ class Build:
                 self._note(key, 0.0, True, ran=False)
             return
         self.log(f"{tag}: running")
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), self._counts(key)
         try:
             work()
-            if not done():
+            if not done() and self.budget is None:
                 raise BuildError(f"stage {key} ended without completing its output "
                                  "(interrupted?); rerun the build to resume it")
         finally:
-            self._note(key, time.perf_counter() - t0, done())
-        self.log(f"{tag}: done in {self.record['stages'][key]['last_run_s']:.0f} s")
+            seconds = time.perf_counter() - t0
+            self._note(key, seconds, done(), facts=self._facts(key, before, seconds))
+        cut = "" if done() else " (stopped at its share: a rerun resumes it)"
+        self.log(f"{tag}: done in {self.record['stages'][key]['last_run_s']:.0f} s{cut}")
 
     def _units(self, name: str) -> list[Unit]:
         if name == "train":
@@ -303,9 +367,33 @@ class Build:
                     ("cache/references", self.done_cache_references, self.cache_references)]
         return [(name, getattr(self, f"done_{name}"), getattr(self, name))]
 
-    def _note(self, key: str, seconds: float, complete: bool, *, ran: bool = True) -> None:
+    def _note(self, key: str, seconds: float, complete: bool, *, ran: bool = True,
+              facts: dict[str, Any] | None = None) -> None:
         note_stage(self.record, self.s, key, seconds, complete, ran=ran, layers=self.layers,
-                   wants_text=self.wants_text)
+                   wants_text=self.wants_text, facts=facts)
+
+    def _counts(self, key: str) -> int:
+        """Rows regenerated so far (the regenerate unit's starting point)."""
+        return count_rows(self.s.regen_out) if key == "regenerate" else 0
+
+    def _facts(self, key: str, before: int, seconds: float) -> dict[str, Any] | None:
+        """What a unit's run did, for BUILD.json: regenerate: samples, answer turns and tokens of
+        all answers and of this run (tokens/s); train: steps, samples and steps/s."""
+        if key == "regenerate" and os.path.isfile(self.s.regen_out):
+            from specjax import checkpoints
+
+            tok = checkpoints.load_tokenizer(self.s.target)
+            rows = [read_jsonl(f, objects=True, repair_torn_tail=True)
+                    for f in self.s.answers_files]
+            self.record.setdefault("data", {})["answers"] = answer_stats(
+                (r for part in rows for r in part), tok)
+            new = answer_stats(rows[-1][before:], tok)
+            return {**{f"new_{k}": v for k, v in new.items()},
+                    "answer_tokens_per_s": round(new["answer_tokens"] / max(seconds, 1e-9), 1)}
+        if key.startswith("train/"):
+            plan = next(p for p in self.plans if f"train/{p.name}" == key)
+            return self.train_progress(plan)
+        return None
 
     # prepare -------------------------------------------------------------------------------
     @property
@@ -327,42 +415,71 @@ class Build:
 
     # regenerate ----------------------------------------------------------------------------
     def wanted_prompts(self) -> list[dict[str, Any]]:
-        """The first `rows` training prompts of the prepare stage."""
+        """The first `rows` training prompts of the prepare stage, each with its first
+        `max_turns` user turns."""
         src = os.path.join(self.s.sharegpt_dir, "prompts.jsonl")
         if not os.path.isfile(src):
             raise BuildError(f"regenerate needs {src}: run the prepare stage first")
         rows = read_jsonl(src, objects=True)[: self.s.scale.rows]
         if not rows:
             raise BuildError(f"{src} has no training prompt")
-        return rows
+        k = self.s.scale.max_turns
+        return [{**r, "turns": r["turns"][:k]} if k is not None else r for r in rows]
+
+    def seeded_ids(self) -> set[str]:
+        """Ids (JSON) of the prompts the seed artifact answered (regen_seed.jsonl)."""
+        return {json.dumps(r["id"]) for r in read_jsonl(self.s.regen_seed, objects=True,
+                                                        missing_ok=True)}
+
+    def pending_prompts(self) -> list[dict[str, Any]]:
+        """The wanted prompts that the seed artifact did not answer (they are regenerated)."""
+        seeded = self.seeded_ids()
+        return [r for r in self.wanted_prompts() if json.dumps(r["id"]) not in seeded]
 
     def done_regenerate(self) -> bool:
         if not os.path.isfile(os.path.join(self.s.sharegpt_dir, "prompts.jsonl")):
             return False
+        if self.s.seed_answers and not os.path.isfile(self.s.regen_seed):
+            return False
         n = count_rows(self.s.regen_prompts)
-        return (n == len(self.wanted_prompts())
+        return (n == len(self.pending_prompts())
                 and count_rows(self.s.regen_out) + count_rows(self.s.regen_errors) >= n)
 
+    def seed(self) -> None:
+        """regen_seed.jsonl = the artifact's answers to wanted prompts, written once (the first
+        regenerate run) so that later runs regenerate the same prompts; a corrupt artifact is an
+        error naming it, before any file of the work directory is touched."""
+        if not self.s.seed_answers or os.path.isfile(self.s.regen_seed):
+            return
+        rows = answered(read_answers(self.s.seed_answers), self.wanted_prompts())
+        write_jsonl_atomic(self.s.regen_seed, rows)
+        self.log(f"regenerate: {len(rows)} prompts already answered by {self.s.seed_answers}")
+
     def select_prompts(self) -> int:
-        """regen_prompts.jsonl = the first `rows` training prompts. An existing file may only
-        grow (a larger --rows): the rows already answered stay first, so regeneration resumes."""
-        rows = self.wanted_prompts()
-        if len(rows) < self.s.scale.rows:
-            self.log(f"regenerate: only {len(rows)} training prompts (asked for {self.s.scale.rows})")
+        """regen_prompts.jsonl = the first `rows` training prompts not answered by the seed
+        artifact. An existing file may only grow (a larger --rows): the rows already answered stay
+        first, so regeneration resumes."""
+        if len(self.wanted_prompts()) < self.s.scale.rows:
+            self.log(f"regenerate: only {len(self.wanted_prompts())} training prompts (asked for "
+                     f"{self.s.scale.rows})")
+        self.seed()
+        rows = self.pending_prompts()
         have = read_jsonl(self.s.regen_prompts, objects=True, missing_ok=True)
         if have != rows[: len(have)]:
             raise BuildError(
                 f"{self.s.regen_prompts} ({len(have)} rows) is not the start of the {len(rows)} "
                 f"prompts asked for now (fewer rows or other prompts); remove it and "
                 f"{self.s.regen_out} to regenerate from scratch")
-        if len(have) < len(rows):
+        if len(have) < len(rows) or not os.path.isfile(self.s.regen_prompts):
             write_jsonl_atomic(self.s.regen_prompts, rows)
         return len(rows)
 
     def regenerate(self) -> None:
         s = self.s
         n = self.select_prompts()
-        self.log(f"regenerate: {n} prompts x <= {s.scale.max_new_tokens} new tokens, "
+        if n == 0:
+            return
+        self.log(f"regenerate: {n} prompts x <= {s.scale.max_new_tokens} new tokens per turn, "
                  f"{s.regen_slots} at a time")
         self.launch.regenerate(self)
 
@@ -373,7 +490,7 @@ class Build:
         return self.layers is None or os.path.isfile(os.path.join(self.s.cache_dir, MANIFEST))
 
     def cache(self) -> None:
-        self.launch.cache(self, self.s.regen_out, self.s.cache_dir)
+        self.launch.cache(self, self.s.answers_files, self.s.cache_dir)
 
     def reference_conversations(self, n: int) -> list[dict[str, Any]]:
         """The original first replies of the first `n` training prompts that follow the
@@ -382,6 +499,7 @@ class Build:
         if not os.path.isfile(src):
             raise BuildError(f"original replies need {src}: run the prepare stage")
         regen_ids = {r["id"] for r in read_jsonl(self.s.regen_prompts, objects=True)}
+        regen_ids |= {r["id"] for r in read_jsonl(self.s.regen_seed, objects=True, missing_ok=True)}
         rows = [r for r in read_jsonl(src, objects=True) if r["id"] not in regen_ids]
         if len(rows) < n:
             self.log(f"original replies: only {len(rows)} (asked for {n})")
@@ -401,7 +519,7 @@ class Build:
             raise BuildError("cache/references: no original reply to add")
         write_jsonl_atomic(self.s.references_out, rows)
         if self.layers is not None:
-            self.launch.cache(self, self.s.references_out, self.s.references_cache_dir)
+            self.launch.cache(self, [self.s.references_out], self.s.references_cache_dir)
 
     # vocab ---------------------------------------------------------------------------------
     def vocab_sizes(self) -> list[int]:
@@ -417,15 +535,28 @@ class Build:
         self.log("vocab: coverage " + ", ".join(f"N={k}: {v:.4f}" for k, v in cov.items()))
 
     # train ---------------------------------------------------------------------------------
-    def done_train(self, p: DrafterPlan) -> bool:
+    def trained(self, p: DrafterPlan) -> bool:
+        """An export of the drafter exists (maybe of a run its budget stopped)."""
         return os.path.isfile(os.path.join(self.s.export_dir(p.name), "config.json"))
+
+    def train_progress(self, p: DrafterPlan) -> dict[str, Any] | None:
+        """The export's progress file (steps done of the total, samples, steps/s), if any."""
+        path = os.path.join(self.s.export_dir(p.name), PROGRESS_NAME)
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    def done_train(self, p: DrafterPlan) -> bool:
+        prog = self.train_progress(p)
+        return self.trained(p) and (prog is None or prog["step"] >= prog["total_steps"])
 
     def training_files(self, p: DrafterPlan) -> list[str]:
         """The JSONL files an online drafter trains on: the answers, the original replies
         (`reference_rows`) and, for a drafter trained on text alone, `text_rows` more replies
         (written here the first time)."""
         s = self.s
-        files = [s.regen_out] + ([s.references_out] if s.scale.reference_rows else [])
+        files = s.answers_files + ([s.references_out] if s.scale.reference_rows else [])
         if p.text_only and s.scale.text_rows:
             if not os.path.isfile(s.text_out):
                 write_jsonl_atomic(s.text_out, self.reference_conversations(s.scale.text_rows))
@@ -433,6 +564,9 @@ class Build:
         return files
 
     def train(self, p: DrafterPlan) -> None:
+        stale = os.path.join(self.s.export_dir(p.name), "calibration.json")
+        if os.path.isfile(stale):  # calibrated on an earlier, shorter run: calibrate again
+            os.remove(stale)
         self.launch.train(self, p)
 
     # calibrate -----------------------------------------------------------------------------
@@ -440,6 +574,11 @@ class Build:
         return os.path.isfile(os.path.join(self.s.export_dir(p.name), "calibration.json"))
 
     def calibrate(self, p: DrafterPlan) -> None:
+        if not self.trained(p):
+            if self.budget is None:
+                raise BuildError(f"calibrate/{p.name} needs the trained drafter (stage train)")
+            self.log(f"calibrate/{p.name}: no trained drafter yet, skipped")
+            return
         held = os.path.join(self.s.sharegpt_dir, "heldout.jsonl")
         if count_rows(held) == 0:
             raise BuildError(f"calibrate needs held-out prompts; {held} has none (raise "
@@ -451,11 +590,20 @@ class Build:
         return self._exported  # cheap and idempotent: refreshed by every build that names it
 
     def export(self) -> None:
-        missing = [p.name for p in self.plans if not self.done_train(p)]
-        if missing:
+        plans = self.plans
+        if self.budget is not None:  # what the budget trained so far (a rerun continues it)
+            plans = [p for p in self.plans if self.trained(p)]
+            if not plans:
+                self.log("export: no drafter trained yet, nothing exported")
+                return
+        missing = [p.name for p in plans if not self.done_train(p)]
+        if missing and self.budget is None:
             raise BuildError(f"export needs the trained drafters {missing} (stage train)")
-        sizes = export_drafters(self.s, self.plans, lambda p: provenance(self.s, p), self.log)
+        sizes = export_drafters(self.s, plans, lambda p: provenance(self.s, p), self.log)
         write_split(self.s)
+        builds = self.record.setdefault("drafter_builds", {})
+        for p in plans:
+            builds[p.name] = drafter_build(self.s, self.train_progress(p))
         self.record["drafter_bytes"] = sizes
         self.record["drafter_bytes_total"] = sum(sizes.values())
         self._exported = True

@@ -19,6 +19,11 @@ class BuildError(RuntimeError):
     """A stage of the drafter build could not run or did not finish."""
 
 
+# a trainer's export holds this file: {"step", "total_steps", "status", ...} of the run that wrote
+# it (`specjax.training.run.train`); the build's train stage is complete when step >= total_steps
+PROGRESS_NAME = "progress.json"
+
+
 # ------------------------------------------------------------------------------------------------
 # draft vocabulary files
 
@@ -49,15 +54,15 @@ def read_draft_vocab(path: str, *, size: int | None = None) -> np.ndarray:
 
 
 def build_vocab_files(s: "BuildSettings", sizes: Sequence[int]) -> dict[int, float]:
-    """Count the supervised tokens of regen.jsonl (tokenised as the trainer does) and write one
-    draft vocabulary per size; returns the coverage of each."""
+    """Count the supervised tokens of the answers (seeded and regenerated; tokenised as the
+    trainer does) and write one draft vocabulary per size; returns the coverage of each."""
     from specjax import checkpoints
     from specjax.drafters import vocab as dv
     from specjax.training import features as feat
 
     tcfg = checkpoints.read_target_config(s.target)
     tok = checkpoints.load_tokenizer(s.target)
-    samples = feat.read_jsonl_samples([s.regen_out], tok, max_length=s.max_length,
+    samples = feat.read_jsonl_samples(s.answers_files, tok, max_length=s.max_length,
                                       min_loss_tokens=0)
     counts = dv.token_counts((ids for ids, _ in samples), tcfg.vocab_size,
                              masks=(m for _, m in samples))
@@ -65,7 +70,8 @@ def build_vocab_files(s: "BuildSettings", sizes: Sequence[int]) -> dict[int, flo
     for n in sorted(set(sizes)):
         choice = dv.build_draft_vocab(counts, n, always=tcfg.eos_token_ids)
         write_draft_vocab(s.vocab_file(n), choice.draft_ids, coverage=choice.coverage,
-                          counted_tokens=int(counts.sum()), source=os.path.basename(s.regen_out))
+                          counted_tokens=int(counts.sum()),
+                          source=",".join(os.path.basename(f) for f in s.answers_files))
         out[n] = choice.coverage
     return out
 
@@ -97,12 +103,12 @@ def frozen_tensor_names(path: str, target: Any) -> set[str]:
 def lean_copy(src: str, dst: str, target: Any) -> list[str]:
     """Copy drafter directory `src` to `dst` without the frozen target copies (a DSpark drafter
     for a 49k-token target would otherwise carry the 28M-entry embedding); returns the names left
-    out. Other files are copied as they are."""
+    out. Other files are copied as they are, but the trainer's progress file."""
     from specjax import checkpoints
 
     drop = frozen_tensor_names(src, target)
     os.makedirs(dst, exist_ok=True)
-    weights = {checkpoints.SAFE_WEIGHTS, checkpoints.SAFE_INDEX}
+    weights = {checkpoints.SAFE_WEIGHTS, checkpoints.SAFE_INDEX, PROGRESS_NAME}
     for f in os.listdir(src):
         if f not in weights and not f.endswith(".safetensors"):
             shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
@@ -150,19 +156,24 @@ def export_drafters(s: "BuildSettings", plans: Sequence["DrafterPlan"],
 
 def write_split(s: "BuildSettings") -> None:
     """<out>/split.json: the prepare stage's manifest (held-out ids, excluded evaluation files)
-    plus `train_prompt_digests`, the `sharegpt.prompt_digest` of every regenerated prompt; and
+    plus `train_prompt_digests`, the `sharegpt.prompt_digest` of every answered prompt (seeded or
+    regenerated); and
     the held-out prompts as <out>/prompts/heldout.jsonl."""
     from specjax.training.sharegpt import prompt_digest
 
     with open(os.path.join(s.sharegpt_dir, "manifest.json"), encoding="utf-8") as f:
         split = json.load(f)
-    rows = read_jsonl(s.regen_prompts, objects=True)
-    split["train_prompt_digests"] = sorted({prompt_digest(r["turns"][0]) for r in rows})
+    from specjax.training.answers import first_user_turn
+
+    rows = read_jsonl(s.regen_prompts, objects=True, missing_ok=True)
+    seeded = read_jsonl(s.regen_seed, objects=True, missing_ok=True)
+    split["train_prompt_digests"] = sorted({prompt_digest(r["turns"][0]) for r in rows}
+                                           | {prompt_digest(first_user_turn(r)) for r in seeded})
     write_json_atomic(os.path.join(s.out_dir, "split.json"), split)
     os.makedirs(os.path.join(s.out_dir, "prompts"), exist_ok=True)
     shutil.copyfile(os.path.join(s.sharegpt_dir, "heldout.jsonl"),
                     os.path.join(s.out_dir, "prompts", "heldout.jsonl"))
 
 
-__all__ = ["BuildError", "build_vocab_files", "dir_bytes", "export_drafters", "frozen_tensor_names", "lean_copy",
+__all__ = ["PROGRESS_NAME", "BuildError", "build_vocab_files", "dir_bytes", "export_drafters", "frozen_tensor_names", "lean_copy",
            "read_draft_vocab", "write_draft_vocab", "write_split"]

@@ -60,14 +60,17 @@ def target_label(s: "BuildSettings") -> str:
 
 def note_stage(record: dict[str, Any], s: "BuildSettings", key: str, seconds: float,
                complete: bool, *, ran: bool, layers: tuple[int, ...] | None,
-               wants_text: bool) -> None:
+               wants_text: bool, facts: dict[str, Any] | None = None) -> None:
     """Add a stage run (or, with ran=False, only its completeness) to `record` and write
-    BUILD.json atomically."""
+    BUILD.json atomically; `facts` (what the run did: samples, tokens/s, steps) replace the
+    stage's `last_run` facts."""
     st = record["stages"].setdefault(key, {"wall_s": 0.0, "runs": 0})
     if ran:
         st["wall_s"] = round(st["wall_s"] + seconds, 1)
         st["runs"] += 1
         st["last_run_s"] = round(seconds, 1)
+        if facts:
+            st["last_run"] = facts
     st["complete"] = complete
     st["finished"] = now() if complete else None
     r = record
@@ -82,12 +85,29 @@ def note_stage(record: dict[str, Any], s: "BuildSettings", key: str, seconds: fl
                                   "top_k": s.top_k},
                      "cache_layers": (list(layers) if layers is not None
                                       else (r.get("settings") or {}).get("cache_layers")),
-                     "budget_mb": s.budget_mb, "seed": s.seed}
+                     "budget_mb": s.budget_mb, "seed": s.seed, "budget_s": s.budget_s,
+                     "seed_answers": os.path.basename(s.seed_answers) if s.seed_answers else None}
     r["data"] = {**r.get("data", {}), **data_facts(s, wants_text)}
-    r["machine"] = {"platform": platform.platform(), "machine": platform.machine(),
-                    "cpu_count": os.cpu_count()}
+    r["machine"] = machine()
     os.makedirs(s.out_dir, exist_ok=True)
     write_json_atomic(s.record_path, r)
+
+
+def machine() -> dict[str, Any]:
+    """The machine that runs the build: platform, CPUs and the accelerator jax uses."""
+    import jax
+
+    dev = jax.devices()[0]
+    return {"platform": platform.platform(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "jax_backend": dev.platform,
+            "device": getattr(dev, "device_kind", dev.platform), "device_count": jax.device_count(),
+            "jax": jax.__version__}
+
+
+def drafter_build(s: "BuildSettings", progress: dict[str, Any] | None) -> dict[str, Any]:
+    """Who built a shipped drafter: the machine, the command and the steps trained."""
+    return {"machine": machine(), "command": s.command, "finished": now(),
+            "steps": (progress or {}).get("step"), "total_steps": (progress or {}).get("total_steps")}
 
 
 def data_facts(s: "BuildSettings", wants_text: bool) -> dict[str, Any]:
@@ -102,6 +122,8 @@ def data_facts(s: "BuildSettings", wants_text: bool) -> dict[str, Any]:
         rows = read_jsonl(s.regen_out, objects=True, repair_torn_tail=True)
         facts["regenerated_rows"] = len(rows)
         facts["regen_errors"] = count_rows(s.regen_errors)
+    if os.path.isfile(s.regen_seed):
+        facts["seeded_rows"] = count_rows(s.regen_seed)
     if os.path.isdir(s.cache_dir):
         facts["cache_bytes"] = dir_bytes(s.cache_dir)
     if wants_text and os.path.isfile(s.text_out):
@@ -138,5 +160,6 @@ def provenance(s: "BuildSettings", p: "DrafterPlan") -> dict[str, Any]:
             "train_config": train_cfg, "finished": now()}
 
 
-__all__ = ["RECORD_NAME", "count_rows", "data_facts", "load_record", "note_stage", "now",
+__all__ = ["RECORD_NAME", "count_rows", "data_facts", "drafter_build", "load_record", "machine",
+           "note_stage", "now",
            "provenance", "target_label", "work_label"]

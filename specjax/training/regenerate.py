@@ -9,7 +9,9 @@ An optional "id" is kept; without one the row's 0-based index is its id.
 
 Chat rows: every original assistant turn is dropped; system and user turns are replayed in order,
 and after each user turn the target generates the assistant reply on the regenerated history
-(chat template from the tokenizer, generation prompt added, `enable_thinking` on or off). Output:
+(chat template from the tokenizer, generation prompt added, `enable_thinking` on or off): turn k's
+prompt holds the target's own earlier answers, never the original ones. A later user turn that
+leaves no room in the context ends the conversation after the answers it has. Output:
     {"id": ..., "conversations": [{"role", "content"}, ...]}
 Completion rows: {"id": ..., "prompt": ..., "completion": ...}.
 
@@ -188,6 +190,9 @@ class Regeneration:
             if ids is None:
                 return Outcome(item.index, item.record())
             room = self.max_len - len(ids)
+            if room < 1 and item.kind == "chat" and item.turn > 0:
+                item.history.pop()  # the context is full: the conversation ends with its answers
+                return Outcome(item.index, item.record())
             if room < 1:
                 what = ("prompt" if item.kind == "completion"
                         else f"conversation at user turn {item.turn + 1}")
@@ -216,20 +221,23 @@ class Regeneration:
 def regenerate(llm: Any, input_path: str, output_path: str, *, errors_path: str | None = None,
                sampling: SamplingParams = QWEN3_DEFAULTS, enable_thinking: bool | None = False,
                seed: int = 0, window: int | None = None, limit: int | None = None,
-               shard: Shard | None = None, progress: bool = True) -> JobSummary:
+               shard: Shard | None = None, progress: bool = True,
+               deadline: float | None = None) -> JobSummary:
     """Regenerate (or resume regenerating) `input_path` into `output_path` (module docstring).
 
     llm: a `specjax.LLM` with a tokenizer (chat rows need its chat template); sampling: every
     request's parameters (its `seed` is ignored: seeds derive from `seed`); window: rows admitted
     but not yet written (default 4 x max_num_seqs; bounds the reorder buffer); limit: process at
     most this many rows in this run; shard: this process's rows (default
-    jax.process_index()/process_count(); the output gets a shard suffix when count > 1)."""
+    jax.process_index()/process_count(); the output gets a shard suffix when count > 1); deadline:
+    a `time.monotonic()` value past which the run stops, keeping the rows written (a rerun
+    resumes)."""
     if llm.tokenizer is None:
         raise ValueError("regenerate needs a tokenizer (the target directory has no tokenizer files)")
     kind = Regeneration(llm, sampling, enable_thinking=enable_thinking, seed=seed)
     return run_jsonl_job(kind, llm.engine, input_path, output_path, errors_path=errors_path,
                          window=window or 4 * llm.engine.cfg.max_slots, shard=shard, limit=limit,
-                         progress=progress, desc="regenerate")
+                         progress=progress, desc="regenerate", deadline=deadline)
 
 
 __all__ = ["QWEN3_DEFAULTS", "Regeneration", "RowError", "parse_row", "regenerate", "request_seed",

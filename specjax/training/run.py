@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -25,7 +26,9 @@ from specjax import distributed as dist
 from specjax import sharding as shd
 from specjax.config import ConfigError
 from specjax.drafters import registry
+from specjax.io import write_json_atomic
 from specjax.training import features as feat
+from specjax.training.build_outputs import PROGRESS_NAME
 from specjax.training.cache_parts import open_target_caches
 from specjax.training.config import TrainConfig, train_config_dict
 from specjax.training.data import EpochBatches, collate_block_batch
@@ -123,10 +126,12 @@ def export_trained(trainer, state, dcfg, out_dir: str, *, target: Any = None,
 
 
 def train(cfg: TrainConfig, run: Run, *, steps: int | None = None,
-          export_dtype: str | None = None) -> None:
+          export_dtype: str | None = None, deadline: float | None = None) -> None:
     """Train `run` (built from `cfg`; printing a start line and a final line), then export the
-    drafter to `cfg.export_dir`. `steps`: stop after this many optimizer steps in total (default:
-    the schedule's). A preempted run saves a checkpoint and returns (rerun to resume)."""
+    drafter to `cfg.export_dir` with its progress file (`PROGRESS_NAME`). `steps`: stop after
+    this many optimizer steps in total (default: the schedule's). A preempted run saves a
+    checkpoint and returns (rerun to resume). `deadline` (a `time.monotonic()` value): a run that
+    reaches it saves a checkpoint and exports the drafter it has (a rerun continues it)."""
     trainer, data, dcfg = run[:3]
     if dist.is_primary():
         os.makedirs(cfg.checkpoint.directory, exist_ok=True)
@@ -138,8 +143,10 @@ def train(cfg: TrainConfig, run: Run, *, steps: int | None = None,
                       "devices": len(trainer.mesh.devices.flat),
                       "process": f"{jax.process_index()}/{jax.process_count()}",
                       "batch_rows": data.rows.tolist()}), flush=True)
+    t0 = time.monotonic()
+    start = (trainer.latest_checkpoint() or 0) if cfg.checkpoint.resume else 0
     try:
-        result = trainer.fit(data, total_steps=steps)
+        result = trainer.fit(data, total_steps=steps, deadline=deadline)
     finally:
         trainer.close()
     if result.status == "preempted":
@@ -149,6 +156,19 @@ def train(cfg: TrainConfig, run: Run, *, steps: int | None = None,
         # the target's config (a .gguf target has no config.json to copy)
         export_trained(trainer, result.state, dcfg, cfg.export_dir,
                        target=checkpoints.read_target_config(cfg.model.target), dtype=export_dtype)
+        if dist.is_primary():
+            seconds = time.monotonic() - t0
+            write_json_atomic(os.path.join(cfg.export_dir, PROGRESS_NAME), {
+                "step": result.step, "total_steps": steps or trainer.total_steps,
+                "status": result.status, "batch_size": cfg.data.batch_size,
+                "samples": len(data.dataset), "steps_this_run": result.step - start,
+                "seconds_this_run": round(seconds, 1),
+                "steps_per_s": round((result.step - start) / max(seconds, 1e-9), 3),
+                "sequences_per_s": round((result.step - start) * cfg.data.batch_size
+                                         / max(seconds, 1e-9), 2)})
+    if result.status == "time_limit":
+        print(f"time limit: exported the drafter of step {result.step} of "
+              f"{steps or trainer.total_steps}; rerun to continue", flush=True)
     print(f"done: {result.step} steps; last metrics {json.dumps(result.metrics)}", flush=True)
 
 

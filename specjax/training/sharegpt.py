@@ -10,10 +10,12 @@ Records that are not usable (no or empty `conversations`, unknown roles, non-str
 skipped with a counted reason; a top level that is not a list is refused naming the file.
 
 `extract_prompts` turns conversations into prompt rows for `specjax.training.regenerate`: the
-first human turn is the prompt (DeepSpec regenerates the assistant turns with the target; the
-original first reply may be kept as extra training text). Prompts are deduplicated (normalised
-text), filtered by length in target tokens, and any prompt equal to an evaluation prompt is
-dropped. The held-out split is a pure function of the prompt text (`is_heldout`, `SPLIT_RULE`),
+first human turn is the prompt and the later human turns follow it (DeepSpec regenerates every
+assistant turn with the target, each in the context of its own earlier answers; the original
+first reply may be kept as extra training text). Prompts are deduplicated (normalised text),
+filtered by length in target tokens, and any prompt equal to an evaluation prompt is dropped; a
+conversation's later turns stop before the first one that is empty, too long, an evaluation
+prompt or on the held-out side of the split. The held-out split is a pure function of the prompt text (`is_heldout`, `SPLIT_RULE`),
 so it is the same whatever the order, the filters or the machine.
 """
 from __future__ import annotations
@@ -269,15 +271,21 @@ def eval_prompt_keys(paths: Iterable[str | os.PathLike]) -> set[str]:
 
 @dataclasses.dataclass(frozen=True)
 class PromptRow:
-    """One prompt for regeneration; `reference` is the original first reply (or None)."""
+    """One prompt for regeneration; `later` are the conversation's later user turns (kept ones)
+    and `reference` the original first reply (or None)."""
 
     id: str
     prompt: str
     tokens: int
     reference: str | None = None
+    later: tuple[str, ...] = ()
 
     def prompt_record(self) -> dict[str, Any]:
-        """The `train.regenerate` input row."""
+        """The `train.regenerate` input row: every kept user turn."""
+        return {"id": self.id, "turns": [self.prompt, *self.later]}
+
+    def first_turn_record(self) -> dict[str, Any]:
+        """The row of the first user turn alone (held-out prompts)."""
         return {"id": self.id, "turns": [self.prompt]}
 
     def reference_record(self) -> dict[str, Any] | None:
@@ -296,10 +304,13 @@ class PromptReport:
     train: int = 0
     heldout: int = 0
     dropped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    later_turns: int = 0  # later user turns kept in the training rows
+    turns_cut: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def as_dict(self) -> dict[str, Any]:
         return {"conversations": self.conversations, "train": self.train, "heldout": self.heldout,
-                "dropped": dict(sorted(self.dropped.items()))}
+                "dropped": dict(sorted(self.dropped.items())), "later_turns": self.later_turns,
+                "turns_cut": dict(sorted(self.turns_cut.items()))}
 
 
 def count_tokens(tokenizer: Any, text: str) -> int:
@@ -355,12 +366,40 @@ def extract_prompts(conversations: Iterable[Conversation], tokenizer: Any, *,
             continue
         nxt = conv.messages[i + 1] if i + 1 < len(conv.messages) else None
         ref = nxt[1] if nxt is not None and nxt[0] == "assistant" and nxt[1].strip() else None
-        row = PromptRow(id=conv.id, prompt=prompt, tokens=n, reference=ref)
-        (held if is_heldout(key, heldout_fraction) else train).append(row)
+        if is_heldout(key, heldout_fraction):
+            held.append(PromptRow(id=conv.id, prompt=prompt, tokens=n, reference=ref))
+            continue
+        later = later_turns(conv.messages[i + 1:], tokenizer, max_tokens=max_tokens,
+                            heldout_fraction=heldout_fraction, exclude=excluded, report=report)
+        report.later_turns += len(later)
+        train.append(PromptRow(id=conv.id, prompt=prompt, tokens=n, reference=ref,
+                               later=tuple(later)))
     report.train, report.heldout = len(train), len(held)
     return train, held
 
 
+def later_turns(messages: Sequence[tuple[str, str]], tokenizer: Any, *, max_tokens: int,
+                heldout_fraction: float, exclude: set[str], report: PromptReport) -> list[str]:
+    """The user turns of `messages` (a conversation after its first user turn) up to the first
+    that is empty, longer than `max_tokens`, an evaluation prompt or held out (the reason is
+    counted in `report.turns_cut`)."""
+    out = []
+    for role, text in messages:
+        if role != "user":
+            continue
+        key = normalize(text)
+        reason = ("empty" if not key else "evaluation prompt" if key in exclude
+                  else "held out" if is_heldout(key, heldout_fraction)
+                  else f"longer than {max_tokens} tokens"
+                  if count_tokens(tokenizer, text) > max_tokens else None)
+        if reason is not None:
+            report.turns_cut[reason] += 1
+            break
+        out.append(text)
+    return out
+
+
 __all__ = ["Conversation", "PromptReport", "PromptRow", "ReadReport", "SPLIT_RULE", "SkipRecord",
            "count_tokens", "eval_prompt_keys", "prompt_digest", "extract_prompts", "installed_sharegpt_file",
-           "is_heldout", "iter_records", "normalize", "parse_record", "read_conversations"]
+           "is_heldout", "iter_records", "later_turns", "normalize", "parse_record",
+           "read_conversations"]

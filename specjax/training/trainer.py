@@ -120,7 +120,7 @@ def _preemption_reached(step: int) -> bool:
 class FitResult:
     state: TrainState
     step: int
-    status: str  # "completed" | "preempted"
+    status: str  # "completed" | "preempted" | "time_limit"
     metrics: dict[str, float]
 
 
@@ -327,7 +327,7 @@ class Trainer:
     def fit(self, data: ResumableIterator, *, state: TrainState | None = None,
             total_steps: int | None = None,
             on_step: Callable[[int, TrainState, dict[str, Array]], None] | None = None,
-            ) -> FitResult:
+            deadline: float | None = None) -> FitResult:
         """Train until `total_steps` (default the schedule's T) optimizer steps are done.
 
         Resumes from the latest checkpoint when `state` is None. Saves every `save_every` steps
@@ -336,6 +336,8 @@ class Trainer:
         checkpoint stays; the bad state is never saved). With several processes, SIGTERM is left
         to JAX's preemption service: a notice reaching any process stops every process after the
         same step (`multihost_utils.reached_preemption_sync_point`), which all save together.
+        `deadline` (a `time.monotonic()` value): after the first step that ends past it, save and
+        return status "time_limit" (several processes stop at the step process 0 decides).
         """
         total = self.total_steps if total_steps is None else int(total_steps)
         state = self.restore_or_init(data) if state is None else state
@@ -373,6 +375,12 @@ class Trainer:
                 if self._stop_requested(step):
                     self._stop(state, position, step, saved_at, bar)
                     status = "preempted"
+                    break
+                if step < total and self._past(deadline):
+                    if ck is not None and saved_at != step:
+                        self.save(state, position, step=step)
+                    bar.write(f"time limit: stopped at step {step}")
+                    status = "time_limit"
                     break
             if step > start and not last:
                 last = _host_metrics(metrics)
@@ -423,6 +431,18 @@ class Trainer:
         raise NonFiniteLossError(
             f"non-finite loss at optimizer step {step} (loss={loss}, grad_norm={gn}); training "
             f"stopped without applying that update; {where}", step, good)
+
+    @staticmethod
+    def _past(deadline: float | None) -> bool:
+        """Whether `deadline` has passed (process 0's clock decides for every process)."""
+        if deadline is None:
+            return False
+        past = time.monotonic() >= deadline
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            past = bool(multihost_utils.broadcast_one_to_all(np.asarray(past)))
+        return past
 
     def _stop_requested(self, step: int) -> bool:
         """A signal reached this process, or (several processes) a preemption notice any."""

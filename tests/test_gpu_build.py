@@ -1,0 +1,228 @@
+"""The GPU build profile (`train.build_embedded --scale gpu --budget-s N`) end to end on a tiny
+random Llama on the CPU (`--allow-cpu`), in process: a printed plan, regeneration seeded from an
+answers artifact and answering every user turn, online training at batch 64, each stage stopped
+at its share keeping its work (regeneration cut, training cut with a checkpoint and an export),
+a second run with more budget continuing both, the pack that leaves the machine and its unpack,
+and the bad inputs (a budget too small, no accelerator, a pack over the limits, a truncated
+artifact). About a minute and a half on an idle 2-core machine (two budgeted runs)."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pathlib
+import shutil
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from test_build_embedded import EVAL_PROMPT, WORDS, _configs, _tiny_llama_target  # noqa: E402
+
+
+def _sharegpt(root: pathlib.Path, n: int = 40) -> pathlib.Path:
+    """n two-turn conversations of 3-6 words a turn (one first turn is an evaluation prompt)."""
+    import random
+
+    rng = random.Random(1)
+    words = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 6)))
+    recs = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": words()}, {"from": "gpt", "value": "w30 w31"},
+        {"from": "human", "value": words()}, {"from": "gpt", "value": "w32 w33"}]}
+        for i in range(n)]
+    recs[3]["conversations"][0]["value"] = EVAL_PROMPT
+    path = root / "sharegpt.json"
+    path.write_text(json.dumps(recs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpubuild")
+    eval_dir = root / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "set.jsonl").write_text(json.dumps({"turns": [EVAL_PROMPT]}) + "\n")
+    return {"root": root, "target": _tiny_llama_target(root), "sharegpt": _sharegpt(root),
+            "configs": _configs(root), "eval": eval_dir}
+
+
+def _argv(s, *extra: str, work: str = "work", out: str = "out") -> list[str]:
+    r = s["root"]
+    return ["--in-process", "--scale", "gpu", "--allow-cpu", "--target", str(s["target"]),
+            "--out-dir", str(r / out), "--work-dir", str(r / work),
+            "--config-dir", str(s["configs"]), "--eval-dir", str(s["eval"]),
+            "--sharegpt", str(s["sharegpt"]), "--drafters", "dspark", "mtp1", "--rows", "24",
+            "--max-new-tokens", "8", "--prompt-max-tokens", "16", "--steps", "100000",
+            "--calibrate-prompts", "2", "--calibrate-tokens", "4", "--heldout-fraction", "0.2",
+            "--regen-slots", "2", "--min-unit-s", "0.5", *extra]
+
+
+def _seed_artifact(path: pathlib.Path, prompts: list[dict]) -> list[dict]:
+    from specjax.training.answers import write_answers
+
+    rows = [{"id": p["id"], "conversations": [{"role": "user", "content": p["turns"][0]},
+                                              {"role": "assistant", "content": "w40 w41 w42"}]}
+            for p in prompts]
+    write_answers(str(path), rows[::-1])  # any order
+    return rows
+
+
+def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys):
+    from specjax import checkpoints
+    from specjax.drafters import registry
+    from specjax.io import read_jsonl
+    from specjax.training.build_pack import LIMITS
+    from train import build_embedded
+
+    s, r = setup, setup["root"]
+    work, out = r / "work", r / "out"
+    assert build_embedded.main(_argv(s, "--stages", "prepare")) == 0
+    prompts = read_jsonl(work / "sharegpt" / "prompts.jsonl")
+    assert all(len(p["turns"]) == 2 for p in prompts)  # every user turn is kept
+    seed = _seed_artifact(r / "seed.jsonl.gz", prompts[:3])
+    stages = ["--stages", "regenerate", "vocab", "train", "calibrate", "export"]
+
+    # run 1: 25 s of budget; regeneration and training reach their shares
+    capsys.readouterr()
+    rc = build_embedded.main(_argv(s, *stages, "--budget-s", "25", "--seed-answers",
+                                   str(r / "seed.jsonl.gz"), "--pack", str(r / "pack")))
+    printed = capsys.readouterr().out
+    assert rc == 0, printed[-3000:]
+    assert printed.index("budget plan:") < printed.index("] regenerate")
+    assert "train/dspark" in printed.split("budget plan:")[1].split("running")[0]
+    rec = json.loads((out / "BUILD.json").read_text())
+    st = rec["stages"]
+    assert st["regenerate"]["complete"] is False  # cut
+    assert "answer_tokens_per_s" in st["regenerate"]["last_run"]
+    assert read_jsonl(work / "regen_seed.jsonl") == seed  # prompt order, seeded once
+    regen = read_jsonl(work / "regen.jsonl")
+    assert not {x["id"] for x in regen} & {x["id"] for x in seed}  # seeded prompts not redone
+    steps1 = {}
+    for name in ("dspark", "mtp1"):
+        last = st[f"train/{name}"]["last_run"]
+        assert st[f"train/{name}"]["complete"] is False and 1 <= last["step"] < 100000
+        assert last["batch_size"] == 64 and last["status"] == "time_limit"
+        steps1[name] = last["step"]
+        # the drafter trained so far is exported, shipped (lean) and recorded with its maker
+        assert (work / "exports" / name / "config.json").is_file()
+        assert (out / "drafters" / name / "config.json").is_file()
+        assert rec["drafter_builds"][name]["command"].startswith("python -m train.build_embedded")
+        assert rec["drafter_builds"][name]["machine"]["jax_backend"] == "cpu"
+    assert rec["data"]["answers"]["samples"] == len(seed) + len(regen)
+    assert rec["settings"]["budget_s"] is not None
+
+    # the pack: few small files, the answers (seed + new), lean drafters, the record
+    files = sorted(os.listdir(r / "pack"))
+    sizes = [os.path.getsize(r / "pack" / f) for f in files]
+    assert len(files) <= LIMITS.files and max(sizes) <= LIMITS.file_bytes
+    assert {"PACK.json", "BUILD.json", "answers.jsonl.gz", "build.tar.00"} <= set(files)
+    with gzip.open(r / "pack" / "answers.jsonl.gz", "rt") as f:
+        packed = [json.loads(x) for x in f]
+    assert len(packed) == len(seed) + len(regen)
+
+    # run 2: more budget; regeneration resumes (appends) and training continues from run 1
+    rc = build_embedded.main(_argv(s, *stages, "--budget-s", "60", "--seed-answers",
+                                   str(r / "seed.jsonl.gz")))
+    assert rc == 0
+    rec = json.loads((out / "BUILD.json").read_text())
+    regen2 = read_jsonl(work / "regen.jsonl")
+    assert regen2[: len(regen)] == regen and rec["stages"]["regenerate"]["runs"] == 2
+    multi = [x for x in regen2 if len(x["conversations"]) == 4]
+    assert multi, "every user turn is answered"
+    for name in ("dspark", "mtp1"):
+        last = rec["stages"][f"train/{name}"]["last_run"]
+        assert last["step"] > steps1[name] and last["steps_this_run"] == last["step"] - steps1[name]
+
+    # unpack the run-1 pack into a fresh output directory (the shipped layout)
+    assert build_embedded.main(_argv(s, "--unpack", str(r / "pack"), out="shipped",
+                                     work="work_home")) == 0
+    shipped = r / "shipped"
+    target, _ = checkpoints.load_target(s["target"])
+    for name in ("dspark", "mtp1"):
+        registry.load_drafter(shipped / "drafters" / name, target=target)
+        with checkpoints.SafetensorsDir(shipped / "drafters" / name) as rd:
+            assert "embed_tokens.weight" not in rd  # trimmed: no frozen target tensors
+    got = json.loads((shipped / "BUILD.json").read_text())
+    assert set(got["drafter_builds"]) == {"dspark", "mtp1"} and got["unpacked_build"]["stages"]
+    with gzip.open(shipped / "regen" / "answers.jsonl.gz", "rt") as f:
+        assert [json.loads(x) for x in f] == packed
+    assert (r / "work_home" / "logs" / "dspark" / "metrics.jsonl").is_file()
+    assert (shipped / "split.json").is_file()
+
+
+def test_bad_inputs_budget_accelerator_pack_limits_truncated_artifact(setup, capsys):
+    from specjax.training import build as B
+    from specjax.training.build_outputs import BuildError
+    from specjax.training.build_pack import PackLimits, pack
+    from train import build_embedded
+
+    s, r = setup, setup["root"]
+    # no accelerator: refused unless --allow-cpu (this machine has only its CPU)
+    import jax
+
+    if jax.default_backend() == "cpu":
+        argv = [a for a in _argv(s, "--stages", "regenerate") if a != "--allow-cpu"]
+        assert build_embedded.main(argv) == 1
+        assert "--allow-cpu" in capsys.readouterr().err
+    # a budget too small for any stage names the flag; nothing is recorded
+    assert build_embedded.main(_argv(s, "--stages", "vocab", "train", "--budget-s", "0.1",
+                                     work="work_small", out="out_small")) == 1
+    assert "--budget-s 0.1 is too small" in capsys.readouterr().err
+    assert not (r / "out_small" / "BUILD.json").exists()
+
+    work = r / "work"
+    if not (work / "regen.jsonl").is_file():
+        pytest.skip("needs the profile test's work directory")
+    # a truncated artifact: an error naming the file, and the work done stays as it was
+    good = (r / "seed.jsonl.gz").read_bytes()
+    (r / "cut.jsonl.gz").write_bytes(good[: len(good) // 2])
+    spare = r / "work_cut"
+    shutil.copytree(work, spare)
+    os.remove(spare / "regen_seed.jsonl")
+    before = (spare / "regen.jsonl").read_bytes()
+    rc = build_embedded.main(_argv(s, "--stages", "regenerate", "--seed-answers",
+                                   str(r / "cut.jsonl.gz"), work="work_cut"))
+    assert rc == 1 and "cut.jsonl.gz: corrupt or truncated" in capsys.readouterr().err
+    assert (spare / "regen.jsonl").read_bytes() == before
+
+    # a pack over the file limits is refused naming the limit; nothing written
+    settings = B.BuildSettings(target=str(s["target"]), out_dir=str(r / "out"),
+                               work_dir=str(work), config_dir=str(s["configs"]),
+                               drafters=("dspark", "mtp1"), eval_dir=str(s["eval"]),
+                               scale=B.SCALES["gpu"], seed_answers=str(r / "seed.jsonl.gz"))
+    with pytest.raises(BuildError, match=r"over the limit of 3 files"):
+        pack(settings, str(r / "pack_small"), limits=PackLimits(files=3, file_bytes=2**30))
+    with pytest.raises(BuildError, match=r"over the limit of 0.0001 MiB per file"):
+        pack(settings, str(r / "pack_small"), limits=PackLimits(file_bytes=105, files=10**6))
+    with pytest.raises(BuildError, match=r"over the limit of 0.001 MiB in all"):
+        pack(settings, str(r / "pack_small"), limits=PackLimits(total_bytes=1049))
+    assert not (r / "pack_small").exists()
+
+
+def test_a_child_past_its_share_is_stopped_and_the_stage_cut(tmp_path, monkeypatch):
+    """A program stage run as a child process (calibration has no budget flag) is killed at its
+    share plus the grace and the build records the stage as cut, not failed."""
+    from train import build_stages as BS
+
+    (tmp_path / "sleepy.py").write_text("import time\ndef main(a=None):\n    time.sleep(60)\n"
+                                        "if __name__ == '__main__':\n    main()\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert BS.run_child(BS.Step("sleepy", [], timeout_s=1.0)) == BS.TIMED_OUT
+    assert BS.run_child(BS.Step("sleepy", [], timeout_s=None)._replace(module="json.tool",
+                                                                      args=["--help"])) == 0
+
+
+def test_budget_plan_shares_and_floor():
+    from specjax.training.build_budget import Budget, BudgetError
+
+    b = Budget(100.0, min_unit_s=1.0)
+    units = [("regenerate", "regenerate"), ("train/a", "train"), ("train/b", "train"),
+             ("export", "export")]
+    shares = b.plan(units, 100.0)
+    assert abs(sum(shares) - 100.0) < 1e-9 and shares[1] == shares[2]  # a stage splits evenly
+    assert shares[0] > shares[3]
+    with pytest.raises(BudgetError, match=r"--budget-s 3 is too small"):
+        Budget(3.0, min_unit_s=1.0).check(units)
