@@ -69,7 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                        ("reference-rows", "original ShareGPT replies added as training text "
                                           "(cached, not regenerated; default 0)"),
                        ("text-rows", "original ShareGPT replies a drafter trained on text alone "
-                                     "(the standalone LM) reads besides the answers")):
+                                     "(the standalone LM) reads besides the answers"),
+                       ("max-turns", "user turns answered per conversation (default: the "
+                                     "scale's; gpu: every turn)"),
+                       ("context-tokens", "tokens per conversation, regeneration and training "
+                                          "(default: the scale's)")):
         p.add_argument(f"--{name}", type=int, default=None, help=what)
     p.add_argument("--min-unit-s", type=float, default=None,
                    help="with --budget-s: the fewest seconds a stage (or drafter) runs in; one "
@@ -107,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         over = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in (
             "rows", "max-new-tokens", "prompt-max-tokens", "prepare-limit", "steps",
             "calibrate-prompts", "calibrate-tokens", "reference-rows", "text-rows",
-            "min-unit-s")}
+            "max-turns", "context-tokens", "min-unit-s")}
         scale = dataclasses.replace(scale, **{k: v for k, v in over.items() if v is not None})
         gpu = args.scale == "gpu"
         if gpu and not args.unpack and not args.allow_cpu:

@@ -327,7 +327,7 @@ class Build:
             if self.budget is not None and (key, name) in todo:
                 todo = todo[todo.index((key, name)):]
                 self.unit_budget_s = self.budget.share(todo)
-                if self.unit_budget_s < self.budget.min_unit_s:
+                if self.budget.skips(name, self.unit_budget_s):
                     self.log(f"{tag}: {self.unit_budget_s:.0f} s left for it, below "
                              f"{self.budget.min_unit_s:g} s: skipped (rerun with more budget)")
                     continue

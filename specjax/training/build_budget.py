@@ -4,7 +4,8 @@
 The plan is printed before anything runs. At each unit's start its share is recomputed from the
 seconds actually left, over the units still to run, so a unit that finishes early (or is already
 complete) leaves its time to the later ones and one that overran takes it from them. A unit whose
-share falls below `min_unit_s` is skipped; a build whose budget cannot give every unit to run
+share falls below `min_unit_s` is skipped, but the short stages the others need (`ALWAYS`:
+prepare, vocab, export) always run; a build whose budget cannot give every other unit
 `min_unit_s` is refused before it starts."""
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from typing import Sequence
 WEIGHTS = {"prepare": 2.0, "regenerate": 30.0, "cache": 10.0, "vocab": 2.0, "train": 52.0,
            "calibrate": 10.0, "export": 4.0}
 
+ALWAYS = ("prepare", "vocab", "export")  # short, and needed by what follows: never skipped
 UnitRef = tuple[str, str]  # (record key, stage)
+CLOCK = time.monotonic  # the build's clock (a test may freeze it; the stages keep their own)
 
 
 class BudgetError(ValueError):
@@ -29,18 +32,23 @@ class Budget:
 
     total_s: float
     min_unit_s: float
-    start: float = dataclasses.field(default_factory=time.monotonic)
+    start: float = dataclasses.field(default_factory=lambda: CLOCK())
 
     def left(self) -> float:
-        return self.total_s - (time.monotonic() - self.start)
+        return self.total_s - (CLOCK() - self.start)
 
     def check(self, units: Sequence[UnitRef]) -> None:
+        units = [u for u in units if u[1] not in ALWAYS]
         need = self.min_unit_s * len(units)
         if units and self.total_s < need:
             raise BudgetError(
                 f"--budget-s {self.total_s:g} is too small to run any stage: the {len(units)} "
                 f"unit(s) to run ({', '.join(k for k, _ in units)}) need at least "
                 f"{self.min_unit_s:g} s each ({need:g} s)")
+
+    def skips(self, stage: str, share: float) -> bool:
+        """Whether a unit of `stage` with `share` seconds is skipped."""
+        return stage not in ALWAYS and share < self.min_unit_s
 
     @staticmethod
     def weights(units: Sequence[UnitRef]) -> list[float]:
@@ -68,4 +76,4 @@ def format_plan(budget: Budget, units: Sequence[UnitRef]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Budget", "BudgetError", "WEIGHTS", "format_plan"]
+__all__ = ["ALWAYS", "Budget", "BudgetError", "WEIGHTS", "format_plan"]

@@ -110,14 +110,15 @@ def pack(s: "BuildSettings", dest: str, *, limits: PackLimits = LIMITS) -> dict[
     big = {n: len(b) for n, b in files.items() if len(b) > limits.file_bytes}
     if big:
         raise BuildError(f"--pack: {', '.join(f'{n} ({b / MIB:.1f} MiB)' for n, b in big.items())} "
-                         f"over the limit of {limits.file_bytes / MIB:g} MiB per file")
+                         f"over the limit of {limits.file_bytes} bytes "
+                         f"({limits.file_bytes / MIB:g} MiB) per file")
     if len(files) > limits.files:
         raise BuildError(f"--pack: {len(files)} files, over the limit of {limits.files} files "
                          f"({', '.join(files)})")
     total = sum(len(b) for b in files.values())
     if total > limits.total_bytes:
-        raise BuildError(f"--pack: {total / MIB:.1f} MiB in all, over the limit of "
-                         f"{limits.total_bytes / MIB:g} MiB in all")
+        raise BuildError(f"--pack: {total} bytes ({total / MIB:.1f} MiB) in all, over the limit "
+                         f"of {limits.total_bytes} bytes ({limits.total_bytes / MIB:g} MiB) in all")
     os.makedirs(dest, exist_ok=True)
     for n, b in files.items():
         with open(os.path.join(dest, n), "wb") as f:
