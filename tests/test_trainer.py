@@ -172,6 +172,28 @@ def test_exact_resume_and_same_next_batch(tmp_path):
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "a" / "logs"))
 
 
+def test_deadline_saves_and_a_rerun_continues_exactly(tmp_path):
+    """A run past its deadline stops after the step it is in, saving that step (status
+    "time_limit"); the rerun continues to the same parameters as one uninterrupted run."""
+    import time
+
+    n = 5
+    full_tr = _trainer(tmp_path / "a", total=n, save_every=100)
+    full = full_tr.fit(_data())
+    full_tr.close()
+    cut_tr = _trainer(tmp_path / "b", total=n, save_every=100)
+    cut = cut_tr.fit(_data(), deadline=time.monotonic())  # already past: one step, then stop
+    cut_tr.close()
+    assert (cut.step, cut.status) == (1, "time_limit")
+    again_tr = _trainer(tmp_path / "b", total=n, save_every=100)
+    assert again_tr.latest_checkpoint() == 1
+    again = again_tr.fit(_data(), deadline=time.monotonic() + 3600)
+    again_tr.close()
+    assert (again.step, again.status) == (n, "completed")
+    for a, b in zip(_params(full.state), _params(again.state)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_data_positions_cross_epochs():
     d = _data()
     assert d.steps_per_epoch == 8
