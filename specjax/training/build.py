@@ -6,10 +6,14 @@ and when each is complete) and the bookkeeping between stages. `train/build_embe
 Stages, in order; each is skipped when its output is complete and resumes where it stopped:
 
     prepare      ShareGPT prompts -> <work>/sharegpt/{prompts,heldout}.jsonl + manifest.json
-                 (deduplicated, length-filtered, evaluation prompts out)
-    regenerate   the first `rows` training prompts answered by the target through our engine under
-                 its chat template, `regen_slots` requests at a time (resumes by record)
-                 -> <work>/regen.jsonl
+                 (deduplicated, length-filtered, evaluation prompts out; a training row holds
+                 every user turn up to an excluded one)
+    regenerate   the first `rows` training prompts (their first `max_turns` user turns) answered
+                 by the target through our engine under its chat template, each turn on its own
+                 earlier answers, `regen_slots` requests at a time (resumes by record)
+                 -> <work>/regen.jsonl; with `seed_answers` (an answers artifact, gzip JSONL) the
+                 prompts it answered are copied once to <work>/regen_seed.jsonl and not
+                 regenerated (every later stage reads both files)
     cache        the target's hidden taps + final hidden per token of regen.jsonl, offline
                  (tensorstore; resumes after the last complete batch); with `reference_rows`
                  N > 0 also `cache/references`: the original ShareGPT replies of the N training
@@ -28,6 +32,13 @@ Stages, in order; each is skipped when its output is complete and resumes where 
                  with training.json, plus the split manifest and held-out prompts
 
 After each stage `<out>/BUILD.json` records it (`specjax.training.build_record`).
+
+With `budget_s` the build runs within that many seconds of wall time: a plan splitting them
+between the units (stages; a stage of several drafters per drafter) is printed first
+(`specjax.training.build_budget`), each unit gets its share of the time left when it starts, and
+a unit that reaches its share stops and keeps its work instead of failing the build: regeneration
+keeps the rows written, training saves a checkpoint and exports the drafter it has (calibration
+and export then use that export), and the next run continues both.
 """
 from __future__ import annotations
 
@@ -115,7 +126,7 @@ class BuildSettings:
     cache_batch: int = 8
     budget_mb: float = 40.0
     seed: int = 0
-    seed_answers: str | None = None  # answers artifact (gzip JSONL) whose prompts are not regenerated
+    seed_answers: str | None = None  # answers artifact (gzip JSONL): its prompts are not redone
     budget_s: float | None = None  # wall-clock budget of the whole build (`build_budget`)
     command: str | None = None  # the command line that runs the build (recorded per drafter)
 

@@ -175,5 +175,6 @@ def write_split(s: "BuildSettings") -> None:
                     os.path.join(s.out_dir, "prompts", "heldout.jsonl"))
 
 
-__all__ = ["PROGRESS_NAME", "BuildError", "build_vocab_files", "dir_bytes", "export_drafters", "frozen_tensor_names", "lean_copy",
-           "read_draft_vocab", "write_draft_vocab", "write_split"]
+__all__ = ["PROGRESS_NAME", "BuildError", "build_vocab_files", "dir_bytes", "export_drafters",
+           "frozen_tensor_names", "lean_copy", "read_draft_vocab", "write_draft_vocab",
+           "write_split"]

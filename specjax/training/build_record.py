@@ -106,8 +106,9 @@ def machine() -> dict[str, Any]:
 
 def drafter_build(s: "BuildSettings", progress: dict[str, Any] | None) -> dict[str, Any]:
     """Who built a shipped drafter: the machine, the command and the steps trained."""
+    progress = progress or {}
     return {"machine": machine(), "command": s.command, "finished": now(),
-            "steps": (progress or {}).get("step"), "total_steps": (progress or {}).get("total_steps")}
+            "steps": progress.get("step"), "total_steps": progress.get("total_steps")}
 
 
 def data_facts(s: "BuildSettings", wants_text: bool) -> dict[str, Any]:
