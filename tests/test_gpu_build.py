@@ -56,7 +56,7 @@ def _argv(s, *extra: str, work: str = "work", out: str = "out") -> list[str]:
             "--config-dir", str(s["configs"]), "--eval-dir", str(s["eval"]),
             "--sharegpt", str(s["sharegpt"]), "--drafters", "dspark", "mtp1", "--rows", "80",
             "--max-new-tokens", "8", "--prompt-max-tokens", "16", "--context-tokens", "64",
-            "--steps", "12",
+            "--steps", "200",
             "--calibrate-prompts", "2", "--calibrate-tokens", "4", "--heldout-fraction", "0.2",
             "--regen-slots", "1", "--min-unit-s", "0.5", *extra]
 
@@ -111,7 +111,7 @@ def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys, mon
     for name in ("dspark", "mtp1"):
         assert f"train/{name}" in st, printed[-6000:]
         last = st[f"train/{name}"]["last_run"]
-        assert st[f"train/{name}"]["complete"] is False and 1 <= last["step"] < 12
+        assert st[f"train/{name}"]["complete"] is False and 1 <= last["step"] < 200
         assert last["batch_size"] == 64 and last["status"] == "time_limit"
         steps1[name] = last["step"]
         # the drafter trained so far is exported, shipped (lean) and recorded with its maker
@@ -131,15 +131,20 @@ def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys, mon
         packed = [json.loads(x) for x in f]
     assert len(packed) == len(seed) + len(regen)
 
-    # run 2: more budget; regeneration resumes (appends) and training continues from run 1
+    # run 2, with more budget: regeneration resumes (appends) and finishes; then training
+    # continues from run 1's checkpoints
     capsys.readouterr()
-    rc = build_embedded.main(_argv(s, "--stages", "regenerate", "vocab", "train", "export",
-                                   "--budget-s", "300", "--seed-answers", str(r / "seed.jsonl.gz")))
+    seeded = ["--seed-answers", str(r / "seed.jsonl.gz")]
+    rc = build_embedded.main(_argv(s, "--stages", "regenerate", "--budget-s", "300", *seeded))
+    assert rc == 0, capsys.readouterr().out[-3000:]
+    rc = build_embedded.main(_argv(s, "--stages", "vocab", "train", "export", "--budget-s", "30",
+                                   *seeded))
     printed = capsys.readouterr().out
     assert rc == 0, printed[-3000:]
     rec = json.loads((out / "BUILD.json").read_text())
     regen2 = read_jsonl(work / "regen.jsonl")
     assert regen2[: len(regen)] == regen and rec["stages"]["regenerate"]["runs"] == 2
+    assert rec["stages"]["regenerate"]["complete"] and len(regen2) == 80 - len(seed)
     multi = [x for x in regen2 if len(x["conversations"]) == 4]
     assert multi, "every user turn is answered"
     for name in ("dspark", "mtp1"):
