@@ -52,7 +52,7 @@ import yaml
 
 from specjax.io import read_jsonl, write_jsonl_atomic
 from specjax.training.answers import answer_stats, answered, read_answers
-from specjax.training.build_budget import Budget, UnitRef, format_plan
+from specjax.training.build_budget import ALWAYS, Budget, UnitRef, format_plan
 from specjax.training.build_outputs import (PROGRESS_NAME, BuildError, build_vocab_files,
                                             export_drafters, write_split)
 from specjax.training.build_record import (RECORD_NAME, count_rows, drafter_build, load_record,
@@ -318,7 +318,8 @@ class Build:
         self._exported = False
         self.budget = (Budget(settings.budget_s, settings.scale.min_unit_s)
                        if settings.budget_s is not None else None)
-        self.unit_budget_s: float | None = None  # the running unit's share (with a budget)
+        # the running unit's share (with a budget; None for the stages that run whole)
+        self.unit_budget_s: float | None = None
 
     # running -------------------------------------------------------------------------------
     def run(self, stages: Sequence[str] = STAGES) -> None:
@@ -335,14 +336,17 @@ class Build:
             self.log(format_plan(self.budget, todo))
         for i, name, (key, done, work) in units:
             tag = f"[{i}/{len(chosen)}] {key}"
+            self.unit_budget_s = None
             if self.budget is not None and (key, name) in todo:
                 todo = todo[todo.index((key, name)):]
-                self.unit_budget_s = self.budget.share(todo)
-                if self.budget.skips(name, self.unit_budget_s):
-                    self.log(f"{tag}: {self.unit_budget_s:.0f} s left for it, below "
+                share = self.budget.share(todo)
+                if self.budget.skips(name, share):
+                    self.log(f"{tag}: {share:.0f} s left for it, below "
                              f"{self.budget.min_unit_s:g} s: skipped (rerun with more budget)")
                     continue
-                tag += f" (share {self.unit_budget_s:.0f} s)"
+                if name not in ALWAYS:  # the short stages run whole
+                    self.unit_budget_s = share
+                    tag += f" (share {share:.0f} s)"
             self._run_unit(tag, key, done, work)
 
     def _run_unit(self, tag: str, key: str, done: Callable[[], bool],

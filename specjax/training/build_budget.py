@@ -71,8 +71,8 @@ class Budget:
 def format_plan(budget: Budget, units: Sequence[UnitRef]) -> str:
     lines = [f"budget plan: {budget.total_s:.0f} s of wall time over {len(units)} unit(s) "
              f"(each skipped below {budget.min_unit_s:g} s; unspent time passes on)"]
-    for (key, _), s in zip(units, budget.plan(units, budget.total_s)):
-        lines.append(f"  {key:<24} {s:7.1f} s")
+    for (key, stage), s in zip(units, budget.plan(units, budget.total_s)):
+        lines.append(f"  {key:<24} {s:7.1f} s" + ("  (short: runs whole)" if stage in ALWAYS else ""))
     return "\n".join(lines)
 
 
