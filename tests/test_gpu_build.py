@@ -242,3 +242,31 @@ def test_budget_plan_shares_and_floor():
     assert shares[0] > shares[3]
     with pytest.raises(BudgetError, match=r"--budget-s 2.5 is too small"):
         Budget(2.5, min_unit_s=1.0).check(units)  # export always runs: 3 units need 3 s
+
+
+def test_without_prepared_prompts_the_artifact_alone_feeds_training(setup, tmp_path):
+    """A machine without the ShareGPT data (no prepare stage): every answer of the artifact is
+    training data, and calibration reads the shipped held-out prompts."""
+    from specjax.io import read_jsonl
+    from specjax.training import build as B
+    from train import build_stages as BS
+
+    out = tmp_path / "out"
+    (out / "prompts").mkdir(parents=True)
+    (out / "prompts" / "heldout.jsonl").write_text(json.dumps({"id": "h", "turns": ["w11"]}) + "\n")
+    seed = _seed_artifact(tmp_path / "a.jsonl.gz", [{"id": f"p{i}", "turns": [f"w{10 + i}"]}
+                                                    for i in range(3)])
+    s = B.BuildSettings(target=str(setup["target"]), out_dir=str(out), work_dir=str(tmp_path / "w"),
+                        config_dir=str(setup["configs"]), drafters=("dspark", "mtp1"),
+                        eval_dir=str(setup["eval"]), scale=B.SCALES["gpu"],
+                        seed_answers=str(tmp_path / "a.jsonl.gz"))
+    steps = []
+    b = BS.program_build(s, runner=lambda st: steps.append(st) or 0, log=lambda m: None)
+    b.train(b.plans[1])
+    assert sorted(map(json.dumps, read_jsonl(s.regen_seed))) == sorted(map(json.dumps, seed))
+    assert f"data.train_jsonl={json.dumps([s.regen_seed])}" in steps[0].args
+    assert "data.batch_size=64" in steps[0].args and "model.compute_dtype=bfloat16" in steps[0].args
+    os.makedirs(s.export_dir("dspark"))
+    open(os.path.join(s.export_dir("dspark"), "config.json"), "w").close()
+    b.calibrate(b.plans[0])
+    assert steps[1].args[steps[1].args.index("--prompts") + 1] == str(out / "prompts" / "heldout.jsonl")

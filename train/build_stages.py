@@ -135,7 +135,7 @@ class ProgramStages:
 
     def calibrate(self, build: Build, p: DrafterPlan) -> None:
         s, sc = build.s, build.s.scale
-        held = os.path.join(s.sharegpt_dir, "heldout.jsonl")
+        held = build.heldout_prompts
         self._run(build, Step("train.calibrate", [
             "--target", s.target, "--drafter", s.export_dir(p.name), "--prompts", held,
             "--cap", str(sc.calibrate_prompts), "--max-new-tokens", str(sc.calibrate_tokens),

@@ -462,13 +462,27 @@ class Build:
 
     def seed(self) -> None:
         """regen_seed.jsonl = the artifact's answers to wanted prompts, written once (the first
-        regenerate run) so that later runs regenerate the same prompts; a corrupt artifact is an
-        error naming it, before any file of the work directory is touched."""
+        stage that reads answers) so that later runs regenerate the same prompts; without
+        prepared prompts (no prepare stage on this machine) every answer of the artifact. A
+        corrupt artifact is an error naming it, before any file of the work directory is
+        touched."""
         if not self.s.seed_answers or os.path.isfile(self.s.regen_seed):
             return
-        rows = answered(read_answers(self.s.seed_answers), self.wanted_prompts())
+        rows = read_answers(self.s.seed_answers)
+        if os.path.isfile(os.path.join(self.s.sharegpt_dir, "prompts.jsonl")):
+            rows = answered(rows, self.wanted_prompts())
+        else:
+            self.log(f"no prepared prompts in {self.s.sharegpt_dir}: every answer of the artifact "
+                     "is used")
         write_jsonl_atomic(self.s.regen_seed, rows)
-        self.log(f"regenerate: {len(rows)} prompts already answered by {self.s.seed_answers}")
+        self.log(f"{len(rows)} prompts already answered by {self.s.seed_answers}")
+
+    @property
+    def heldout_prompts(self) -> str:
+        """The prepare stage's held-out prompts, else the shipped ones (<out>/prompts)."""
+        held = os.path.join(self.s.sharegpt_dir, "heldout.jsonl")
+        shipped = os.path.join(self.s.out_dir, "prompts", "heldout.jsonl")
+        return held if os.path.isfile(held) or not os.path.isfile(shipped) else shipped
 
     def select_prompts(self) -> int:
         """regen_prompts.jsonl = the first `rows` training prompts not answered by the seed
@@ -544,6 +558,7 @@ class Build:
         return all(os.path.isfile(self.s.vocab_file(n)) for n in self.vocab_sizes())
 
     def vocab(self) -> None:
+        self.seed()
         cov = build_vocab_files(self.s, self.vocab_sizes())
         self.record.setdefault("data", {})["draft_vocab_coverage"] = {str(k): v
                                                                       for k, v in cov.items()}
@@ -571,6 +586,7 @@ class Build:
         (`reference_rows`) and, for a drafter trained on text alone, `text_rows` more replies
         (written here the first time)."""
         s = self.s
+        self.seed()
         files = s.answers_files + ([s.references_out] if s.scale.reference_rows else [])
         if p.text_only and s.scale.text_rows:
             if not os.path.isfile(s.text_out):
@@ -594,7 +610,7 @@ class Build:
                 raise BuildError(f"calibrate/{p.name} needs the trained drafter (stage train)")
             self.log(f"calibrate/{p.name}: no trained drafter yet, skipped")
             return
-        held = os.path.join(self.s.sharegpt_dir, "heldout.jsonl")
+        held = self.heldout_prompts
         if count_rows(held) == 0:
             raise BuildError(f"calibrate needs held-out prompts; {held} has none (raise "
                              "heldout_fraction or read more conversations)")
@@ -615,7 +631,10 @@ class Build:
         if missing and self.budget is None:
             raise BuildError(f"export needs the trained drafters {missing} (stage train)")
         sizes = export_drafters(self.s, plans, lambda p: provenance(self.s, p), self.log)
-        write_split(self.s)
+        if os.path.isfile(os.path.join(self.s.sharegpt_dir, "manifest.json")):
+            write_split(self.s)
+        else:
+            self.log(f"export: no prepare stage here; {self.s.out_dir}/split.json stays as it is")
         builds = self.record.setdefault("drafter_builds", {})
         for p in plans:
             builds[p.name] = drafter_build(self.s, self.train_progress(p))
