@@ -169,6 +169,41 @@ def family_of(architecture: str, *, source: str = "config.json") -> str:
                       f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
+def _hf_architecture(d: Mapping[str, Any], source: str) -> tuple[str, str]:
+    """(architecture, family) of a Hugging Face config: from `architectures[0]` (which must agree
+    with `model_type`), else from `model_type` (default qwen3)."""
+    archs = d.get("architectures") or []
+    model_type = d.get("model_type")
+    if archs:
+        arch = archs[0]
+        family = family_of(arch, source=source)
+        if model_type is not None and model_type != family:
+            raise ConfigError(f"{source}: model_type {model_type!r} does not match architecture "
+                              f"{arch!r} (expected {family!r})")
+        return arch, family
+    family = model_type or "qwen3"
+    if family not in FAMILIES:
+        raise ConfigError(f"{source}: unsupported model_type {family!r}; supported: "
+                          f"{', '.join(FAMILIES)}")
+    return FAMILIES[family][0][0], family
+
+
+def _check_hf_fields(d: Mapping[str, Any], family: str, source: str) -> None:
+    """ConfigError naming a missing required field or an unsupported value."""
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in d]
+    if missing:
+        raise ConfigError(f"{source}: missing field(s) {missing}")
+    act = d.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ConfigError(f"{source}: hidden_act {act!r} is not supported "
+                          f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+    if d.get("mlp_bias"):
+        raise ConfigError(f"{source}: mlp_bias true is not supported (supported: false)")
+    if family != "qwen3" and d.get("use_sliding_window"):
+        raise ConfigError(f"{source}: use_sliding_window true is not supported (supported: false)")
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """A dense decoder of the Qwen3, Llama or Qwen2 family (field names follow Hugging Face).
@@ -253,32 +288,8 @@ class TargetConfig:
 
         Unsupported architectures or field values raise ConfigError naming them and what is
         supported."""
-        archs = d.get("architectures") or []
-        model_type = d.get("model_type")
-        if archs:
-            arch = archs[0]
-            family = family_of(arch, source=source)
-            if model_type is not None and model_type != family:
-                raise ConfigError(f"{source}: model_type {model_type!r} does not match architecture "
-                                  f"{arch!r} (expected {family!r})")
-        else:
-            family = model_type or "qwen3"
-            if family not in FAMILIES:
-                raise ConfigError(f"{source}: unsupported model_type {family!r}; supported: "
-                                  f"{', '.join(FAMILIES)}")
-            arch = FAMILIES[family][0][0]
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in d]
-        if missing:
-            raise ConfigError(f"{source}: missing field(s) {missing}")
-        act = d.get("hidden_act", "silu")
-        if act not in SUPPORTED_ACTIVATIONS:
-            raise ConfigError(f"{source}: hidden_act {act!r} is not supported "
-                              f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
-        if d.get("mlp_bias"):
-            raise ConfigError(f"{source}: mlp_bias true is not supported (supported: false)")
-        if family != "qwen3" and d.get("use_sliding_window"):
-            raise ConfigError(f"{source}: use_sliding_window true is not supported (supported: false)")
+        arch, family = _hf_architecture(d, source)
+        _check_hf_fields(d, family, source)
         _, qk_norm, default_bias = FAMILIES[family]
         rope = d.get("rope_parameters") or {}
         scaling = d.get("rope_scaling") or {}

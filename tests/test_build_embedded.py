@@ -382,23 +382,3 @@ def test_a_text_only_standalone_reads_text_rows_of_original_replies(setup, tmp_p
     assert [r["id"] for r in read_jsonl(text.s.text_out)] == ["c0", "c2"]  # c1 was regenerated
     files = json.dumps([text.s.regen_out, text.s.text_out])
     assert any(a == f"data.train_jsonl={files}" for a in steps[1].args)
-
-
-def test_the_library_names_and_imports_no_program():
-    """specjax imports nothing from the programs (train/, serve/, bench/, experiments/) and names
-    none of their modules in a string (the build's program stages launch from train.build_stages)."""
-    import ast
-    import re
-
-    programs = ("train", "serve", "bench", "experiments")
-    named = re.compile(r"^(%s)\.\w+$" % "|".join(programs))
-    for path in sorted((REPO / "specjax").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            mods = []
-            if isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                mods = [node.module or ""]
-            assert not any(m.split(".")[0] in programs for m in mods), (path, mods)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                assert not named.match(node.value), (path, node.value)

@@ -406,26 +406,6 @@ def test_gradients_skip_frozen_embedding_and_lm_head(kind, target, drafters):
     assert isinstance(d, (Eagle3Drafter, MTPDrafter))
 
 
-def test_drafters_import_no_training_engine_or_serving():
-    """The import layers: no module of `specjax.drafters` imports the training package, the
-    decoding engine or serving (at module level or inside a function)."""
-    import ast
-    import pathlib
-
-    import specjax.drafters
-
-    banned = ("specjax.training", "specjax.decoding.engine", "specjax.serving", "train", "serve",
-              "bench")
-    bad = []
-    for path in sorted(pathlib.Path(specjax.drafters.__path__[0]).glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            bad += [f"{path.name}: {n}" for n in names
-                    if any(n == b or n.startswith(b + ".") for b in banned)]
-    assert not bad, bad
-
-
 def test_every_kind_is_one_table_entry():
     """`registry.KINDS` holds each kind's (config, build, load, save, objective); the kinds with
     files dispatch by architecture and by drafter class."""
