@@ -245,7 +245,8 @@ def test_exporting_one_drafter_counts_the_others_already_shipped(setup, capsys):
 
 
 def test_cache_drafters_must_share_tap_layers(setup, tmp_path):
-    from specjax.training import build as B
+    from specjax.training import build_outputs as BO
+    from specjax.training import build_plan as B
     from train import build_stages as BS
 
     cfgs = tmp_path / "configs"
@@ -256,13 +257,13 @@ def test_cache_drafters_must_share_tap_layers(setup, tmp_path):
     s = B.BuildSettings(target=str(setup["target"]), out_dir=str(tmp_path / "o"),
                         work_dir=str(tmp_path / "w"), config_dir=str(cfgs), drafters=("a", "b"),
                         eval_dir=str(setup["eval"]), scale=B.SCALES["smoke"])
-    with pytest.raises(B.BuildError, match=r"b.yaml: model.target_layer_ids \[1\] differ"):
+    with pytest.raises(BO.BuildError, match=r"b.yaml: model.target_layer_ids \[1\] differ"):
         BS.program_build(s, runner=lambda step: 0)
     # MTP-1 reads only the cache's final hidden state: it needs no tap layers of its own
     (cfgs / "m.yaml").write_text(yaml.safe_dump({"model": {"kind": "mtp"}, "data": {"mode": "cache"}}))
     assert BS.program_build(B.BuildSettings(**{**s.__dict__, "drafters": ("a", "m")}),
                             runner=lambda st: 0).layers == (0, 1)
-    with pytest.raises(B.BuildError, match="no training config"):
+    with pytest.raises(BO.BuildError, match="no training config"):
         BS.program_build(B.BuildSettings(**{**s.__dict__, "drafters": ("zzz",)}), runner=lambda st: 0)
     assert not os.path.exists(tmp_path / "o")
 
@@ -291,7 +292,8 @@ def test_reference_rows_without_cache_drafters_still_write_the_training_file(set
 
     from serving_fixtures import write_jsonl
     from specjax.io import read_jsonl
-    from specjax.training import build as B
+    from specjax.training import build_outputs as BO
+    from specjax.training import build_plan as B
     from train import build_stages as BS
 
     cfgs = tmp_path / "configs"
@@ -318,7 +320,7 @@ def test_reference_rows_without_cache_drafters_still_write_the_training_file(set
     b.train(b.plans[0])
     assert any('data.train_jsonl=["' in a and "references_2.jsonl" in a for a in steps[0].args)
     write_jsonl(work / "regen_prompts.jsonl", [conv(i) | {"turns": [f"q{i}"]} for i in range(5)])
-    with pytest.raises(B.BuildError, match="no original reply to add"):
+    with pytest.raises(BO.BuildError, match="no original reply to add"):
         BS.program_build(dataclasses.replace(s, scale=dataclasses.replace(s.scale, reference_rows=3)),
                          runner=lambda st: 0, log=lambda m: None).run(["cache"])
 
@@ -344,7 +346,7 @@ def test_a_text_only_standalone_reads_text_rows_of_original_replies(setup, tmp_p
 
     from serving_fixtures import write_jsonl
     from specjax.io import read_jsonl
-    from specjax.training import build as B
+    from specjax.training import build_plan as B
     from train import build_stages as BS
 
     cfgs = tmp_path / "configs"

@@ -170,7 +170,7 @@ def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys, mon
 
 
 def test_bad_inputs_budget_accelerator_pack_limits_truncated_artifact(setup, capsys):
-    from specjax.training import build as B
+    from specjax.training import build_plan as B
     from specjax.training.build_outputs import BuildError
     from specjax.training.build_pack import PackLimits, pack
     from train import build_embedded
@@ -248,7 +248,7 @@ def test_without_prepared_prompts_the_artifact_alone_feeds_training(setup, tmp_p
     """A machine without the ShareGPT data (no prepare stage): every answer of the artifact is
     training data, and calibration reads the shipped held-out prompts."""
     from specjax.io import read_jsonl
-    from specjax.training import build as B
+    from specjax.training import build_plan as B
     from train import build_stages as BS
 
     out = tmp_path / "out"

@@ -34,7 +34,8 @@ import sys
 import time
 from typing import Sequence
 
-from specjax.training import build as B
+from specjax.training import build_plan as B
+from specjax.training.build_outputs import BuildError
 from specjax.training.answers import ANSWERS_NAME
 from specjax.training.build_pack import pack, unpack
 from train.build_stages import program_build, run_child, run_in_process
@@ -147,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.pack:
             man = pack(settings, args.pack)
             _log(f"packed {len(man['files']) + 1} files ({sum(f['bytes'] for f in man['files'].values()) / 2**20:.1f} MiB) -> {args.pack}")
-    except (B.BuildError, ValueError, dt.EmbeddedTargetError) as e:
+    except (BuildError, ValueError, dt.EmbeddedTargetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     _log(f"recorded total {build.record.get('total_wall_s', 0):.0f} s -> {settings.record_path}"

@@ -19,7 +19,9 @@ import subprocess
 import sys
 from typing import Callable, NamedTuple, Sequence
 
-from specjax.training.build import Build, BuildError, BuildSettings, DrafterPlan
+from specjax.training.build import Build
+from specjax.training.build_outputs import BuildError
+from specjax.training.build_plan import BuildSettings, DrafterPlan
 
 
 SOFT_SHARE = 0.85

@@ -12,7 +12,7 @@ import numpy as np
 from specjax.io import read_jsonl, write_json_atomic
 
 if TYPE_CHECKING:
-    from specjax.training.build import BuildSettings, DrafterPlan
+    from specjax.training.build_plan import BuildSettings, DrafterPlan
 
 
 class BuildError(RuntimeError):

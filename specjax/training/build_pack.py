@@ -35,7 +35,7 @@ from specjax.training.build_outputs import BuildError, dir_bytes
 from specjax.training.build_record import RECORD_NAME, load_record
 
 if TYPE_CHECKING:
-    from specjax.training.build import BuildSettings
+    from specjax.training.build_plan import BuildSettings
 
 PACK_NAME = "PACK.json"
 TAR_NAME = "build.tar"

@@ -17,7 +17,7 @@ from specjax.io import read_jsonl, write_json_atomic
 from specjax.training.build_outputs import dir_bytes
 
 if TYPE_CHECKING:
-    from specjax.training.build import BuildSettings, DrafterPlan
+    from specjax.training.build_plan import BuildSettings, DrafterPlan
 
 RECORD_NAME = "BUILD.json"
 

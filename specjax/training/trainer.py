@@ -361,13 +361,7 @@ class Trainer:
                 if on_step is not None:
                     on_step(step, state, metrics)
                 if every and (step % every == 0 or step == total):
-                    last = _host_metrics(metrics)
-                    dt = time.time() - t0
-                    last["elapsed_s"] = dt
-                    last["steps_per_s"] = (step - start) / dt if dt > 0 else 0.0
-                    if logger is not None:
-                        logger.log(step, last)
-                    bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last.get('lr', 0.0):.2e}")
+                    last = self._log(step, metrics, step - start, t0, logger, bar)
                 bar.update(1)
                 if ck is not None and (step % ck.save_every == 0 or step == total):
                     self.save(state, position, step=step)
@@ -377,9 +371,7 @@ class Trainer:
                     status = "preempted"
                     break
                 if step < total and self._past(deadline):
-                    if ck is not None and saved_at != step:
-                        self.save(state, position, step=step)
-                    bar.write(f"time limit: stopped at step {step}")
+                    self._stop_at_deadline(state, position, step, saved_at, bar)
                     status = "time_limit"
                     break
             if step > start and not last:
@@ -391,6 +383,26 @@ class Trainer:
                 logger.close()
             self.wait()
         return FitResult(state, step, status, last)
+
+    def _log(self, step: int, metrics: dict[str, Array], steps_done: int, t0: float, logger: MetricsLogger | None,
+             bar: Any) -> dict[str, Any]:
+        """Host metrics of `step` (elapsed time since t0, steps/s of the `steps_done` since then) to the
+        metrics log and the progress bar."""
+        last = _host_metrics(metrics)
+        dt = time.time() - t0
+        last["elapsed_s"] = dt
+        last["steps_per_s"] = steps_done / dt if dt > 0 else 0.0
+        if logger is not None:
+            logger.log(step, last)
+        bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last.get('lr', 0.0):.2e}")
+        return last
+
+    def _stop_at_deadline(self, state: TrainState, position: dict[str, Any], step: int, saved_at: int | None,
+                          bar: Any) -> None:
+        """The time limit: save unless this step is saved already."""
+        if self.checkpoint_cfg is not None and saved_at != step:
+            self.save(state, position, step=step)
+        bar.write(f"time limit: stopped at step {step}")
 
     def _progress(self, total: int, step: int) -> tuple[MetricsLogger | None, Any]:
         """The metrics logger and progress bar of `fit` (process 0 alone logs and shows them)."""
