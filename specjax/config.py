@@ -169,6 +169,23 @@ def family_of(architecture: str, *, source: str = "config.json") -> str:
                       f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
+LAYER_DIM_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads", "head_dim")
+
+
+def check_layer_dims(cfg: Any, *extra: str) -> None:
+    """The layer-dimension checks every model config shares (the target's and each drafter's
+    `LayerDims`): LAYER_DIM_FIELDS and `extra` positive integers, query heads a multiple of K/V
+    heads. ConfigError names the field."""
+    for name in LAYER_DIM_FIELDS + extra:
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"field '{name}' must be an integer > 0, got {v!r}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(f"field 'num_attention_heads' ({cfg.num_attention_heads}) must be a "
+                          f"multiple of 'num_key_value_heads' ({cfg.num_key_value_heads})")
+
+
 def _hf_architecture(d: Mapping[str, Any], source: str) -> tuple[str, str]:
     """(architecture, family) of a Hugging Face config: from `architectures[0]` (which must agree
     with `model_type`), else from `model_type` (default qwen3)."""
@@ -237,14 +254,7 @@ class TargetConfig:
     attention_bias: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"field '{name}' must be > 0, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"field 'num_attention_heads' ({self.num_attention_heads}) must be a multiple of "
-                f"'num_key_value_heads' ({self.num_key_value_heads})")
+        check_layer_dims(self, "num_hidden_layers")
         if self.model_type not in FAMILIES:
             raise ConfigError(f"field 'model_type' {self.model_type!r} is not supported "
                               f"(supported: {', '.join(FAMILIES)})")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.checkpoints.common import KeyMap
-from specjax.config import ConfigError, TargetConfig, check_positive, coerce_floats
+from specjax.config import ConfigError, TargetConfig, check_layer_dims, check_positive, coerce_floats
 from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.models import cache as kvc
@@ -33,19 +33,10 @@ from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sampl
 
 Array = jax.Array
 _INIT_STD = 0.02
-_DIM_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-               "num_key_value_heads", "head_dim")
 
 
 # ------------------------------------------------------------------------------------------------
 # layer dimensions
-
-
-def _positive_int(obj: Any, *names: str) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ConfigError(f"field '{name}' must be an integer > 0, got {v!r}")
 
 
 def drafter_rope(target: TargetConfig) -> dict[str, Any]:
@@ -80,10 +71,7 @@ class LayerDims:
     draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
-        _positive_int(self, *_DIM_FIELDS)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"field 'num_attention_heads' ({self.num_attention_heads}) must be a "
-                              f"multiple of 'num_key_value_heads' ({self.num_key_value_heads})")
+        check_layer_dims(self)
         if self.rms_norm_eps <= 0:
             raise ConfigError(f"field 'rms_norm_eps' must be > 0, got {self.rms_norm_eps}")
         self.layer_config()  # validates the rope fields
