@@ -11,11 +11,11 @@ import pytest
 try:
     from tests.engine_fixtures import tiny_target
     from tests.reference_decode import continuation_logits
-    from tests.serving_fixtures import shared_tiny_llm, tiny_chat_tokenizer
+    from tests.serving_fixtures import http_json, shared_tiny_llm, tiny_chat_tokenizer
 except ImportError:  # tests/ itself on sys.path
     from engine_fixtures import tiny_target
     from reference_decode import continuation_logits
-    from serving_fixtures import shared_tiny_llm, tiny_chat_tokenizer
+    from serving_fixtures import http_json, shared_tiny_llm, tiny_chat_tokenizer
 
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.drafters.ngram import NGramDrafter
@@ -93,3 +93,100 @@ def test_logprobs_are_opt_in_and_bounded(engines):
     assert all(r.output_logprobs == [] for r in reqs)
     with pytest.raises(ValueError, match="logprobs must be in"):
         engs["spec"].add_request(EngineRequest(request_id="x", prompt_ids=[5], max_tokens=2, logprobs=K + 1))
+
+
+def _reference_at(model, seq: list[int], start: int, sampling: dict) -> np.ndarray:
+    """log p(seq[j] | seq[:j]) over the vocabulary for j >= start, after `sampling`'s transform: [n, V]."""
+    logits = continuation_logits(model, [seq], start)[0]
+    t = sampling.get("temperature", 1.0) or 1.0
+    sa = SamplingArrays(jnp.full((1,), t, jnp.float32), jnp.full((1,), sampling.get("top_k", 0), jnp.int32),
+                        jnp.full((1,), sampling.get("top_p", 1.0), jnp.float32))
+    with np.errstate(divide="ignore"):
+        return np.log(np.asarray(probs_from_logits(jnp.asarray(logits, jnp.float32)[None], sa))[0])
+
+
+def _check_prompt_entries(ref: np.ndarray, prompt: list[int], entries, k: int) -> None:
+    assert len(entries) == len(prompt) - 1
+    np.testing.assert_allclose([e[0] for e in entries], ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-5)
+    for j, (_, ids, lps) in enumerate(entries):
+        assert len(ids) == k and lps == sorted(lps, reverse=True)
+        finite = np.isfinite(lps)
+        np.testing.assert_allclose(np.array(lps)[finite], ref[j, ids][finite], atol=1e-5)
+        np.testing.assert_allclose(np.array(lps)[finite], np.sort(ref[j])[::-1][:k][finite], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["plain", "spec"])
+def test_prompt_scores_equal_the_teacher_forced_target_distribution(engines, kind):
+    """Echo's prompt log-likelihoods (the `score` program), greedy and sampled, with and without a drafter."""
+    model, engs = engines
+    eng = engs[kind]
+    before = eng.runner.compile_counts()["score"]
+    for p in PROMPTS:
+        for sp in SAMPLING:
+            req = EngineRequest(request_id="s", prompt_ids=p, max_tokens=1, logprobs=K, **sp)
+            _check_prompt_entries(_reference_at(model, p, 1, sp), p, eng.score(req), K)
+    assert eng.runner.compile_counts()["score"] == before  # warmed at start: scoring never compiles
+    with pytest.raises(ValueError, match="largest bucket"):
+        eng.score(EngineRequest(request_id="s", prompt_ids=[5] * 17, max_tokens=1, logprobs=K))
+
+
+@pytest.fixture(scope="module")
+def served():
+    from specjax.serving.http_server import ServerThread
+    from specjax.serving.openai_api import OpenAIApp
+    llm = shared_tiny_llm()
+    api = OpenAIApp.from_llm(llm, model_name="tiny", tokenizer=tiny_chat_tokenizer())
+    server = ServerThread(api)
+    try:
+        yield llm, server.url
+    finally:
+        server.stop()
+        api.engine.drain(60)
+        api.engine.shutdown()
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=30, top_p=0.95, seed=7)])
+def test_echo_returns_the_prompt_with_its_logprobs(served, sampling):
+    llm, url = served
+    prompt = [5, 6, 7, 9, 5, 6, 7, 9, 11]
+    tok = tiny_chat_tokenizer()
+    text = tok.decode(prompt)
+    body = {"prompt": text, "max_tokens": 4, **sampling}
+    _, plain = http_json(url + "/v1/completions", "POST", {**body, "logprobs": 3})
+    status, echo = http_json(url + "/v1/completions", "POST", {**body, "echo": True, "logprobs": 3})
+    assert status == 200, echo
+    c, p = echo["choices"][0], plain["choices"][0]
+    if sampling["temperature"] == 0 or "seed" in sampling:
+        assert c["token_ids"] == p["token_ids"]
+        assert c["text"] == text + p["text"]
+    lp, n = c["logprobs"], len(prompt)
+    assert lp["tokens"][:n] == [tok.decode([t]) for t in prompt] and len(lp["tokens"]) == n + len(c["token_ids"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    offsets = np.cumsum([0] + [len(t) for t in lp["tokens"]])[:-1].tolist()
+    assert lp["text_offset"] == offsets
+    ref = _reference_at(llm.model, prompt, 1, sampling)
+    ref = np.maximum(ref, -9999.0)
+    np.testing.assert_allclose(lp["token_logprobs"][1:n], ref[np.arange(n - 1), prompt[1:]], atol=1e-5)
+    for j in range(1, n):
+        top = lp["top_logprobs"][j]
+        assert len(top) == 3
+        np.testing.assert_allclose(sorted(top.values(), reverse=True), np.sort(ref[j - 1])[::-1][:3], atol=1e-5)
+    np.testing.assert_allclose(lp["token_logprobs"][n:], p["logprobs"]["token_logprobs"], atol=1e-5)
+    # without logprobs: the text only; max_tokens 0: the prompt alone (with its logprobs)
+    status, bare = http_json(url + "/v1/completions", "POST", {**body, "echo": True})
+    assert status == 200 and bare["choices"][0]["logprobs"] is None and bare["choices"][0]["text"].startswith(text)
+    status, only = http_json(url + "/v1/completions", "POST", {**body, "echo": True, "logprobs": 3, "max_tokens": 0,
+                                                               "n": 2})
+    assert status == 200, only
+    assert [ch["text"] for ch in only["choices"]] == [text, text] and only["usage"]["completion_tokens"] == 0
+    assert only["choices"][1]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:n]
+
+
+def test_echo_refusals(served):
+    _, url = served
+    for body, param, words in [({"prompt": [5, 6], "max_tokens": 0}, "max_tokens", "only with 'echo'"),
+                               ({"prompt": [5, 6], "echo": True, "stream": True}, "echo", "stream"),
+                               ({"prompt": [5] * 33, "echo": True, "logprobs": 1}, "prompt", "at most 32"),
+                               ({"prompt": [5, 6], "max_tokens": -1, "echo": True}, "max_tokens", "positive")]:
+        status, r = http_json(url + "/v1/completions", "POST", body)
+        assert status == 400 and r["error"]["param"] == param and words in r["error"]["message"], r

@@ -221,6 +221,8 @@ class Engine:
         """Every (family, bucket) this engine may execute under its policy."""
         keys: list[tuple[str, tuple[int, ...]]] = [("prefill", (pb, p)) for pb in self.prefill_batches
                                                     for p in self.buckets.prefill]
+        if self.cfg.max_logprobs > 0:  # echo's prompt log-likelihoods, one prompt per call
+            keys += [("score", (1, p)) for p in self.buckets.prefill]
         tokens = self.buckets.tokens
         for sb in self.buckets.slots:
             for family, max_ell in self.planner.families.items():
@@ -270,6 +272,21 @@ class Engine:
                              f"(the engine's max_logprobs), got {req.logprobs}")
         req.metrics.start_time = time.perf_counter()
         self.queue.append(req)
+
+    def score(self, req: EngineRequest) -> list[tuple[float, list[int], list[float]]]:
+        """The `output_logprobs` entries of prompt tokens 1.. given the tokens before them (echo),
+        under `req`'s sampling as for generated tokens; one cache-free target pass, no slot used,
+        safe beside the engine's loop. The prompt must fit the largest prefill bucket."""
+        n = len(req.prompt_ids)
+        if self.cfg.max_logprobs == 0 or not 0 <= (req.logprobs or 0) <= self.cfg.max_logprobs:
+            raise ValueError(f"request {req.request_id}: logprobs must be in [0, {self.cfg.max_logprobs}]")
+        plen = bk.pick(self.buckets.prefill, n, what="prompt length to score")
+        toks = np.zeros((1, plen), np.int32)
+        toks[0, :n] = req.prompt_ids
+        ints = np.array([[n], [0], [0], [req.top_k]], np.int32)
+        floats = np.array([[req.temperature], [req.top_p]], np.float32)
+        outs = jax.device_get(self.runner.run("score", (1, plen), tokens_bt=toks, ints_4b=ints, floats_2b=floats))
+        return _token_logprobs(req, outs, 0, n - 1)
 
     @property
     def num_active(self) -> int:

@@ -7,6 +7,7 @@ A round, for the rows [0:sb] of the slots:
   verify  -> one target pass over [anchor, d_1..d_{tb-1}] (tb = tokens bucket >= 1 + max ell),
              exact chain rejection sampling, commit: cache lengths += accepted + 1, drafter context
              appended with the anchor and accepted drafts, new anchor = the corrected/bonus token.
+`score` (echo's prompt log-likelihoods) is a cache-free target pass that touches no state.
 `fused` is draft and verify in one call (lengths known before drafting); `lite` is a plain
 decoding step that taps nothing and leaves the drafter's context behind.
 Per-round row inputs travel packed (one host->device copy each): rounds take ints_4b = (ell,
@@ -212,3 +213,15 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, tokens_bt,
     anchors = anchors.at[slot_p].set(tok, mode="drop")
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors)
     return cache, dstate, anchors, {"tokens": tok[:, None], **_logprobs(ctx, out.logits, sa, tok[:, None])}
+
+
+def score(ctx: Context, t_params, tokens_bt, ints_4b, floats_2b):
+    """Prompt log-likelihoods, cache-free (no state touched): position t of row p holds the
+    `_logprobs` entries of token t + 1 given tokens 0..t. ints_4b = (n_valid, -, -, top_k).
+    Returns a 1-tuple (the runner's output layout)."""
+    target = nnx.merge(ctx.t_graph, t_params)
+    positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+    out = target.forward(tokens_bt, positions, None, ints_4b[0], logits="all")
+    sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1])
+    nxt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros_like(tokens_bt[:, :1])], axis=1)
+    return (_logprobs(ctx, out.logits, sa, nxt),)

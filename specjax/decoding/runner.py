@@ -56,6 +56,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            ("t_params", "d_params", *_STATE, "draft_bg", "q_bgv", "conf_bg", "ints_4b", "floats_2b", "keys_b2",
             "ctrl_2", "stop_ids"),
            (*_STATE, "outs"), ("rows", "tokens"), donate=_STATE, static=("tokens",)),
+    Family("score", programs.score, ("t_params", "tokens_bt", "ints_4b", "floats_2b"), ("outs",), ("rows", "plen")),
 )}
 STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "cache_lengths", "stop_ids")
 # per-call inputs: (shape, dtype) from the bucket sizes (+ "gamma" columns, "vocab")

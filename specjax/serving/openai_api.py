@@ -14,8 +14,13 @@ seed + i when a seed is given); `stop` a string or a list; `max_completion_token
 `max_tokens`; `stream_options.include_usage`. Log-probabilities (chat `logprobs` + `top_logprobs`,
 completions `logprobs`, at most the engine's `max_logprobs`) are those of the target's distribution
 after the request's temperature, top-k and top-p, with temperature 0 read as 1 (vLLM's processed
-log-probabilities); speculation does not change them. Not served (400 naming the field): `echo`,
-`best_of`, `suffix`, penalties, `logit_bias`, tools.
+log-probabilities); speculation does not change them. Completions' `echo` puts the prompt's text
+before each choice's text and, with `logprobs`, the prompt tokens' entries before the generated ones
+(the first prompt token's log-probability and alternatives are null; the others are scored by the
+engine's cache-free `score` program under the same distribution); `max_tokens` 0 is allowed only
+with `echo` (the prompt alone). Echo with logprobs needs the prompt to fit the engine's largest
+prefill bucket (no chunking: 400 naming the limit); echo is not streamed. Not served (400 naming
+the field): `best_of`, `suffix`, penalties, `logit_bias`, tools.
 
 Status codes: 400 bad or unsupported fields, prompts or max_tokens over the limits; 404 unknown
 model; 503 when the engine's waiting queue is full or the engine is not running; 504 when a request
@@ -30,6 +35,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
+from specjax.decoding.engine import EngineRequest, RequestMetrics
 from specjax.serving.metrics import ServingMetrics, request_spec_metrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.errors import ENGINE_REJECTED, APIError
@@ -64,7 +70,7 @@ class ServerLimits:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
-_UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None,
+_UNSUPPORTED = {"best_of": 1, "suffix": None,
                 "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
                 "tool_choice": None, "functions": None, "use_beam_search": False}
 _LOGPROB_FLOOR = -9999.0  # what -inf is sent as (JSON has no infinities; vLLM's value)
@@ -95,6 +101,9 @@ class _Parsed:
     include_usage: bool
     n: int
     logprobs: int | None  # top alternatives per token (0: the token's own); None: no log-probabilities
+    echo: bool = False  # completions: the prompt before the completion (text and logprobs)
+    generate: bool = True  # False: max_tokens 0 with echo (nothing is generated)
+    prompt_text: str | None = None  # a string prompt as sent (echo)
 
 
 class OpenAIApp:
@@ -161,6 +170,7 @@ class OpenAIApp:
             raise APIError(400, f"'{what}' has {n_prompt} tokens; the limit is {self.max_prompt_tokens} "
                                 f"(max_model_len {self.max_model_len})", param=what, code="context_length_exceeded")
         fields = {k: body[k] for k in SAMPLING_FIELDS if k in body}
+        echo = False if chat else self._echo_asked(body, fields, n_prompt, logprobs)
         mt_name = "max_tokens"
         if chat and body.get("max_completion_tokens") is not None:
             mt_name, fields["max_tokens"] = "max_completion_tokens", body["max_completion_tokens"]
@@ -185,7 +195,27 @@ class OpenAIApp:
         if bad_stop:
             raise APIError(400, f"'stop_token_ids' holds {bad_stop[0]}, outside the vocabulary [0, "
                                 f"{self.vocab_size})", param="stop_token_ids")
-        return _Parsed(prompt_ids, sp, stream, include_usage, n, logprobs)
+        prompt_text = body["prompt"] if echo and isinstance(body["prompt"], str) else None
+        return _Parsed(prompt_ids, sp, stream, include_usage, n, logprobs, echo, body.get("max_tokens") != 0,
+                       prompt_text)
+
+    def _echo_asked(self, body: dict[str, Any], fields: dict[str, Any], n_prompt: int, logprobs: int | None) -> bool:
+        """Completions' `echo`: not streamed; with logprobs the prompt must fit the largest prefill
+        bucket; `max_tokens` 0 only with it (then `fields` asks for 1 token, which is not generated)."""
+        echo = bool(body.get("echo"))
+        if body.get("max_tokens") == 0:
+            if not echo:
+                raise APIError(400, "'max_tokens' must be a positive integer, got 0 (0 only with 'echo': true)",
+                               param="max_tokens")
+            fields["max_tokens"] = 1
+        if echo and body.get("stream"):
+            raise APIError(400, "'echo' is not served with 'stream': true", param="echo")
+        limit = self.engine.engine.buckets.prefill[-1]
+        if echo and logprobs is not None and n_prompt > limit:
+            raise APIError(400, f"'prompt' has {n_prompt} tokens; 'echo' with 'logprobs' scores prompts of at most "
+                                f"{limit} tokens (this engine's largest prefill bucket)", param="prompt",
+                           code="context_length_exceeded")
+        return echo
 
     def _logprobs_asked(self, body: dict[str, Any], chat: bool) -> int | None:
         """Chat: `logprobs` true (+ `top_logprobs` k); completions: `logprobs` k. Bounded by the engine."""
@@ -269,7 +299,7 @@ class OpenAIApp:
         holdback = max((len(s) for s in parsed.sp.stop or ()), default=0)
         streams: list[RequestStream] = []
         try:
-            for i in range(parsed.n):
+            for i in range(parsed.n if parsed.generate else 0):
                 sp = dataclasses.replace(parsed.sp, logprobs=parsed.logprobs)
                 if sp.seed is not None and i:
                     sp = dataclasses.replace(sp, seed=sp.seed + i)
@@ -294,14 +324,17 @@ class OpenAIApp:
         return f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _logprobs_block(self, parsed: _Parsed, req: Any, a: int, b: int, chat: bool,
-                        text_offset: int = 0) -> dict[str, Any] | None:
+                        text_offset: int = 0, echoed: tuple[list[int], list[Any]] | None = None
+                        ) -> dict[str, Any] | None:
         """OpenAI's `logprobs` object for output tokens a..b-1 (chat: `content`; completions: `tokens`,
         `token_logprobs`, `top_logprobs`, `text_offset`: where each token's text starts in the tokens'
-        texts joined, from `text_offset`). -inf (outside top-k / top-p) is sent as -9999."""
+        texts joined, from `text_offset`), after `echoed` = (prompt ids, their entries: None for the
+        first token) when echoing. -inf (outside top-k / top-p) is sent as -9999."""
         if parsed.logprobs is None:
             return None
-        entries = req.output_logprobs[a:b]
-        ids = req.output_ids[a:b]
+        pre_ids, pre = echoed or ([], [])
+        entries = list(pre) + req.output_logprobs[a:b]
+        ids = list(pre_ids) + req.output_ids[a:b]
 
         def num(x: float) -> float:
             return max(float(x), _LOGPROB_FLOOR)
@@ -316,9 +349,9 @@ class OpenAIApp:
         for text in tokens:
             offsets.append(text_offset)
             text_offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [num(lp) for lp, _, _ in entries],
-                "top_logprobs": [{self._token_text(u): num(v) for u, v in zip(top_ids, top_lps)}
-                                 for _, top_ids, top_lps in entries],
+        return {"tokens": tokens, "token_logprobs": [None if e is None else num(e[0]) for e in entries],
+                "top_logprobs": [None if e is None else {self._token_text(u): num(v) for u, v in zip(e[1], e[2])}
+                                 for e in entries],
                 "text_offset": offsets}
 
     def _decode(self, ids: list[int]) -> str:
@@ -367,22 +400,37 @@ class OpenAIApp:
         except BaseException:
             abort()
             raise
+        choices, n_out = await self._choices(parsed, streams, rid, chat)
+        spec = combined_spec_metrics([request_spec_metrics(s.request.metrics) for s in streams]
+                                     or [request_spec_metrics(RequestMetrics())])
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": self._usage(parsed, n_out),
+                "spec_metrics": spec}, None, abort
+
+    async def _choices(self, parsed: _Parsed, streams: list[RequestStream], rid: str, chat: bool
+                       ) -> tuple[list[dict[str, Any]], int]:
+        """The finished choices (echo: the prompt first; scored on a worker thread) and their token count."""
+        echoed = None
+        if parsed.echo and parsed.logprobs is not None:
+            req = build_engine_request(parsed.prompt_ids, dataclasses.replace(parsed.sp, logprobs=parsed.logprobs),
+                                       request_id=f"{rid}-echo", tokenizer=self.tokenizer)
+            echoed = (parsed.prompt_ids, [None] + await asyncio.to_thread(self.engine.engine.score, req))
+        prefix = "" if not parsed.echo else parsed.prompt_text or self._decode(parsed.prompt_ids)
         choices, n_out = [], 0
-        for i, s in enumerate(streams):
-            ids = list(s.request.output_ids)
+        for i in range(parsed.n):
+            r = streams[i].request if streams else EngineRequest(request_id=rid, prompt_ids=parsed.prompt_ids,
+                                                                   max_tokens=0, finish_reason="length")
+            ids = list(r.output_ids)
             n_out += len(ids)
-            choice: dict[str, Any] = {"index": i, "finish_reason": s.request.finish_reason, "token_ids": ids,
-                                      "logprobs": self._logprobs_block(parsed, s.request, 0, len(ids), chat)}
+            choice: dict[str, Any] = {"index": i, "finish_reason": r.finish_reason, "token_ids": ids,
+                                      "logprobs": self._logprobs_block(parsed, r, 0, len(ids), chat, echoed=echoed)}
             text = self._decode(ids)
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = text
+                choice["text"] = prefix + text
             choices.append(choice)
-        spec = combined_spec_metrics([request_spec_metrics(s.request.metrics) for s in streams])
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": self._usage(parsed, n_out),
-                "spec_metrics": spec}, None, abort
+        return choices, n_out
 
     async def _chunks(self, parsed: _Parsed, streams: list[RequestStream], rid: str, chat: bool,
                       firsts: list[StreamEvent], waiters: list[Waiter]) -> AsyncIterator[dict[str, Any]]:

@@ -234,15 +234,32 @@ def _document_limits(schema: dict[str, Any]) -> None:
                     alt.update(limits)
 
 
+def _document_completion_limits(schema: dict[str, Any]) -> None:
+    _document_limits(schema)
+    for alt in schema["properties"]["max_tokens"].get("anyOf", []):
+        if alt.get("type") == "integer":
+            alt["minimum"] = 0  # with echo only
+
+
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions: `prompt` is a string (needs a tokenizer) or a list of token ids."""
 
-    model_config = pydantic.ConfigDict(extra="allow", frozen=True, json_schema_extra=_document_limits)
+    model_config = pydantic.ConfigDict(extra="allow", frozen=True, json_schema_extra=_document_completion_limits)
 
     prompt: pydantic.StrictStr | list[pydantic.StrictInt] | list[pydantic.StrictStr] | list[list[pydantic.StrictInt]]
-    echo: pydantic.StrictBool | None = pydantic.Field(None, description="not served (only false)")
+    echo: pydantic.StrictBool | None = pydantic.Field(
+        None, description="the prompt before the completion, in the text and (with logprobs: the first prompt "
+                          "token's null) in the logprobs; not streamed; allows max_tokens 0")
     logprobs: pydantic.StrictInt | None = pydantic.Field(
         None, description=f"top alternatives per token, with the {LOGPROBS_DOC}")
+
+    @pydantic.field_validator("max_tokens", mode="before")
+    @classmethod
+    def _max_tokens(cls, v: Any) -> Any:
+        """0 passes here: it is served with `echo` only (the handler refuses it otherwise)."""
+        if v is not None and not (_is_int(v) and v >= 0):
+            raise ValueError(f"'max_tokens' must be a positive integer (0 with 'echo'), got {v!r}")
+        return v
 
 
 class ChatCompletionRequest(_GenerationRequest):
