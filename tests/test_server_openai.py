@@ -152,6 +152,24 @@ def test_logprobs_in_chat_and_completions_streamed_or_not(served):
         assert all(-9999.0 <= x <= 0 for x in choice.logprobs.token_logprobs)
 
 
+def test_echo_scoring_through_the_openai_client(served):
+    """lm-eval-harness' log-likelihood request: the prompt echoed with its logprobs, nothing generated."""
+    c, tok = served["client"], served["api"].tokenizer
+    r = c.completions.create(model="tiny", prompt="w5 w6 w7 w9", echo=True, logprobs=2, max_tokens=0)
+    choice = r.choices[0]
+    assert choice.text == "w5 w6 w7 w9" and _ids(choice) == [] and r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.tokens == ["w5", "w6", "w7", "w9"] and lp.text_offset == [0, 2, 4, 6]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(d) == 2 for d in lp.top_logprobs[1:])
+    echoed = c.completions.create(model="tiny", prompt=[5, 6, 7, 9], echo=True, max_tokens=3, temperature=0)
+    plain = c.completions.create(model="tiny", prompt=[5, 6, 7, 9], max_tokens=3, temperature=0)
+    assert echoed.choices[0].text == tok.decode([5, 6, 7, 9]) + plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt=[5, 6], max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+
+
 def test_unknown_model_is_the_sdks_not_found_error(served):
     with pytest.raises(openai.NotFoundError) as ei:
         served["client"].completions.create(model="gpt-9", prompt=[5], max_tokens=1)
