@@ -195,6 +195,8 @@ def test_openapi_schema_and_docs_describe_the_routes(served):
     assert {"messages", "n", "stop", "max_completion_tokens", "stream_options", "top_logprobs"} <= set(req)
     assert comps["ChatMessage"]["properties"]["role"]["enum"] == ["system", "user", "assistant", "tool"]
     assert {"minimum": 0, "maximum": 20}.items() <= req["top_logprobs"]["anyOf"][0].items()
+    assert req["max_tokens"]["anyOf"][0]["minimum"] == 1  # completions: 0 too, with echo
+    assert comps["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["minimum"] == 0
     assert set(comps["ErrorDetail"]["required"]) == {"message", "type", "param", "code"}
     status, headers, page = http_request(served["url"] + "/docs")
     assert status == 200 and headers["content-type"].startswith("text/html") and b"openapi.json" in page
