@@ -1,7 +1,8 @@
 """Log-probabilities: each output token's log-probability and its top alternatives come from the target's
 distribution after the request's temperature / top-k / top-p (temperature 0 read as 1), so they equal a
 cache-free teacher-forced reference within 1e-5, with or without speculation, greedy or sampled; and
-the server answers them in OpenAI's chat and completions formats (streamed or not)."""
+the server answers them in OpenAI's chat and completions formats (streamed or not). Completions' `echo`
+adds the prompt tokens' entries (the engine's `score` program), checked against the same reference."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -47,12 +48,30 @@ def _run(eng: Engine, logprobs: int = K) -> list[EngineRequest]:
 
 def _reference(model, req: EngineRequest) -> np.ndarray:
     """log p(token | prefix) over the vocabulary for each output token: [n, V]."""
-    logits = continuation_logits(model, [req.prompt_ids + req.output_ids], len(req.prompt_ids))[0]
-    t = req.temperature if req.temperature > 0 else 1.0
-    sa = SamplingArrays(jnp.full((1,), t, jnp.float32), jnp.full((1,), req.top_k, jnp.int32),
-                        jnp.full((1,), req.top_p, jnp.float32))
-    with np.errstate(divide="ignore"):  # outside the top-k / top-p set: -inf
+    return _reference_at(model, req.prompt_ids + req.output_ids, len(req.prompt_ids),
+                         dict(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p))
+
+
+def _reference_at(model, seq: list[int], start: int, sampling: dict) -> np.ndarray:
+    """log p(seq[j] | seq[:j]) over the vocabulary for j >= start, after `sampling`'s temperature (0 read
+    as 1), top-k and top-p: [n, V] (outside the top-k / top-p set: -inf)."""
+    logits = continuation_logits(model, [seq], start)[0]
+    t = sampling.get("temperature", 1.0) or 1.0
+    sa = SamplingArrays(jnp.full((1,), t, jnp.float32), jnp.full((1,), sampling.get("top_k", 0), jnp.int32),
+                        jnp.full((1,), sampling.get("top_p", 1.0), jnp.float32))
+    with np.errstate(divide="ignore"):
         return np.log(np.asarray(probs_from_logits(jnp.asarray(logits, jnp.float32)[None], sa))[0])
+
+
+def _check_entries(ref: np.ndarray, tokens: list[int], entries, k: int) -> None:
+    """Engine log-probability entries (token's, top ids, top values) against reference rows [n, V]."""
+    assert len(entries) == len(tokens) == len(ref)
+    np.testing.assert_allclose([e[0] for e in entries], ref[np.arange(len(tokens)), tokens], atol=1e-5)
+    for j, (_, ids, lps) in enumerate(entries):
+        assert len(ids) == k and lps == sorted(lps, reverse=True)
+        finite = np.isfinite(lps)
+        np.testing.assert_allclose(np.array(lps)[finite], ref[j, ids][finite], atol=1e-5)
+        np.testing.assert_allclose(np.array(lps)[finite], np.sort(ref[j])[::-1][:k][finite], atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["plain", "spec"])
@@ -63,16 +82,9 @@ def test_logprobs_equal_the_teacher_forced_target_distribution(engines, kind):
         assert sum(r.metrics.num_accepted_tokens for r in reqs) > 0  # multi-token rounds were exercised
     for r in reqs:
         assert len(r.output_logprobs) == len(r.output_ids) > 0
-        ref = _reference(model, r)
-        got = np.array([lp for lp, _, _ in r.output_logprobs])
-        want = ref[np.arange(len(r.output_ids)), r.output_ids]
-        np.testing.assert_allclose(got, want, atol=1e-5)
-        assert np.all(np.isfinite(got))  # every emitted token is inside the request's top-k / top-p set
-        for j, (_, ids, lps) in enumerate(r.output_logprobs):
-            assert len(ids) == K and lps == sorted(lps, reverse=True)
-            finite = np.isfinite(lps)
-            np.testing.assert_allclose(np.array(lps)[finite], ref[j, ids][finite], atol=1e-5)
-            np.testing.assert_allclose(np.array(lps)[finite], np.sort(ref[j])[::-1][:K][finite], atol=1e-5)
+        _check_entries(_reference(model, r), r.output_ids, r.output_logprobs, K)
+        # every emitted token is inside the request's top-k / top-p set
+        assert np.all(np.isfinite([lp for lp, _, _ in r.output_logprobs]))
 
 
 def test_greedy_logprobs_are_the_same_with_and_without_speculation(engines):
@@ -95,26 +107,6 @@ def test_logprobs_are_opt_in_and_bounded(engines):
         engs["spec"].add_request(EngineRequest(request_id="x", prompt_ids=[5], max_tokens=2, logprobs=K + 1))
 
 
-def _reference_at(model, seq: list[int], start: int, sampling: dict) -> np.ndarray:
-    """log p(seq[j] | seq[:j]) over the vocabulary for j >= start, after `sampling`'s transform: [n, V]."""
-    logits = continuation_logits(model, [seq], start)[0]
-    t = sampling.get("temperature", 1.0) or 1.0
-    sa = SamplingArrays(jnp.full((1,), t, jnp.float32), jnp.full((1,), sampling.get("top_k", 0), jnp.int32),
-                        jnp.full((1,), sampling.get("top_p", 1.0), jnp.float32))
-    with np.errstate(divide="ignore"):
-        return np.log(np.asarray(probs_from_logits(jnp.asarray(logits, jnp.float32)[None], sa))[0])
-
-
-def _check_prompt_entries(ref: np.ndarray, prompt: list[int], entries, k: int) -> None:
-    assert len(entries) == len(prompt) - 1
-    np.testing.assert_allclose([e[0] for e in entries], ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-5)
-    for j, (_, ids, lps) in enumerate(entries):
-        assert len(ids) == k and lps == sorted(lps, reverse=True)
-        finite = np.isfinite(lps)
-        np.testing.assert_allclose(np.array(lps)[finite], ref[j, ids][finite], atol=1e-5)
-        np.testing.assert_allclose(np.array(lps)[finite], np.sort(ref[j])[::-1][:k][finite], atol=1e-5)
-
-
 @pytest.mark.parametrize("kind", ["plain", "spec"])
 def test_prompt_scores_equal_the_teacher_forced_target_distribution(engines, kind):
     """Echo's prompt log-likelihoods (the `score` program), greedy and sampled, with and without a drafter."""
@@ -124,7 +116,7 @@ def test_prompt_scores_equal_the_teacher_forced_target_distribution(engines, kin
     for p in PROMPTS:
         for sp in SAMPLING:
             req = EngineRequest(request_id="s", prompt_ids=p, max_tokens=1, logprobs=K, **sp)
-            _check_prompt_entries(_reference_at(model, p, 1, sp), p, eng.score(req), K)
+            _check_entries(_reference_at(model, p, 1, sp), p[1:], eng.score(req), K)
     assert eng.runner.compile_counts()["score"] == before  # warmed at start: scoring never compiles
     with pytest.raises(ValueError, match="largest bucket"):
         eng.score(EngineRequest(request_id="s", prompt_ids=[5] * 17, max_tokens=1, logprobs=K))
@@ -156,9 +148,7 @@ def test_echo_returns_the_prompt_with_its_logprobs(served, sampling):
     status, echo = http_json(url + "/v1/completions", "POST", {**body, "echo": True, "logprobs": 3})
     assert status == 200, echo
     c, p = echo["choices"][0], plain["choices"][0]
-    if sampling["temperature"] == 0 or "seed" in sampling:
-        assert c["token_ids"] == p["token_ids"]
-        assert c["text"] == text + p["text"]
+    assert c["token_ids"] == p["token_ids"] and c["text"] == text + p["text"]  # greedy or seeded: the same
     lp, n = c["logprobs"], len(prompt)
     assert lp["tokens"][:n] == [tok.decode([t]) for t in prompt] and len(lp["tokens"]) == n + len(c["token_ids"])
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
