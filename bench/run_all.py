@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.common import load_average, machine_info
 
-BENCHMARKS = ("decode", "verify_cost", "startup", "drafters", "draft_vocab", "scheduler", "training",
+BENCHMARKS = ("decode", "verify_cost", "round_ops", "startup", "drafters", "draft_vocab", "scheduler", "training",
               "frontier", "embedded", "embedded_build", "server_load")
 GPU_BENCHMARKS = ("gpu_check",)
 SECTIONS = BENCHMARKS + GPU_BENCHMARKS  # the page's order

@@ -428,3 +428,36 @@ def test_embedded_full_report_names_its_command_and_speed_goals(tmp_path):
     assert "`confidence_async` scheduler at T=0: 1.50x plain (goal >= 2.0x: missed)" in md
     E._refresh_tables(["dspark"], tables, args, ["--table-only"])
     assert "Command: `python -m bench.embedded --skip-table` (Table 1: `tcmd`)" in (tmp_path / "embedded.md").read_text()
+
+
+def test_round_ops_counts_branches_and_loops_of_a_known_program():
+    import jax
+    import jax.numpy as jnp
+
+    from bench.round_ops import compiled_report
+
+    def branchy(pred, x):
+        return jax.lax.cond(pred, jnp.sin, jnp.cos, x)
+
+    def loopy(n, x):
+        return jax.lax.fori_loop(0, n, lambda _, y: y * 2.0 + 1.0, x)
+    x = jax.ShapeDtypeStruct((8,), jnp.float32)
+    one_cond = compiled_report(jax.jit(branchy).lower(jax.ShapeDtypeStruct((), bool), x))
+    assert (one_cond["conditionals"], one_cond["whiles"]) == (1, 0)  # negative control: a lax.cond counts
+    one_loop = compiled_report(jax.jit(loopy).lower(jax.ShapeDtypeStruct((), jnp.int32), x))
+    assert (one_loop["conditionals"], one_loop["whiles"]) == (0, 1)
+    plain = compiled_report(jax.jit(lambda x: jnp.sin(x) * 2.0).lower(x))
+    assert (plain["conditionals"], plain["whiles"]) == (0, 0) and plain["top_level_ops"] >= 1
+    assert plain["bytes_accessed"] > 0
+
+
+def test_round_ops_runs_the_runners_programs_on_a_tiny_shape(tmp_path):
+    from bench import round_ops
+    res = round_ops.run(["tiny"], [2], 64, "python -m bench.round_ops --presets tiny", families=("lite", "draft"))
+    rows = res["shapes"]["tiny"]
+    assert [r["family"] for r in rows] == ["lite", "draft"]
+    for r in rows:
+        assert r["top_level_ops"] > 0 and r["bytes_accessed"] > 0 and r["weight_bytes"] > 0
+        assert r["ops_per_layer"] == round(r["top_level_ops"] / 2, 1)
+    md = round_ops._markdown(res)
+    assert md.startswith("# ") and "Command: `python -m bench.round_ops" in md

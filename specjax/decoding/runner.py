@@ -126,16 +126,19 @@ class Runner:
 
     def __init__(self, target: Any, drafter: Any, *, slots: int, max_len: int, gamma: int,
                  stop_ids: Sequence[int], verifier: Callable[..., Any], cache_dtype: str | None = None,
-                 mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0):
+                 mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, allocate: bool = True):
+        # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
+        # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops
         self.mesh, self.gamma, self.vocab = mesh, gamma, target.config.vocab_size
+        make = (lambda f: f()) if allocate else jax.eval_shape
         t_graph, t_params = nnx.split(target)
-        cache = target.init_cache(slots, max_len, dtype=cache_dtype)
+        cache = make(lambda: target.init_cache(slots, max_len, dtype=cache_dtype))
         if drafter is not None:
             d_graph, d_params = nnx.split(drafter)
-            dstate = drafter.init_state(slots, max_len)
+            dstate = make(lambda: drafter.init_state(slots, max_len))
         else:
             d_graph, d_params, dstate = None, nnx.State({}), ()
-        anchors = jnp.zeros((slots,), jnp.int32)
+        anchors = make(lambda: jnp.zeros((slots,), jnp.int32))
         shardings: dict[str, Any] = {}
         if mesh is not None:
             t_params = shd.shard_state(t_params, mesh, "serve")
@@ -195,7 +198,7 @@ class Runner:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         compile_cache.enable()  # a second start loads the executables from disk
         t0 = time.perf_counter()
-        jobs = [(self.exes[family], key, self._lower(family, key))
+        jobs = [(self.exes[family], key, self.lower(family, key))
                 for family, key in tqdm(keys, desc="tracing buckets", disable=not progress, leave=False)]
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
 
@@ -211,8 +214,9 @@ class Runner:
         bar.close()
         return time.perf_counter() - t0
 
-    def _lower(self, family: str, key: tuple[int, ...]) -> Any:
-        """Lower one bucket key from the family's argument layout (abstract state, INPUTS shapes)."""
+    def lower(self, family: str, key: tuple[int, ...]) -> Any:
+        """Lower one bucket key from the family's argument layout (abstract state, INPUTS shapes);
+        None when that key is compiled already."""
         fam = FAMILIES[family]
         dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), vocab=self.vocab)
         sharding = None if self.mesh is None else shd.replicated(self.mesh)

@@ -1,0 +1,199 @@
+"""Ops, branches and bytes of the engine's compiled round programs, from abstract shapes (no weights).
+
+    python -m bench.round_ops                       # Qwen3-4B and SmolLM2 shapes, 1 and 8 slots
+    python -m bench.round_ops --presets tiny --slots 2
+
+For each shape, the runner itself (decoding/runner.py, built with `allocate=False`: models from
+`nnx.eval_shape`, state as ShapeDtypeStructs) lowers each round family (lite, draft, verify, fused)
+for a slots bucket from its own argument layout, so what is counted is what the engine compiles.
+XLA then compiles it for this machine's backend and the benchmark reads the optimised HLO: the
+top-level ops of the entry computation (parameters, constants, tuples, get-tuple-element and bitcasts
+not counted) per decoder layer, the number of `conditional` and `while` ops anywhere in the program,
+and XLA's `bytes accessed` of one call (`compiled.cost_analysis()`) against the bytes of the weights
+the program reads (target, plus drafter for draft/verify/fused) and of the whole KV cache.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import time
+from typing import Any, Sequence
+
+# instructions of the entry computation that launch no work
+_FREE_OPS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast"})
+_OP_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+FAMILY_ORDER = ("lite", "draft", "verify", "fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A target (TargetConfig fields) and the DSpark drafter of its shape, in one dtype."""
+
+    target: dict[str, Any]
+    dtype: str
+    taps: tuple[int, ...]
+    draft_layers: int
+    markov_rank: int
+    gamma: int
+
+
+def presets() -> dict[str, Shape]:
+    from bench.common import RANDOM_TARGET_SHAPE
+    from bench.gpu_check import PRESETS
+    q = PRESETS["qwen3-4b"]
+    return {
+        "qwen3-4b": Shape(q.target, "bfloat16", q.taps, q.draft_layers, q.markov_rank, q.gamma),
+        "smollm2": Shape(dict(RANDOM_TARGET_SHAPE), "float32", (1, 8, 15, 22, 28), 5, 256, 7),
+        "tiny": Shape(dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True),
+                      "float32", (0,), 1, 8, 3),
+    }
+
+
+def hlo_counts(hlo_text: str) -> dict[str, int]:
+    """Counts in an HLO module's text: top-level ops of the ENTRY computation (free ops excluded),
+    and `conditional` and `while` instructions in every computation."""
+    top, cond, loops, in_entry = 0, 0, 0, False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY "):
+            in_entry = True
+            continue
+        if in_entry and line.startswith("}"):
+            in_entry = False
+        m = _OP_RE.match(line)
+        if m is None:
+            continue
+        op = m.group(1)
+        cond += op == "conditional"
+        loops += op == "while"
+        top += in_entry and op not in _FREE_OPS
+    return {"top_level_ops": top, "conditionals": cond, "whiles": loops}
+
+
+def compiled_report(lowered: Any) -> dict[str, Any]:
+    """Compile a jax `Lowered` and report its HLO counts, XLA's bytes accessed and compile seconds."""
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - t0
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
+        cost = cost[0] if cost else {}
+    return {**hlo_counts(compiled.as_text()), "bytes_accessed": float((cost or {}).get("bytes accessed", 0.0)),
+            "compile_s": round(seconds, 2)}
+
+
+def _nbytes(tree: Any) -> int:
+    import jax
+    import numpy as np
+    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def abstract_runner(shape: Shape, slots: int, max_len: int) -> Any:
+    """The runner of an engine with this target and drafter shape, its state abstract (no memory)."""
+    from flax import nnx
+
+    from specjax.config import TargetConfig
+    from specjax.decoding.runner import Runner
+    from specjax.decoding.verify import verify_chain
+    from specjax.drafters.block import BlockDrafterConfig
+    from specjax.drafters.dspark import make_block_drafter
+    from specjax.models.decoder import CausalLM
+    cfg = TargetConfig(**shape.target)
+
+    def build():
+        target = CausalLM(cfg, rngs=nnx.Rngs(0), dtype=shape.dtype, param_dtype=shape.dtype)
+        dcfg = BlockDrafterConfig.from_target(cfg, target_layer_ids=shape.taps, mask_token_id=cfg.vocab_size - 1,
+                                              num_draft_layers=shape.draft_layers, block_size=shape.gamma,
+                                              markov_rank=shape.markov_rank, confidence_head=True)
+        return target, make_block_drafter(target, cfg, dcfg, nnx.Rngs(1), dtype=shape.dtype,
+                                          param_dtype=shape.dtype)
+    target, drafter = nnx.eval_shape(build)
+    return Runner(target, drafter, slots=slots, max_len=max_len, gamma=shape.gamma, stop_ids=(0,),
+                  verifier=verify_chain, cache_dtype=shape.dtype, allocate=False)
+
+
+def bucket_keys(runner: Any, slots: int) -> dict[str, tuple[int, ...]]:
+    """Each round family's bucket key at `slots` rows (verify and fused with every draft verified)."""
+    tb = runner.gamma + 1
+    return {"lite": (slots,), "draft": (slots,), "verify": (slots, tb), "fused": (slots, tb)}
+
+
+def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FAMILY_ORDER) -> list[dict[str, Any]]:
+    """One row per family: HLO counts, bytes accessed per call and the bytes it is measured against."""
+    runner = abstract_runner(shape, slots, max_len)
+    layers = shape.target["num_hidden_layers"]
+    t_bytes, d_bytes = _nbytes(runner.t_params), _nbytes(runner.d_params)
+    kv_bytes = _nbytes(runner.cache)
+    keys = bucket_keys(runner, slots)
+    rows = []
+    for family in families:
+        rep = compiled_report(runner.lower(family, keys[family]))
+        weights = d_bytes if family == "draft" else t_bytes + (0 if family == "lite" else d_bytes)
+        rows.append({"family": family, "bucket": list(keys[family]), "slots": slots, **rep,
+                     "ops_per_layer": round(rep["top_level_ops"] / layers, 1), "weight_bytes": weights,
+                     "kv_cache_bytes": kv_bytes, "bytes_over_weights": round(rep["bytes_accessed"] / weights, 3)})
+    return rows
+
+
+def _markdown(res: dict[str, Any]) -> str:
+    from bench.common import md_table
+    lines = ["# Round programs: ops per layer, branches and bytes (compiled, abstract shapes)", "",
+             f"Command: `{res['command']}`", "",
+             f"Backend `{res['backend']}`; max_len {res['max_len']}. Each row is one compiled program of the "
+             "engine's runner at that slots bucket (verify and fused with gamma + 1 tokens per slot). `ops/layer` "
+             "= top-level HLO ops of the entry computation / the target's decoder layers (draft: also divided "
+             "by the target's layers, for comparison); `cond` and `while` count every `conditional` and `while` "
+             "op in the program; `bytes/weights` = XLA's bytes accessed per call / the bytes of the weights the "
+             "program reads. The KV column is the whole cache (every slot at max_len). Goals (issue #36): "
+             "<= 12 ops per layer, 0 conditionals and 0 loops in a greedy or unfiltered round, bytes accessed "
+             "<= 1.3x (weights + live KV) at 128 slots.", ""]
+    for name, rows in res["shapes"].items():
+        lines += [f"## {name} ({rows[0]['layers']} layers, {rows[0]['dtype']})", ""]
+        lines.append(md_table(
+            ["program", "slots", "top-level ops", "ops/layer", "cond", "while", "bytes accessed (MB)",
+             "weights (MB)", "KV cache (MB)", "bytes/weights", "compile (s)"],
+            [[r["family"], r["slots"], r["top_level_ops"], r["ops_per_layer"], r["conditionals"], r["whiles"],
+              f"{r['bytes_accessed'] / 1e6:.1f}", f"{r['weight_bytes'] / 1e6:.1f}",
+              f"{r['kv_cache_bytes'] / 1e6:.1f}", r["bytes_over_weights"], r["compile_s"]] for r in rows],
+            align="l" + "r" * 10))
+    return "\n".join(lines)
+
+
+def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
+        families: Sequence[str] = FAMILY_ORDER) -> dict[str, Any]:
+    import jax
+
+    from bench.common import log, machine_info
+    shapes = presets()
+    res: dict[str, Any] = {"command": command, "backend": jax.default_backend(), "max_len": max_len,
+                           "machine": machine_info(), "shapes": {}}
+    for name in names:
+        rows = []
+        for s in slots:
+            log(f"{name}: compiling {', '.join(families)} at {s} slot(s)")
+            for r in measure(shapes[name], s, max_len, families):
+                rows.append({**r, "layers": shapes[name].target["num_hidden_layers"], "dtype": shapes[name].dtype})
+        res["shapes"][name] = rows
+    return res
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from bench.common import DEFAULT_OUT_DIR, command_line, write_results
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["qwen3-4b", "smollm2"], choices=sorted(presets()))
+    ap.add_argument("--slots", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    ap.add_argument("--docs", default="docs/BENCHMARKS.md", help="section rewritten in this page ('' = none)")
+    args = ap.parse_args(argv)
+    res = run(args.presets, args.slots, args.max_len, command_line("bench.round_ops", argv))
+    for p in write_results("round_ops", res, _markdown(res), out_dir=args.out_dir):
+        print(p)
+    if args.docs:
+        from bench import run_all
+        run_all.write_section("round_ops", results_dir=args.out_dir, docs_path=args.docs)
+
+
+if __name__ == "__main__":
+    main()
