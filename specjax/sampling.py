@@ -4,9 +4,12 @@
 into the distribution a token is drawn from. Speculative decoding is exact only if target and draft
 logits go through this same function with the same per-row parameters, so every drafter and the
 verifier call it. All device functions are jittable with static shapes (no data-dependent shapes)
-and never produce NaN for finite (or -inf) logits. The top-k and top-p thresholds are found by
-bisection over the float32 bit patterns (32 masked reductions over the vocabulary) instead of a
-sort: XLA:CPU sorts a [16, 49152] array in ~200 ms, the bisection takes a few.
+and never produce NaN for finite (or -inf) logits. The transform has three static variants
+(`SamplingArrays.variant`: greedy, plain, filtered) so that a round whose rows need no filter has no
+branch and no loop. The filtered variant finds the top-k and top-p thresholds among the
+`top_k_cap` largest logits (`lax.top_k`, no sort of the vocabulary); when a row's kept set may
+reach past them it takes the exact bisection over the float32 bit patterns instead (32 masked
+reductions over the vocabulary), so the result never depends on the cap.
 
 Rules, per row:
 
@@ -26,7 +29,9 @@ at index 0 rather than NaN.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+import dataclasses
+import functools
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -71,28 +76,65 @@ def _as_float_array(value: Any, field: str) -> np.ndarray:
     return arr
 
 
-class SamplingArrays(NamedTuple):
-    """Per-row sampling parameters as device arrays (a pytree; pass it straight into jit)."""
+VARIANTS = ("greedy", "plain", "filtered")  # narrowest first: each covers the rows the previous ones do
+DEFAULT_TOP_K_CAP = 64
+
+
+def sampling_variant(temperature: Any, top_k: Any, top_p: Any) -> str:
+    """The narrowest variant (VARIANTS) exact for these rows' (validated) parameters: "greedy" when
+    every row has temperature 0 and none sets top-k or top-p, "plain" when no row sets top-k or top-p,
+    else "filtered". A row's top-k or top-p counts even at temperature 0 (log-probabilities read a
+    greedy row at temperature 1 with its filters)."""
+    t = np.asarray(temperature, np.float64).reshape(-1)
+    k = np.asarray(top_k, np.float64).reshape(-1)
+    p = np.asarray(top_p, np.float64).reshape(-1)
+    if np.any(k > 0) or np.any(p < 1):
+        return "filtered"
+    return "greedy" if np.all(t <= 0) else "plain"
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["temperature", "top_k", "top_p"],
+                   meta_fields=["variant", "top_k_cap"])
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling parameters as device arrays (a pytree; pass it straight into jit).
+
+    `variant` and `top_k_cap` are static (in the treedef: each variant is its own trace). `variant`
+    picks the transform `probs_from_logits` traces, with no branch on the data: "greedy" (every row
+    is read as temperature 0), "plain" (top-k and top-p are not applied) or "filtered" (the full
+    rule). The host picks it from every row's parameters (`sampling_variant`); a narrower variant
+    than the rows need gives a wrong distribution. `top_k_cap` bounds the `lax.top_k` the filtered
+    transform works in (see `probs_from_logits`)."""
 
     temperature: Array  # [B] float32; 0 = greedy
     top_k: Array  # [B] int32; 0 = off
     top_p: Array  # [B] float32; 1.0 = off
+    variant: str = "filtered"
+    top_k_cap: int = DEFAULT_TOP_K_CAP
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"sampling variant must be one of {VARIANTS}, got {self.variant!r}")
+        if isinstance(self.top_k_cap, bool) or not isinstance(self.top_k_cap, int) or self.top_k_cap < 1:
+            raise ValueError(f"top_k_cap must be a positive int, got {self.top_k_cap!r}")
 
     @classmethod
     def broadcast(cls, b: int, temperature: float = 1.0, top_k: int = 0,
                   top_p: float = 1.0) -> "SamplingArrays":
-        """The same (validated) parameters for all `b` rows."""
+        """The same (validated) parameters for all `b` rows, in the narrowest exact variant."""
         if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 0:
             raise ValueError(f"batch size b must be a non-negative int, got {b!r}")
         validate_sampling(temperature, top_k, top_p)
         return cls(temperature=jnp.full((b,), temperature, jnp.float32),
                    top_k=jnp.full((b,), int(top_k), jnp.int32),
-                   top_p=jnp.full((b,), top_p, jnp.float32))
+                   top_p=jnp.full((b,), top_p, jnp.float32),
+                   variant=sampling_variant(temperature, top_k, top_p))
 
     @classmethod
     def from_values(cls, temperature: Sequence[float], top_k: Sequence[int],
                     top_p: Sequence[float]) -> "SamplingArrays":
-        """Per-row (validated) parameters; the three sequences must have the same length."""
+        """Per-row (validated) parameters in the narrowest exact variant; the three sequences must
+        have the same length."""
         validate_sampling(temperature, top_k, top_p)
         t = np.asarray(temperature, np.float32).reshape(-1)
         k = np.asarray(top_k, np.float64).reshape(-1).astype(np.int32)
@@ -100,7 +142,8 @@ class SamplingArrays(NamedTuple):
         if not (t.shape == k.shape == p.shape):
             raise ValueError(f"temperature, top_k and top_p must have the same length, got "
                              f"{t.shape[0]}, {k.shape[0]}, {p.shape[0]}")
-        return cls(temperature=jnp.asarray(t), top_k=jnp.asarray(k), top_p=jnp.asarray(p))
+        return cls(temperature=jnp.asarray(t), top_k=jnp.asarray(k), top_p=jnp.asarray(p),
+                   variant=sampling_variant(t, k, p))
 
 
 def _per_row(a_b: Array, ndim: int, dtype: Any) -> Array:
@@ -156,11 +199,58 @@ def _mass_cutoff(probs: Array, p: Array) -> Array:
     return jnp.where(c == 0, -jnp.inf, _from_ordered_bits(c))
 
 
+def _softmax(z: Array) -> Array:
+    m = jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0))
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(s > 0, s, 1.0)
+
+
+def _filtered_by_bisection(z: Array, k: Array, p: Array, k_on: Array, p_on: Array) -> Array:
+    """The filtered probabilities of every row, thresholds found by bisection over the vocabulary."""
+    v = z.shape[-1]
+    kth = _kth_largest(z, jnp.clip(k, 1, v))
+    probs = _softmax(jnp.where(k_on & (z < kth), -jnp.inf, z))
+    # top-p: the shortest descending prefix with mass >= p; its smallest probability is the
+    # largest c with mass(probs >= c) >= p.
+    return jnp.where(p_on & (probs < _mass_cutoff(probs, p)), 0.0, probs)
+
+
+def _outside_cap(k_far: Array, mass_in_cap: Array, p: Array, p_on: Array) -> Array:
+    """Rows whose kept set the top-`cap` candidates may not hold: top-k above the cap, or a top-p
+    nucleus with more mass than the cap's candidates carry ([..., 1] bool)."""
+    return k_far | (p_on & (mass_in_cap < p))
+
+
+def _filtered(z: Array, k: Array, p: Array, k_on: Array, p_on: Array, active: Array, cap: int) -> Array:
+    """Top-k then top-p within the `cap` largest scaled logits (one `lax.top_k`): exact for rows
+    whose kept set lies in those candidates. When any `active` row's may not (`_outside_cap`), all
+    rows take the exact bisection path instead, so the result never depends on the cap."""
+    v = z.shape[-1]
+    cap = min(cap, v)
+    vals, idx = jax.lax.top_k(z, cap)  # [..., cap] descending
+    kth = jnp.take_along_axis(vals, jnp.clip(k, 1, cap) - 1, axis=-1)
+    probs = _softmax(jnp.where(k_on & (z < kth), -jnp.inf, z))
+    desc = jnp.take_along_axis(probs, idx, axis=-1)  # the filtered probabilities, still descending
+    cum = jnp.cumsum(desc, axis=-1)
+    # top-p: the prefix ends at the first position whose inclusive mass reaches p; ties with its
+    # probability (inside or beyond the cap) are all kept by thresholding the full row.
+    count = jnp.minimum(jnp.sum(cum - desc < p, axis=-1, keepdims=True), cap)
+    cutoff = jnp.take_along_axis(desc, jnp.maximum(count, 1) - 1, axis=-1)
+    capped = jnp.where(p_on & (probs < cutoff), 0.0, probs)
+    far = _outside_cap(k_on & (k > cap), cum[..., -1:], p, p_on) & active
+    return jax.lax.cond(jnp.any(far), _filtered_by_bisection, lambda *_: capped, z, k, p, k_on, p_on)
+
+
 def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
     """Apply temperature, top-k and top-p (module docstring) to logits [B, ..., V].
 
-    Parameters in `sa` are per row ([B]) and broadcast over the middle axes. Returns float32
-    probabilities of the same shape, each row summing to one.
+    Parameters in `sa` are per row ([B]) and broadcast over the middle axes; `sa.variant` (static)
+    picks the program: "greedy" is the argmax one-hot of every row, "plain" the temperature softmax
+    (greedy rows one-hot), "filtered" the full rule. The filtered transform works in the
+    `sa.top_k_cap` largest logits of each row and falls back to an exact bisection over the
+    vocabulary (a `lax.cond`, the only branch) when a row's kept set may reach past them.
+    Returns float32 probabilities of the same shape, each row summing to one.
     """
     x = jnp.asarray(logits, jnp.float32)
     if x.ndim < 2:
@@ -168,37 +258,20 @@ def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
     v = x.shape[-1]
     x = jnp.where(jnp.isnan(x), -jnp.inf, x)
     x = jnp.minimum(x, _F32_MAX)  # +inf -> largest float: keeps exp() finite
-    t = _per_row(sa.temperature, x.ndim, jnp.float32)
-    k = _per_row(sa.top_k, x.ndim, jnp.int32)
-    p = _per_row(sa.top_p, x.ndim, jnp.float32)
-
     vocab_ids = jnp.arange(v, dtype=jnp.int32)
     onehot = (vocab_ids == jnp.argmax(x, axis=-1)[..., None].astype(jnp.int32)).astype(jnp.float32)
+    if sa.variant == "greedy":
+        return onehot
+    t = _per_row(sa.temperature, x.ndim, jnp.float32)
     greedy = t <= 0.0
-
-    z = x / jnp.where(greedy, 1.0, t)
-    z = jnp.clip(z, -jnp.inf, _F32_MAX)
-    k_on = (k > 0) & (k < v)
-    p_on = p < 1.0
-
-    def softmax(z_: Array) -> Array:
-        m = jnp.max(z_, axis=-1, keepdims=True)
-        e = jnp.exp(z_ - jnp.where(jnp.isfinite(m), m, 0.0))
-        s = jnp.sum(e, axis=-1, keepdims=True)
-        return e / jnp.where(s > 0, s, 1.0)
-
-    def filtered(z_: Array) -> Array:
-        # top-k on scaled logits: threshold = k-th largest value (ties at the boundary kept).
-        kth = _kth_largest(z_, jnp.clip(k, 1, v))
-        z_ = jnp.where(k_on & (z_ < kth), -jnp.inf, z_)
-        probs = softmax(z_)
-        # top-p on the filtered distribution: shortest descending prefix with mass >= p; its
-        # smallest probability is the largest c with mass(probs >= c) >= p.
-        cutoff = _mass_cutoff(probs, p)
-        return jnp.where(p_on & (probs < cutoff), 0.0, probs)
-
-    need_filter = jnp.any(k_on & ~greedy) | jnp.any(p_on & ~greedy)
-    probs = jax.lax.cond(need_filter, filtered, softmax, z)
+    z = jnp.clip(x / jnp.where(greedy, 1.0, t), -jnp.inf, _F32_MAX)
+    if sa.variant == "plain":
+        probs = _softmax(z)
+    else:
+        k = _per_row(sa.top_k, x.ndim, jnp.int32)
+        p = _per_row(sa.top_p, x.ndim, jnp.float32)
+        k_on, p_on = (k > 0) & (k < v), p < 1.0
+        probs = _filtered(z, k, p, k_on, p_on, ~greedy, sa.top_k_cap)
     s = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(s > 0, s, 1.0)
     return jnp.where(greedy | (s <= 0), onehot, probs)
@@ -240,10 +313,7 @@ def sample(key: Array, probs: Array) -> Array:
     fn = draw
     for _ in range(key.ndim):
         fn = jax.vmap(fn)
-    # All rows one-hot (greedy): the draw is the argmax; skip generating random bits.
-    all_point_masses = jnp.all(jnp.max(probs, axis=-1) >= 1.0)
-    return jax.lax.cond(all_point_masses, lambda: jnp.argmax(probs, axis=-1).astype(jnp.int32),
-                        lambda: fn(key, probs))
+    return fn(key, probs)  # a one-hot row (greedy) draws its token with certainty: no branch
 
 
 def _check_seed(seed: Any) -> int:
@@ -293,5 +363,5 @@ def round_key(base_key_b: Array, counter_b: Array | int) -> Array:
     return fold(base_key_b, counter_b)
 
 
-__all__ = ["SamplingArrays", "probs_from_logits", "sample", "request_key", "round_key",
+__all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "probs_from_logits", "sample", "request_key", "round_key",
            "keys_for_batch", "validate_sampling"]

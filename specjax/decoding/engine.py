@@ -21,6 +21,7 @@ from specjax.decoding import buckets as bk
 from specjax.decoding.runner import Runner
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.models.decoder import CausalLM
+from specjax.sampling import DEFAULT_TOP_K_CAP, VARIANTS, sampling_variant
 from specjax.scheduling.names import COST_AWARE_POLICIES
 from specjax.scheduling.planner import RoundPlan, RoundPlanner
 
@@ -52,6 +53,10 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] | None = None
     prefill_batch_buckets: tuple[int, ...] | None = None  # prompts per prefill call
     max_logprobs: int = 0  # top alternatives a request may ask for (0: no log-probabilities computed)
+    # the sampling variants compiled for rounds (sampling.VARIANTS; each is one executable per round
+    # bucket): a round runs the narrowest one its rows allow, a request no variant here covers is refused
+    sampling_variants: tuple[str, ...] = VARIANTS
+    top_k_cap: int = DEFAULT_TOP_K_CAP  # largest top_k a request may ask for (the lax.top_k of filtering)
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -60,6 +65,12 @@ class EngineConfig:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        variants = tuple(self.sampling_variants)
+        if not variants or any(v not in VARIANTS for v in variants) or len(set(variants)) != len(variants):
+            raise ValueError(f"sampling_variants must be distinct names from {VARIANTS}, got {self.sampling_variants!r}")
+        object.__setattr__(self, "sampling_variants", tuple(v for v in VARIANTS if v in variants))
+        if isinstance(self.top_k_cap, bool) or not isinstance(self.top_k_cap, int) or self.top_k_cap < 1:
+            raise ValueError(f"top_k_cap must be a positive int, got {self.top_k_cap!r}")
 
 
 @dataclasses.dataclass
@@ -168,7 +179,7 @@ class Engine:
             raise ValueError(f"largest slots bucket {self.buckets.slots[-1]} must equal max_slots {slots}")
         self.runner = Runner(target, drafter, slots=slots, max_len=max_len, gamma=self.gamma,
                              stop_ids=self.eos_token_ids, verifier=verifier, cache_dtype=config.cache_dtype,
-                             mesh=mesh, max_logprobs=config.max_logprobs)
+                             mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap)
         self.lengths = np.zeros((slots,), np.int64)  # committed cache rows per slot
         self.slot_req: list[EngineRequest | None] = [None] * slots
         self.queue: list[EngineRequest] = []
@@ -217,23 +228,36 @@ class Engine:
         self.cost_table = table
 
     # ------------------------------------------------------------------ warm-up
-    def warm_keys(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every (family, bucket) this engine may execute under its policy."""
-        keys: list[tuple[str, tuple[int, ...]]] = [("prefill", (pb, p)) for pb in self.prefill_batches
+    def warm_keys(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """Every (family, bucket) this engine may execute under its policy: round buckets once per
+        configured sampling variant (the variant is the key's last field)."""
+        keys: list[tuple[str, tuple[Any, ...]]] = [("prefill", (pb, p)) for pb in self.prefill_batches
                                                     for p in self.buckets.prefill]
         if self.cfg.max_logprobs > 0:  # echo's prompt log-likelihoods, one prompt per call
             keys += [("score", (1, p)) for p in self.buckets.prefill]
         tokens = self.buckets.tokens
-        for sb in self.buckets.slots:
-            for family, max_ell in self.planner.families.items():
-                if max_ell is None:
-                    keys.append((family, (sb,)))
-                elif family == "verify":  # every tokens bucket: the cost table measures them all
-                    keys += [(family, (sb, tb)) for tb in tokens]
-                else:
-                    tbs = {1, bk.pick(tokens, max_ell + 1)} | {t for t in tokens if t <= max_ell + 1}
-                    keys += [(family, (sb, tb)) for tb in sorted(tbs)]
+        for variant in self.cfg.sampling_variants:
+            for sb in self.buckets.slots:
+                for family, max_ell in self.planner.families.items():
+                    if max_ell is None:
+                        keys.append((family, (sb, variant)))
+                    elif family == "verify":  # every tokens bucket: the cost table measures them all
+                        keys += [(family, (sb, tb, variant)) for tb in tokens]
+                    else:
+                        tbs = {1, bk.pick(tokens, max_ell + 1)} | {t for t in tokens if t <= max_ell + 1}
+                        keys += [(family, (sb, tb, variant)) for tb in sorted(tbs)]
         return keys
+
+    def round_variant(self, temperature: Any, top_k: Any, top_p: Any) -> str:
+        """The narrowest configured sampling variant exact for these rows' parameters; a ValueError
+        naming the parameters and `EngineConfig.sampling_variants` when none is compiled."""
+        need = VARIANTS.index(sampling_variant(temperature, top_k, top_p))
+        for v in self.cfg.sampling_variants:
+            if VARIANTS.index(v) >= need:
+                return v
+        raise ValueError(f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r} need the "
+                         f"{VARIANTS[need]!r} sampling variant, which is not compiled (EngineConfig."
+                         f"sampling_variants = {self.cfg.sampling_variants})")
 
     def warmup(self, threads: int | None = None) -> float:
         """Compile every bucket ahead (see `Runner.warm`), then measure what a cost-aware policy
@@ -267,6 +291,10 @@ class Engine:
             raise ValueError(f"request {req.request_id}: prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
         if req.max_tokens <= 0:
             raise ValueError(f"request {req.request_id}: max_tokens must be > 0, got {req.max_tokens}")
+        if req.top_k > self.cfg.top_k_cap:
+            raise ValueError(f"request {req.request_id}: top_k {req.top_k} exceeds the engine's top_k_cap "
+                             f"{self.cfg.top_k_cap}")
+        self.round_variant(req.temperature, req.top_k, req.top_p)  # refuses a variant not compiled
         if req.logprobs is not None and not 0 <= req.logprobs <= self.cfg.max_logprobs:
             raise ValueError(f"request {req.request_id}: logprobs must be in [0, {self.cfg.max_logprobs}] "
                              f"(the engine's max_logprobs), got {req.logprobs}")
@@ -411,9 +439,11 @@ class Engine:
         """Run a planned round. Returns (ell int64 [sb], tokens bucket, confidences [sb, gamma] or None
         after a lite round, the round's outputs on the host)."""
         sb, ell, conf = plan.active_b.shape[0], plan.ell_b, None
+        act = plan.active_b
+        variant = self.round_variant(floats[0, act], ints[3, act], floats[1, act])
         rows = dict(floats_2b=floats, keys_b2=keys)
         if plan.program == "verify":
-            draft, q, conf_dev = self.runner.run("draft", (sb,), ints_4b=ints, **rows)
+            draft, q, conf_dev = self.runner.run("draft", (sb, variant), ints_4b=ints, **rows)
             conf_dev.copy_to_host_async()  # confidences travel to the host while the device works on
             if plan.fill == "host":
                 conf = np.asarray(conf_dev)
@@ -422,7 +452,8 @@ class Engine:
                         ctrl_2=np.array([plan.k_total, int(plan.fill == "device")], np.int32))
         tb = 1 if plan.program == "lite" else bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
         ints[0] = ell
-        outs = self.runner.run(plan.program, (sb,) if plan.program == "lite" else (sb, tb), ints_4b=ints, **rows)
+        key = (sb, variant) if plan.program == "lite" else (sb, tb, variant)
+        outs = self.runner.run(plan.program, key, ints_4b=ints, **rows)
         if plan.program == "verify" and conf is None:
             conf = np.asarray(conf_dev)
         outs = jax.device_get(outs)

@@ -35,6 +35,7 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
     seconds: dict[tuple[int, int], float] = {}
     keys = [(sb, tb) for sb in engine.buckets.slots for tb in engine.buckets.tokens]
     run = engine.runner.run
+    variant = engine.cfg.sampling_variants[-1]  # the widest compiled: a bound on every variant's cost
     for sb, tb in tqdm(keys, desc="profiling buckets", disable=not progress, leave=False):
         ints = np.zeros((4, sb), np.int32)  # ell, active (all idle), counter, top_k
         ints[0] = tb - 1
@@ -44,8 +45,8 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
-            draft, q, conf = run("draft", (sb,), **rows)
-            outs = run("verify", (sb, tb), draft_bg=draft, q_bgv=q, conf_bg=conf, ctrl_2=ctrl, **rows)
+            draft, q, conf = run("draft", (sb, variant), **rows)
+            outs = run("verify", (sb, tb, variant), draft_bg=draft, q_bgv=q, conf_bg=conf, ctrl_2=ctrl, **rows)
             jax.block_until_ready(outs)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
@@ -64,7 +65,7 @@ def measure_plain_seconds(engine, *, repeats: int = 7, warmup: int = 2) -> dict[
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
-            outs = engine.runner.run("lite", (sb,), **rows)
+            outs = engine.runner.run("lite", (sb, engine.cfg.sampling_variants[-1]), **rows)  # as the cost table
             jax.block_until_ready(outs)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)

@@ -1,7 +1,10 @@
 """The pure device functions the runner compiles, one per executable family (see runner.FAMILIES).
 
 Each takes a `Context` (the static parts: module graphs, tap layers, gamma, the verifier, state
-shardings) and arrays only; the tokens-per-slot bucket of a round arrives as the static `tokens`.
+shardings) and arrays only; the tokens-per-slot bucket of a round arrives as the static `tokens` and
+the round's sampling variant (sampling.VARIANTS, picked by the host from every row's parameters) as
+the static `variant`: no program branches on the rows' sampling parameters except the filtered
+variant's exact fallback (see sampling.probs_from_logits). Prefill samples in the filtered variant.
 A round, for the rows [0:sb] of the slots:
   draft   -> DraftBlock (tokens, q, confidence) for every row, from its anchor;
   verify  -> one target pass over [anchor, d_1..d_{tb-1}] (tb = tokens bucket >= 1 + max ell),
@@ -25,7 +28,7 @@ from flax import nnx
 
 from specjax.decoding.verify import VerifyResult
 from specjax.drafters.base import ContextUpdate
-from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.sampling import DEFAULT_TOP_K_CAP, SamplingArrays, probs_from_logits, round_key, sample
 
 Array = jax.Array
 
@@ -42,6 +45,7 @@ class Context:
     max_len: int
     verifier: Callable[..., VerifyResult]
     max_logprobs: int = 0  # top alternatives computed per emitted token (0: no log-probabilities)
+    top_k_cap: int = DEFAULT_TOP_K_CAP  # the filtered variant's lax.top_k size
     cache_shardings: Any = None  # state shardings under a mesh (None without one)
     dstate_shardings: Any = None
     replicated: Any = None
@@ -84,9 +88,10 @@ def topk_prefix_fill(conf_bg: Array, k_total: Array, active_b: Array, cap: int) 
     return jnp.sum(chosen.reshape(b, cap), axis=1).astype(jnp.int32)
 
 
-def _unpack(ints_4b: Array, floats_2b: Array, keys_b2: Array) -> tuple[Array, Array, SamplingArrays, Array, Array]:
+def _unpack(ctx: Context, ints_4b: Array, floats_2b: Array, keys_b2: Array, variant: str
+            ) -> tuple[Array, Array, SamplingArrays, Array, Array]:
     """A round's rows: (ell, active, sampling, draft keys, verify keys)."""
-    sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1])
+    sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1], variant, ctx.top_k_cap)
     keys = round_key(jax.random.wrap_key_data(keys_b2), ints_4b[2])
     return ints_4b[0], ints_4b[1].astype(bool), sa, round_key(keys, 0), round_key(keys, 1)
 
@@ -134,25 +139,27 @@ def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array) ->
     only on the prefix, so speculation does not change the values."""
     if ctx.max_logprobs == 0:
         return {}
-    sa_lp = SamplingArrays(jnp.where(sa.temperature > 0, sa.temperature, 1.0), sa.top_k, sa.top_p)
+    variant = "plain" if sa.variant == "greedy" else sa.variant  # greedy rounds set no filter
+    sa_lp = SamplingArrays(jnp.where(sa.temperature > 0, sa.temperature, 1.0), sa.top_k, sa.top_p, variant,
+                           sa.top_k_cap)
     lp = jnp.log(probs_from_logits(logits, sa_lp))  # [B, T, V]
     tok = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
     top_lp, top_id = jax.lax.top_k(lp, min(ctx.max_logprobs, lp.shape[-1]))
     return {"logprob": tok, "top_logprob": top_lp, "top_id": top_id}
 
 
-def lite(ctx: Context, t_params, cache, anchors, ints_4b, floats_2b, keys_b2, stop_ids):
+def lite(ctx: Context, t_params, cache, anchors, ints_4b, floats_2b, keys_b2, stop_ids, *, variant: str):
     """A plain decoding step that leaves the drafter alone (no drafter arguments to pass either)."""
-    ell_b, active_b, sa, _, kv = _unpack(ints_4b, floats_2b, keys_b2)
+    ell_b, active_b, sa, _, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
     cache, _, anchors, outs = _verify_commit(ctx, t_params, None, cache, None, anchors, None, None, ell_b,
                                              active_b, sa, kv, stop_ids, 1, maintain=False)
     return cache, anchors, outs
 
 
 def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, ints_4b, floats_2b, keys_b2, stop_ids, *,
-          tokens: int):
+          tokens: int, variant: str):
     """Draft and verify in one call; `tokens` = 1 (an upkeep round) drafts nothing."""
-    ell_b, active_b, sa, kd, kv = _unpack(ints_4b, floats_2b, keys_b2)
+    ell_b, active_b, sa, kd, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
     sb = ell_b.shape[0]
     conf = jnp.zeros((sb, max(ctx.gamma, 1)), jnp.float32)
     draft_bg, q_bgv = None, None
@@ -167,9 +174,9 @@ def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, ints_4b, flo
     return cache, dstate, anchors, outs
 
 
-def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, ints_4b, floats_2b, keys_b2):
+def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, ints_4b, floats_2b, keys_b2, *, variant: str):
     """Propose a block for every row: (tokens [sb, G], q [sb, G, V], gamma confidences [sb, gamma])."""
-    _, _, sa, kd, _ = _unpack(ints_4b, floats_2b, keys_b2)
+    _, _, sa, kd, _ = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
     sb = keys_b2.shape[0]
     block = ctx.drafter(d_params).propose(dstate, anchors[:sb], cache_lengths[:sb], sa, kd)
     conf = block.confidence if block.confidence is not None else jnp.ones(block.tokens.shape, jnp.float32)
@@ -177,9 +184,9 @@ def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, ints_4b, float
 
 
 def verify(ctx: Context, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv, conf_bg, ints_4b, floats_2b,
-           keys_b2, ctrl_2, stop_ids, *, tokens: int):
+           keys_b2, ctrl_2, stop_ids, *, tokens: int, variant: str):
     """Verify drafts; with ctrl = (K, 1), ell = top-K fill of the current survivals (a "device" fill)."""
-    ell_b, active_b, sa, _, kv = _unpack(ints_4b, floats_2b, keys_b2)
+    ell_b, active_b, sa, _, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
     k_total, device_fill = ctrl_2[0], ctrl_2[1] > 0
     filled = topk_prefix_fill(conf_bg, k_total, active_b & (ell_b > 0), tokens - 1)  # capped rows take none
     ell = jnp.where(device_fill, jnp.minimum(filled, ell_b), ell_b)
@@ -194,7 +201,7 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, tokens_bt,
     target = nnx.merge(ctx.t_graph, t_params)
     pb, plen = tokens_bt.shape
     n_valid_p, slot_p, start_p = ints_4b[0], ints_4b[1], ints_4b[2]
-    sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1])
+    sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1], "filtered", ctx.top_k_cap)
     cache = cache.with_lengths(cache.lengths.at[slot_p].set(start_p, mode="drop"))
     positions = start_p[:, None] + jnp.arange(plen, dtype=jnp.int32)[None, :]
     out = target.forward(tokens_bt, positions, cache, n_valid_p, rows_b=slot_p, tap_layers=ctx.tap_layers,

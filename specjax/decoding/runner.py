@@ -23,6 +23,7 @@ from flax import nnx
 from specjax import sharding as shd
 from specjax.decoding import programs
 from specjax.models import cache as kvc
+from specjax.sampling import DEFAULT_TOP_K_CAP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +34,9 @@ class Family:
     fn: Callable[..., Any]  # fn(context, *args, **{f: size for f in static})
     args: tuple[str, ...]  # argument layout: names in STATE or INPUTS
     returns: tuple[str, ...]  # outputs in order; a name in STATE replaces that state
-    bucket: tuple[str, ...]  # bucket key fields: "rows" (slots or prompts), "tokens", "plen"
+    bucket: tuple[str, ...]  # bucket key fields: "rows" (slots or prompts), "tokens", "plen", "variant"
     donate: tuple[str, ...] = ()  # state arguments whose buffers the call may reuse
-    static: tuple[str, ...] = ()  # bucket fields the function takes as static ints (not in any shape)
+    static: tuple[str, ...] = ()  # bucket fields the function takes as static values (not in any shape)
 
 
 _STATE = ("cache", "dstate", "anchors")
@@ -45,17 +46,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            (*_STATE, "first"), ("rows", "plen"), donate=_STATE),
     Family("lite", programs.lite,
            ("t_params", "cache", "anchors", "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
-           ("cache", "anchors", "outs"), ("rows",), donate=("cache", "anchors")),
+           ("cache", "anchors", "outs"), ("rows", "variant"), donate=("cache", "anchors"), static=("variant",)),
     Family("fused", programs.fused,
            ("t_params", "d_params", *_STATE, "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
-           (*_STATE, "outs"), ("rows", "tokens"), donate=_STATE, static=("tokens",)),
+           (*_STATE, "outs"), ("rows", "tokens", "variant"), donate=_STATE, static=("tokens", "variant")),
     Family("draft", programs.draft,
            ("d_params", "dstate", "cache_lengths", "anchors", "ints_4b", "floats_2b", "keys_b2"),
-           ("draft_bg", "q_bgv", "conf_bg"), ("rows",)),
+           ("draft_bg", "q_bgv", "conf_bg"), ("rows", "variant"), static=("variant",)),
     Family("verify", programs.verify,
            ("t_params", "d_params", *_STATE, "draft_bg", "q_bgv", "conf_bg", "ints_4b", "floats_2b", "keys_b2",
             "ctrl_2", "stop_ids"),
-           (*_STATE, "outs"), ("rows", "tokens"), donate=_STATE, static=("tokens",)),
+           (*_STATE, "outs"), ("rows", "tokens", "variant"), donate=_STATE, static=("tokens", "variant")),
     Family("score", programs.score, ("t_params", "tokens_bt", "ints_4b", "floats_2b"), ("outs",), ("rows", "plen")),
 )}
 STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "cache_lengths", "stop_ids")
@@ -126,7 +127,8 @@ class Runner:
 
     def __init__(self, target: Any, drafter: Any, *, slots: int, max_len: int, gamma: int,
                  stop_ids: Sequence[int], verifier: Callable[..., Any], cache_dtype: str | None = None,
-                 mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, allocate: bool = True):
+                 mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, top_k_cap: int = DEFAULT_TOP_K_CAP,
+                 allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
         # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops
         self.mesh, self.gamma, self.vocab = mesh, gamma, target.config.vocab_size
@@ -155,7 +157,7 @@ class Runner:
         tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
         needs_hidden = bool(getattr(drafter, "needs_hidden", False))
         ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
-                               **shardings)
+                               top_k_cap, **shardings)
         self.exes = {f.name: Executables(f.name, functools.partial(f.fn, ctx),
                                          donate_argnums=tuple(f.args.index(a) for a in f.donate),
                                          static_argnames=f.static)
@@ -165,7 +167,7 @@ class Runner:
     def cache_lengths(self) -> jax.Array:
         return self.cache.lengths
 
-    def run(self, family: str, key: tuple[int, ...], **inputs: Any) -> Any:
+    def run(self, family: str, key: tuple[Any, ...], **inputs: Any) -> Any:
         """Call `family`'s executable for bucket `key` with the resident state and `inputs` (numpy
         arrays are copied in); state outputs replace the state. Returns the other outputs (one, or a tuple)."""
         fam = FAMILIES[family]
@@ -181,7 +183,7 @@ class Runner:
                 rest.append(value)
         return rest[0] if len(rest) == 1 else tuple(rest)
 
-    def warm(self, keys: Sequence[tuple[str, tuple[int, ...]]], *, threads: int | None = None,
+    def warm(self, keys: Sequence[tuple[str, tuple[Any, ...]]], *, threads: int | None = None,
              progress: bool = True) -> float:
         """Compile every (family, bucket key) ahead. Returns seconds spent.
 
@@ -202,7 +204,7 @@ class Runner:
                 for family, key in tqdm(keys, desc="tracing buckets", disable=not progress, leave=False)]
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
 
-        def install(job: tuple[Executables, tuple[int, ...], Any]) -> None:
+        def install(job: tuple[Executables, tuple[Any, ...], Any]) -> None:
             job[0].install(job[1], job[2])
             bar.update(1)
         if threads == 1:
@@ -214,7 +216,7 @@ class Runner:
         bar.close()
         return time.perf_counter() - t0
 
-    def lower(self, family: str, key: tuple[int, ...]) -> Any:
+    def lower(self, family: str, key: tuple[Any, ...]) -> Any:
         """Lower one bucket key from the family's argument layout (abstract state, INPUTS shapes);
         None when that key is compiled already."""
         fam = FAMILIES[family]
