@@ -1,11 +1,12 @@
 """Ops, branches and bytes of the engine's compiled round programs, from abstract shapes (no weights).
 
-    python -m bench.round_ops                       # Qwen3-4B and SmolLM2 shapes, 1 and 8 slots
-    python -m bench.round_ops --presets tiny --slots 2
+    python -m bench.round_ops                       # Qwen3-4B and SmolLM2 shapes, 8 slots
+    python -m bench.round_ops --presets tiny --slots 2 --variants plain
 
 For each shape, the runner itself (decoding/runner.py, built with `allocate=False`: models from
 `nnx.eval_shape`, state as ShapeDtypeStructs) lowers each round family (lite, draft, verify, fused)
-for a slots bucket from its own argument layout, so what is counted is what the engine compiles.
+for a slots bucket and each sampling variant (greedy, plain, filtered: see specjax/sampling.py) from
+its own argument layout, so what is counted is what the engine compiles.
 XLA then compiles it for this machine's backend and the benchmark reads the optimised HLO: the
 top-level ops of the entry computation (parameters, constants, tuples, get-tuple-element and bitcasts
 not counted) per decoder layer, the number of `conditional` and `while` ops anywhere in the program,
@@ -23,6 +24,9 @@ from typing import Any, Sequence
 # instructions of the entry computation that launch no work
 _FREE_OPS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast"})
 _OP_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+# JAX lowers the threefry PRNG as a rolled loop on CPU only (unrolled, or one kernel, on GPU and TPU)
+_PRNG_SCOPES = ("threefry", "_uniform", "random_bits")
 FAMILY_ORDER = ("lite", "draft", "verify", "fused")
 
 
@@ -53,8 +57,9 @@ def presets() -> dict[str, Shape]:
 
 def hlo_counts(hlo_text: str) -> dict[str, int]:
     """Counts in an HLO module's text: top-level ops of the ENTRY computation (free ops excluded),
-    and `conditional` and `while` instructions in every computation."""
-    top, cond, loops, in_entry = 0, 0, 0, False
+    and `conditional` and `while` instructions in every computation; `whiles` excludes, and
+    `prng_whiles` counts, the loops of the threefry PRNG (CPU lowering only, see _PRNG_SCOPES)."""
+    top, cond, loops, prng, in_entry = 0, 0, 0, 0, False
     for line in hlo_text.splitlines():
         if line.startswith("ENTRY "):
             in_entry = True
@@ -66,9 +71,13 @@ def hlo_counts(hlo_text: str) -> dict[str, int]:
             continue
         op = m.group(1)
         cond += op == "conditional"
-        loops += op == "while"
+        if op == "while":
+            scope = _OP_NAME_RE.search(line)
+            is_prng = scope is not None and any(s in scope.group(1) for s in _PRNG_SCOPES)
+            prng += is_prng
+            loops += not is_prng
         top += in_entry and op not in _FREE_OPS
-    return {"top_level_ops": top, "conditionals": cond, "whiles": loops}
+    return {"top_level_ops": top, "conditionals": cond, "whiles": loops, "prng_whiles": prng}
 
 
 def compiled_report(lowered: Any) -> dict[str, Any]:
@@ -113,26 +122,28 @@ def abstract_runner(shape: Shape, slots: int, max_len: int) -> Any:
                   verifier=verify_chain, cache_dtype=shape.dtype, allocate=False)
 
 
-def bucket_keys(runner: Any, slots: int) -> dict[str, tuple[int, ...]]:
-    """Each round family's bucket key at `slots` rows (verify and fused with every draft verified)."""
-    tb = runner.gamma + 1
-    return {"lite": (slots,), "draft": (slots,), "verify": (slots, tb), "fused": (slots, tb)}
+def bucket_key(runner: Any, family: str, slots: int, variant: str) -> tuple[Any, ...]:
+    """A round family's bucket key at `slots` rows (verify and fused with every draft verified)."""
+    return (slots, variant) if family in ("lite", "draft") else (slots, runner.gamma + 1, variant)
 
 
-def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FAMILY_ORDER) -> list[dict[str, Any]]:
-    """One row per family: HLO counts, bytes accessed per call and the bytes it is measured against."""
+def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FAMILY_ORDER,
+            variants: Sequence[str] = ("greedy", "plain", "filtered")) -> list[dict[str, Any]]:
+    """One row per family and variant: HLO counts, bytes accessed per call and the bytes it is
+    measured against."""
     runner = abstract_runner(shape, slots, max_len)
     layers = shape.target["num_hidden_layers"]
     t_bytes, d_bytes = _nbytes(runner.t_params), _nbytes(runner.d_params)
     kv_bytes = _nbytes(runner.cache)
-    keys = bucket_keys(runner, slots)
     rows = []
     for family in families:
-        rep = compiled_report(runner.lower(family, keys[family]))
         weights = d_bytes if family == "draft" else t_bytes + (0 if family == "lite" else d_bytes)
-        rows.append({"family": family, "bucket": list(keys[family]), "slots": slots, **rep,
-                     "ops_per_layer": round(rep["top_level_ops"] / layers, 1), "weight_bytes": weights,
-                     "kv_cache_bytes": kv_bytes, "bytes_over_weights": round(rep["bytes_accessed"] / weights, 3)})
+        for variant in variants:
+            key = bucket_key(runner, family, slots, variant)
+            rep = compiled_report(runner.lower(family, key))
+            rows.append({"family": family, "variant": variant, "bucket": list(key), "slots": slots, **rep,
+                         "ops_per_layer": round(rep["top_level_ops"] / layers, 1), "weight_bytes": weights,
+                         "kv_cache_bytes": kv_bytes, "bytes_over_weights": round(rep["bytes_accessed"] / weights, 3)})
     return rows
 
 
@@ -141,27 +152,30 @@ def _markdown(res: dict[str, Any]) -> str:
     lines = ["# Round programs: ops per layer, branches and bytes (compiled, abstract shapes)", "",
              f"Command: `{res['command']}`", "",
              f"Backend `{res['backend']}`; max_len {res['max_len']}. Each row is one compiled program of the "
-             "engine's runner at that slots bucket (verify and fused with gamma + 1 tokens per slot). `ops/layer` "
+             "engine's runner at that slots bucket and sampling variant (verify and fused with gamma + 1 tokens per slot; `filtered` is the variant of a round in which some row uses top-k or top-p, its one conditional the exact fallback for a kept set past the top-k cap). `ops/layer` "
              "= top-level HLO ops of the entry computation / the target's decoder layers (draft: also divided "
              "by the target's layers, for comparison); `cond` and `while` count every `conditional` and `while` "
-             "op in the program; `bytes/weights` = XLA's bytes accessed per call / the bytes of the weights the "
+             "op in the program, except that `PRNG while` counts apart the loops of the threefry random-bit "
+             "generator, which JAX lowers as a rolled loop on CPU only (unrolled, or one kernel, on GPU and TPU); `bytes/weights` = XLA's bytes accessed per call / the bytes of the weights the "
              "program reads. The KV column is the whole cache (every slot at max_len). Goals (issue #36): "
              "<= 12 ops per layer, 0 conditionals and 0 loops in a greedy or unfiltered round, bytes accessed "
              "<= 1.3x (weights + live KV) at 128 slots.", ""]
     for name, rows in res["shapes"].items():
         lines += [f"## {name} ({rows[0]['layers']} layers, {rows[0]['dtype']})", ""]
         lines.append(md_table(
-            ["program", "slots", "top-level ops", "ops/layer", "cond", "while", "bytes accessed (MB)",
+            ["program", "sampling", "slots", "top-level ops", "ops/layer", "cond", "while", "PRNG while",
+             "bytes accessed (MB)",
              "weights (MB)", "KV cache (MB)", "bytes/weights", "compile (s)"],
-            [[r["family"], r["slots"], r["top_level_ops"], r["ops_per_layer"], r["conditionals"], r["whiles"],
+            [[r["family"], r["variant"], r["slots"], r["top_level_ops"], r["ops_per_layer"], r["conditionals"], r["whiles"], r["prng_whiles"],
               f"{r['bytes_accessed'] / 1e6:.1f}", f"{r['weight_bytes'] / 1e6:.1f}",
               f"{r['kv_cache_bytes'] / 1e6:.1f}", r["bytes_over_weights"], r["compile_s"]] for r in rows],
-            align="l" + "r" * 10))
+            align="ll" + "r" * 11))
     return "\n".join(lines)
 
 
 def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
-        families: Sequence[str] = FAMILY_ORDER) -> dict[str, Any]:
+        families: Sequence[str] = FAMILY_ORDER, variants: Sequence[str] = ("greedy", "plain", "filtered")
+        ) -> dict[str, Any]:
     import jax
 
     from bench.common import log, machine_info
@@ -171,8 +185,8 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
     for name in names:
         rows = []
         for s in slots:
-            log(f"{name}: compiling {', '.join(families)} at {s} slot(s)")
-            for r in measure(shapes[name], s, max_len, families):
+            log(f"{name}: compiling {', '.join(families)} x {', '.join(variants)} at {s} slot(s)")
+            for r in measure(shapes[name], s, max_len, families, variants):
                 rows.append({**r, "layers": shapes[name].target["num_hidden_layers"], "dtype": shapes[name].dtype})
         res["shapes"][name] = rows
     return res
@@ -182,12 +196,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     from bench.common import DEFAULT_OUT_DIR, command_line, write_results
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["qwen3-4b", "smollm2"], choices=sorted(presets()))
-    ap.add_argument("--slots", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--slots", nargs="+", type=int, default=[8])
+    ap.add_argument("--variants", nargs="+", default=["greedy", "plain", "filtered"],
+                    choices=["greedy", "plain", "filtered"])
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
     ap.add_argument("--docs", default="docs/BENCHMARKS.md", help="section rewritten in this page ('' = none)")
     args = ap.parse_args(argv)
-    res = run(args.presets, args.slots, args.max_len, command_line("bench.round_ops", argv))
+    res = run(args.presets, args.slots, args.max_len, command_line("bench.round_ops", argv),
+              variants=args.variants)
     for p in write_results("round_ops", res, _markdown(res), out_dir=args.out_dir):
         print(p)
     if args.docs:

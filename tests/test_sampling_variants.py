@@ -1,0 +1,166 @@
+"""The static sampling variants (greedy / plain / filtered) and the top-k cap of the filtered one.
+
+Each variant equals the full rule on the rows it is picked for; the cap changes nothing (its exact
+fallback covers rows whose kept set reaches past it), and without that fallback a chi-square test
+catches the truncation. The engine picks the narrowest compiled variant per round, refuses what no
+compiled variant covers, and the greedy and plain rounds compile with no branch and no loop.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from specjax import sampling
+from specjax.sampling import SamplingArrays, keys_for_batch, probs_from_logits, sample, sampling_variant
+from tests.engine_fixtures import BigramDrafter, tiny_target
+
+
+def _ref(logits_v: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
+    """float64 sort-based reference of the documented rule (inputs without ties)."""
+    if t == 0:
+        out = np.zeros_like(logits_v, np.float64)
+        out[np.argmax(logits_v)] = 1.0
+        return out
+    z = logits_v.astype(np.float64) / t
+    if 0 < k < z.size:
+        z = np.where(z >= np.sort(z)[-k], z, -np.inf)
+    e = np.exp(z - z.max())
+    probs = e / e.sum()
+    if p < 1:
+        order = np.argsort(-probs)
+        n = int(np.searchsorted(np.cumsum(probs[order]), p) + 1)
+        probs = np.where(np.isin(np.arange(z.size), order[:n]), probs, 0.0)
+        probs /= probs.sum()
+    return probs
+
+
+def _sa(t, k, p, variant: str, cap: int = sampling.DEFAULT_TOP_K_CAP) -> SamplingArrays:
+    return SamplingArrays(jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32),
+                          variant, cap)
+
+
+def test_the_host_picks_the_narrowest_exact_variant():
+    assert sampling_variant([0.0, 0.0], [0, 0], [1.0, 1.0]) == "greedy"
+    assert sampling_variant([0.0, 0.7], [0, 0], [1.0, 1.0]) == "plain"
+    assert sampling_variant([0.7, 0.7], [0, 5], [1.0, 1.0]) == "filtered"
+    assert sampling_variant([0.0], [0], [0.9]) == "filtered"  # log-probabilities read its filter
+    assert SamplingArrays.broadcast(2, 0.0).variant == "greedy"
+    assert SamplingArrays.from_values([1.0, 0.0], [0, 0], [1.0, 0.5]).variant == "filtered"
+    with pytest.raises(ValueError, match="variant"):
+        _sa([1.0], [0], [1.0], "fast")
+    leaves, tree = jax.tree.flatten(_sa([1.0], [0], [1.0], "plain", 8))
+    assert len(leaves) == 3 and jax.tree.unflatten(tree, leaves).variant == "plain"  # static: in the treedef
+
+
+def test_each_variant_equals_the_full_rule_on_the_rows_it_is_picked_for():
+    rng = np.random.default_rng(0)
+    logits = (rng.normal(size=(4, 3, 50)) * 2).astype(np.float32)
+    x = jnp.asarray(logits)
+    full = lambda t, k, p: np.asarray(probs_from_logits(x, _sa(t, k, p, "filtered")))  # noqa: E731
+    t0 = [0.0] * 4
+    np.testing.assert_array_equal(np.asarray(probs_from_logits(x, _sa(t0, [0] * 4, [1.0] * 4, "greedy"))),
+                                  full(t0, [0] * 4, [1.0] * 4))
+    t = [0.0, 0.5, 1.0, 1.7]
+    np.testing.assert_allclose(np.asarray(probs_from_logits(x, _sa(t, [0] * 4, [1.0] * 4, "plain"))),
+                               full(t, [0] * 4, [1.0] * 4), atol=1e-7)
+    k, p = [0, 3, 0, 7], [0.8, 1.0, 0.5, 0.9]
+    got = np.asarray(probs_from_logits(x, _sa(t, k, p, "filtered", cap=8)))
+    for b, m in np.ndindex(4, 3):
+        np.testing.assert_allclose(got[b, m], _ref(logits[b, m], t[b], k[b], p[b]), atol=2e-6)
+
+
+@pytest.mark.parametrize("k,p", [(3, 1.0), (0, 0.5), (12, 0.9), (0, 0.99), (40, 1.0)])
+def test_the_cap_changes_nothing(k, p):
+    """Kept sets inside and past a cap of 4 candidates: the same as the sort-based rule."""
+    rng = np.random.default_rng(k + int(100 * p))
+    logits = (rng.normal(size=(5, 64)) * 1.5).astype(np.float32)
+    got = np.asarray(probs_from_logits(jnp.asarray(logits), _sa([1.0] * 5, [k] * 5, [p] * 5, "filtered", cap=4)))
+    for b in range(5):
+        np.testing.assert_allclose(got[b], _ref(logits[b], 1.0, k, p), atol=2e-6)
+
+
+def _chi2_of_draws(monkeypatch_truncate: bool, monkeypatch) -> float:
+    """Draw 20k tokens from a top-p 0.9 nucleus of ~6 of 8 tokens with a cap of 2 candidates."""
+    if monkeypatch_truncate:  # the negative control: no exact fallback, the cap truncates the nucleus
+        monkeypatch.setattr(sampling, "_outside_cap", lambda k_far, mass, p, p_on: jnp.zeros_like(p_on))
+    logits = np.linspace(0.0, -1.0, 8).astype(np.float32)
+    n = 20_000
+    probs = probs_from_logits(jnp.broadcast_to(jnp.asarray(logits), (n, 8)),
+                              _sa([1.0] * n, [0] * n, [0.9] * n, "filtered", cap=2))
+    tokens = np.asarray(sample(keys_for_batch(range(n)), probs))
+    want = _ref(logits, 1.0, 0, 0.9)
+    observed = np.bincount(tokens, minlength=8)
+    assert observed[want == 0].sum() == 0 or monkeypatch_truncate
+    keep = want > 0
+    return float(stats.chisquare(observed[keep], want[keep] * n).pvalue)
+
+
+def test_chi_square_passes_with_the_exact_fallback_and_fails_on_a_truncated_cap(monkeypatch):
+    assert _chi2_of_draws(False, monkeypatch) > 1e-3
+    assert _chi2_of_draws(True, monkeypatch) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_target(16, seed=2)
+
+
+def test_engine_refuses_what_no_compiled_variant_covers(model):
+    from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
+    with pytest.raises(ValueError, match="sampling_variants"):
+        EngineConfig(sampling_variants=("fast",))
+    eng = Engine(model, None, EngineConfig(max_slots=2, max_len=32, sampling_variants=("plain",), top_k_cap=4),
+                 progress=False)
+    with pytest.raises(ValueError, match="top_p.*'filtered' sampling variant.*sampling_variants"):
+        eng.add_request(EngineRequest("a", [1, 2], max_tokens=2, top_p=0.9))
+    with pytest.raises(ValueError, match="top_k 5 exceeds the engine's top_k_cap 4"):
+        eng.add_request(EngineRequest("b", [1, 2], max_tokens=2, top_k=5))
+    assert eng.round_variant([0.0], [0], [1.0]) == "plain"  # greedy rows: the narrowest compiled cover
+    assert {k[-1] for f, k in eng.warm_keys() if f != "prefill"} == {"plain"}
+
+
+def _engine(model, variants):
+    from specjax.decoding.engine import Engine, EngineConfig
+    cfg = EngineConfig(max_slots=2, max_len=40, gamma=3, policy="fixed", slots_buckets=(2,), tokens_buckets=(1, 4),
+                       prefill_buckets=(8,), max_prefill=8, prefill_batch_buckets=(2,), sampling_variants=variants)
+    eng = Engine(model, BigramDrafter(16, 3), cfg, progress=False)
+    eng.warmup()
+    return eng
+
+
+def test_rounds_run_the_narrowest_variant_and_decode_as_the_filtered_one(model):
+    from specjax.decoding.engine import EngineRequest
+    every, only_filtered = _engine(model, ("greedy", "plain", "filtered")), _engine(model, ("filtered",))
+    used: list[str] = []
+    warmed = every.compile_counts()
+    run = every.runner.run
+    every.runner.run = lambda family, key, **kw: (used.append(key[-1]) if family != "prefill" else None,
+                                                  run(family, key, **kw))[1]
+
+    def requests(kinds):
+        reqs = {"greedy": EngineRequest("g", [1, 2, 3], max_tokens=8, temperature=0.0),
+                "plain": EngineRequest("t", [4, 5], max_tokens=8, temperature=1.0, seed=3),
+                "filtered": EngineRequest("f", [6, 7], max_tokens=8, temperature=0.8, top_p=0.7, seed=4)}
+        return [reqs[k] for k in kinds]
+    for kinds in (["greedy"], ["greedy", "plain"], ["plain", "filtered"]):
+        used.clear()
+        a = {r.request_id: r.output_ids for r in every.run(requests(kinds))}
+        b = {r.request_id: r.output_ids for r in only_filtered.run(requests(kinds))}
+        assert a == b, kinds
+        # rows together run the widest of their variants; once it finishes, the rest run narrower
+        assert used and used[0] == kinds[-1] and set(used) <= set(kinds), (kinds, used)
+    assert every.compile_counts() == warmed  # every variant a round ran was compiled at warm-up
+
+
+@pytest.mark.parametrize("variant,conds", [("greedy", 0), ("plain", 0), ("filtered", 1)])
+def test_greedy_and_unfiltered_rounds_compile_without_branches_or_loops(variant, conds):
+    from bench import round_ops
+    runner = round_ops.abstract_runner(round_ops.presets()["tiny"], 2, 32)
+    for family in ("lite", "verify"):
+        rep = round_ops.compiled_report(runner.lower(family, round_ops.bucket_key(runner, family, 2, variant)))
+        assert rep["conditionals"] == conds, (family, rep)
+        if variant != "filtered":
+            assert rep["whiles"] == 0, (family, rep)  # the threefry PRNG's CPU loops are counted apart
