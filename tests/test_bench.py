@@ -453,9 +453,10 @@ def test_round_ops_counts_branches_and_loops_of_a_known_program():
 
 def test_round_ops_runs_the_runners_programs_on_a_tiny_shape(tmp_path):
     from bench import round_ops
-    res = round_ops.run(["tiny"], [2], 64, "python -m bench.round_ops --presets tiny", families=("lite", "draft"))
+    res = round_ops.run(["tiny"], [2], 64, "python -m bench.round_ops --presets tiny", families=("lite", "draft"),
+                        variants=("plain",))
     rows = res["shapes"]["tiny"]
-    assert [r["family"] for r in rows] == ["lite", "draft"]
+    assert [(r["family"], r["variant"]) for r in rows] == [("lite", "plain"), ("draft", "plain")]
     for r in rows:
         assert r["top_level_ops"] > 0 and r["bytes_accessed"] > 0 and r["weight_bytes"] > 0
         assert r["ops_per_layer"] == round(r["top_level_ops"] / 2, 1)
