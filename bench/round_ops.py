@@ -105,8 +105,7 @@ def abstract_runner(shape: Shape, slots: int, max_len: int) -> Any:
     from specjax.config import TargetConfig
     from specjax.decoding.runner import Runner
     from specjax.decoding.verify import verify_chain
-    from specjax.drafters.block import BlockDrafterConfig
-    from specjax.drafters.dspark import make_block_drafter
+    from specjax.drafters.dspark import BlockDrafterConfig, make_block_drafter
     from specjax.models.decoder import CausalLM
     cfg = TargetConfig(**shape.target)
 

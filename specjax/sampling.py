@@ -93,6 +93,17 @@ def sampling_variant(temperature: Any, top_k: Any, top_p: Any) -> str:
     return "greedy" if np.all(t <= 0) else "plain"
 
 
+def covering_variant(temperature: Any, top_k: Any, top_p: Any, compiled: Sequence[str], where: str) -> str:
+    """The narrowest variant in `compiled` exact for these rows; a ValueError naming the parameters
+    and `where` (the setting that lists the compiled variants) when none is."""
+    need = VARIANTS.index(sampling_variant(temperature, top_k, top_p))
+    for v in VARIANTS[need:]:
+        if v in compiled:
+            return v
+    raise ValueError(f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r} need the "
+                     f"{VARIANTS[need]!r} sampling variant, which is not compiled ({where} = {tuple(compiled)})")
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["temperature", "top_k", "top_p"],
                    meta_fields=["variant", "top_k_cap"])
 @dataclasses.dataclass(frozen=True)
@@ -363,5 +374,5 @@ def round_key(base_key_b: Array, counter_b: Array | int) -> Array:
     return fold(base_key_b, counter_b)
 
 
-__all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "probs_from_logits", "sample", "request_key", "round_key",
+__all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "covering_variant", "probs_from_logits", "sample", "request_key", "round_key",
            "keys_for_batch", "validate_sampling"]

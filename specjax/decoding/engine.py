@@ -21,7 +21,7 @@ from specjax.decoding import buckets as bk
 from specjax.decoding.runner import Runner
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.models.decoder import CausalLM
-from specjax.sampling import DEFAULT_TOP_K_CAP, VARIANTS, sampling_variant
+from specjax.sampling import DEFAULT_TOP_K_CAP, VARIANTS, covering_variant
 from specjax.scheduling.names import COST_AWARE_POLICIES
 from specjax.scheduling.planner import RoundPlan, RoundPlanner
 
@@ -249,15 +249,8 @@ class Engine:
         return keys
 
     def round_variant(self, temperature: Any, top_k: Any, top_p: Any) -> str:
-        """The narrowest configured sampling variant exact for these rows' parameters; a ValueError
-        naming the parameters and `EngineConfig.sampling_variants` when none is compiled."""
-        need = VARIANTS.index(sampling_variant(temperature, top_k, top_p))
-        for v in self.cfg.sampling_variants:
-            if VARIANTS.index(v) >= need:
-                return v
-        raise ValueError(f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r} need the "
-                         f"{VARIANTS[need]!r} sampling variant, which is not compiled (EngineConfig."
-                         f"sampling_variants = {self.cfg.sampling_variants})")
+        """The narrowest compiled sampling variant exact for these rows (see `sampling.covering_variant`)."""
+        return covering_variant(temperature, top_k, top_p, self.cfg.sampling_variants, "EngineConfig.sampling_variants")
 
     def warmup(self, threads: int | None = None) -> float:
         """Compile every bucket ahead (see `Runner.warm`), then measure what a cost-aware policy
