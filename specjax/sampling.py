@@ -374,5 +374,5 @@ def round_key(base_key_b: Array, counter_b: Array | int) -> Array:
     return fold(base_key_b, counter_b)
 
 
-__all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "covering_variant", "probs_from_logits", "sample", "request_key", "round_key",
-           "keys_for_batch", "validate_sampling"]
+__all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "covering_variant", "probs_from_logits", "sample",
+           "request_key", "round_key", "keys_for_batch", "validate_sampling"]

@@ -67,7 +67,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         variants = tuple(self.sampling_variants)
         if not variants or any(v not in VARIANTS for v in variants) or len(set(variants)) != len(variants):
-            raise ValueError(f"sampling_variants must be distinct names from {VARIANTS}, got {self.sampling_variants!r}")
+            raise ValueError(f"sampling_variants must be distinct names from {VARIANTS}, "
+                             f"got {self.sampling_variants!r}")
         object.__setattr__(self, "sampling_variants", tuple(v for v in VARIANTS if v in variants))
         if isinstance(self.top_k_cap, bool) or not isinstance(self.top_k_cap, int) or self.top_k_cap < 1:
             raise ValueError(f"top_k_cap must be a positive int, got {self.top_k_cap!r}")

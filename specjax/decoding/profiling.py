@@ -35,7 +35,7 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
     seconds: dict[tuple[int, int], float] = {}
     keys = [(sb, tb) for sb in engine.buckets.slots for tb in engine.buckets.tokens]
     run = engine.runner.run
-    variant = engine.cfg.sampling_variants[-1]  # the widest compiled: a bound on every variant's cost
+    variant = engine.cfg.sampling_variants[-1]  # the widest compiled: bounds every variant's cost
     for sb, tb in tqdm(keys, desc="profiling buckets", disable=not progress, leave=False):
         ints = np.zeros((4, sb), np.int32)  # ell, active (all idle), counter, top_k
         ints[0] = tb - 1
