@@ -35,7 +35,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
-from specjax.decoding.engine import EngineRequest, RequestMetrics
+from specjax.decoding.requests import EngineRequest, RequestMetrics
 from specjax.serving.metrics import ServingMetrics, request_spec_metrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.errors import ENGINE_REJECTED, APIError
