@@ -88,6 +88,12 @@ def topk_prefix_fill(conf_bg: Array, k_total: Array, active_b: Array, cap: int) 
     return jnp.sum(chosen.reshape(b, cap), axis=1).astype(jnp.int32)
 
 
+def _filtered_sampling(ctx: Context, ints_4b: Array, floats_2b: Array) -> SamplingArrays:
+    """Per-row sampling of the programs that always sample in the filtered variant (prefill, score),
+    with the engine's top-k cap."""
+    return SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1], "filtered", ctx.top_k_cap)
+
+
 def _unpack(ctx: Context, ints_4b: Array, floats_2b: Array, keys_b2: Array, variant: str
             ) -> tuple[Array, Array, SamplingArrays, Array, Array]:
     """A round's rows: (ell, active, sampling, draft keys, verify keys)."""
@@ -201,7 +207,7 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, tokens_bt,
     target = nnx.merge(ctx.t_graph, t_params)
     pb, plen = tokens_bt.shape
     n_valid_p, slot_p, start_p = ints_4b[0], ints_4b[1], ints_4b[2]
-    sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1], "filtered", ctx.top_k_cap)
+    sa = _filtered_sampling(ctx, ints_4b, floats_2b)
     cache = cache.with_lengths(cache.lengths.at[slot_p].set(start_p, mode="drop"))
     positions = start_p[:, None] + jnp.arange(plen, dtype=jnp.int32)[None, :]
     out = target.forward(tokens_bt, positions, cache, n_valid_p, rows_b=slot_p, tap_layers=ctx.tap_layers,
@@ -229,6 +235,6 @@ def score(ctx: Context, t_params, tokens_bt, ints_4b, floats_2b):
     target = nnx.merge(ctx.t_graph, t_params)
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
     out = target.forward(tokens_bt, positions, None, ints_4b[0], logits="all")
-    sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1])
+    sa = _filtered_sampling(ctx, ints_4b, floats_2b)
     nxt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros_like(tokens_bt[:, :1])], axis=1)
     return (_logprobs(ctx, out.logits, sa, nxt),)
