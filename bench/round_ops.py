@@ -123,7 +123,9 @@ def abstract_runner(shape: Shape, slots: int, max_len: int) -> Any:
 
 def bucket_key(runner: Any, family: str, slots: int, variant: str) -> tuple[Any, ...]:
     """A round family's bucket key at `slots` rows (verify and fused with every draft verified)."""
-    return (slots, variant) if family in ("lite", "draft") else (slots, runner.gamma + 1, variant)
+    if family == "draft":
+        return (slots, variant)
+    return (slots, runner.max_len, variant) if family == "lite" else (slots, runner.gamma + 1, runner.max_len, variant)
 
 
 def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FAMILY_ORDER,

@@ -1,7 +1,9 @@
 """Static shape buckets: the sizes an engine compiles and the smallest bucket covering a value.
 
 Every serving executable has a bucket key: (slots bucket,) or (slots bucket, tokens-per-slot bucket)
-for rounds and (prompts bucket, prompt-length bucket) for prefill (see decoding/runner.py).
+for rounds and (prompts bucket, prompt-length bucket) for prefill (see decoding/runner.py); the
+programs that run the target over its cache also carry an attention bucket: the cache rows [0:L]
+they attend to, L covering the longest participating row plus the tokens it writes.
 """
 from __future__ import annotations
 
@@ -34,16 +36,27 @@ def pick(buckets: Sequence[int], n: int, *, what: str = "value") -> int:
     raise ValueError(f"{what} {n} exceeds the largest bucket {max(buckets)}")
 
 
+ATTENTION_FLOOR = 512  # smallest default attention bucket: below it the cache read is a small share
+
+
+def attention_buckets(max_len: int) -> tuple[int, ...]:
+    """Default attention buckets: powers of two from max(ATTENTION_FLOOR, max_len / 8) up to max_len
+    (at most 4 sizes; one when max_len <= ATTENTION_FLOOR)."""
+    return pow2_buckets(min(max_len, max(ATTENTION_FLOOR, next_pow2(max_len // 8))), max_len)
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketSet:
-    """The shapes an engine compiles: slots, tokens per slot (verify) and prefill lengths."""
+    """The shapes an engine compiles: slots, tokens per slot (verify), prefill lengths and attended
+    cache rows."""
 
     slots: tuple[int, ...]
     tokens: tuple[int, ...]
     prefill: tuple[int, ...]
+    attention: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        for name in ("slots", "tokens", "prefill"):
+        for name in ("slots", "tokens", "prefill", "attention"):
             v = getattr(self, name)
             if not v or list(v) != sorted(set(v)) or v[0] < 1:
                 raise ValueError(f"bucket field '{name}' must be a non-empty increasing list of "

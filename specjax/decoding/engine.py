@@ -58,6 +58,10 @@ class EngineConfig:
     # bucket): a round runs the narrowest one its rows allow, a request no variant here covers is refused
     sampling_variants: tuple[str, ...] = VARIANTS
     top_k_cap: int = DEFAULT_TOP_K_CAP  # largest top_k a request may ask for (the lax.top_k of filtering)
+    # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
+    # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,
+    # and a call no bucket covers is refused before dispatch. Default buckets.attention_buckets(max_len)
+    attention_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -73,6 +77,9 @@ class EngineConfig:
         object.__setattr__(self, "sampling_variants", tuple(v for v in VARIANTS if v in variants))
         if isinstance(self.top_k_cap, bool) or not isinstance(self.top_k_cap, int) or self.top_k_cap < 1:
             raise ValueError(f"top_k_cap must be a positive int, got {self.top_k_cap!r}")
+        if self.attention_buckets is not None and any(a > self.max_len for a in self.attention_buckets):
+            raise ValueError(f"attention_buckets must not exceed max_len {self.max_len}, "
+                             f"got {self.attention_buckets!r}")
 
 
 class Engine:
@@ -103,7 +110,8 @@ class Engine:
             slots=tuple(config.slots_buckets or bk.pow2_buckets(1, slots)),
             tokens=tuple(config.tokens_buckets or bk.pow2_buckets(1, self.gamma + 1)),
             prefill=tuple(config.prefill_buckets or bk.pow2_buckets(min(16, config.max_prefill),
-                                                                    min(config.max_prefill, max_len))))
+                                                                    min(config.max_prefill, max_len))),
+            attention=tuple(config.attention_buckets or bk.attention_buckets(max_len)))
         self.prefill_batches = tuple(config.prefill_batch_buckets or sorted({1, min(8, slots)}))
         if self.buckets.slots[-1] != slots:
             raise ValueError(f"largest slots bucket {self.buckets.slots[-1]} must equal max_slots {slots}")
@@ -115,7 +123,8 @@ class Engine:
         self.queue: list[EngineRequest] = []
         self._key_data = np.zeros((slots, 2), np.uint32)
         self._seed_counter = 0
-        self.stats = {"rounds": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0}
+        # attention_rounds: calls per attention bucket (rounds and prefill chunks)
+        self.stats = {"rounds": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0, "attention_rounds": {}}
         self.on_round: Callable[[dict[str, Any]], None] | None = None
 
     # ------------------------------------------------------------------ cost model
@@ -161,21 +170,25 @@ class Engine:
     def warm_keys(self) -> list[tuple[str, tuple[Any, ...]]]:
         """Every (family, bucket) this engine may execute under its policy: round buckets once per
         configured sampling variant (the variant is the key's last field)."""
-        keys: list[tuple[str, tuple[Any, ...]]] = [("prefill", (pb, p)) for pb in self.prefill_batches
-                                                    for p in self.buckets.prefill]
+        attention, plens = self.buckets.attention, self.buckets.prefill
+        # a prefill chunk of bucket p is longer than the bucket below (prev): it needs > prev rows
+        keys: list[tuple[str, tuple[Any, ...]]] = [("prefill", (pb, p, a)) for pb in self.prefill_batches
+                                                    for prev, p in zip((0,) + plens, plens)
+                                                    for a in attention if a > prev]
         if self.cfg.max_logprobs > 0:  # echo's prompt log-likelihoods, one prompt per call
             keys += [("score", (1, p)) for p in self.buckets.prefill]
         tokens = self.buckets.tokens
         for variant in self.cfg.sampling_variants:
             for sb in self.buckets.slots:
                 for family, max_ell in self.planner.families.items():
-                    if max_ell is None:
+                    if family == "draft":  # the drafter's own state: no attention bucket
                         keys.append((family, (sb, variant)))
-                    elif family == "verify":  # every tokens bucket: the cost table measures them all
-                        keys += [(family, (sb, tb, variant)) for tb in tokens]
-                    else:
-                        tbs = {1, bk.pick(tokens, max_ell + 1)} | {t for t in tokens if t <= max_ell + 1}
-                        keys += [(family, (sb, tb, variant)) for tb in sorted(tbs)]
+                    elif max_ell is None:
+                        keys += [(family, (sb, a, variant)) for a in attention]
+                    else:  # verify: every tokens bucket, which the cost table measures
+                        tbs = set(tokens) if family == "verify" else (
+                            {1, bk.pick(tokens, max_ell + 1)} | {t for t in tokens if t <= max_ell + 1})
+                        keys += [(family, (sb, tb, a, variant)) for tb in sorted(tbs) for a in attention]
         return keys
 
     def round_variant(self, temperature: Any, top_k: Any, top_p: Any) -> str:
@@ -307,7 +320,8 @@ class Engine:
                 ints[:, row] = n, r.slot, offsets[i], r.top_k
                 floats[:, row] = r.temperature, r.top_p
                 key_data[row] = self._key_data[r.slot]
-            outs = jax.device_get(self.runner.run("prefill", (pb, plen), tokens_bt=toks, ints_4b=ints,
+            attn = self._attention_bucket(max(offsets[i] + n for i, n in zip(todo, chunk_lens)))
+            outs = jax.device_get(self.runner.run("prefill", (pb, plen, attn), tokens_bt=toks, ints_4b=ints,
                                                   floats_2b=floats, keys_b2=key_data))
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 offsets[i] += n
@@ -340,6 +354,16 @@ class Engine:
             self.slot_req[req.slot] = None
 
     # ------------------------------------------------------------------ rounds
+    def _attention_bucket(self, rows: int) -> int:
+        """The attention bucket of a call whose rows reach `rows` cache rows (longest participating
+        row + the tokens it writes; capped at max_len); counted in stats["attention_rounds"]. A call
+        that no bucket covers is refused here, before dispatch."""
+        attn = bk.pick(self.buckets.attention, min(rows, self.cfg.max_len),
+                       what="attention length (cache rows; EngineConfig.attention_buckets)")
+        counts = self.stats["attention_rounds"]
+        counts[attn] = counts.get(attn, 0) + 1
+        return attn
+
     def _row_inputs(self, sb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows [0:sb]: packed ints (ell, set per program; active; counter; top_k), floats
         (temperature, top_p), and each row's largest admissible ell: gamma, its own cap, room in the
@@ -358,9 +382,9 @@ class Engine:
         return ints, floats, caps
 
     def _execute(self, plan: RoundPlan, ints: np.ndarray, floats: np.ndarray,
-                 keys: np.ndarray) -> tuple[np.ndarray, int, np.ndarray | None, dict[str, np.ndarray]]:
-        """Run a planned round. Returns (ell int64 [sb], tokens bucket, confidences [sb, gamma] or None
-        after a lite round, the round's outputs on the host)."""
+                 keys: np.ndarray) -> tuple[np.ndarray, int, int, np.ndarray | None, dict[str, np.ndarray]]:
+        """Run a planned round. Returns (ell int64 [sb], tokens bucket, attention bucket, confidences
+        [sb, gamma] or None after a lite round, the round's outputs on the host)."""
         sb, ell, conf = plan.active_b.shape[0], plan.ell_b, None
         act = plan.active_b
         variant = self.round_variant(floats[0, act], ints[3, act], floats[1, act])
@@ -375,7 +399,8 @@ class Engine:
                         ctrl_2=np.array([plan.k_total, int(plan.fill == "device")], np.int32))
         tb = 1 if plan.program == "lite" else bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
         ints[0] = ell
-        key = (sb, variant) if plan.program == "lite" else (sb, tb, variant)
+        attn = self._attention_bucket(int(self.lengths[:sb][act].max()) + tb)
+        key = (sb, attn, variant) if plan.program == "lite" else (sb, tb, attn, variant)
         outs = self.runner.run(plan.program, key, ints_4b=ints, **rows)
         if plan.program == "verify" and conf is None:
             conf = np.asarray(conf_dev)
@@ -384,7 +409,7 @@ class Engine:
             ell = np.asarray(outs["ell"], np.int64)
         if conf is None and self.gamma > 0 and plan.kind != "lite":
             conf = np.asarray(outs["confidence"])
-        return ell, tb, conf, outs
+        return ell, tb, attn, conf, outs
 
     def step(self) -> list[EngineRequest]:
         """Admit waiting requests into free slots, then run one round. Returns requests finished now."""
@@ -396,7 +421,7 @@ class Engine:
         sb = bk.pick(self.buckets.slots, max(active_idx) + 1, what="active slot count")
         ints, floats, caps = self._row_inputs(sb)
         plan = self.planner.plan(caps, ints[1] > 0)
-        ell, tb, conf, outs = self._execute(plan, ints, floats, self._key_data[:sb])
+        ell, tb, attn, conf, outs = self._execute(plan, ints, floats, self._key_data[:sb])
         self.planner.observe(plan, conf)
         # taken before the loop frees finished slots; only for an on_round hook (off the hot path)
         request_ids = [self.slot_req[i].request_id for i in active_idx] if self.on_round is not None else []
@@ -420,7 +445,8 @@ class Engine:
         if self.on_round is not None:
             # per active slot, in slot order: its request, verified length, accepted drafts, whether
             # an accepted stop token ended the round (no bonus), the drafter's per-position confidences
-            info = {"slots_bucket": sb, "tokens_bucket": tb, "kind": plan.kind, "request_ids": request_ids,
+            info = {"slots_bucket": sb, "tokens_bucket": tb, "attention_bucket": attn, "kind": plan.kind,
+                    "request_ids": request_ids,
                     "ell": ell[plan.active_b].tolist(), "accepted": [int(n_acc[i]) for i in active_idx],
                     "seconds": dt, "stopped": [bool(outs["stopped"][i]) for i in active_idx]}
             if conf is not None:

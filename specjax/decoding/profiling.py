@@ -36,6 +36,7 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
     keys = [(sb, tb) for sb in engine.buckets.slots for tb in engine.buckets.tokens]
     run = engine.runner.run
     variant = engine.cfg.sampling_variants[-1]  # the widest compiled: bounds every variant's cost
+    attn = engine.buckets.attention[-1]  # the whole cache: bounds every live length's cost
     for sb, tb in tqdm(keys, desc="profiling buckets", disable=not progress, leave=False):
         ints = np.zeros((4, sb), np.int32)  # ell, active (all idle), counter, top_k
         ints[0] = tb - 1
@@ -46,7 +47,8 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
             draft, q, conf = run("draft", (sb, variant), **rows)
-            outs = run("verify", (sb, tb, variant), draft_bg=draft, q_bgv=q, conf_bg=conf, ctrl_2=ctrl, **rows)
+            outs = run("verify", (sb, tb, attn, variant), draft_bg=draft, q_bgv=q, conf_bg=conf, ctrl_2=ctrl,
+                       **rows)
             jax.block_until_ready(outs)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
@@ -65,7 +67,8 @@ def measure_plain_seconds(engine, *, repeats: int = 7, warmup: int = 2) -> dict[
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
-            outs = engine.runner.run("lite", (sb, engine.cfg.sampling_variants[-1]), **rows)  # as the cost table
+            outs = engine.runner.run("lite", (sb, engine.buckets.attention[-1], engine.cfg.sampling_variants[-1]),
+                                     **rows)  # as the cost table
             jax.block_until_ready(outs)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)

@@ -5,6 +5,9 @@ shardings) and arrays only; the tokens-per-slot bucket of a round arrives as the
 the round's sampling variant (sampling.VARIANTS, picked by the host from every row's parameters) as
 the static `variant`: no program branches on the rows' sampling parameters except the filtered
 variant's exact fallback (see sampling.probs_from_logits). Prefill samples in the filtered variant.
+The programs that run the target over its cache (prefill, lite, fused, verify) attend to its rows
+[0:attn] only: the static `attn`, an attention bucket the host picks to cover every participating
+row's length plus the tokens it writes (writes still reach the whole cache).
 A round, for the rows [0:sb] of the slots:
   draft   -> DraftBlock (tokens, q, confidence) for every row, from its anchor;
   verify  -> one target pass over [anchor, d_1..d_{tb-1}] (tb = tokens bucket >= 1 + max ell),
@@ -109,7 +112,7 @@ def _taps_update(ctx: Context, out: Any, tokens: Array, positions: Array, n_vali
 
 
 def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv, ell_b, active_b,
-                   sa, keys_b, stop_ids, tb: int, maintain: bool = True):
+                   sa, keys_b, stop_ids, tb: int, attn: int, maintain: bool = True):
     """Target pass over [anchor, drafts[:tb-1]], exact acceptance, commit. Returns new state + outputs.
     With `maintain` False (a lite round) the target taps nothing and the drafter's context is left
     behind: those rows may not draft again (see `RoundPlanner.fresh`)."""
@@ -121,7 +124,7 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, dra
     positions = start_b[:, None] + jnp.arange(tb, dtype=jnp.int32)[None, :]
     ell_b = jnp.where(active_b, jnp.minimum(ell_b, tb - 1), 0)
     out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=ctx.tap_layers if maintain else (),
-                         logits="all")
+                         logits="all", kv_len=attn)
     p = probs_from_logits(out.logits, sa)  # [sb, tb, V]
     if tb == 1:  # plain decoding: no drafts; the chain rule reduces to sampling from the target
         q_bgv = jnp.zeros((sb, 0, p.shape[-1]), jnp.float32)
@@ -154,16 +157,16 @@ def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array) ->
     return {"logprob": tok, "top_logprob": top_lp, "top_id": top_id}
 
 
-def lite(ctx: Context, t_params, cache, anchors, ints_4b, floats_2b, keys_b2, stop_ids, *, variant: str):
+def lite(ctx: Context, t_params, cache, anchors, ints_4b, floats_2b, keys_b2, stop_ids, *, attn: int, variant: str):
     """A plain decoding step that leaves the drafter alone (no drafter arguments to pass either)."""
     ell_b, active_b, sa, _, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
     cache, _, anchors, outs = _verify_commit(ctx, t_params, None, cache, None, anchors, None, None, ell_b,
-                                             active_b, sa, kv, stop_ids, 1, maintain=False)
+                                             active_b, sa, kv, stop_ids, 1, attn, maintain=False)
     return cache, anchors, outs
 
 
 def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, ints_4b, floats_2b, keys_b2, stop_ids, *,
-          tokens: int, variant: str):
+          tokens: int, attn: int, variant: str):
     """Draft and verify in one call; `tokens` = 1 (an upkeep round) drafts nothing."""
     ell_b, active_b, sa, kd, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
     sb = ell_b.shape[0]
@@ -175,7 +178,7 @@ def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, ints_4b, flo
         if block.confidence is not None:
             conf = ctx.gamma_columns(block.confidence)
     cache, dstate, anchors, outs = _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv,
-                                                  ell_b, active_b, sa, kv, stop_ids, tokens)
+                                                  ell_b, active_b, sa, kv, stop_ids, tokens, attn)
     outs["confidence"] = conf
     return cache, dstate, anchors, outs
 
@@ -190,19 +193,20 @@ def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, ints_4b, float
 
 
 def verify(ctx: Context, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv, conf_bg, ints_4b, floats_2b,
-           keys_b2, ctrl_2, stop_ids, *, tokens: int, variant: str):
+           keys_b2, ctrl_2, stop_ids, *, tokens: int, attn: int, variant: str):
     """Verify drafts; with ctrl = (K, 1), ell = top-K fill of the current survivals (a "device" fill)."""
     ell_b, active_b, sa, _, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
     k_total, device_fill = ctrl_2[0], ctrl_2[1] > 0
     filled = topk_prefix_fill(conf_bg, k_total, active_b & (ell_b > 0), tokens - 1)  # capped rows take none
     ell = jnp.where(device_fill, jnp.minimum(filled, ell_b), ell_b)
     cache, dstate, anchors, outs = _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv,
-                                                  ell, active_b, sa, kv, stop_ids, tokens)
+                                                  ell, active_b, sa, kv, stop_ids, tokens, attn)
     outs["ell"] = jnp.where(active_b, jnp.minimum(ell, tokens - 1), 0)
     return cache, dstate, anchors, outs
 
 
-def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, tokens_bt, ints_4b, floats_2b, keys_b2):
+def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, tokens_bt, ints_4b, floats_2b, keys_b2, *,
+            attn: int):
     """Prefill P prompt chunks into slots (an id >= slots marks a padding row); samples each first token."""
     target = nnx.merge(ctx.t_graph, t_params)
     pb, plen = tokens_bt.shape
@@ -211,7 +215,7 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, tokens_bt,
     cache = cache.with_lengths(cache.lengths.at[slot_p].set(start_p, mode="drop"))
     positions = start_p[:, None] + jnp.arange(plen, dtype=jnp.int32)[None, :]
     out = target.forward(tokens_bt, positions, cache, n_valid_p, rows_b=slot_p, tap_layers=ctx.tap_layers,
-                         logits="last")
+                         logits="last", kv_len=attn)
     cache = out.cache
     if ctx.d_graph is not None:
         drafter = ctx.drafter(d_params)

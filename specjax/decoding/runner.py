@@ -34,7 +34,8 @@ class Family:
     fn: Callable[..., Any]  # fn(context, *args, **{f: size for f in static})
     args: tuple[str, ...]  # argument layout: names in STATE or INPUTS
     returns: tuple[str, ...]  # outputs in order; a name in STATE replaces that state
-    bucket: tuple[str, ...]  # bucket key fields: "rows" (slots or prompts), "tokens", "plen", "variant"
+    # bucket key fields: "rows" (slots or prompts), "tokens", "plen", "attn" (attended cache rows), "variant"
+    bucket: tuple[str, ...]
     donate: tuple[str, ...] = ()  # state arguments whose buffers the call may reuse
     static: tuple[str, ...] = ()  # bucket fields the function takes as static values (not in any shape)
 
@@ -43,20 +44,23 @@ _STATE = ("cache", "dstate", "anchors")
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("prefill", programs.prefill,
            ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_2b", "keys_b2"),
-           (*_STATE, "first"), ("rows", "plen"), donate=_STATE),
+           (*_STATE, "first"), ("rows", "plen", "attn"), donate=_STATE, static=("attn",)),
     Family("lite", programs.lite,
            ("t_params", "cache", "anchors", "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
-           ("cache", "anchors", "outs"), ("rows", "variant"), donate=("cache", "anchors"), static=("variant",)),
+           ("cache", "anchors", "outs"), ("rows", "attn", "variant"), donate=("cache", "anchors"),
+           static=("attn", "variant")),
     Family("fused", programs.fused,
            ("t_params", "d_params", *_STATE, "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
-           (*_STATE, "outs"), ("rows", "tokens", "variant"), donate=_STATE, static=("tokens", "variant")),
+           (*_STATE, "outs"), ("rows", "tokens", "attn", "variant"), donate=_STATE,
+           static=("tokens", "attn", "variant")),
     Family("draft", programs.draft,
            ("d_params", "dstate", "cache_lengths", "anchors", "ints_4b", "floats_2b", "keys_b2"),
            ("draft_bg", "q_bgv", "conf_bg"), ("rows", "variant"), static=("variant",)),
     Family("verify", programs.verify,
            ("t_params", "d_params", *_STATE, "draft_bg", "q_bgv", "conf_bg", "ints_4b", "floats_2b", "keys_b2",
             "ctrl_2", "stop_ids"),
-           (*_STATE, "outs"), ("rows", "tokens", "variant"), donate=_STATE, static=("tokens", "variant")),
+           (*_STATE, "outs"), ("rows", "tokens", "attn", "variant"), donate=_STATE,
+           static=("tokens", "attn", "variant")),
     Family("score", programs.score, ("t_params", "tokens_bt", "ints_4b", "floats_2b"), ("outs",), ("rows", "plen")),
 )}
 STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "cache_lengths", "stop_ids")
@@ -131,7 +135,7 @@ class Runner:
                  allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
         # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops
-        self.mesh, self.gamma, self.vocab = mesh, gamma, target.config.vocab_size
+        self.mesh, self.gamma, self.max_len, self.vocab = mesh, gamma, max_len, target.config.vocab_size
         make = (lambda f: f()) if allocate else jax.eval_shape
         t_graph, t_params = nnx.split(target)
         cache = make(lambda: target.init_cache(slots, max_len, dtype=cache_dtype))

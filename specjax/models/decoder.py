@@ -84,7 +84,8 @@ class Attention(nnx.Module):
             k_all = kvc.write(kv_cache[0], k, lengths_b, rows_b)
             v_all = kvc.write(kv_cache[1], v, lengths_b, rows_b)
             new_kv = (k_all, v_all)
-            k, v = kvc.read_rows(k_all, b, rows_b), kvc.read_rows(v_all, b, rows_b)
+            s = mask.shape[-1]  # attended cache rows [0:s] (the forward's kv_len)
+            k, v = kvc.read_rows(k_all, b, rows_b)[:, :s], kvc.read_rows(v_all, b, rows_b)[:, :s]
         return self.output(gqa_attention(q, k, v, mask)), new_kv
 
 
@@ -134,14 +135,16 @@ class CausalLM(nnx.Module):
 
     def forward(self, tokens_bt: Array, positions_bt: Array, cache: kvc.KVCache | None = None,
                 valid_b: Array | None = None, *, rows_b: Array | None = None,
-                tap_layers: Sequence[int] = (), logits: str = "all") -> ForwardOut:
+                tap_layers: Sequence[int] = (), logits: str = "all", kv_len: int | None = None) -> ForwardOut:
         """Run the decoder. `valid_b` [B] is each row's count of real tokens (default T).
 
         With a cache, token t of row b is written at cache row lengths[b] + t and sees cache rows
         <= lengths[b] + t; the returned cache has lengths + valid. The cache may hold more slots than
         B: rows [0:B] take part (or the slots `rows_b` [B], distinct; an id >= slots marks a padding row
         whose writes are dropped) and the others are untouched. `logits` is "all", "last" (at the
-        last valid token of each row) or "none".
+        last valid token of each row) or "none". `kv_len` (static): attention reads cache rows
+        [0:kv_len] only (writes still reach the whole cache); the caller guarantees
+        lengths + T <= kv_len for every row whose outputs it uses.
         """
         cfg = self.config
         b, t = tokens_bt.shape
@@ -154,8 +157,10 @@ class CausalLM(nnx.Module):
             mask = kvc.causal_mask(t, valid_b)
             lengths = None
         else:  # rows [0:B] (or rows_b) of a cache with >= B slots take part
+            if kv_len is not None and not 1 <= kv_len <= cache.max_len:
+                raise ValueError(f"kv_len {kv_len} outside [1, cache max_len {cache.max_len}]")
             lengths = cache.lengths[:b] if rows_b is None else jnp.take(cache.lengths, rows_b, mode="clip")
-            mask = kvc.cached_mask(lengths, t, cache.max_len)
+            mask = kvc.cached_mask(lengths, t, cache.max_len if kv_len is None else kv_len)
         x = self.model.embed_tokens(tokens_bt)
         taps: dict[int, Array] = {}
         if -1 in tap_layers:
