@@ -358,8 +358,11 @@ class Engine:
         """The attention bucket of a call whose rows reach `rows` cache rows (longest participating
         row + the tokens it writes; capped at max_len); counted in stats["attention_rounds"]. A call
         that no bucket covers is refused here, before dispatch."""
-        attn = bk.pick(self.buckets.attention, min(rows, self.cfg.max_len),
-                       what="attention length (cache rows; EngineConfig.attention_buckets)")
+        rows, largest = min(rows, self.cfg.max_len), self.buckets.attention[-1]
+        if rows > largest:
+            raise ValueError(f"attention length {rows} (cache rows a call reads) exceeds the largest of "
+                             f"EngineConfig.attention_buckets, {largest}")
+        attn = bk.pick(self.buckets.attention, rows)
         counts = self.stats["attention_rounds"]
         counts[attn] = counts.get(attn, 0) + 1
         return attn
