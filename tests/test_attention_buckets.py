@@ -51,7 +51,8 @@ def test_default_attention_buckets_are_few():
     assert bk.attention_buckets(512) == (512,)
     assert bk.attention_buckets(1024) == (512, 1024)
     assert bk.attention_buckets(8192) == (1024, 2048, 4096, 8192)
-    assert Engine(tiny_target(V), None, EngineConfig(max_slots=1, max_len=48), progress=False).buckets.attention == (48,)
+    eng = Engine(tiny_target(V), None, EngineConfig(max_slots=1, max_len=48), progress=False)
+    assert eng.buckets.attention == (48,)
     with pytest.raises(ValueError, match="attention_buckets must not exceed max_len 64"):
         EngineConfig(max_len=64, attention_buckets=(32, 128))
 

@@ -323,3 +323,65 @@ def test_multi_turn_answers_each_turn_on_the_targets_own_earlier_answers(llm, tm
     assert own in text and original not in text and "w13 w14" in text
     # the second row: turn 2 does not fit, so the row is its first exchange
     assert [m["role"] for m in rows[1]["conversations"]] == ["user", "assistant"]
+
+
+def test_serving_defaults_bf16_on_accelerators_and_context_from_the_data(target_dir, tmp_path, monkeypatch):
+    """train.regenerate without --dtype / --max-model-len: float32 on CPU (bfloat16 on an
+    accelerator) and the longest request the prompts can make, rounded up; the flags override."""
+    import jax
+
+    from specjax import api, checkpoints
+    from specjax.api import encode_chat
+    from specjax.training.regenerate import data_max_len, default_dtype
+    from train import regenerate as cli
+
+    assert default_dtype() == "float32"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert default_dtype() == "bfloat16"
+    monkeypatch.undo()
+
+    src = _write(tmp_path / "prompts.jsonl", ROWS)
+    tok = checkpoints.load_tokenizer(target_dir)
+    # row "a": two user turns, the first answered (an empty assistant turn stands for the answer)
+    row_a = len(encode_chat(tok, [{"role": "user", "content": "w10 w11 w12"}, {"role": "assistant", "content": ""},
+                                  {"role": "user", "content": "w13 w14"}]))
+    assert data_max_len(tok, str(src), 100, limit=8192, multiple=1) == row_a + 2 * 100  # the longest row
+    assert data_max_len(tok, str(src), 100, limit=8192) == 256  # rounded up to 128
+    assert data_max_len(tok, str(src), 100, limit=200) == 200  # capped at the model's maximum
+
+    class Built(Exception):
+        pass
+
+    seen = {}
+
+    def fake_llm(**kw):
+        seen.update(kw)
+        raise Built
+
+    monkeypatch.setattr(api, "LLM", fake_llm)
+    base = ["--target", str(target_dir), "--prompts", str(src), "--out", str(tmp_path / "o.jsonl"),
+            "--max-tokens", "100"]
+    with pytest.raises(Built):
+        cli.main(base)
+    assert (seen["max_model_len"], seen["dtype"]) == (256, "float32")
+    with pytest.raises(Built):
+        cli.main(base + ["--max-model-len", "512", "--dtype", "bfloat16"])
+    assert (seen["max_model_len"], seen["dtype"]) == (512, "bfloat16")
+
+
+def test_the_build_regenerates_with_the_serving_defaults(tmp_path):
+    """The build's regeneration step leaves the dtype to train.regenerate's default (bfloat16 on an
+    accelerator) and bounds the context by its data: longest prompt kept + answer + template."""
+    import types
+
+    from specjax.training.build_plan import SCALES, BuildSettings
+    from train.build_stages import ProgramStages
+
+    s = BuildSettings(target="t", out_dir=str(tmp_path / "o"), work_dir=str(tmp_path / "w"),
+                      config_dir=str(tmp_path), drafters=("d",), eval_dir=str(tmp_path), scale=SCALES["smoke"])
+    steps = []
+    ProgramStages(lambda st: steps.append(st) or 0).regenerate(types.SimpleNamespace(s=s, budget=None,
+                                                                                     log=lambda m: None))
+    args = steps[0].args
+    assert steps[0].module == "train.regenerate" and "--dtype" not in args
+    assert int(args[args.index("--max-model-len") + 1]) == s.max_length == 128 + 32 + 64

@@ -55,14 +55,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="request seeds derive from it, the row and the turn")
     p.add_argument("--max-num-seqs", type=int, default=8, help="cache slots (requests decoded together)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length per slot (default min(8192, max_position_embeddings))")
+                   help="context length per slot (default: the longest request the prompts can make, "
+                        "rounded up to 128, at most min(8192, max_position_embeddings))")
     p.add_argument("--max-prefill", type=int, default=512, help="largest prefill chunk")
     p.add_argument("--window", type=int, default=None, help="rows in flight + reorder buffer (default 4 x slots)")
     p.add_argument("--limit", type=int, default=None, help="process at most this many rows in this run")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall seconds for this run from its start (loading and compiling included): "
                         "past them it stops, keeping every row written (rerun to resume)")
-    p.add_argument("--dtype", default="float32", help="target dtype (float32 or bfloat16)")
+    p.add_argument("--dtype", default=None,
+                   help="target dtype, float32 or bfloat16 (default: bfloat16 on an accelerator, float32 on CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--shard", default=None, help="i/n: take rows with index %% n == i "
                                                  "(default: jax.process_index()/process_count())")
@@ -74,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specjax.api import LLM, SamplingParams
     from specjax.config import ConfigError
     from specjax.jobs import Shard
-    from specjax.training.regenerate import regenerate
+    from specjax.training.regenerate import data_max_len, default_dtype, regenerate
 
     try:
         dist.initialize_from_args(args)
@@ -82,7 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens)
         tcfg = checkpoints.read_target_config(args.target)
-        max_len = args.max_model_len or min(8192, tcfg.max_position_embeddings)
+        max_len = args.max_model_len or data_max_len(
+            checkpoints.load_tokenizer(args.tokenizer or args.target), args.prompts, args.max_tokens,
+            enable_thinking=args.thinking, limit=min(8192, tcfg.max_position_embeddings))
         if max_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {max_len}")
         if args.budget_s is not None and args.budget_s <= 0:
@@ -91,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--limit must be >= 0, got {args.limit}")
         llm = LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer,
                   max_num_seqs=args.max_num_seqs, max_model_len=max_len,
-                  max_prefill=min(args.max_prefill, max_len), dtype=args.dtype, seed=args.seed,
+                  max_prefill=min(args.max_prefill, max_len), dtype=args.dtype or default_dtype(), seed=args.seed,
                   progress=not args.quiet)
         summary = regenerate(llm, args.prompts, args.out, errors_path=args.errors, sampling=sp,
                              enable_thinking=args.thinking, seed=args.seed, window=args.window,

@@ -19,6 +19,10 @@ Sampling defaults are Qwen3's non-thinking ones (temperature 0.7, top-p 0.8, top
 4096); each request's max_tokens is capped by the room left in the context. Request seeds are
 derived from (seed, row index, turn), so a row regenerates the same way whatever its batch mates.
 
+Serving defaults (`default_dtype`, `data_max_len`; train.regenerate and the build use them unless
+told otherwise): bfloat16 on an accelerator (float32 on CPU), and a context from the data — the
+longest request a file can make — rather than the model's maximum.
+
 Resumable and sharded as a `specjax.jobs` job that resumes ordered: rows are written in input
 order, each to exactly one file — the output, or the errors file ({"line": 1-based line, "index":
 0-based row, "id", "error": reason}) — so after `kill -9` a rerun continues from the first row not
@@ -32,7 +36,7 @@ import dataclasses
 from typing import Any
 
 from specjax.api import SamplingParams, encode_chat, encode_text
-from specjax.io import JsonlLine
+from specjax.io import JsonlLine, iter_jsonl
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
 
 QWEN3_DEFAULTS = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=4096)
@@ -218,6 +222,38 @@ class Regeneration:
         return encode_chat(self.tokenizer, item.history, enable_thinking=self.enable_thinking)
 
 
+def default_dtype() -> str:
+    """The target dtype of a regeneration: bfloat16 on an accelerator, float32 on CPU."""
+    import jax
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def data_max_len(tokenizer: Any, input_path: str, max_tokens: int, *, enable_thinking: bool | None = False,
+                 limit: int, multiple: int = 128) -> int:
+    """The context the rows of `input_path` can ask for, rounded up to `multiple` and capped at `limit`:
+    per row, its last request (every system and user turn under the chat template, with an empty
+    assistant turn standing for each earlier answer) plus `max_tokens` per answer (a completion row:
+    its prompt + `max_tokens`). Rows that do not parse are passed over (regeneration reports them)."""
+    longest = 1
+    for row in iter_jsonl(input_path, strict=False):
+        try:
+            item = parse_row(row.value, 0, row.line)
+            if item.kind == "completion":
+                n, answers = len(encode_text(tokenizer, item.prompt)), 1
+            else:
+                msgs: list[dict[str, str]] = []
+                for m in item.pending:  # each user turn is answered before the next message
+                    if msgs and msgs[-1]["role"] == "user":
+                        msgs.append({"role": "assistant", "content": ""})
+                    msgs.append(m)
+                answers = sum(m["role"] == "user" for m in msgs)
+                n = len(encode_chat(tokenizer, msgs, enable_thinking=enable_thinking))
+        except (RowError, *_row_errors()):
+            continue
+        longest = max(longest, n + answers * max_tokens)
+    return min(limit, -(-longest // multiple) * multiple)
+
+
 def regenerate(llm: Any, input_path: str, output_path: str, *, errors_path: str | None = None,
                sampling: SamplingParams = QWEN3_DEFAULTS, enable_thinking: bool | None = False,
                seed: int = 0, window: int | None = None, limit: int | None = None,
@@ -240,5 +276,5 @@ def regenerate(llm: Any, input_path: str, output_path: str, *, errors_path: str 
                          progress=progress, desc="regenerate", deadline=deadline)
 
 
-__all__ = ["QWEN3_DEFAULTS", "Regeneration", "RowError", "parse_row", "regenerate", "request_seed",
-           "row_id"]
+__all__ = ["QWEN3_DEFAULTS", "Regeneration", "RowError", "data_max_len", "default_dtype", "parse_row",
+           "regenerate", "request_seed", "row_id"]
