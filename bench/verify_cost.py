@@ -2,12 +2,14 @@
 dtypes and XLA flags buy.
 
     python -m bench.verify_cost [--rows 1 8 32] [--tokens 1 2 3 4 6 8 12 16] [--context 256]
-                                [--cache-len 512] [--repeats 7] [--variants] [--out-dir bench/results]
+                                [--cache-len 512] [--attention-len N] [--repeats 7] [--variants]
+                                [--out-dir bench/results]
 
 One verify pass is the target's forward over R rows of T tokens against a KV cache holding
 `--context` tokens per row (logits for every token, as exact verification needs them), compiled
 once per shape and timed `--repeats` times after a warm-up (minimum and median reported; the
-figures use the median). The target is the embedded default (SmolLM2-135M-Instruct, dequantized
+figures use the median). Attention reads the whole cache, or with `--attention-len N` its first N
+rows only (the engine's attention bucket: `CausalLM.forward(kv_len=N)`). The target is the embedded default (SmolLM2-135M-Instruct, dequantized
 to float32) when its package is installed, else a random model of the same shape. The goal of the
 real-target issue is c(8)/c(1) <= 1.6 at one row; this machine's limit is about 1.5 (weights
 stream at ~37 GB/s, ~100 GFLOPS of float32 matmul on 2 cores).
@@ -41,20 +43,20 @@ FLAG_VARIANTS = {
 }
 
 
-def _forward_fn(target):
+def _forward_fn(target, kv_len: int | None = None):
     import jax
     from flax import nnx
     graph, _ = nnx.split(target.model)
 
     def fwd(params, cache, tokens_rt, positions_rt):
         model = nnx.merge(graph, params)
-        out = model.forward(tokens_rt, positions_rt, cache, logits="all")
+        out = model.forward(tokens_rt, positions_rt, cache, logits="all", kv_len=kv_len)
         return out.logits, out.cache
     return jax.jit(fwd, donate_argnums=(1,))
 
 
 def measure_curve(target, rows: Sequence[int], tokens: Sequence[int], *, context: int, cache_len: int,
-                  repeats: int, dtype: str | None = None) -> list[dict[str, Any]]:
+                  repeats: int, dtype: str | None = None, kv_len: int | None = None) -> list[dict[str, Any]]:
     """c(R, T) in milliseconds for every R x T (compiled once per shape)."""
     import jax
     import jax.numpy as jnp
@@ -63,7 +65,7 @@ def measure_curve(target, rows: Sequence[int], tokens: Sequence[int], *, context
     _, params = nnx.split(target.model)
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
-    fwd = _forward_fn(target)
+    fwd = _forward_fn(target, kv_len)
     out = []
     for r in rows:
         for t in tokens:
@@ -197,7 +199,8 @@ def markdown(res: dict[str, Any], command: str) -> str:
         f"Command: `{command}`",
         "",
         f"Target: {res['target']}. KV cache of {res['cache_len']} positions holding {res['context']} "
-        f"tokens per row; logits for every token. Median of {res['repeats']} timed calls per shape "
+        f"tokens per row, attention over {res.get('attention_len') or res['cache_len']} of them; logits for "
+        f"every token. Median of {res['repeats']} timed calls per shape "
         f"(1-minute load average {res['load_1min'][0]}–{res['load_1min'][1]} on {res['machine']['cpu_count']} "
         "cores).",
         "",
@@ -258,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--cache-len", type=int, default=512)
+    ap.add_argument("--attention-len", type=int, default=None,
+                    help="attend to the first N cache rows only (default: the whole cache)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--variants", action="store_true", help="also measure flags, dtypes and layer layouts")
     ap.add_argument("--random-target", action="store_true")
@@ -274,12 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     log(f"target: {target.description}")
     load0 = load_average()[0]
     curve = measure_curve(target, args.rows, args.tokens, context=args.context, cache_len=args.cache_len,
-                          repeats=args.repeats)
+                          repeats=args.repeats, kv_len=args.attention_len)
     rat = ratios(curve)
     measured = rat.get(1, {}).get(8) if 1 in rat else None
     res: dict[str, Any] = {
         "benchmark": "verify_cost", "target": target.description, "target_source": target.source,
-        "context": args.context, "cache_len": args.cache_len, "repeats": args.repeats, "curve": curve,
+        "context": args.context, "cache_len": args.cache_len, "attention_len": args.attention_len,
+        "repeats": args.repeats, "curve": curve,
         "ratios": rat, "goal": {"c8_over_c1_max": GOAL_C8, "measured": measured,
                                 "met": measured is not None and measured <= GOAL_C8},
         "notes": args.notes, "machine": machine_info()}
