@@ -87,7 +87,7 @@ def test_attention_buckets_equal_whole_cache(model, policy):
         assert {r["attention_bucket"] for r in rounds_whole} == {MAX_LEN}
         first = [r["attention_bucket"] for r in rounds if "0" in r["request_ids"]]  # request 0: 3 -> 43 rows
         assert first[0] == 16 and first[-1] == 64
-    assert set(small.stats["attention_rounds"]) == set(SMALL)  # prefill chunks and rounds
+    assert set(small.stats["attention_calls"]) == set(SMALL)  # prefill chunks and rounds
     assert small.compile_counts() == compiled
     assert {k[-2] for f, k in small.warm_keys() if f in ("lite", "fused", "verify")} == set(SMALL)
 

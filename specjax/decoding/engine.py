@@ -123,8 +123,8 @@ class Engine:
         self.queue: list[EngineRequest] = []
         self._key_data = np.zeros((slots, 2), np.uint32)
         self._seed_counter = 0
-        # attention_rounds: calls per attention bucket (rounds and prefill chunks)
-        self.stats = {"rounds": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0, "attention_rounds": {}}
+        # attention_calls: target calls (rounds and prefill chunks) per attention bucket
+        self.stats = {"rounds": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0, "attention_calls": {}}
         self.on_round: Callable[[dict[str, Any]], None] | None = None
 
     # ------------------------------------------------------------------ cost model
@@ -356,14 +356,14 @@ class Engine:
     # ------------------------------------------------------------------ rounds
     def _attention_bucket(self, rows: int) -> int:
         """The attention bucket of a call whose rows reach `rows` cache rows (longest participating
-        row + the tokens it writes; capped at max_len); counted in stats["attention_rounds"]. A call
+        row + the tokens it writes; capped at max_len); counted in stats["attention_calls"]. A call
         that no bucket covers is refused here, before dispatch."""
         rows, largest = min(rows, self.cfg.max_len), self.buckets.attention[-1]
         if rows > largest:
             raise ValueError(f"attention length {rows} (cache rows a call reads) exceeds the largest of "
                              f"EngineConfig.attention_buckets, {largest}")
         attn = bk.pick(self.buckets.attention, rows)
-        counts = self.stats["attention_rounds"]
+        counts = self.stats["attention_calls"]
         counts[attn] = counts.get(attn, 0) + 1
         return attn
 
@@ -449,9 +449,9 @@ class Engine:
             # per active slot, in slot order: its request, verified length, accepted drafts, whether
             # an accepted stop token ended the round (no bonus), the drafter's per-position confidences
             info = {"slots_bucket": sb, "tokens_bucket": tb, "attention_bucket": attn, "kind": plan.kind,
-                    "request_ids": request_ids,
-                    "ell": ell[plan.active_b].tolist(), "accepted": [int(n_acc[i]) for i in active_idx],
-                    "seconds": dt, "stopped": [bool(outs["stopped"][i]) for i in active_idx]}
+                    "request_ids": request_ids, "ell": ell[plan.active_b].tolist(),
+                    "accepted": [int(n_acc[i]) for i in active_idx], "seconds": dt,
+                    "stopped": [bool(outs["stopped"][i]) for i in active_idx]}
             if conf is not None:
                 info["confidence"] = np.asarray(conf)[plan.active_b].tolist()
             self.on_round(info)
