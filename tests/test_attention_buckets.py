@@ -19,13 +19,13 @@ def model():
     return tiny_target(V, seed=5, init_scale=2.0)
 
 
-def make_engine(model, policy: str, attention: tuple[int, ...], **kw) -> Engine:
+def make_engine(model, policy: str, attention: tuple[int, ...], mesh=None, **kw) -> Engine:
     drafter = None if policy == "plain" else BigramDrafter(V, 3, confidence=True)
     cfg = EngineConfig(max_slots=4, max_len=MAX_LEN, policy=policy, gamma=None if drafter is None else 3,
                        threshold=0.3 if policy == "threshold" else None, slots_buckets=(4,),
                        tokens_buckets=(1, 4), prefill_buckets=(8,), max_prefill=8, prefill_batch_buckets=(4,),
                        sampling_variants=("plain",), attention_buckets=attention, **kw)
-    eng = Engine(model, drafter, cfg, progress=False)
+    eng = Engine(model, drafter, cfg, mesh=mesh, progress=False)
     eng.warmup()
     return eng
 
@@ -90,6 +90,15 @@ def test_attention_buckets_equal_whole_cache(model, policy):
     assert set(small.stats["attention_calls"]) == set(SMALL)  # prefill chunks and rounds
     assert small.compile_counts() == compiled
     assert {k[-2] for f, k in small.warm_keys() if f in ("lite", "fused", "verify")} == set(SMALL)
+
+
+def test_attention_buckets_on_a_mesh(model):
+    """Slots over `data`, heads over `tensor`: the bucketed attention decodes as the whole cache."""
+    from specjax import sharding as shd
+    mesh = shd.make_mesh((2, 4), ("data", "tensor"))
+    out, rounds = serve(make_engine(model, "fixed", SMALL, mesh=mesh), requests(0.0))
+    assert out == serve(make_engine(model, "fixed", (MAX_LEN,)), requests(0.0))[0]
+    assert {r["attention_bucket"] for r in rounds} == set(SMALL)
 
 
 def test_wrong_bucket_changes_outputs(model, monkeypatch):
