@@ -228,7 +228,7 @@ def test_two_part_attention_equals_gqa_attention_on_concat():
     mc = np.broadcast_to(np.arange(s)[None, None, :] < np.array([4, 0])[:, None, None], (b, t, s))
     mb = np.ones((b, t, t), bool)
     mb[1, 2] = False  # row (1, 2) sees nothing at all
-    got = jax.jit(attend_context_and_block)(q, kc, vc, mc, kb, vb, mb)
+    got = jax.jit(attend_context_and_block)(q, kc.transpose(0, 2, 1, 3), vc.transpose(0, 2, 1, 3), mc, kb, vb, mb)
     want = jax.jit(gqa_attention)(q, jnp.concatenate([kc, kb], 1), jnp.concatenate([vc, vb], 1),
                                   np.concatenate([mc, mb], -1))
     np.testing.assert_allclose(got, want, atol=1e-6)

@@ -94,9 +94,9 @@ def test_sharded_engine_matches_single_device(model):
     k0 = sharded.runner.cache.k[0]
     assert k0.sharding.spec[0] == "data" and len(k0.sharding.device_set) == 8
     assert sharded.runner.dstate.history.sharding.spec[0] == "data"
-    q = sharded.runner.t_params["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
-    assert q.sharding.spec[1] == "tensor"
-    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0], q.shape[1] // 4)}
+    gu = sharded.runner.t_params["model"]["layers"][0]["mlp"]["gate_up_proj"]["kernel"][...]
+    assert gu.sharding.spec[2] == "tensor"
+    assert {s.data.shape for s in gu.addressable_shards} == {(gu.shape[0], 2, gu.shape[2] // 4)}
 
 
 @pytest.fixture(scope="module")

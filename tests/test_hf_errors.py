@@ -143,8 +143,8 @@ def test_bare_backbone_names_load_like_prefixed_ones(ckpt, base):
     _rewrite_tensors(ckpt, edit)
     model, _ = checkpoints.load_target(ckpt)
     ref, _ = checkpoints.load_target(base)
-    np.testing.assert_array_equal(np.asarray(model.model.layers[1].mlp.up_proj.kernel[...]),
-                                  np.asarray(ref.model.layers[1].mlp.up_proj.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(model.model.layers[1].mlp.gate_up_proj.kernel[...]),
+                                  np.asarray(ref.model.layers[1].mlp.gate_up_proj.kernel[...]))
 
 
 def test_pytorch_bin_only_dir_is_refused(ckpt):

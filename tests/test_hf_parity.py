@@ -22,7 +22,7 @@ except ImportError:  # tests/ itself on sys.path
 from specjax import checkpoints
 from specjax.checkpoints import common
 from specjax.config import TargetConfig
-from specjax.models.layers import Embed, Linear, RMSNorm
+from specjax.models.layers import Embed, Linear, RMSNorm, split_qkv
 
 VOCAB = 97
 CONFIGS = {
@@ -168,9 +168,9 @@ def test_bf16_checkpoint_loads(tmp_path):
         raw = common._read_raw(reader.file_of(name), name)  # header-parsing fallback agrees
         np.testing.assert_array_equal(raw.astype(np.float32), arr.astype(np.float32))
     model, cfg = checkpoints.load_target(path)
-    assert model.model.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(model.model.layers[0].self_attn.q_proj.kernel[...]),
-                                  arr.astype(np.float32).T)
+    qkv = model.model.layers[0].self_attn.qkv_proj.kernel[...]
+    assert qkv.dtype == jnp.float32
+    np.testing.assert_array_equal(split_qkv(np.asarray(qkv))[0], arr.astype(np.float32).T)
     tokens, positions, valid = _batch(seed=3)
     ok = np.arange(tokens.shape[1])[None, :] < valid[:, None]
     ref, _ = hf_forward(path, tokens, valid)  # transformers upcasts the bf16 weights to float32
@@ -304,13 +304,13 @@ def test_mesh_placement_uses_logical_axes(ckpts):
     sharding = pytest.importorskip("specjax.sharding")
     mesh = sharding.serve_mesh(data=1, tensor=1)
     model, _ = checkpoints.load_target(ckpts["untied_gqa1"], mesh=mesh, rules="serve")
-    var = model.model.layers[0].self_attn.q_proj.kernel
+    var = model.model.layers[0].mlp.gate_up_proj.kernel
     kernel = var[...]
     assert isinstance(kernel.sharding, jax.sharding.NamedSharding)
     assert kernel.sharding.mesh.shape == mesh.shape
     assert kernel.sharding.spec == sharding.partition_spec(
         var.get_metadata()["logical_axes"], kernel.shape, mesh, "serve")
-    assert kernel.sharding.spec != jax.sharding.PartitionSpec()  # q_heads -> tensor
+    assert kernel.sharding.spec != jax.sharding.PartitionSpec()  # mlp -> tensor
     ref, _ = checkpoints.load_target(ckpts["untied_gqa1"])
     tokens, positions, _ = _batch(seed=4)
     got = _jit_forward(model)(jnp.asarray(tokens), jnp.asarray(positions)).logits
@@ -328,8 +328,8 @@ def test_sharded_target_on_2x4_mesh_equals_single_device(ckpts):
     path = ckpts["untied_gqa1"]
     single, _ = checkpoints.load_target(path)
     sharded, _ = checkpoints.load_target(path, mesh=mesh, rules="serve")
-    q = sharded.model.layers[0].self_attn.q_proj.kernel[...]
-    assert len(q.sharding.device_set) == 8 and q.sharding.spec[1] == "tensor"
+    gate_up = sharded.model.layers[0].mlp.gate_up_proj.kernel[...]
+    assert len(gate_up.sharding.device_set) == 8 and gate_up.sharding.spec[2] == "tensor"
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, size=(4, 9)), jnp.int32)
     tokens = jax.device_put(tokens, sharding.named_sharding(mesh, ("batch", "seq"), tokens.shape, "serve"))
     np.testing.assert_allclose(np.asarray(sharded(tokens)), np.asarray(single(tokens)), atol=1e-5, rtol=1e-5)

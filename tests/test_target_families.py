@@ -79,7 +79,7 @@ def test_logits_and_taps_match_transformers(ckpts, targets, family):
     assert (cfg.model_type, cfg.architecture) == (family, ARCHITECTURES[family])
     assert cfg.qk_norm is False and cfg.attention_bias == (family == "qwen2")
     attn = model.model.layers[0].self_attn
-    assert attn.q_norm is None and (attn.q_proj.bias is not None) == (family == "qwen2")
+    assert attn.q_norm is None and (attn.qkv_proj.bias is not None) == (family == "qwen2")
     tokens, positions, valid = _batch(seed=3)
     taps = (-1, 0)
     out = _jit_forward(model)(jnp.asarray(tokens), jnp.asarray(positions),
@@ -191,8 +191,8 @@ def test_standalone_drafter_of_the_family_round_trips(targets, family, tmp_path)
     assert registry.drafter_kind(out) == "standalone"
     back = registry.load_drafter(out, target=cfg)
     assert back.model.config == small and back.gamma == 3
-    np.testing.assert_array_equal(np.asarray(back.model.model.layers[0].self_attn.q_proj.kernel[...]),
-                                  np.asarray(d.model.model.layers[0].self_attn.q_proj.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(back.model.model.layers[0].self_attn.qkv_proj.kernel[...]),
+                                  np.asarray(d.model.model.layers[0].self_attn.qkv_proj.kernel[...]))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

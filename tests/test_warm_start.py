@@ -11,6 +11,7 @@ from flax import nnx
 from specjax.config import ConfigError, TargetConfig
 from specjax.drafters.warm_start import head_rms, mlp_channels
 from specjax.models.decoder import CausalLM
+from specjax.models.layers import rope_tables, split_gate_up, split_qkv
 from specjax.training.config import ModelConfig
 from specjax.training.features import target_features
 from specjax.training.objectives import make_objective
@@ -48,7 +49,9 @@ def test_context_keys_values_start_as_the_target_layers():
         taps, _ = target_features(aux, gd, ids, None, tap_layers=(0, 1, 2), dtype=jnp.float32)
         t_layer = target.model.layers[3]
         h_in = taps[..., 2 * TCFG.hidden_size:]
-        want_k, want_v = t_layer.self_attn.keys_values(t_layer.input_layernorm(h_in), pos)
+        cos, sin = rope_tables(pos, TCFG.head_dim, **TCFG.rope_kwargs)
+        _, want_k, want_v = t_layer.self_attn.project(t_layer.input_layernorm(h_in), cos[:, :, None, None],
+                                                      sin[:, :, None, None])
         got_k, got_v = drafter.layers[0].context_kv(drafter.context_features(taps), pos)
         assert np.allclose(got_k, want_k, atol=1e-5) == same
         assert np.allclose(got_v, want_v, atol=1e-5) == same
@@ -60,15 +63,15 @@ def test_context_keys_values_start_as_the_target_layers():
 def test_narrow_mlp_keeps_the_largest_channels_and_llama_gets_qk_norm_scales():
     target, _, _, drafter = _drafter(LLAMA, init_layer_from_target=3, draft_intermediate_size=16)
     src = target.model.layers[3]
-    gate, up, down = (np.asarray(src.mlp.gate_proj.kernel[...]), np.asarray(src.mlp.up_proj.kernel[...]),
-                      np.asarray(src.mlp.down_proj.kernel[...]))
+    gate, up = split_gate_up(np.asarray(src.mlp.gate_up_proj.kernel[...]))
+    down = np.asarray(src.mlp.down_proj.kernel[...])
     keep = mlp_channels(gate, up, down, 16)
     score = np.linalg.norm(gate, axis=0) * np.linalg.norm(up, axis=0) * np.linalg.norm(down, axis=1)
     assert len(keep) == 16 and score[keep].min() >= np.delete(score, keep).max()
     np.testing.assert_array_equal(np.asarray(drafter.layers[0].mlp.up_proj.kernel[...]), up[:, keep])
     q_w = np.asarray(drafter.layers[0].self_attn.q_norm.weight[...])
     want = head_rms(np.asarray(src.input_layernorm.weight[...]),
-                    np.asarray(src.self_attn.q_proj.kernel[...]), LLAMA.head_dim)
+                    split_qkv(np.asarray(src.self_attn.qkv_proj.kernel[...]))[0], LLAMA.head_dim)
     np.testing.assert_allclose(q_w, want, rtol=1e-6)
     assert not np.allclose(q_w, 1.0)
     # head_rms against a Monte-Carlo estimate over isotropic inputs

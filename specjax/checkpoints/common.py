@@ -12,7 +12,8 @@ optionally rewritten by a prefix map or a rename function, and the leaf is trans
 
 So a target's `model.layers.{i}.self_attn.q_proj.kernel` is HF
 `model.layers.{i}.self_attn.q_proj.weight` and `lm_head.kernel` is `lm_head.weight` (absent when
-embeddings are tied). Drafters use the same rules with their own `KeyMap`
+embeddings are tied). The target's fused projections (`self_attn.qkv_proj`, `mlp.gate_up_proj`) are
+stored as their Hugging Face parts (`layouts.FUSIONS`). Drafters use the same rules with their own `KeyMap`
 (`specjax.checkpoints.drafters`).
 
 Loading reads safetensors only (never pickles, never remote code), one tensor at a time, casts each
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.checkpoints.layouts import FUSIONS, Fusion, TensorPlan, plan
 from specjax.config import read_json
 from specjax.io import write_json_atomic
 
@@ -77,7 +79,8 @@ class KeyMap:
     checkpoint" (the param is skipped on load and export). `ignore_extra` are regexes (full match)
     of HF tensors that may be present without a matching param. `variable_types`: the nnx.Variable
     classes that are checkpoint tensors (default nnx.Param; drafters add their `Frozen` copies of
-    the target's embedding and lm_head).
+    the target's embedding and lm_head). `fusions`: parameters stored as several tensors
+    (`layouts.FUSIONS`: the target's fused q/k/v and gate/up projections).
     """
 
     prefix_map: Mapping[str, str] | None = None
@@ -85,6 +88,7 @@ class KeyMap:
     leaf_rules: tuple[LeafRule, ...] = DEFAULT_LEAF_RULES
     ignore_extra: tuple[str, ...] = HARMLESS_EXTRA
     variable_types: tuple[type, ...] = (nnx.Param,)  # which nnx.Variable kinds are stored
+    fusions: tuple[Fusion, ...] = FUSIONS
 
     def hf_name(self, path: Sequence[Any]) -> tuple[str | None, bool]:
         """(HF tensor name or None if skipped, transpose) of an NNX param path."""
@@ -134,15 +138,10 @@ def param_entries(module: nnx.Module, key_map: KeyMap | None = None) -> list[Par
     return out
 
 
-
-def _hf_shape(shape: Sequence[int], transpose: bool) -> tuple[int, ...]:
-    shape = tuple(int(s) for s in shape)
-    if transpose:
-        if len(shape) != 2:
-            raise ValueError(f"transpose rule needs a 2-D param, got shape {shape}")
-        return shape[::-1]
-    return shape
-
+def tensor_plan(e: ParamEntry, key_map: KeyMap | None = None) -> TensorPlan:
+    """The stored tensors of a param entry (one, or the parts of a fused param)."""
+    return plan(e.hf_name, e.transpose, e.variable.get_value().shape,
+                (key_map or TARGET_KEY_MAP).fusions)
 
 # ----------------------------------------------------------------------------------------------
 # Reading safetensors
@@ -311,19 +310,19 @@ def _place(arr: np.ndarray, var: nnx.Variable, mesh, rules) -> jax.Array:
     return jax.device_put(arr, named_sharding(mesh, tuple(axes), tuple(arr.shape), rules))
 
 
-def _check_tensor_names(wanted: list[Any], names: set[str], key_map: KeyMap, source: str, *,
-                        allow_extra: set[str], ignore_unexpected: bool) -> list[str]:
+def _check_tensor_names(wanted: list[tuple[str, str]], names: set[str], key_map: KeyMap, source: str,
+                        *, allow_extra: set[str], ignore_unexpected: bool) -> list[str]:
     """Raise ValueError for a key map sending two params to one tensor, a missing tensor or an
-    unexpected one; returns the extra tensor names that are ignored."""
+    unexpected one (`wanted`: (tensor name, param path) pairs); returns the extra tensor names
+    that are ignored."""
     dup: dict[str, str] = {}
-    for e in wanted:
-        if e.hf_name in dup:
-            raise ValueError(f"key map sends both '{dup[e.hf_name]}' and '{e.path}' "
-                             f"to '{e.hf_name}'")
-        dup[e.hf_name] = e.path
-    missing = [e for e in wanted if e.hf_name not in names]
+    for name, path in wanted:
+        if name in dup:
+            raise ValueError(f"key map sends both '{dup[name]}' and '{path}' to '{name}'")
+        dup[name] = path
+    missing = [(name, path) for name, path in wanted if name not in names]
     if missing:
-        listed = ", ".join(f"'{e.hf_name}' (for param {e.path})" for e in missing[:8])
+        listed = ", ".join(f"'{name}' (for param {path})" for name, path in missing[:8])
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise ValueError(f"{source}: missing tensor(s) {listed}{more}")
     extra = sorted(names - set(dup))
@@ -333,6 +332,12 @@ def _check_tensor_names(wanted: list[Any], names: set[str], key_map: KeyMap, sou
         raise ValueError(f"{source}: unexpected tensor(s) {unexpected[:8]} with no matching param "
                          f"(checkpoint and config disagree?)")
     return ignored
+
+
+def _check_shape(got: Sequence[int], expected: Sequence[int], name: str, path: str, source: str) -> None:
+    if tuple(got) != tuple(expected):
+        raise ValueError(f"{source}: tensor '{name}' has shape {list(got)}, expected "
+                         f"{list(expected)} (param {path})")
 
 
 def load_params_into(module: nnx.Module,
@@ -360,29 +365,24 @@ def load_params_into(module: nnx.Module,
     source = source or getattr(tensors, "source", "checkpoint")
     key_map = key_map or TARGET_KEY_MAP
     entries = param_entries(module, key_map)
-    wanted = [e for e in entries if e.hf_name is not None]
-    ignored = _check_tensor_names(wanted, set(tensors.keys()), key_map, source,
+    plans = [(e, tensor_plan(e, key_map)) for e in entries if e.hf_name is not None]
+    parts = [(name, e.path) for e, p in plans for name in p.names]
+    ignored = _check_tensor_names(parts, set(tensors.keys()), key_map, source,
                                   allow_extra=set(allow_extra), ignore_unexpected=ignore_unexpected)
-    for e in wanted:
-        expected = _hf_shape(e.variable.get_value().shape, e.transpose)
-        got = _shape_of(tensors, e.hf_name)
-        if got != expected:
-            raise ValueError(f"{source}: tensor '{e.hf_name}' has shape {list(got)}, expected "
-                             f"{list(expected)} (param {e.path})")
-    for e in wanted:  # one tensor in host memory at a time
-        arr = np.asarray(tensors[e.hf_name])
-        expected = _hf_shape(e.variable.get_value().shape, e.transpose)
-        if arr.shape != expected:  # the mapping's header disagreed with its data
-            raise ValueError(f"{source}: tensor '{e.hf_name}' has shape {list(arr.shape)}, "
-                             f"expected {list(expected)} (param {e.path})")
-        if e.transpose:
-            arr = arr.T
+    for e, p in plans:
+        for name, expected in zip(p.names, p.shapes):
+            _check_shape(_shape_of(tensors, name), expected, name, e.path, source)
+    for e, p in plans:  # one param's tensors in host memory at a time
+        stored = [np.asarray(tensors[name]) for name in p.names]
+        for name, arr, expected in zip(p.names, stored, p.shapes):  # the header may disagree with its data
+            _check_shape(arr.shape, expected, name, e.path, source)
+        arr = p.to_ours(stored)
         target = jnp.dtype(dtype if dtype is not None else e.variable.get_value().dtype)
         arr = np.ascontiguousarray(arr.astype(target, copy=False))
         e.variable.set_value(_place(arr, e.variable, mesh, rules))
-        del arr
+        del arr, stored
     skipped = tuple(e.path for e in entries if e.hf_name is None)
-    return LoadReport(tuple(e.hf_name for e in wanted), skipped, tuple(ignored))
+    return LoadReport(tuple(name for name, _ in parts), skipped, tuple(ignored))
 
 
 def iter_hf_tensors(module: nnx.Module, *, key_map: KeyMap | None = None,
@@ -397,12 +397,11 @@ def iter_hf_tensors(module: nnx.Module, *, key_map: KeyMap | None = None,
         if isinstance(value, jax.Array) and not value.is_fully_addressable:  # multi-host
             from jax.experimental import multihost_utils
             value = multihost_utils.process_allgather(value, tiled=True)
-        arr = np.asarray(jax.device_get(value))
-        if e.transpose:
-            arr = arr.T
-        if dtype is not None:
-            arr = arr.astype(jnp.dtype(dtype), copy=False)
-        yield e.hf_name, np.ascontiguousarray(arr)
+        p = tensor_plan(e, key_map)
+        for name, arr in zip(p.names, p.to_stored(np.asarray(jax.device_get(value)))):
+            if dtype is not None:
+                arr = arr.astype(jnp.dtype(dtype), copy=False)
+            yield name, np.ascontiguousarray(arr)
 
 
 def module_to_hf_tensors(module: nnx.Module, *, key_map: KeyMap | None = None,

@@ -27,8 +27,8 @@ from specjax.config import ConfigError, TargetConfig, check_layer_dims, check_po
 from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.models import cache as kvc
-from specjax.models.decoder import Attention
 from specjax.models.layers import RMSNorm, gqa_attention
+from specjax.models.unfused import Attention
 from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
 
 Array = jax.Array
@@ -287,27 +287,29 @@ def copy_output_norm_from_target(norm: RMSNorm, target_model: Any) -> None:
     norm.weight[...] = jnp.asarray(w, norm.weight[...].dtype)
 
 
-def attend_context_and_block(q_bthd: Array, k_ctx_bshd: Array, v_ctx_bshd: Array,
+def attend_context_and_block(q_bthd: Array, k_ctx_bkshd: Array, v_ctx_bkshd: Array,
                              mask_ctx_bts: Array, k_blk_bthd: Array, v_blk_bthd: Array,
                              mask_blk_btt: Array) -> Array:
     """GQA attention over [context keys ; block keys] without concatenating K/V.
 
-    Equal to `gqa_attention(q, concat(k_ctx, k_blk), concat(v_ctx, v_blk), concat(masks))` (same
-    float32 softmax, rows with no visible key give zeros) but never copies the context cache.
+    The context K/V are heads-major [B, nkv, S, hd] (a `KVCache` layer, read without transposes),
+    the block's [B, T, nkv, hd]. Equal to `gqa_attention(q, concat(k_ctx, k_blk), concat(v_ctx,
+    v_blk), concat(masks))` (context transposed to [B, S, nkv, hd]; same float32 softmax, rows with
+    no visible key give zeros) but never copies the context cache.
     """
     b, t, nh, hd = q_bthd.shape
-    nkv = k_ctx_bshd.shape[2]
+    nkv = k_ctx_bkshd.shape[1]
     q = q_bthd.reshape(b, t, nkv, nh // nkv, hd)
-    s_ctx = jnp.einsum("btkgd,bskd->bkgts", q, k_ctx_bshd, preferred_element_type=jnp.float32)
+    s_ctx = jnp.einsum("btkgd,bksd->bkgts", q, k_ctx_bkshd, preferred_element_type=jnp.float32)
     s_blk = jnp.einsum("btkgd,bskd->bkgts", q, k_blk_bthd, preferred_element_type=jnp.float32)
     scores = jnp.concatenate([s_ctx, s_blk], axis=-1) * (hd ** -0.5)
     m = jnp.concatenate([mask_ctx_bts, mask_blk_btt], axis=-1)[:, None, None, :, :]
     scores = jnp.where(m, scores, jnp.finfo(jnp.float32).min)
     probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0)
-    n_ctx = k_ctx_bshd.shape[1]
-    p_ctx = probs[..., :n_ctx].astype(v_ctx_bshd.dtype)
+    n_ctx = k_ctx_bkshd.shape[2]
+    p_ctx = probs[..., :n_ctx].astype(v_ctx_bkshd.dtype)
     p_blk = probs[..., n_ctx:].astype(v_blk_bthd.dtype)
-    out = (jnp.einsum("bkgts,bskd->btkgd", p_ctx, v_ctx_bshd, preferred_element_type=jnp.float32)
+    out = (jnp.einsum("bkgts,bksd->btkgd", p_ctx, v_ctx_bkshd, preferred_element_type=jnp.float32)
            + jnp.einsum("bkgts,bskd->btkgd", p_blk, v_blk_bthd, preferred_element_type=jnp.float32))
     return out.reshape(b, t, nh, hd).astype(q_bthd.dtype)
 
@@ -320,8 +322,8 @@ def attend_context_and_block(q_bthd: Array, k_ctx_bshd: Array, v_ctx_bshd: Array
 class PairCacheState(NamedTuple):
     """Per-slot drafter state; every leaf has a leading `slots` axis."""
 
-    k: Array  # [slots, max_len, nkv, hd] normed, rotated keys of committed pairs
-    v: Array  # [slots, max_len, nkv, hd]
+    k: Array  # [slots, nkv, max_len, hd] normed, rotated keys of committed pairs (KVCache layout)
+    v: Array  # [slots, nkv, max_len, hd]
     lengths: Array  # [slots] int32: committed pairs (= position of the pending feature)
     pending: Array  # [slots, H] feature of the last committed position (awaits its next token)
     has_pending: Array  # [slots] bool
@@ -382,8 +384,8 @@ class PairCacheDrafter(nnx.Module):
 
     # inference ---------------------------------------------------------------------------------
     def init_state(self, slots: int, max_len: int) -> PairCacheState:
-        """Empty pair cache [slots, max_len, nkv, hd], no pending feature."""
-        shape = (slots, max_len, self.num_kv_heads, self.head_dim)
+        """Empty pair cache [slots, nkv, max_len, hd], no pending feature."""
+        shape = (slots, self.num_kv_heads, max_len, self.head_dim)
         return PairCacheState(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
                               lengths=jnp.zeros((slots,), jnp.int32),
                               pending=jnp.zeros((slots, self.hidden_size), self.dtype),
@@ -427,7 +429,7 @@ class PairCacheDrafter(nnx.Module):
         g = self.gamma
         lengths = state.lengths[:b]
         k_ctx, v_ctx = state.k[:b], state.v[:b]
-        m = k_ctx.shape[1]
+        m = k_ctx.shape[2]
         mask_ctx = (jnp.arange(m, dtype=jnp.int32)[None, :] < lengths[:, None])[:, None, :]  # [B,1,M]
         base_pos = position_b.astype(jnp.int32) - 1  # the pending feature's position
         attn = self._attention()

@@ -101,7 +101,7 @@ class DSparkDrafter(nnx.Module):
 
     Protocol attributes: `gamma` (= block_size), `tap_layers` (= target_layer_ids),
     `needs_hidden` (False). State: a `specjax.models.cache.KVCache` with one entry per draft layer
-    holding the normed, rotated context keys/values [slots, max_len, nkv, hd] and `lengths[slots]`.
+    holding the normed, rotated context keys/values [slots, nkv, max_len, hd] and `lengths[slots]`.
     """
 
     def __init__(self, cfg: BlockDrafterConfig, *, rngs: nnx.Rngs | None = None, dtype="float32",
@@ -248,7 +248,7 @@ class DSparkDrafter(nnx.Module):
 
     # ------------------------------------------------------------------ inference
     def init_state(self, slots: int, max_len: int) -> kvc.KVCache:
-        """Empty per-layer context K/V caches [slots, max_len, nkv, hd] and lengths [slots]."""
+        """Empty per-layer context K/V caches [slots, nkv, max_len, hd] and lengths [slots]."""
         cfg = self.config
         return kvc.KVCache.init(num_layers=cfg.num_draft_layers, slots=slots, max_len=max_len,
                                 kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,

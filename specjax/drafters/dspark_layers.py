@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.drafters.common import attend_context_and_block
-from specjax.models.decoder import DecoderLayer
 from specjax.models.layers import Embed, Linear, gqa_attention
+from specjax.models.unfused import DecoderLayer
 
 Array = jax.Array
 

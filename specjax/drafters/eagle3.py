@@ -65,8 +65,8 @@ from specjax.drafters.common import (FrozenEmbed, FrozenHeadTraining, FrozenLMHe
                                      PairCacheDrafter, TapDims, copy_frozen_from_target,
                                      default_target_layer_ids, drafter_key_map, shift_left)
 from specjax.drafters.loading import check_target, fill
-from specjax.models.decoder import Attention
 from specjax.models.layers import Linear, RMSNorm, SwiGLU
+from specjax.models.unfused import Attention
 
 Array = jax.Array
 ARCHITECTURE = "Qwen3Eagle3Model"

@@ -41,8 +41,8 @@ from specjax.drafters.common import (FrozenEmbed, FrozenHeadTraining, FrozenLMHe
                                      PairCacheDrafter, copy_frozen_from_target, drafter_key_map,
                                      shift_left)
 from specjax.drafters.loading import check_gamma, check_target, fill
-from specjax.models.decoder import Attention
 from specjax.models.layers import Linear, RMSNorm, SwiGLU
+from specjax.models.unfused import Attention
 
 Array = jax.Array
 ARCHITECTURE = "SpecjaxMTPDrafter"

@@ -51,7 +51,7 @@ class NGramDrafter(nnx.Module):
     def commit(self, state: NGramState, update: ContextUpdate) -> NGramState:
         b = update.tokens.shape[0]
         lengths = state.lengths[:b]
-        hist = kvc.write(state.history[:, :, None, None], update.tokens[:, :, None, None], lengths)[:, :, 0, 0]
+        hist = kvc.write(state.history[:, None, :, None], update.tokens[:, :, None, None], lengths)[:, 0, :, 0]
         return NGramState(hist, state.lengths.at[:b].add(update.n_valid.astype(jnp.int32)))
 
     def propose(self, state: NGramState, anchor_b: Array, position_b: Array, sampling, key_b: Array) -> DraftBlock:

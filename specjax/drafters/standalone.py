@@ -74,7 +74,7 @@ class StandaloneDrafter(nnx.Module):
                               f"from the target's ({target.vocab_size})")
 
     def init_state(self, slots: int, max_len: int) -> kvc.KVCache:
-        """An empty KV cache of the draft LM ([slots, max_len, nkv, hd] per layer)."""
+        """An empty KV cache of the draft LM ([slots, nkv, max_len, hd] per layer)."""
         return self.model.init_cache(slots, max_len)
 
     def commit(self, state: kvc.KVCache, update: ContextUpdate) -> kvc.KVCache:

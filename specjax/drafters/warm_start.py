@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ConfigError
+from specjax.models.layers import split_gate_up, split_qkv
 
 
 def _np(x: Any) -> np.ndarray:
@@ -33,6 +34,13 @@ def _np(x: Any) -> np.ndarray:
 
 def _set(param: Any, value: np.ndarray) -> None:
     param[...] = jnp.asarray(value, param[...].dtype)
+
+
+def _copy_linear(dst: Any, kernel: np.ndarray, bias: np.ndarray | None) -> None:
+    """Set a Linear's kernel (and its bias: the given one, or zeros)."""
+    _set(dst.kernel, kernel)
+    if dst.bias is not None:
+        _set(dst.bias, bias if bias is not None else np.zeros(dst.bias[...].shape, np.float32))
 
 
 def mlp_channels(gate_hi: np.ndarray, up_hi: np.ndarray, down_ih: np.ndarray, keep: int) -> np.ndarray:
@@ -77,22 +85,22 @@ def copy_layer_from_target(drafter: Any, target_model: Any, layer_id: int) -> No
         src = layers_t[layer_id + i]
         _set(layer.input_layernorm.weight, _np(src.input_layernorm.weight))
         _set(layer.post_attention_layernorm.weight, _np(src.post_attention_layernorm.weight))
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            dst_p, src_p = getattr(layer.self_attn, name), getattr(src.self_attn, name)
-            _set(dst_p.kernel, _np(src_p.kernel))
-            if dst_p.bias is not None:
-                _set(dst_p.bias, _np(src_p.bias) if src_p.bias is not None
-                     else np.zeros(dst_p.bias[...].shape, np.float32))
+        src_attn = src.self_attn
+        q_k_v = split_qkv(_np(src_attn.qkv_proj.kernel))
+        biases = (split_qkv(_np(src_attn.qkv_proj.bias)) if src_attn.qkv_proj.bias is not None
+                  else (None,) * 3)
+        for name, kernel, bias in zip(("q_proj", "k_proj", "v_proj"), q_k_v, biases):
+            _copy_linear(getattr(layer.self_attn, name), kernel, bias)
+        _copy_linear(layer.self_attn.o_proj, _np(src_attn.o_proj.kernel), None)
         w_ln = _np(src.input_layernorm.weight)
         hd = cfg.head_dim
-        for norm_name, proj in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
-            dst_n, src_n = getattr(layer.self_attn, norm_name), getattr(src.self_attn, norm_name)
+        for norm_name, kernel in (("q_norm", q_k_v[0]), ("k_norm", q_k_v[1])):
+            dst_n, src_n = getattr(layer.self_attn, norm_name), getattr(src_attn, norm_name)
             if dst_n is None:
                 continue
-            _set(dst_n.weight, _np(src_n.weight) if src_n is not None else
-                 head_rms(w_ln, _np(getattr(src.self_attn, proj).kernel), hd))
-        gate, up, down = (_np(src.mlp.gate_proj.kernel), _np(src.mlp.up_proj.kernel),
-                          _np(src.mlp.down_proj.kernel))
+            _set(dst_n.weight, _np(src_n.weight) if src_n is not None else head_rms(w_ln, kernel, hd))
+        gate, up = split_gate_up(_np(src.mlp.gate_up_proj.kernel))
+        down = _np(src.mlp.down_proj.kernel)
         width = layer.mlp.gate_proj.kernel[...].shape[1]
         if width > gate.shape[1]:
             raise ConfigError(f"field 'draft_intermediate_size' = {width} is wider than the target's "

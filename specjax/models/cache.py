@@ -1,7 +1,8 @@
 """The KV cache as an explicit pytree.
 
-Per layer k and v are [slots, max_len, kv_heads, head_dim]; `lengths[slots]` is the number of
-committed tokens of each slot. New tokens are written at each row's own length (scatter, writes past
+Per layer k and v are heads-major [slots, kv_heads, max_len, head_dim] (the layout attention
+reads without transposes: `layers.attend`); `lengths[slots]` is the number of committed tokens of
+each slot. New tokens are written at each row's own length (one scatter per buffer, writes past
 `max_len` dropped) and attention masks come from lengths alone, so rejecting draft tokens is just
 setting a smaller length: stale entries past it are masked and overwritten later (write, then mask;
 no copies).
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-CACHE_AXES = ("cache_batch", "cache_seq", "kv_heads", "head_dim")
+CACHE_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
 LENGTHS_AXES = ("cache_batch",)
 
 
@@ -29,7 +30,7 @@ class KVCache:
     @classmethod
     def init(cls, *, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
              dtype="float32") -> "KVCache":
-        shape = (slots, max_len, kv_heads, head_dim)
+        shape = (slots, kv_heads, max_len, head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                    lengths=jnp.zeros((slots,), jnp.int32))
@@ -40,7 +41,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     def with_lengths(self, lengths: Array) -> "KVCache":
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
@@ -51,20 +52,22 @@ def write_indices(lengths_s: Array, t: int) -> Array:
     return lengths_s[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
-def write(buf_smkd: Array, new_btkd: Array, lengths_b: Array, rows_b: Array | None = None) -> Array:
-    """Scatter T new entries per row at that row's length; entries past max_len are dropped.
-
-    Row b of `new` goes to cache slot `rows_b[b]` (default: slot b).
-    """
+def write(buf_skmd: Array, new_btkd: Array, lengths_b: Array, rows_b: Array | None = None) -> Array:
+    """Scatter T new entries [B, T, kv_heads, hd] per row into a heads-major buffer
+    [slots, kv_heads, max_len, hd] at that row's length (one scatter); entries past max_len are
+    dropped. Row b of `new` goes to cache slot `rows_b[b]` (default: slot b; an id >= slots drops
+    the row)."""
     b, t = new_btkd.shape[:2]
     idx = write_indices(lengths_b, t)
     rows = jnp.arange(b, dtype=jnp.int32) if rows_b is None else rows_b.astype(jnp.int32)
-    return buf_smkd.at[rows[:, None], idx].set(new_btkd.astype(buf_smkd.dtype), mode="drop")
+    return buf_skmd.at[rows[:, None], :, idx].set(new_btkd.astype(buf_skmd.dtype), mode="drop")
 
 
-def read_rows(buf_smkd: Array, b: int, rows_b: Array | None = None) -> Array:
-    """The cache rows a call of B rows attends to: slots [0:B] (a slice) or the given slot ids."""
-    return buf_smkd[:b] if rows_b is None else jnp.take(buf_smkd, rows_b, axis=0, mode="clip")
+def read_rows(buf_skmd: Array, b: int, rows_b: Array | None = None, kv_len: int | None = None) -> Array:
+    """The cache a call of B rows attends to, [B, kv_heads, kv_len or max_len, hd]: slots [0:B]
+    (a slice) or the given slot ids, cache rows [0:kv_len] when given."""
+    buf = buf_skmd if kv_len is None else buf_skmd[:, :, :kv_len]
+    return buf[:b] if rows_b is None else jnp.take(buf, rows_b, axis=0, mode="clip")
 
 
 def cached_mask(lengths_s: Array, t: int, max_len: int) -> Array:

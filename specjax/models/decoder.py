@@ -4,6 +4,12 @@ One module, switched by config fields: `qk_norm` adds Qwen3's per-head q/k RMSNo
 `q_norm`/`k_norm` are None), `attention_bias` gives q/k/v projections a bias (Qwen2), and the RoPE
 scaling (default, linear, llama3) comes from the config.
 
+Kernels per layer are few: q/k/v are one fused projection (`self_attn.qkv_proj`, [H, nkv,
+q_per_kv + 2, hd], see `layers.fuse_qkv`) and gate/up one (`mlp.gate_up_proj`, [H, 2, F]); the
+checkpoint loaders fuse the stored tensors on load and split them on export. RoPE tables are
+computed once per forward, each layer writes its new K and V once and attends over the cache in its
+stored heads-major layout (`cache.KVCache`, `layers.attend`).
+
 One forward serves prefill, decode and multi-token verification:
 tokens [B,T] + positions [B,T] (+ optional KVCache with per-row lengths) -> logits [B,T,V], hidden taps
 at the requested layer ids (raw decoder-layer outputs, -1 = embedding output), the final-normed hidden
@@ -20,7 +26,8 @@ from flax import nnx
 
 from specjax.config import TargetConfig
 from specjax.models import cache as kvc
-from specjax.models.layers import Embed, Linear, RMSNorm, SwiGLU, apply_rope, gqa_attention
+from specjax.models.layers import (Embed, FusedLinear, FusedSwiGLU, Linear, RMSNorm, attend,
+                                   fuse_qkv, init_kernel, rms_normalize, rope_tables, rotate)
 
 Array = jax.Array
 
@@ -32,61 +39,67 @@ class ForwardOut(NamedTuple):
     cache: kvc.KVCache | None
 
 
+class LayerInputs(NamedTuple):
+    """What every layer of one forward shares, computed once."""
+
+    cos: Array  # [B, T, 1, 1, hd/2] RoPE tables (float32)
+    sin: Array
+    mask: Array  # [B, T, S] keys each query sees (S = kv_len or max_len with a cache, else T)
+    lengths: Array | None  # [B] cache row where each row's first new token goes (None: no cache)
+    rows: Array | None  # [B] cache slots of the rows (None: slots [0:B])
+    kv_len: int | None  # attention reads cache rows [0:kv_len] (None: all)
+
+
 class Attention(nnx.Module):
-    """GQA self-attention with rotate-half RoPE (and per-head q/k RMSNorm when `cfg.qk_norm`)."""
+    """GQA self-attention with one fused q/k/v projection, rotate-half RoPE (and per-head q/k
+    RMSNorm when `cfg.qk_norm`)."""
 
     def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32"):
         self.cfg = cfg
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = Linear(h, nh * hd, logical_axes=("embed", "q_heads"), use_bias=bias, **kw)
-        self.k_proj = Linear(h, nkv * hd, logical_axes=("embed", "kv_heads"), use_bias=bias, **kw)
-        self.v_proj = Linear(h, nkv * hd, logical_axes=("embed", "kv_heads"), use_bias=bias, **kw)
-        self.o_proj = Linear(nh * hd, h, logical_axes=("q_heads", "embed"), **kw)
+        q, k, v = (init_kernel(rngs, (h, n * hd)) for n in (nh, nkv, nkv))  # as separate Linears
+        bias = None
+        if cfg.attention_bias:
+            bias = fuse_qkv(jnp.zeros((nh * hd,)), jnp.zeros((nkv * hd,)), jnp.zeros((nkv * hd,)), nkv)
+        self.qkv_proj = FusedLinear(fuse_qkv(q, k, v, nkv), bias=bias, dtype=dtype, param_dtype=param_dtype,
+                                    logical_axes=("embed", "kv_heads", None, "head_dim"))
+        self.o_proj = Linear(nh * hd, h, logical_axes=("q_heads", "embed"), rngs=rngs, dtype=dtype,
+                             param_dtype=param_dtype)
         norm = lambda: RMSNorm(hd, eps=cfg.rms_norm_eps, logical_axis="head_dim", dtype=dtype,  # noqa: E731
                                param_dtype=param_dtype)
         self.q_norm = norm() if cfg.qk_norm else None
         self.k_norm = norm() if cfg.qk_norm else None
 
-    def rope(self, x: Array, positions: Array) -> Array:
-        return apply_rope(x, positions, **self.cfg.rope_kwargs)
+    def _norm_qk(self, qk: Array) -> Array:
+        """Per-head RMSNorm of q heads and key [B, T, nkv, q_per_kv + 1, hd] (q_norm / k_norm)."""
+        if self.q_norm is None:
+            return qk
+        g = qk.shape[-2] - 1
+        w = jnp.concatenate([jnp.broadcast_to(self.q_norm.weight[...], (g, qk.shape[-1])),
+                             self.k_norm.weight[...][None]], axis=0)
+        return rms_normalize(qk, w, self.q_norm.eps, self.q_norm.dtype)
 
-    @staticmethod
-    def _norm(norm: RMSNorm | None, x: Array) -> Array:
-        return x if norm is None else norm(x)
+    def project(self, x_bth: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """Normed, rotated queries [B, T, nkv, g, hd] and keys, values [B, T, nkv, hd] of x, from
+        one matmul; cos/sin: RoPE tables [B, T, 1, 1, hd/2] (`LayerInputs`)."""
+        qkv = self.qkv_proj(x_bth)  # [B, T, nkv, g + 2, hd]
+        g = qkv.shape[3] - 2
+        qk = rotate(self._norm_qk(qkv[:, :, :, :g + 1]), cos, sin)
+        return qk[:, :, :, :g], qk[:, :, :, g], qkv[:, :, :, g + 1]
 
-    def queries(self, x_bth: Array, positions_bt: Array) -> Array:
+    def __call__(self, x_bth: Array, li: LayerInputs,
+                 kv_cache: tuple[Array, Array] | None) -> tuple[Array, tuple[Array, Array] | None]:
         b, t, _ = x_bth.shape
-        q = self.q_proj(x_bth).reshape(b, t, self.cfg.num_attention_heads, self.cfg.head_dim)
-        return self.rope(self._norm(self.q_norm, q), positions_bt)
-
-    def keys_values(self, x_bth: Array, positions_bt: Array) -> tuple[Array, Array]:
-        """Normed, rotated keys and values [B, T, nkv, hd] of inputs x at positions."""
-        b, t, _ = x_bth.shape
-        nkv, hd = self.cfg.num_key_value_heads, self.cfg.head_dim
-        k = self.rope(self._norm(self.k_norm, self.k_proj(x_bth).reshape(b, t, nkv, hd)), positions_bt)
-        v = self.v_proj(x_bth).reshape(b, t, nkv, hd)
-        return k, v
-
-    def output(self, attn_bthd: Array) -> Array:
-        b, t = attn_bthd.shape[:2]
-        return self.o_proj(attn_bthd.reshape(b, t, -1))
-
-    def __call__(self, x_bth: Array, positions_bt: Array, mask: Array,
-                 kv_cache: tuple[Array, Array] | None, lengths_b: Array | None,
-                 rows_b: Array | None = None):
-        q = self.queries(x_bth, positions_bt)
-        k, v = self.keys_values(x_bth, positions_bt)
-        new_kv = None
-        if kv_cache is not None:
-            b = x_bth.shape[0]
-            k_all = kvc.write(kv_cache[0], k, lengths_b, rows_b)
-            v_all = kvc.write(kv_cache[1], v, lengths_b, rows_b)
-            new_kv = (k_all, v_all)
-            s = mask.shape[-1]  # attended cache rows [0:s] (the forward's kv_len)
-            k, v = kvc.read_rows(k_all, b, rows_b)[:, :s], kvc.read_rows(v_all, b, rows_b)[:, :s]
-        return self.output(gqa_attention(q, k, v, mask)), new_kv
+        q, k, v = self.project(x_bth, li.cos, li.sin)
+        if kv_cache is None:
+            new_kv = None
+            k_all, v_all = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        else:
+            new_kv = (kvc.write(kv_cache[0], k, li.lengths, li.rows),
+                      kvc.write(kv_cache[1], v, li.lengths, li.rows))
+            k_all, v_all = (kvc.read_rows(buf, b, li.rows, li.kv_len) for buf in new_kv)
+        out = attend(q, k_all, v_all, li.mask)
+        return self.o_proj(out.reshape(b, t, -1)), new_kv
 
 
 class DecoderLayer(nnx.Module):
@@ -95,10 +108,10 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         self.self_attn = Attention(cfg, rngs=rngs, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, **kw)
+        self.mlp = FusedSwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, **kw)
 
-    def __call__(self, x, positions, mask, kv_cache=None, lengths=None, rows=None):
-        a, new_kv = self.self_attn(self.input_layernorm(x), positions, mask, kv_cache, lengths, rows)
+    def __call__(self, x: Array, li: LayerInputs, kv_cache: tuple[Array, Array] | None = None):
+        a, new_kv = self.self_attn(self.input_layernorm(x), li, kv_cache)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_kv
@@ -135,16 +148,17 @@ class CausalLM(nnx.Module):
 
     def forward(self, tokens_bt: Array, positions_bt: Array, cache: kvc.KVCache | None = None,
                 valid_b: Array | None = None, *, rows_b: Array | None = None,
-                tap_layers: Sequence[int] = (), logits: str = "all", kv_len: int | None = None) -> ForwardOut:
+                tap_layers: Sequence[int] = (), logits: str = "all", kv_len: int | None = None
+                ) -> ForwardOut:
         """Run the decoder. `valid_b` [B] is each row's count of real tokens (default T).
 
         With a cache, token t of row b is written at cache row lengths[b] + t and sees cache rows
         <= lengths[b] + t; the returned cache has lengths + valid. The cache may hold more slots than
         B: rows [0:B] take part (or the slots `rows_b` [B], distinct; an id >= slots marks a padding row
-        whose writes are dropped) and the others are untouched. `logits` is "all", "last" (at the
-        last valid token of each row) or "none". `kv_len` (static): attention reads cache rows
-        [0:kv_len] only (writes still reach the whole cache); the caller guarantees
-        lengths + T <= kv_len for every row whose outputs it uses.
+        whose writes are dropped) and the others are untouched. `kv_len` (static) limits attention
+        to cache rows [0:kv_len] (writes still go to the whole cache; the caller guarantees
+        lengths + T <= kv_len for every row). `logits` is "all", "last" (at the last valid token of
+        each row) or "none".
         """
         cfg = self.config
         b, t = tokens_bt.shape
@@ -153,44 +167,51 @@ class CausalLM(nnx.Module):
         for lid in tap_layers:
             if not -1 <= lid < cfg.num_hidden_layers:
                 raise ValueError(f"tap layer id {lid} out of range [-1, {cfg.num_hidden_layers})")
-        if cache is None:
-            mask = kvc.causal_mask(t, valid_b)
-            lengths = None
-        else:  # rows [0:B] (or rows_b) of a cache with >= B slots take part
-            if kv_len is not None and not 1 <= kv_len <= cache.max_len:
-                raise ValueError(f"kv_len {kv_len} outside [1, cache max_len {cache.max_len}]")
-            lengths = cache.lengths[:b] if rows_b is None else jnp.take(cache.lengths, rows_b, mode="clip")
-            mask = kvc.cached_mask(lengths, t, cache.max_len if kv_len is None else kv_len)
+        li = self._layer_inputs(positions_bt, valid_b, cache, rows_b, kv_len)
         x = self.model.embed_tokens(tokens_bt)
-        taps: dict[int, Array] = {}
-        if -1 in tap_layers:
-            taps[-1] = x
+        taps: dict[int, Array] = {-1: x}
         new_k, new_v = [], []
         for i, layer in enumerate(self.model.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, new_kv = layer(x, positions_bt, mask, kv, lengths, rows_b)
+            x, new_kv = layer(x, li, None if cache is None else (cache.k[i], cache.v[i]))
             if new_kv is not None:
                 new_k.append(new_kv[0])
                 new_v.append(new_kv[1])
-            if i in tap_layers:
-                taps[i] = x
+            taps[i] = x
         hidden = self.model.norm(x)
-        if logits == "all":
-            out_logits = self.logits(hidden)
-        elif logits == "last":
-            last = jnp.clip(valid_b - 1, 0, t - 1)
-            h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
-            out_logits = self.logits(h_last)
-        elif logits == "none":
-            out_logits = None
-        else:
-            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
         new_cache = None
         if cache is not None:
             rows = jnp.arange(b) if rows_b is None else rows_b
             new_cache = kvc.KVCache(k=tuple(new_k), v=tuple(new_v),
                                     lengths=cache.lengths.at[rows].add(valid_b.astype(jnp.int32), mode="drop"))
-        return ForwardOut(out_logits, tuple(taps[i] for i in tap_layers), hidden, new_cache)
+        return ForwardOut(self._output_logits(hidden, valid_b, logits), tuple(taps[i] for i in tap_layers),
+                          hidden, new_cache)
+
+    def _layer_inputs(self, positions_bt: Array, valid_b: Array, cache: kvc.KVCache | None,
+                      rows_b: Array | None, kv_len: int | None) -> LayerInputs:
+        """RoPE tables and the attention mask of one forward, shared by every layer."""
+        b, t = positions_bt.shape
+        cos, sin = rope_tables(positions_bt, self.config.head_dim, **self.config.rope_kwargs)
+        cos, sin = cos[:, :, None, None, :], sin[:, :, None, None, :]
+        if cache is None:
+            if kv_len is not None:
+                raise ValueError("kv_len needs a cache")
+            return LayerInputs(cos, sin, kvc.causal_mask(t, valid_b), None, None, None)
+        if kv_len is not None and not 0 < kv_len <= cache.max_len:
+            raise ValueError(f"kv_len must be in [1, max_len={cache.max_len}], got {kv_len}")
+        # rows [0:B] (or rows_b) of a cache with >= B slots take part
+        lengths = cache.lengths[:b] if rows_b is None else jnp.take(cache.lengths, rows_b, mode="clip")
+        mask = kvc.cached_mask(lengths, t, cache.max_len if kv_len is None else kv_len)
+        return LayerInputs(cos, sin, mask, lengths, rows_b, kv_len)
+
+    def _output_logits(self, hidden: Array, valid_b: Array, mode: str) -> Array | None:
+        if mode == "all":
+            return self.logits(hidden)
+        if mode == "last":
+            last = jnp.clip(valid_b - 1, 0, hidden.shape[1] - 1)
+            return self.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1))
+        if mode == "none":
+            return None
+        raise ValueError(f"logits must be 'all', 'last' or 'none', got {mode!r}")
 
     def __call__(self, tokens_bt: Array, positions_bt: Array | None = None) -> Array:
         if positions_bt is None:

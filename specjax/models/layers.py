@@ -6,10 +6,11 @@ names onto a mesh. Weight layouts: `Linear.kernel` is [in, out] (the transpose o
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 Array = jax.Array
@@ -20,6 +21,11 @@ def _dtype(name_or_dtype) -> jnp.dtype:
     return jnp.dtype(name_or_dtype)
 
 
+def init_kernel(rngs: nnx.Rngs, shape: tuple[int, ...], std: float = _INIT_STD) -> Array:
+    """A float32 normal(0, std) kernel, one `rngs.params()` draw."""
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel [in, out] in `param_dtype`, computed in `dtype`."""
 
@@ -27,7 +33,7 @@ class Linear(nnx.Module):
                  rngs: nnx.Rngs, use_bias: bool = False, dtype="float32", param_dtype="float32",
                  init_std: float = _INIT_STD):
         self.dtype = _dtype(dtype)
-        w = init_std * jax.random.normal(rngs.params(), (in_features, out_features), jnp.float32)
+        w = init_kernel(rngs, (in_features, out_features), init_std)
         self.kernel = nnx.Param(w.astype(param_dtype), logical_axes=logical_axes)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype),
                               logical_axes=(logical_axes[1],)) if use_bias else None
@@ -65,9 +71,15 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(logical_axis,))
 
     def __call__(self, x: Array) -> Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * self.weight[...].astype(jnp.float32)).astype(self.dtype)
+        return rms_normalize(x, self.weight[...], self.eps, self.dtype)
+
+
+def rms_normalize(x: Array, weight: Array, eps: float, dtype) -> Array:
+    """x * rsqrt(mean(x^2 over the last axis) + eps) * weight, in float32, returned in `dtype`
+    (`weight` broadcasts against x's trailing axes)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(dtype)
 
 
 class SwiGLU(nnx.Module):
@@ -81,6 +93,73 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedLinear(nnx.Module):
+    """Several projections of one input in one matmul: y [..., *out] = x [..., in] @ kernel
+    [in, *out] (+ bias [*out]). `logical_axes` names the kernel's axes (the bias takes the out ones).
+    The target's fused q/k/v ([in, kv_heads, q_per_kv + 2, head_dim], see `fuse_qkv`) and gate/up
+    ([in, 2, mlp], see `fuse_gate_up`) projections; checkpoints store the parts separately."""
+
+    def __init__(self, kernel: Array, *, logical_axes: tuple[str | None, ...], bias: Array | None = None,
+                 dtype="float32", param_dtype="float32"):
+        self.dtype = _dtype(dtype)
+        self.kernel = nnx.Param(kernel.astype(param_dtype), logical_axes=logical_axes)
+        self.bias = None if bias is None else nnx.Param(bias.astype(param_dtype),
+                                                        logical_axes=logical_axes[1:])
+
+    def __call__(self, x: Array) -> Array:
+        y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=1)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+def _xp(x: Any) -> Any:
+    return jnp if isinstance(x, jax.Array) else np
+
+
+def fuse_qkv(q: Any, k: Any, v: Any, kv_heads: int) -> Any:
+    """q [..., heads * hd], k and v [..., kv_heads * hd] (kernels [in, out] or biases [out]) ->
+    [..., kv_heads, q_per_kv + 2, hd]: kv group j holds its q heads j * q_per_kv + i (i < q_per_kv,
+    the heads that attend to it), then its key, then its value. numpy in, numpy out."""
+    lead, hd = q.shape[:-1], k.shape[-1] // kv_heads
+    parts = [q.reshape(*lead, kv_heads, -1, hd), k.reshape(*lead, kv_heads, 1, hd),
+             v.reshape(*lead, kv_heads, 1, hd)]
+    return _xp(q).concatenate(parts, axis=-2)
+
+
+def split_qkv(fused: Any) -> tuple[Any, Any, Any]:
+    """The inverse of `fuse_qkv`: (q [..., heads * hd], k, v [..., kv_heads * hd])."""
+    lead, g = fused.shape[:-3], fused.shape[-2] - 2
+    flat = lambda a: a.reshape(*lead, -1)  # noqa: E731
+    return flat(fused[..., :g, :]), flat(fused[..., g, :]), flat(fused[..., g + 1, :])
+
+
+def fuse_gate_up(gate: Any, up: Any) -> Any:
+    """gate and up kernels [in, mlp] -> [in, 2, mlp] (gate first)."""
+    return _xp(gate).stack([gate, up], axis=-2)
+
+
+def split_gate_up(fused: Any) -> tuple[Any, Any]:
+    """The inverse of `fuse_gate_up`: (gate, up) [in, mlp]."""
+    return fused[..., 0, :], fused[..., 1, :]
+
+
+class FusedSwiGLU(nnx.Module):
+    """The target's MLP: down(silu(gate(x)) * up(x)) with gate and up in one kernel [H, 2, F]
+    (initialised as `SwiGLU` would be: the same draws, fused)."""
+
+    def __init__(self, hidden: int, inner: int, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32"):
+        gate_up = fuse_gate_up(init_kernel(rngs, (hidden, inner)), init_kernel(rngs, (hidden, inner)))
+        self.gate_up_proj = FusedLinear(gate_up, logical_axes=("embed", None, "mlp"), dtype=dtype,
+                                        param_dtype=param_dtype)
+        self.down_proj = Linear(inner, hidden, logical_axes=("mlp", "embed"), rngs=rngs, dtype=dtype,
+                                param_dtype=param_dtype)
+
+    def __call__(self, x: Array) -> Array:
+        y = self.gate_up_proj(x)
+        return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :])
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> Array:
@@ -109,22 +188,32 @@ def rope_inv_freq_scaled(head_dim: int, *, theta: float, rope_type: str = "defau
     return jnp.where(wavelen > low_wavelen, inv / factor, jnp.where(wavelen < high_wavelen, inv, mid))
 
 
-def apply_rope(x_bthd: Array, positions_bt: Array, *, theta: float, rope_type: str = "default",
-               factor: float = 1.0, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-               original_max_position: int = 8192) -> Array:
-    """Rotate-half RoPE on x [B, T, heads, head_dim] at integer positions [B, T]."""
-    hd = x_bthd.shape[-1]
-    inv_freq = rope_inv_freq_scaled(hd, theta=theta, rope_type=rope_type, factor=factor,
+def rope_tables(positions_bt: Array, head_dim: int, *, theta: float, rope_type: str = "default",
+                factor: float = 1.0, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                original_max_position: int = 8192) -> tuple[Array, Array]:
+    """cos and sin [B, T, head_dim/2] (float32) of the rotate-half RoPE at integer positions [B, T]."""
+    inv_freq = rope_inv_freq_scaled(head_dim, theta=theta, rope_type=rope_type, factor=factor,
                                     low_freq_factor=low_freq_factor,
                                     high_freq_factor=high_freq_factor,
                                     original_max_position=original_max_position)
     angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    xf = x_bthd.astype(jnp.float32)
-    x1, x2 = xf[..., : hd // 2], xf[..., hd // 2:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_bthd.dtype)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate-half RoPE of x [..., head_dim] by tables cos/sin [..., head_dim/2] (broadcast
+    against x's leading axes), computed in float32 and returned in x's dtype."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def apply_rope(x_bthd: Array, positions_bt: Array, **rope_kwargs) -> Array:
+    """Rotate-half RoPE on x [B, T, heads, head_dim] at integer positions [B, T] (`rope_kwargs`:
+    those of `rope_tables`, e.g. `TargetConfig.rope_kwargs`)."""
+    cos, sin = rope_tables(positions_bt, x_bthd.shape[-1], **rope_kwargs)
+    return rotate(x_bthd, cos[:, :, None, :], sin[:, :, None, :])
 
 
 def gqa_attention(q_bthd: Array, k_bshd: Array, v_bshd: Array, mask_bts: Array) -> Array:
@@ -145,6 +234,21 @@ def gqa_attention(q_bthd: Array, k_bshd: Array, v_bshd: Array, mask_bts: Array) 
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_bshd.dtype), v_bshd,
                      preferred_element_type=jnp.float32)
     return out.reshape(b, t, nh, hd).astype(q_bthd.dtype)
+
+
+def attend(q_btkgd: Array, k_bksd: Array, v_bksd: Array, mask_bts: Array) -> Array:
+    """Grouped-query attention over keys/values stored heads-major (the KV cache's layout, read
+    without transposes). q [B, T, nkv, g, hd], k/v [B, nkv, S, hd], mask [B, T, S] (True = visible)
+    -> [B, T, nkv * g, hd] in q's dtype. Softmax in float32, normalised after the value product.
+    Every query must see at least one key (a causal or cached mask always does)."""
+    b, t, nkv, g, hd = q_btkgd.shape
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q_btkgd.transpose(0, 2, 3, 1, 4), k_bksd,
+                        preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    out = jnp.einsum("bkgts,bksd->bkgtd", e.astype(v_bksd.dtype), v_bksd,
+                     preferred_element_type=jnp.float32) / jnp.sum(e, axis=-1, keepdims=True)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nkv * g, hd).astype(q_btkgd.dtype)
 
 
 def concat_taps(taps: Sequence[Array]) -> Array:
