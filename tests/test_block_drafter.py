@@ -337,8 +337,8 @@ def test_incremental_commit_equals_one_shot(target):
     for k1, k2, v1, v2 in zip(one.k, two.k, one.v, two.v):
         for r in range(b):
             n = int(a[r])
-            np.testing.assert_allclose(k1[r, :n], k2[r, :n], atol=1e-6)
-            np.testing.assert_allclose(v1[r, :n], v2[r, :n], atol=1e-6)
+            np.testing.assert_allclose(k1[r, :, :n], k2[r, :, :n], atol=1e-6)
+            np.testing.assert_allclose(v1[r, :, :n], v2[r, :, :n], atol=1e-6)
     sa = SamplingArrays.broadcast(b, 0.0)
     keys = jax.random.split(jax.random.key(0), b)
     anchor = ids[jnp.arange(b), a]

@@ -27,7 +27,7 @@ from flax import nnx
 from specjax.config import TargetConfig
 from specjax.models import cache as kvc
 from specjax.models.layers import (Embed, FusedLinear, FusedSwiGLU, Linear, RMSNorm, attend,
-                                   fuse_qkv, init_kernel, rms_normalize, rope_tables, rotate)
+                                   fuse_qkv, init_kernel, rope_tables, rotate)
 
 Array = jax.Array
 
@@ -70,22 +70,18 @@ class Attention(nnx.Module):
         self.q_norm = norm() if cfg.qk_norm else None
         self.k_norm = norm() if cfg.qk_norm else None
 
-    def _norm_qk(self, qk: Array) -> Array:
-        """Per-head RMSNorm of q heads and key [B, T, nkv, q_per_kv + 1, hd] (q_norm / k_norm)."""
-        if self.q_norm is None:
-            return qk
-        g = qk.shape[-2] - 1
-        w = jnp.concatenate([jnp.broadcast_to(self.q_norm.weight[...], (g, qk.shape[-1])),
-                             self.k_norm.weight[...][None]], axis=0)
-        return rms_normalize(qk, w, self.q_norm.eps, self.q_norm.dtype)
+    @staticmethod
+    def _norm(norm: RMSNorm | None, x: Array) -> Array:
+        return x if norm is None else norm(x)
 
     def project(self, x_bth: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
         """Normed, rotated queries [B, T, nkv, g, hd] and keys, values [B, T, nkv, hd] of x, from
         one matmul; cos/sin: RoPE tables [B, T, 1, 1, hd/2] (`LayerInputs`)."""
         qkv = self.qkv_proj(x_bth)  # [B, T, nkv, g + 2, hd]
         g = qkv.shape[3] - 2
-        qk = rotate(self._norm_qk(qkv[:, :, :, :g + 1]), cos, sin)
-        return qk[:, :, :, :g], qk[:, :, :, g], qkv[:, :, :, g + 1]
+        q = rotate(self._norm(self.q_norm, qkv[:, :, :, :g]), cos, sin)
+        k = rotate(self._norm(self.k_norm, qkv[:, :, :, g]), cos[:, :, :, 0], sin[:, :, :, 0])
+        return q, k, qkv[:, :, :, g + 1]
 
     def __call__(self, x_bth: Array, li: LayerInputs,
                  kv_cache: tuple[Array, Array] | None) -> tuple[Array, tuple[Array, Array] | None]:

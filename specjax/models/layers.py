@@ -71,15 +71,9 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(logical_axis,))
 
     def __call__(self, x: Array) -> Array:
-        return rms_normalize(x, self.weight[...], self.eps, self.dtype)
-
-
-def rms_normalize(x: Array, weight: Array, eps: float, dtype) -> Array:
-    """x * rsqrt(mean(x^2 over the last axis) + eps) * weight, in float32, returned in `dtype`
-    (`weight` broadcasts against x's trailing axes)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(self.dtype)
 
 
 class SwiGLU(nnx.Module):
@@ -203,10 +197,12 @@ def rope_tables(positions_bt: Array, head_dim: int, *, theta: float, rope_type: 
 def rotate(x: Array, cos: Array, sin: Array) -> Array:
     """Rotate-half RoPE of x [..., head_dim] by tables cos/sin [..., head_dim/2] (broadcast
     against x's leading axes), computed in float32 and returned in x's dtype."""
-    half = x.shape[-1] // 2
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] as one elementwise op over x viewed as
+    # [..., 2, hd/2] (a reversal of the size-2 axis, no concatenation)
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+    sin_pm = jnp.stack([-sin, sin], axis=-2)
+    out = xf * cos[..., None, :] + xf[..., ::-1, :] * sin_pm
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 def apply_rope(x_bthd: Array, positions_bt: Array, **rope_kwargs) -> Array:
