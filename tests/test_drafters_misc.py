@@ -201,7 +201,7 @@ def test_incremental_commit_equals_one_shot(kind, target, drafters):
     ks1 = one.k if isinstance(one.k, tuple) else (one.k,)
     ks2 = two.k if isinstance(two.k, tuple) else (two.k,)
     for a, b_ in zip(ks1, ks2):
-        np.testing.assert_allclose(np.asarray(a[:, :n]), np.asarray(b_[:, :n]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a[:, :, :n]), np.asarray(b_[:, :, :n]), atol=1e-5)
     anchor, pos = jnp.asarray([5], jnp.int32), jnp.asarray([total], jnp.int32)
     sa = SamplingArrays.broadcast(1, 0.0)
     b1, z1 = propose(one, anchor, pos, sa, _keys(0, 1))

@@ -208,7 +208,8 @@ def test_fused_kernels_shard_over_kv_heads_and_mlp(ckpts):
     assert qkv.sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None, None)
     assert gate_up.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
     shard0 = np.asarray(qkv.addressable_shards[0].data)
-    np.testing.assert_array_equal(shard0, np.asarray(single.model.layers[0].self_attn.qkv_proj.kernel[...])[:, :1])
+    whole = np.asarray(single.model.layers[0].self_attn.qkv_proj.kernel[...])
+    np.testing.assert_array_equal(shard0, whole[:, :1])  # kv group 0: its q heads, key and value
     tokens, positions = _batch(seed=4)
     np.testing.assert_allclose(np.asarray(sharded(tokens, positions)), np.asarray(single(tokens, positions)),
                                atol=1e-5, rtol=0)

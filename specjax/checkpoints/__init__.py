@@ -1,6 +1,8 @@
 """External checkpoint formats <-> specjax params: the only package that knows external tensor names.
 
     common     key maps, safetensors reading/writing, loading params into modules (no pickles)
+    layouts    which stored tensors one param is (transposed kernels; the target's fused q/k/v
+               and gate/up kernels as their Hugging Face parts)
     targets    Hugging Face target directories (Qwen3 / Llama / Qwen2): load, export, tokenizer
     drafters   what every drafter kind's config.json and tensors share (each kind's own key map
                and config.json fields live in its module; `specjax.drafters.registry` loads and

@@ -4,7 +4,9 @@
 Target tensor names are the Hugging Face ones of `Qwen3ForCausalLM`, `LlamaForCausalLM` and
 `Qwen2ForCausalLM` (they coincide; the families differ in which tensors exist: Qwen3 adds
 `self_attn.{q_norm,k_norm}.weight`, Qwen2 `self_attn.{q,k,v}_proj.bias`, a tied model has no
-`lm_head.weight`), derived from our module paths by `common.TARGET_KEY_MAP`.
+`lm_head.weight`), derived from our module paths by `common.TARGET_KEY_MAP`. The model's fused
+`self_attn.qkv_proj` and `mlp.gate_up_proj` kernels are joined from those tensors on load and split
+back on export (`layouts.FUSIONS`), so the files are the families' own.
 """
 from __future__ import annotations
 

@@ -177,8 +177,8 @@ class CausalLM(nnx.Module):
         new_cache = None
         if cache is not None:
             rows = jnp.arange(b) if rows_b is None else rows_b
-            new_cache = kvc.KVCache(k=tuple(new_k), v=tuple(new_v),
-                                    lengths=cache.lengths.at[rows].add(valid_b.astype(jnp.int32), mode="drop"))
+            lengths = cache.lengths.at[rows].add(valid_b.astype(jnp.int32), mode="drop")
+            new_cache = kvc.KVCache(k=tuple(new_k), v=tuple(new_v), lengths=lengths)
         return ForwardOut(self._output_logits(hidden, valid_b, logits), tuple(taps[i] for i in tap_layers),
                           hidden, new_cache)
 
