@@ -55,7 +55,6 @@ class Attention(nnx.Module):
     RMSNorm when `cfg.qk_norm`)."""
 
     def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32"):
-        self.cfg = cfg
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, k, v = (init_kernel(rngs, (h, n * hd)) for n in (nh, nkv, nkv))  # as separate Linears
         bias = None

@@ -116,7 +116,7 @@ def _xp(x: Any) -> Any:
 def fuse_qkv(q: Any, k: Any, v: Any, kv_heads: int) -> Any:
     """q [..., heads * hd], k and v [..., kv_heads * hd] (kernels [in, out] or biases [out]) ->
     [..., kv_heads, q_per_kv + 2, hd]: kv group j holds its q heads j * q_per_kv + i (i < q_per_kv,
-    the heads that attend to it), then its key, then its value. numpy in, numpy out."""
+    the heads that attend to it), then its key, then its value. numpy or jax arrays, either way."""
     lead, hd = q.shape[:-1], k.shape[-1] // kv_heads
     parts = [q.reshape(*lead, kv_heads, -1, hd), k.reshape(*lead, kv_heads, 1, hd),
              v.reshape(*lead, kv_heads, 1, hd)]
