@@ -152,8 +152,8 @@ class CausalLM(nnx.Module):
         B: rows [0:B] take part (or the slots `rows_b` [B], distinct; an id >= slots marks a padding row
         whose writes are dropped) and the others are untouched. `kv_len` (static) limits attention
         to cache rows [0:kv_len] (writes still go to the whole cache; the caller guarantees
-        lengths + T <= kv_len for every row). `logits` is "all", "last" (at the last valid token of
-        each row) or "none".
+        lengths + T <= kv_len for every row whose outputs it uses). `logits` is "all", "last" (at
+        the last valid token of each row) or "none".
         """
         cfg = self.config
         b, t = tokens_bt.shape
@@ -192,7 +192,7 @@ class CausalLM(nnx.Module):
                 raise ValueError("kv_len needs a cache")
             return LayerInputs(cos, sin, kvc.causal_mask(t, valid_b), None, None, None)
         if kv_len is not None and not 0 < kv_len <= cache.max_len:
-            raise ValueError(f"kv_len must be in [1, max_len={cache.max_len}], got {kv_len}")
+            raise ValueError(f"kv_len {kv_len} outside [1, cache max_len {cache.max_len}]")
         # rows [0:B] (or rows_b) of a cache with >= B slots take part
         lengths = cache.lengths[:b] if rows_b is None else jnp.take(cache.lengths, rows_b, mode="clip")
         mask = kvc.cached_mask(lengths, t, cache.max_len if kv_len is None else kv_len)
