@@ -2,11 +2,16 @@
 
     python -m bench.round_ops                       # Qwen3-4B and SmolLM2 shapes, 8 slots
     python -m bench.round_ops --presets tiny --slots 2 --variants plain
+    python -m bench.round_ops --families draft verify --draft-vocab 0 32768 --suffix q --slots 128
 
 For each shape, the runner itself (decoding/runner.py, built with `allocate=False`: models from
 `nnx.eval_shape`, state as ShapeDtypeStructs) lowers each round family (lite, draft, verify, fused)
 for a slots bucket and each sampling variant (greedy, plain, filtered: see specjax/sampling.py) from
-its own argument layout, so what is counted is what the engine compiles.
+its own argument layout, so what is counted is what the engine compiles. `--draft-vocab N ...` measures
+drafters with a draft vocabulary of each N tokens (0 = none; q travels from draft to verify over N
+columns); `--max-logprobs K` builds the runner with log-probabilities and adds each round family's
+program with them on (the widest variant's, as the engine compiles it). `--suffix S` writes the
+result as round_ops_S (a subsection of this benchmark's section) instead of round_ops.
 XLA then compiles it for this machine's backend and the benchmark reads the optimised HLO: the
 top-level ops of the entry computation (parameters, constants, tuples, get-tuple-element and bitcasts
 not counted) per decoder layer, the number of `conditional` and `while` ops anywhere in the program,
@@ -27,7 +32,7 @@ _OP_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 # JAX lowers the threefry PRNG as a rolled loop on CPU only (unrolled, or one kernel, on GPU and TPU)
 _PRNG_SCOPES = ("threefry", "_uniform", "random_bits")
-FAMILY_ORDER = ("lite", "draft", "verify", "fused")
+FAMILY_ORDER = ("lite", "draft", "verify", "fused", "fused_fill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +103,10 @@ def _nbytes(tree: Any) -> int:
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def abstract_runner(shape: Shape, slots: int, max_len: int) -> Any:
-    """The runner of an engine with this target and drafter shape, its state abstract (no memory)."""
+def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0, max_logprobs: int = 0) -> Any:
+    """The runner of an engine with this target and drafter shape (a draft vocabulary of
+    `draft_vocab` tokens, 0 = none), its state abstract (no memory)."""
+    import numpy as np
     from flax import nnx
 
     from specjax.config import TargetConfig
@@ -113,36 +120,44 @@ def abstract_runner(shape: Shape, slots: int, max_len: int) -> Any:
         target = CausalLM(cfg, rngs=nnx.Rngs(0), dtype=shape.dtype, param_dtype=shape.dtype)
         dcfg = BlockDrafterConfig.from_target(cfg, target_layer_ids=shape.taps, mask_token_id=cfg.vocab_size - 1,
                                               num_draft_layers=shape.draft_layers, block_size=shape.gamma,
-                                              markov_rank=shape.markov_rank, confidence_head=True)
+                                              markov_rank=shape.markov_rank, confidence_head=True,
+                                              draft_vocab_size=draft_vocab)
         return target, make_block_drafter(target, cfg, dcfg, nnx.Rngs(1), dtype=shape.dtype,
-                                          param_dtype=shape.dtype)
+                                          param_dtype=shape.dtype,
+                                          draft_ids=np.arange(draft_vocab) if draft_vocab else None)
     target, drafter = nnx.eval_shape(build)
     return Runner(target, drafter, slots=slots, max_len=max_len, gamma=shape.gamma, stop_ids=(0,),
-                  verifier=verify_chain, cache_dtype=shape.dtype, allocate=False)
+                  verifier=verify_chain, cache_dtype=shape.dtype, max_logprobs=max_logprobs, allocate=False)
 
 
-def bucket_key(runner: Any, family: str, slots: int, variant: str) -> tuple[Any, ...]:
+def bucket_key(runner: Any, family: str, slots: int, variant: str, logprobs: bool = False) -> tuple[Any, ...]:
     """A round family's bucket key at `slots` rows (verify and fused with every draft verified)."""
-    if family == "draft":
-        return (slots, variant)
-    return (slots, runner.max_len, variant) if family == "lite" else (slots, runner.gamma + 1, runner.max_len, variant)
+    from specjax.decoding.runner import bucket_key as key
+    return key(family, rows=slots, tokens=runner.gamma + 1, logprobs=logprobs, attn=runner.max_len, variant=variant)
 
 
 def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FAMILY_ORDER,
-            variants: Sequence[str] = ("greedy", "plain", "filtered")) -> list[dict[str, Any]]:
-    """One row per family and variant: HLO counts, bytes accessed per call and the bytes it is
+            variants: Sequence[str] = ("greedy", "plain", "filtered"), draft_vocab: int = 0,
+            max_logprobs: int = 0) -> list[dict[str, Any]]:
+    """One row per family and variant (and, with max_logprobs > 0, per round family in the widest
+    variant with log-probabilities on): HLO counts, bytes accessed per call and the bytes it is
     measured against."""
-    runner = abstract_runner(shape, slots, max_len)
+    from specjax.decoding.runner import FAMILIES
+    runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs)
     layers = shape.target["num_hidden_layers"]
     t_bytes, d_bytes = _nbytes(runner.t_params), _nbytes(runner.d_params)
     kv_bytes = _nbytes(runner.cache)
     rows = []
     for family in families:
         weights = d_bytes if family == "draft" else t_bytes + (0 if family == "lite" else d_bytes)
-        for variant in variants:
-            key = bucket_key(runner, family, slots, variant)
+        combos = [(v, False) for v in variants]
+        if max_logprobs > 0 and "logprobs" in FAMILIES[family].bucket:
+            combos.append((variants[-1], True))
+        for variant, lp in combos:
+            key = bucket_key(runner, family, slots, variant, lp)
             rep = compiled_report(runner.lower(family, key))
-            rows.append({"family": family, "variant": variant, "bucket": list(key), "slots": slots, **rep,
+            rows.append({"family": family, "variant": variant + (" +logprobs" if lp else ""), "bucket": list(key),
+                         "slots": slots, "draft_vocab": draft_vocab, **rep,
                          "ops_per_layer": round(rep["top_level_ops"] / layers, 1), "weight_bytes": weights,
                          "kv_cache_bytes": kv_bytes, "bytes_over_weights": round(rep["bytes_accessed"] / weights, 3)})
     return rows
@@ -150,7 +165,8 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
 
 def _markdown(res: dict[str, Any]) -> str:
     from bench.common import md_table
-    lines = ["# Round programs: ops per layer, branches and bytes (compiled, abstract shapes)", "",
+    title = "Round programs: ops per layer, branches and bytes (compiled, abstract shapes)"
+    lines = [f"# {title}" + (f" — {res['suffix']}" if res.get("suffix") else ""), "",
              f"Command: `{res['command']}`", "",
              f"Backend `{res['backend']}`; max_len {res['max_len']}. Each row is one compiled program of the "
              "engine's runner at that slots bucket and sampling variant (verify and fused with gamma + 1 tokens per slot; `filtered` is the variant of a round in which some row uses top-k or top-p, its one conditional the exact fallback for a kept set past the top-k cap). `ops/layer` "
@@ -161,34 +177,40 @@ def _markdown(res: dict[str, Any]) -> str:
              "program reads. The KV column is the whole cache (every slot at max_len). Goals (issue #36): "
              "<= 12 ops per layer, 0 conditionals and 0 loops in a greedy or unfiltered round, bytes accessed "
              "<= 1.3x (weights + live KV) at 128 slots.", ""]
+    if any(res.get("draft_vocabs", [0])) or res.get("max_logprobs"):
+        lines += ["`draft vocab`: the drafter's draft vocabulary (0: the whole vocabulary; q travels from draft "
+                  f"to verify over its columns); `+logprobs`: the round with log-probabilities (top "
+                  f"{res.get('max_logprobs', 0)}) on.", ""]
     for name, rows in res["shapes"].items():
         lines += [f"## {name} ({rows[0]['layers']} layers, {rows[0]['dtype']})", ""]
         lines.append(md_table(
-            ["program", "sampling", "slots", "top-level ops", "ops/layer", "cond", "while", "PRNG while",
+            ["program", "sampling", "slots", "draft vocab", "top-level ops", "ops/layer", "cond", "while", "PRNG while",
              "bytes accessed (MB)",
              "weights (MB)", "KV cache (MB)", "bytes/weights", "compile (s)"],
-            [[r["family"], r["variant"], r["slots"], r["top_level_ops"], r["ops_per_layer"], r["conditionals"], r["whiles"], r["prng_whiles"],
+            [[r["family"], r["variant"], r["slots"], r.get("draft_vocab", 0), r["top_level_ops"], r["ops_per_layer"], r["conditionals"], r["whiles"], r["prng_whiles"],
               f"{r['bytes_accessed'] / 1e6:.1f}", f"{r['weight_bytes'] / 1e6:.1f}",
               f"{r['kv_cache_bytes'] / 1e6:.1f}", r["bytes_over_weights"], r["compile_s"]] for r in rows],
-            align="ll" + "r" * 11))
+            align="ll" + "r" * 12))
     return "\n".join(lines)
 
 
 def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
-        families: Sequence[str] = FAMILY_ORDER, variants: Sequence[str] = ("greedy", "plain", "filtered")
-        ) -> dict[str, Any]:
+        families: Sequence[str] = FAMILY_ORDER, variants: Sequence[str] = ("greedy", "plain", "filtered"),
+        draft_vocabs: Sequence[int] = (0,), max_logprobs: int = 0) -> dict[str, Any]:
     import jax
 
     from bench.common import log, machine_info
     shapes = presets()
     res: dict[str, Any] = {"command": command, "backend": jax.default_backend(), "max_len": max_len,
-                           "machine": machine_info(), "shapes": {}}
+                           "draft_vocabs": list(draft_vocabs), "max_logprobs": max_logprobs, "machine": machine_info(),
+                           "shapes": {}}
     for name in names:
         rows = []
         for s in slots:
-            log(f"{name}: compiling {', '.join(families)} x {', '.join(variants)} at {s} slot(s)")
-            for r in measure(shapes[name], s, max_len, families, variants):
-                rows.append({**r, "layers": shapes[name].target["num_hidden_layers"], "dtype": shapes[name].dtype})
+            for n in draft_vocabs:
+                log(f"{name}: compiling {', '.join(families)} x {', '.join(variants)} at {s} slot(s), draft vocab {n}")
+                for r in measure(shapes[name], s, max_len, families, variants, n, max_logprobs):
+                    rows.append({**r, "layers": shapes[name].target["num_hidden_layers"], "dtype": shapes[name].dtype})
         res["shapes"][name] = rows
     return res
 
@@ -200,17 +222,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--slots", nargs="+", type=int, default=[8])
     ap.add_argument("--variants", nargs="+", default=["greedy", "plain", "filtered"],
                     choices=["greedy", "plain", "filtered"])
+    ap.add_argument("--families", nargs="+", default=list(FAMILY_ORDER), choices=FAMILY_ORDER)
+    ap.add_argument("--draft-vocab", nargs="+", type=int, default=[0], help="draft vocabulary sizes (0 = none)")
+    ap.add_argument("--suffix", default="", help="write the result as round_ops_SUFFIX")
+    ap.add_argument("--max-logprobs", type=int, default=0, help="> 0: also the round programs with log-probabilities")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
     ap.add_argument("--docs", default="docs/BENCHMARKS.md", help="section rewritten in this page ('' = none)")
     args = ap.parse_args(argv)
     res = run(args.presets, args.slots, args.max_len, command_line("bench.round_ops", argv),
-              variants=args.variants)
-    for p in write_results("round_ops", res, _markdown(res), out_dir=args.out_dir):
+              families=args.families, variants=args.variants, draft_vocabs=args.draft_vocab,
+              max_logprobs=args.max_logprobs)
+    res["suffix"] = args.suffix
+    name = "round_ops" + (f"_{args.suffix}" if args.suffix else "")
+    for p in write_results(name, res, _markdown(res), out_dir=args.out_dir):
         print(p)
     if args.docs:
         from bench import run_all
-        run_all.write_section("round_ops", results_dir=args.out_dir, docs_path=args.docs)
+        run_all.write_section(name, results_dir=args.out_dir, docs_path=args.docs)
 
 
 if __name__ == "__main__":

@@ -260,3 +260,25 @@ def test_async_drafts_again_when_drafting_pays(model):
     reqs = [EngineRequest(str(i), PROMPT, max_tokens=8, temperature=1.0, seed=i) for i in range(10)]
     eng.run(reqs, progress=False)
     assert set(kinds) == {"draft"}
+
+
+def test_async_drafting_round_is_one_call_and_greedy_equals_plain(model):
+    """The async policy drafts, fills its lengths from the fresh confidences and verifies in one
+    executable call (fused_fill); greedy output is the plain engine's."""
+    eng = one_slot_async_engine(model, {1: 5.0})  # drafting always pays: every round drafts
+    calls, rounds = [], []
+    run = eng.runner.run
+    eng.runner.run = lambda family, key, **kw: (calls.append(family), run(family, key, **kw))[1]
+    eng.on_round = lambda info: (rounds.append((info["kind"], [f for f in calls if f != "prefill"])), calls.clear())
+    reqs = [EngineRequest(str(i), p, max_tokens=8, temperature=0.0) for i, p in enumerate([PROMPT, [3, 4], [7]])]
+    eng.run(reqs, progress=False)
+    assert rounds and all(kind == "draft" and fams == ["fused_fill"] for kind, fams in rounds), rounds
+    plain = Engine(model, None, EngineConfig(max_slots=1, max_len=12, policy="plain", slots_buckets=(1,),
+                                             prefill_buckets=(4,), max_prefill=4, prefill_batch_buckets=(1,)),
+                   progress=False)
+    plain.warmup()
+    ref = [EngineRequest(r.request_id, r.prompt_ids, max_tokens=8, temperature=0.0) for r in reqs]
+    plain.run(ref, progress=False)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+    exes = eng.runner.exes
+    assert not exes["draft"].keys and not exes["verify"].keys and exes["fused_fill"].keys  # no two-call path

@@ -105,6 +105,42 @@ def test_logprobs_are_opt_in_and_bounded(engines):
     assert all(r.output_logprobs == [] for r in reqs)
     with pytest.raises(ValueError, match="logprobs must be in"):
         engs["spec"].add_request(EngineRequest(request_id="x", prompt_ids=[5], max_tokens=2, logprobs=K + 1))
+    bare = Engine(engines[0], None, EngineConfig(max_slots=1, max_len=16), progress=False)  # max_logprobs 0
+    with pytest.raises(ValueError, match="max_logprobs = 0"):  # refused at admission, not a failure mid-round
+        bare.add_request(EngineRequest(request_id="y", prompt_ids=[5], max_tokens=2, logprobs=0))
+
+
+def test_rounds_compute_logprobs_only_when_a_row_asks(engines):
+    """`logprobs` is a static field of a round's bucket key: a round where no row asked runs the lean
+    program (no log-softmax, no top-N outputs) in its narrowest variant; a round with such a row runs
+    the widest compiled variant, the only one compiled with log-probabilities (same tokens)."""
+    from specjax.decoding.runner import FAMILIES
+    from specjax.sampling import VARIANTS
+    _, engs = engines
+    eng = engs["spec"]
+    fused = FAMILIES["fused"].bucket
+    idx = [fused.index(name) for name in ("tokens", "logprobs", "variant")]
+    assert {tuple(k[i] for i in idx) for f, k in eng.warm_keys() if f == "fused"} == (
+        {(t, False, v) for t in (1, 4) for v in VARIANTS} | {(t, True, "filtered") for t in (1, 4)})
+    warmed, seen, run = eng.compile_counts(), [], eng.runner.run
+
+    def spy(family, k, **kw):
+        out = run(family, k, **kw)
+        if family != "prefill":
+            seen.append((k[fused.index("logprobs")], k[fused.index("variant")], "logprob" in out))
+        return out
+    eng.runner.run = spy
+    try:
+        lean = eng.run([EngineRequest(request_id="a", prompt_ids=PROMPTS[0], max_tokens=8, temperature=0.0)])
+        assert seen and set(seen) == {(False, "greedy", False)}, seen
+        seen.clear()
+        asked = eng.run([EngineRequest(request_id="b", prompt_ids=PROMPTS[0], max_tokens=8, temperature=0.0,
+                                       logprobs=2)])
+        assert seen and set(seen) == {(True, "filtered", True)}, seen
+    finally:
+        eng.runner.run = run
+    assert asked[0].output_ids == lean[0].output_ids and len(asked[0].output_logprobs) == 8
+    assert eng.compile_counts() == warmed  # both kinds of round were compiled at warm-up
 
 
 @pytest.mark.parametrize("kind", ["plain", "spec"])

@@ -279,10 +279,13 @@ def test_enumeration_detects_a_wrong_residual() -> None:
 V_MC, G_MC, MC_ANCHOR = 6, 3, 1
 
 
-@functools.partial(jax.jit, static_argnames=("rounds",))
+@functools.partial(jax.jit, static_argnames=("rounds", "q_seen"))
 def _generate(base_keys_b: jax.Array, tp_vv: jax.Array, dq_gvv: jax.Array, ell_offset_b: jax.Array,
-              q_scale: jax.Array, stop_e: jax.Array, rounds: int = 3):
+              q_scale: jax.Array, stop_e: jax.Array, rounds: int = 3, q_ids_n: jax.Array | None = None,
+              verify_ids_n: jax.Array | None = None, q_seen=None):
     """Rows generate with chain drafts; tp_vv[prev] = target probs, dq_gvv[k, prev] = draft probs.
+    The verifier gets q * q_scale, through `q_seen` (a transform the drafts were not sampled from),
+    in the columns `q_ids_n` (None: all), told that they are `verify_ids_n`.
 
     Returns (tokens [B, rounds*(G+1)], lengths [B], (num_accepted [rounds, B], ell [rounds, B])).
     """
@@ -302,7 +305,9 @@ def _generate(base_keys_b: jax.Array, tp_vv: jax.Array, dq_gvv: jax.Array, ell_o
         draft = jnp.stack(xs, 1)
         p = jnp.stack([tp_vv[last]] + [tp_vv[x] for x in xs], 1)
         ell = (ell_offset_b + r) % (g + 1)
-        res = verify_chain(kv, p, jnp.stack(qs, 1) * q_scale, draft, ell, stop_e)
+        q = jnp.stack(qs, 1) * q_scale
+        q = q if q_seen is None else q_seen(q)
+        res = verify_chain(kv, p, q if q_ids_n is None else q[..., q_ids_n], draft, ell, stop_e, verify_ids_n)
         buf = jax.vmap(lambda row, t, o: jax.lax.dynamic_update_slice(row, t, (o,)))(
             buf, res.tokens, length)
         last = jnp.take_along_axis(res.tokens, (res.num_emitted - 1)[:, None], axis=1)[:, 0]
@@ -358,6 +363,50 @@ def test_monte_carlo_chi_square_and_biased_verifier_fails() -> None:
     buf_bad, _, _ = _generate(keys, tp, dq, ell_offset, jnp.float32(0.5), EMPTY_STOPS)
     p_bad = _chi2_pvalue(np.asarray(buf_bad[:, :3]), tp)
     assert p_bad < 1e-3, p_bad
+
+
+DRAFT_IDS_MC = jnp.asarray([0, 2, 3, 5], jnp.int32)  # a draft vocabulary of 4 of the 6 tokens
+
+
+def _power_of_two(q: jax.Array) -> jax.Array:
+    """q rounded down to a power of two: a rounded q the drafts were not sampled from."""
+    return jnp.where(q > 0, jnp.exp2(jnp.floor(jnp.log2(jnp.where(q > 0, q, 1.0)))), 0.0)
+
+
+def test_q_over_a_draft_vocabulary_verifies_exactly_and_wrong_columns_or_rounding_fail() -> None:
+    """q carried over the draft vocabulary's columns (what the engine moves from draft to verify)
+    gives the same outcome as the scattered q and passes the chi-square test; q read at the wrong
+    tokens (a column map off by one) and a rounded q the drafts were not drawn from both fail it.
+    q stays float32 (decoding/verify.py): rounding it without sampling from the rounded q is the
+    second negative control."""
+    b = 20_000
+    tp, dq = _mc_tables(dict(temperature=0.8, top_k=5))
+    inside = jnp.zeros((V_MC,), bool).at[DRAFT_IDS_MC].set(True)
+    dq = jnp.where(inside, dq, 0.0)
+    dq = dq / dq.sum(-1, keepdims=True)  # drafts only ever propose the draft vocabulary
+    keys = keys_for_batch(range(b))
+    ell_offset = jnp.arange(b, dtype=jnp.int32) % (G_MC + 1)
+    one = jnp.float32(1.0)
+    full = _generate(keys, tp, dq, ell_offset, one, EMPTY_STOPS)
+    sub = _generate(keys, tp, dq, ell_offset, one, EMPTY_STOPS, q_ids_n=DRAFT_IDS_MC, verify_ids_n=DRAFT_IDS_MC)
+    np.testing.assert_array_equal(np.asarray(sub[0]), np.asarray(full[0]))  # the same outcome, row by row
+    assert _chi2_pvalue(np.asarray(sub[0][:, :3]), tp) > 1e-3
+    wrong = _generate(keys, tp, dq, ell_offset, one, EMPTY_STOPS, q_ids_n=DRAFT_IDS_MC,
+                      verify_ids_n=jnp.roll(DRAFT_IDS_MC, 1))
+    assert _chi2_pvalue(np.asarray(wrong[0][:, :3]), tp) < 1e-3
+    rounded = _generate(keys, tp, dq, ell_offset, one, EMPTY_STOPS, q_seen=_power_of_two)
+    assert _chi2_pvalue(np.asarray(rounded[0][:, :3]), tp) < 1e-3
+
+
+def test_verify_chain_rejects_bad_column_ids() -> None:
+    keys = keys_for_batch([0, 1])
+    p = jnp.full((2, 3, 4), 0.25)
+    with pytest.raises(ValueError, match="q_ids_n"):
+        verify_chain(keys, p, jnp.full((2, 2, 2), 0.5), jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32),
+                     EMPTY_STOPS, jnp.zeros((1, 2), jnp.int32))
+    with pytest.raises(ValueError, match="q_bgn"):
+        verify_chain(keys, p, jnp.full((2, 2, 3), 0.5), jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32),
+                     EMPTY_STOPS, jnp.asarray([0, 2], jnp.int32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,7 +517,7 @@ def test_no_drafts_is_plain_sampling_from_p0() -> None:
 def test_verify_chain_shape_errors() -> None:
     keys = keys_for_batch([0, 1])
     p = jnp.full((2, 3, 4), 0.25)
-    with pytest.raises(ValueError, match="q_bgv"):
+    with pytest.raises(ValueError, match="q_bgn"):
         verify_chain(keys, p, jnp.full((2, 3, 4), 0.25), jnp.zeros((2, 2), jnp.int32),
                      jnp.zeros(2, jnp.int32), EMPTY_STOPS)
     with pytest.raises(ValueError, match="draft_bg"):

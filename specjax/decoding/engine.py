@@ -19,7 +19,7 @@ from flax import nnx
 
 from specjax.decoding import buckets as bk
 from specjax.decoding.requests import EngineRequest, token_logprobs
-from specjax.decoding.runner import Runner
+from specjax.decoding.runner import Runner, bucket_key
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.models.decoder import CausalLM
 from specjax.sampling import DEFAULT_TOP_K_CAP, VARIANTS, covering_variant
@@ -169,7 +169,9 @@ class Engine:
     # ------------------------------------------------------------------ warm-up
     def warm_keys(self) -> list[tuple[str, tuple[Any, ...]]]:
         """Every (family, bucket) this engine may execute under its policy: round buckets once per
-        configured sampling variant (the variant is the key's last field)."""
+        configured sampling variant without log-probabilities, and (max_logprobs > 0) once more in
+        the widest variant with them: a round with a row asking for log-probabilities runs that
+        variant, which covers every row (see `_round_fields`); each at every attention bucket."""
         attention, plens = self.buckets.attention, self.buckets.prefill
         # a prefill chunk of bucket p is longer than the bucket below (prev): it needs > prev rows
         keys: list[tuple[str, tuple[Any, ...]]] = [("prefill", (pb, p, a)) for pb in self.prefill_batches
@@ -178,18 +180,21 @@ class Engine:
         if self.cfg.max_logprobs > 0:  # echo's prompt log-likelihoods, one prompt per call
             keys += [("score", (1, p)) for p in self.buckets.prefill]
         tokens = self.buckets.tokens
-        for variant in self.cfg.sampling_variants:
+        combos = [(v, False) for v in self.cfg.sampling_variants]
+        if self.cfg.max_logprobs > 0:
+            combos.append((self.cfg.sampling_variants[-1], True))
+        for variant, lp in combos:
             for sb in self.buckets.slots:
                 for family, max_ell in self.planner.families.items():
-                    if family == "draft":  # the drafter's own state: no attention bucket
-                        keys.append((family, (sb, variant)))
-                    elif max_ell is None:
-                        keys += [(family, (sb, a, variant)) for a in attention]
-                    else:  # verify: every tokens bucket, which the cost table measures
-                        tbs = set(tokens) if family == "verify" else (
-                            {1, bk.pick(tokens, max_ell + 1)} | {t for t in tokens if t <= max_ell + 1})
-                        keys += [(family, (sb, tb, a, variant)) for tb in sorted(tbs) for a in attention]
-        return keys
+                    if max_ell is None:
+                        tbs = [1]  # no tokens field
+                    elif family in ("verify", "fused_fill"):  # every tokens bucket: the cost table measures them all
+                        tbs = list(tokens)
+                    else:
+                        tbs = sorted({1, bk.pick(tokens, max_ell + 1)} | {t for t in tokens if t <= max_ell + 1})
+                    keys += [(family, bucket_key(family, rows=sb, tokens=tb, logprobs=lp, attn=a, variant=variant))
+                             for tb in tbs for a in attention]
+        return list(dict.fromkeys(keys))  # draft has no logprobs or attention field: each key once
 
     def round_variant(self, temperature: Any, top_k: Any, top_p: Any) -> str:
         """The narrowest compiled sampling variant exact for these rows (see `sampling.covering_variant`)."""
@@ -231,6 +236,9 @@ class Engine:
             raise ValueError(f"request {req.request_id}: top_k {req.top_k} exceeds the engine's top_k_cap "
                              f"{self.cfg.top_k_cap}")
         self.round_variant(req.temperature, req.top_k, req.top_p)  # refuses a variant not compiled
+        if req.logprobs is not None and self.cfg.max_logprobs == 0:
+            raise ValueError(f"request {req.request_id}: logprobs asked of an engine built without them "
+                             f"(EngineConfig.max_logprobs = 0)")
         if req.logprobs is not None and not 0 <= req.logprobs <= self.cfg.max_logprobs:
             raise ValueError(f"request {req.request_id}: logprobs must be in [0, {self.cfg.max_logprobs}] "
                              f"(the engine's max_logprobs), got {req.logprobs}")
@@ -384,29 +392,34 @@ class Engine:
             caps[i] = max(cap, 0)
         return ints, floats, caps
 
+    def _round_fields(self, active_b: np.ndarray, ints: np.ndarray, floats: np.ndarray) -> dict[str, Any]:
+        """The bucket key fields a round's rows [0:sb] fix: rows, logprobs (a row asked for them: the
+        widest compiled variant, the only one compiled with them) and the sampling variant."""
+        lp = self.cfg.max_logprobs > 0 and any(r is not None and r.logprobs is not None
+                                               for r in self.slot_req[:active_b.shape[0]])
+        variant = (self.cfg.sampling_variants[-1] if lp else
+                   self.round_variant(floats[0, active_b], ints[3, active_b], floats[1, active_b]))
+        return dict(rows=active_b.shape[0], logprobs=lp, variant=variant)
+
     def _execute(self, plan: RoundPlan, ints: np.ndarray, floats: np.ndarray,
                  keys: np.ndarray) -> tuple[np.ndarray, int, int, np.ndarray | None, dict[str, np.ndarray]]:
         """Run a planned round. Returns (ell int64 [sb], tokens bucket, attention bucket, confidences
         [sb, gamma] or None after a lite round, the round's outputs on the host)."""
         sb, ell, conf = plan.active_b.shape[0], plan.ell_b, None
-        act = plan.active_b
-        variant = self.round_variant(floats[0, act], ints[3, act], floats[1, act])
+        fields = self._round_fields(plan.active_b, ints, floats)
         rows = dict(floats_2b=floats, keys_b2=keys)
-        if plan.program == "verify":
-            draft, q, conf_dev = self.runner.run("draft", (sb, variant), ints_4b=ints, **rows)
-            conf_dev.copy_to_host_async()  # confidences travel to the host while the device works on
-            if plan.fill == "host":
-                conf = np.asarray(conf_dev)
-                ell = self.planner.host_lengths(plan, conf)
-            rows.update(draft_bg=draft, q_bgv=q, conf_bg=conf_dev,
-                        ctrl_2=np.array([plan.k_total, int(plan.fill == "device")], np.int32))
+        if plan.program == "verify":  # a host fill: this round's confidences choose the lengths
+            draft, q, conf_dev = self.runner.run("draft", bucket_key("draft", **fields), ints_4b=ints, **rows)
+            conf = np.asarray(conf_dev)
+            ell = self.planner.host_lengths(plan, conf)
+            rows.update(draft_bg=draft, q_bgn=q)
+        elif plan.program == "fused_fill":  # a device fill: lengths bounded by ell, chosen inside the call
+            rows["k_total_1"] = np.array([plan.k_total], np.int32)
         tb = 1 if plan.program == "lite" else bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
         ints[0] = ell
-        attn = self._attention_bucket(int(self.lengths[:sb][act].max()) + tb)
-        key = (sb, attn, variant) if plan.program == "lite" else (sb, tb, attn, variant)
-        outs = self.runner.run(plan.program, key, ints_4b=ints, **rows)
-        if plan.program == "verify" and conf is None:
-            conf = np.asarray(conf_dev)
+        attn = self._attention_bucket(int(self.lengths[:sb][plan.active_b].max()) + tb)
+        outs = self.runner.run(plan.program, bucket_key(plan.program, tokens=tb, attn=attn, **fields), ints_4b=ints,
+                               **rows)
         outs = jax.device_get(outs)
         if "ell" in outs:
             ell = np.asarray(outs["ell"], np.int64)

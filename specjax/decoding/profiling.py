@@ -1,8 +1,9 @@
 """Measure a cost table on the running engine: seconds per round for every executed bucket.
 
-A round of the host-scheduled policies is one draft call plus one verify call of the bucket
-(slots bucket, tokens-per-slot bucket); both are timed together on the engine's real state with every
-row idle (idle rows commit nothing, so the measurement leaves the engine's state as it was).
+A drafting round of the host-scheduled policies is one draft call plus one verify call of the bucket
+(slots bucket, tokens-per-slot bucket), timed together; the async policy's is one fused_fill call.
+Both run on the engine's real state with every row idle (idle rows commit nothing, so the
+measurement leaves the engine's state as it was).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import jax
 import numpy as np
 
+from specjax.decoding.runner import bucket_key
 from specjax.scheduling import CostTable
 
 
@@ -26,7 +28,8 @@ def monotone(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, int], flo
 
 
 def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: bool = True) -> CostTable:
-    """Median seconds of draft + verify for each (slots, tokens) bucket of `engine`, made monotone."""
+    """Median seconds of a drafting round (draft + verify, or fused_fill under the async policy) for
+    each (slots, tokens) bucket of `engine`, made monotone."""
     from tqdm.auto import tqdm
     if engine.drafter is None:
         raise ValueError("a cost table needs a drafter: plain decoding has no verification lengths to choose")
@@ -37,18 +40,21 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
     run = engine.runner.run
     variant = engine.cfg.sampling_variants[-1]  # the widest compiled: bounds every variant's cost
     attn = engine.buckets.attention[-1]  # the whole cache: bounds every live length's cost
+    k_total = engine.runner.put(np.zeros((1,), np.int32))
     for sb, tb in tqdm(keys, desc="profiling buckets", disable=not progress, leave=False):
         ints = np.zeros((4, sb), np.int32)  # ell, active (all idle), counter, top_k
         ints[0] = tb - 1
         rows = {k: engine.runner.put(v) for k, v in  # copied in once, outside the timed calls
                 dict(ints_4b=ints, floats_2b=np.ones((2, sb), np.float32), keys_b2=np.zeros((sb, 2), np.uint32)).items()}
-        ctrl = engine.runner.put(np.zeros((2,), np.int32))
+        fields = dict(rows=sb, tokens=tb, logprobs=False, attn=attn, variant=variant)
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
-            draft, q, conf = run("draft", (sb, variant), **rows)
-            outs = run("verify", (sb, tb, attn, variant), draft_bg=draft, q_bgv=q, conf_bg=conf, ctrl_2=ctrl,
-                       **rows)
+            if engine.planner.mode == "device":
+                outs = run("fused_fill", bucket_key("fused_fill", **fields), k_total_1=k_total, **rows)
+            else:
+                draft, q, _ = run("draft", bucket_key("draft", **fields), **rows)
+                outs = run("verify", bucket_key("verify", **fields), draft_bg=draft, q_bgn=q, **rows)
             jax.block_until_ready(outs)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
@@ -64,11 +70,12 @@ def measure_plain_seconds(engine, *, repeats: int = 7, warmup: int = 2) -> dict[
         rows = {k: engine.runner.put(v) for k, v in  # all rows idle; copied in once
                 dict(ints_4b=np.zeros((4, sb), np.int32), floats_2b=np.ones((2, sb), np.float32),
                      keys_b2=np.zeros((sb, 2), np.uint32)).items()}
+        key = bucket_key("lite", rows=sb, logprobs=False, attn=engine.buckets.attention[-1],  # as the cost table
+                         variant=engine.cfg.sampling_variants[-1])
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
-            outs = engine.runner.run("lite", (sb, engine.buckets.attention[-1], engine.cfg.sampling_variants[-1]),
-                                     **rows)  # as the cost table
+            outs = engine.runner.run("lite", key, **rows)
             jax.block_until_ready(outs)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)

@@ -1,21 +1,25 @@
 """The pure device functions the runner compiles, one per executable family (see runner.FAMILIES).
 
 Each takes a `Context` (the static parts: module graphs, tap layers, gamma, the verifier, state
-shardings) and arrays only; the tokens-per-slot bucket of a round arrives as the static `tokens` and
+shardings) and arrays only; the tokens-per-slot bucket of a round arrives as the static `tokens`,
 the round's sampling variant (sampling.VARIANTS, picked by the host from every row's parameters) as
-the static `variant`: no program branches on the rows' sampling parameters except the filtered
-variant's exact fallback (see sampling.probs_from_logits). Prefill samples in the filtered variant.
-The programs that run the target over its cache (prefill, lite, fused, verify) attend to its rows
-[0:attn] only: the static `attn`, an attention bucket the host picks to cover every participating
-row's length plus the tokens it writes (writes still reach the whole cache).
+the static `variant` and whether any row asked for log-probabilities as the static `logprobs` (a
+round without such a row computes no vocabulary-wide log-softmax or top-N): no program branches on
+the rows' sampling parameters except the filtered variant's exact fallback (see
+sampling.probs_from_logits). Prefill samples in the filtered variant.
+The programs that run the target over its cache (prefill, lite, fused, fused_fill, verify) attend to
+its rows [0:attn] only: the static `attn`, an attention bucket the host picks to cover every
+participating row's length plus the tokens it writes (writes still reach the whole cache).
 A round, for the rows [0:sb] of the slots:
-  draft   -> DraftBlock (tokens, q, confidence) for every row, from its anchor;
+  draft   -> tokens, q (float32, over the drafter's draft vocabulary when it has one: see
+             decoding/verify.py) and confidences for every row, from its anchor;
   verify  -> one target pass over [anchor, d_1..d_{tb-1}] (tb = tokens bucket >= 1 + max ell),
              exact chain rejection sampling, commit: cache lengths += accepted + 1, drafter context
              appended with the anchor and accepted drafts, new anchor = the corrected/bonus token.
 `score` (echo's prompt log-likelihoods) is a cache-free target pass that touches no state.
-`fused` is draft and verify in one call (lengths known before drafting); `lite` is a plain
-decoding step that taps nothing and leaves the drafter's context behind.
+`fused` is draft and verify in one call (lengths known before drafting); `fused_fill` is draft,
+the device-side choice of lengths from the fresh confidences and verify in one call (the async
+policy); `lite` is a plain decoding step that taps nothing and leaves the drafter's context behind.
 Per-round row inputs travel packed (one host->device copy each): rounds take ints_4b = (ell,
 active, counter, top_k), prefill takes ints_4b = (n_valid, slot, start, top_k); both take
 floats_2b = (temperature, top_p) and the rows' raw key data keys_b2.
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.decoding.verify import VerifyResult
-from specjax.drafters.base import ContextUpdate
+from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.sampling import DEFAULT_TOP_K_CAP, SamplingArrays, probs_from_logits, round_key, sample
 
 Array = jax.Array
@@ -111,11 +115,12 @@ def _taps_update(ctx: Context, out: Any, tokens: Array, positions: Array, n_vali
                          hidden=out.hidden if ctx.needs_hidden else None, n_valid=n_valid)
 
 
-def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv, ell_b, active_b,
-                   sa, keys_b, stop_ids, tb: int, attn: int, maintain: bool = True):
-    """Target pass over [anchor, drafts[:tb-1]], exact acceptance, commit. Returns new state + outputs.
-    With `maintain` False (a lite round) the target taps nothing and the drafter's context is left
-    behind: those rows may not draft again (see `RoundPlanner.fresh`)."""
+def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgn, ell_b, active_b,
+                   sa, keys_b, stop_ids, tb: int, attn: int, logprobs: bool, maintain: bool = True):
+    """Target pass over [anchor, drafts[:tb-1]], exact acceptance, commit. Returns new state + outputs
+    (with the emitted tokens' log-probabilities when `logprobs`). With `maintain` False (a lite
+    round) the target taps nothing and the drafter's context is left behind: those rows may not
+    draft again (see `RoundPlanner.fresh`)."""
     target = nnx.merge(ctx.t_graph, t_params)
     sb = ell_b.shape[0]
     anchor_b = anchors[:sb]
@@ -126,10 +131,11 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, dra
     out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=ctx.tap_layers if maintain else (),
                          logits="all", kv_len=attn)
     p = probs_from_logits(out.logits, sa)  # [sb, tb, V]
+    q_ids = None if tb == 1 else _q_ids(ctx, d_params)
     if tb == 1:  # plain decoding: no drafts; the chain rule reduces to sampling from the target
-        q_bgv = jnp.zeros((sb, 0, p.shape[-1]), jnp.float32)
+        q_bgn = jnp.zeros((sb, 0, p.shape[-1]), jnp.float32)
         draft_bg = jnp.zeros((sb, 0), jnp.int32)
-    res = ctx.verifier(keys_b, p, q_bgv[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_ids)
+    res = ctx.verifier(keys_b, p, q_bgn[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_ids, q_ids)
     n_commit = jnp.where(active_b, res.num_accepted + 1, 0)
     cache = out.cache.with_lengths(cache.lengths.at[:sb].set(start_b + n_commit))
     if ctx.d_graph is not None and maintain:
@@ -137,7 +143,9 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, dra
     new_anchor = jnp.where(active_b & (res.next_token >= 0), res.next_token, anchor_b)
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors.at[:sb].set(new_anchor))
     outs = {"tokens": res.tokens, "num_emitted": res.num_emitted, "num_accepted": res.num_accepted,
-            "stopped": res.stopped_on_draft, **_logprobs(ctx, out.logits, sa, res.tokens)}
+            "stopped": res.stopped_on_draft}
+    if logprobs:
+        outs.update(_logprobs(ctx, out.logits, sa, res.tokens))
     return cache, dstate, anchors, outs
 
 
@@ -145,7 +153,8 @@ def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array) ->
     """With `max_logprobs` K > 0: log-probabilities of `tokens` [B, T] and the top K alternatives under
     the target's distribution after the request's temperature, top-k and top-p (temperature 0 read
     as 1), at the positions that emitted them ({} when K = 0). Each position's distribution depends
-    only on the prefix, so speculation does not change the values."""
+    only on the prefix, so speculation does not change the values. Rounds call it only when their
+    static `logprobs` is set; prefill (one position per prompt) and score always do."""
     if ctx.max_logprobs == 0:
         return {}
     variant = "plain" if sa.variant == "greedy" else sa.variant  # greedy rounds set no filter
@@ -157,51 +166,81 @@ def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array) ->
     return {"logprob": tok, "top_logprob": top_lp, "top_id": top_id}
 
 
-def lite(ctx: Context, t_params, cache, anchors, ints_4b, floats_2b, keys_b2, stop_ids, *, attn: int, variant: str):
+def lite(ctx: Context, t_params, cache, anchors, ints_4b, floats_2b, keys_b2, stop_ids, *, logprobs: bool,
+         attn: int, variant: str):
     """A plain decoding step that leaves the drafter alone (no drafter arguments to pass either)."""
     ell_b, active_b, sa, _, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
     cache, _, anchors, outs = _verify_commit(ctx, t_params, None, cache, None, anchors, None, None, ell_b,
-                                             active_b, sa, kv, stop_ids, 1, attn, maintain=False)
+                                             active_b, sa, kv, stop_ids, 1, attn, logprobs, maintain=False)
     return cache, anchors, outs
 
 
 def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, ints_4b, floats_2b, keys_b2, stop_ids, *,
-          tokens: int, attn: int, variant: str):
+          tokens: int, logprobs: bool, attn: int, variant: str):
     """Draft and verify in one call; `tokens` = 1 (an upkeep round) drafts nothing."""
     ell_b, active_b, sa, kd, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
     sb = ell_b.shape[0]
     conf = jnp.zeros((sb, max(ctx.gamma, 1)), jnp.float32)
-    draft_bg, q_bgv = None, None
+    draft_bg, q_bgn = None, None
     if tokens > 1:
         block = ctx.drafter(d_params).propose(dstate, anchors[:sb], cache.lengths[:sb], sa, kd)
-        draft_bg, q_bgv = block.tokens, block.q
+        draft_bg, q_bgn = block.tokens, _carried_q(block)
         if block.confidence is not None:
             conf = ctx.gamma_columns(block.confidence)
-    cache, dstate, anchors, outs = _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv,
-                                                  ell_b, active_b, sa, kv, stop_ids, tokens, attn)
+    cache, dstate, anchors, outs = _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgn,
+                                                  ell_b, active_b, sa, kv, stop_ids, tokens, attn, logprobs)
     outs["confidence"] = conf
     return cache, dstate, anchors, outs
 
 
-def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, ints_4b, floats_2b, keys_b2, *, variant: str):
-    """Propose a block for every row: (tokens [sb, G], q [sb, G, V], gamma confidences [sb, gamma])."""
-    _, _, sa, kd, _ = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
-    sb = keys_b2.shape[0]
+def _carried_q(block: DraftBlock) -> Array:
+    """The q a block carries to verification: over the drafter's draft vocabulary when it has one
+    ([B, G, N], columns `_q_ids`), else over the whole vocabulary ([B, G, V])."""
+    return block.q if block.q_draft is None else block.q_draft
+
+
+def _q_ids(ctx: Context, d_params) -> Array | None:
+    """Target ids of the carried q's columns: the drafter's draft vocabulary, or None (all V)."""
+    vocab = getattr(ctx.drafter(d_params), "draft_vocab", None)
+    return None if vocab is None else vocab.d2t[...]
+
+
+def _propose(ctx: Context, d_params, dstate, anchors, cache_lengths, sa, kd, sb: int) -> tuple[Array, Array, Array]:
+    """A block for rows [0:sb]: (tokens [sb, G], carried q [sb, G, N], gamma confidences [sb, gamma];
+    all ones from a drafter without a confidence head)."""
     block = ctx.drafter(d_params).propose(dstate, anchors[:sb], cache_lengths[:sb], sa, kd)
     conf = block.confidence if block.confidence is not None else jnp.ones(block.tokens.shape, jnp.float32)
-    return block.tokens, block.q, ctx.gamma_columns(conf)
+    return block.tokens, _carried_q(block), ctx.gamma_columns(conf)
 
 
-def verify(ctx: Context, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv, conf_bg, ints_4b, floats_2b,
-           keys_b2, ctrl_2, stop_ids, *, tokens: int, attn: int, variant: str):
-    """Verify drafts; with ctrl = (K, 1), ell = top-K fill of the current survivals (a "device" fill)."""
+def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, ints_4b, floats_2b, keys_b2, *, variant: str):
+    """Propose a block for every row: (tokens [sb, G], q [sb, G, N] over the drafter's draft vocabulary
+    (N = V without one), gamma confidences [sb, gamma])."""
+    _, _, sa, kd, _ = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
+    return _propose(ctx, d_params, dstate, anchors, cache_lengths, sa, kd, keys_b2.shape[0])
+
+
+def verify(ctx: Context, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgn, ints_4b, floats_2b, keys_b2,
+           stop_ids, *, tokens: int, logprobs: bool, attn: int, variant: str):
+    """Verify a `draft` call's blocks, each row's first ell = ints_4b[0] drafts (chosen on the host)."""
     ell_b, active_b, sa, _, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
-    k_total, device_fill = ctrl_2[0], ctrl_2[1] > 0
-    filled = topk_prefix_fill(conf_bg, k_total, active_b & (ell_b > 0), tokens - 1)  # capped rows take none
-    ell = jnp.where(device_fill, jnp.minimum(filled, ell_b), ell_b)
-    cache, dstate, anchors, outs = _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgv,
-                                                  ell, active_b, sa, kv, stop_ids, tokens, attn)
-    outs["ell"] = jnp.where(active_b, jnp.minimum(ell, tokens - 1), 0)
+    return _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgn, ell_b, active_b, sa, kv,
+                          stop_ids, tokens, attn, logprobs)
+
+
+def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, ints_4b, floats_2b, keys_b2, k_total_1,
+               stop_ids, *, tokens: int, logprobs: bool, attn: int, variant: str):
+    """Draft, choose lengths and verify in one call (the async policy's drafting round): each row
+    verifies its share of the top-`k_total_1[0]` fill of this round's prefix survivals
+    (`topk_prefix_fill`), at most its bound ints_4b[0]. Outputs also hold the lengths (`ell`) and
+    the gamma confidences."""
+    ell_b, active_b, sa, kd, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
+    draft_bg, q_bgn, conf = _propose(ctx, d_params, dstate, anchors, cache.lengths, sa, kd, ell_b.shape[0])
+    filled = topk_prefix_fill(conf, k_total_1[0], active_b & (ell_b > 0), tokens - 1)  # capped rows take none
+    ell = jnp.where(active_b, jnp.minimum(filled, ell_b), 0)
+    cache, dstate, anchors, outs = _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgn,
+                                                  ell, active_b, sa, kv, stop_ids, tokens, attn, logprobs)
+    outs.update(ell=ell, confidence=conf)
     return cache, dstate, anchors, outs
 
 

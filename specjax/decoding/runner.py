@@ -34,46 +34,58 @@ class Family:
     fn: Callable[..., Any]  # fn(context, *args, **{f: size for f in static})
     args: tuple[str, ...]  # argument layout: names in STATE or INPUTS
     returns: tuple[str, ...]  # outputs in order; a name in STATE replaces that state
-    # bucket key fields: "rows" (slots or prompts), "tokens", "plen", "attn" (attended cache rows), "variant"
+    # bucket key fields: "rows" (slots or prompts), "tokens", "plen", "logprobs" (bool: a row of the
+    # round asked for log-probabilities), "attn" (attended cache rows), "variant" (sampling.VARIANTS)
     bucket: tuple[str, ...]
     donate: tuple[str, ...] = ()  # state arguments whose buffers the call may reuse
     static: tuple[str, ...] = ()  # bucket fields the function takes as static values (not in any shape)
 
 
 _STATE = ("cache", "dstate", "anchors")
+_ROUND = ("rows", "tokens", "logprobs", "attn", "variant")  # the bucket key of a round that verifies drafts
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("prefill", programs.prefill,
            ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_2b", "keys_b2"),
            (*_STATE, "first"), ("rows", "plen", "attn"), donate=_STATE, static=("attn",)),
     Family("lite", programs.lite,
            ("t_params", "cache", "anchors", "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
-           ("cache", "anchors", "outs"), ("rows", "attn", "variant"), donate=("cache", "anchors"),
-           static=("attn", "variant")),
+           ("cache", "anchors", "outs"), ("rows", "logprobs", "attn", "variant"), donate=("cache", "anchors"),
+           static=("logprobs", "attn", "variant")),
     Family("fused", programs.fused,
            ("t_params", "d_params", *_STATE, "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
-           (*_STATE, "outs"), ("rows", "tokens", "attn", "variant"), donate=_STATE,
-           static=("tokens", "attn", "variant")),
+           (*_STATE, "outs"), _ROUND, donate=_STATE, static=_ROUND[1:]),
     Family("draft", programs.draft,
            ("d_params", "dstate", "cache_lengths", "anchors", "ints_4b", "floats_2b", "keys_b2"),
-           ("draft_bg", "q_bgv", "conf_bg"), ("rows", "variant"), static=("variant",)),
+           ("draft_bg", "q_bgn", "conf_bg"), ("rows", "variant"), static=("variant",)),
     Family("verify", programs.verify,
-           ("t_params", "d_params", *_STATE, "draft_bg", "q_bgv", "conf_bg", "ints_4b", "floats_2b", "keys_b2",
-            "ctrl_2", "stop_ids"),
-           (*_STATE, "outs"), ("rows", "tokens", "attn", "variant"), donate=_STATE,
-           static=("tokens", "attn", "variant")),
+           ("t_params", "d_params", *_STATE, "draft_bg", "q_bgn", "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
+           (*_STATE, "outs"), _ROUND, donate=_STATE, static=_ROUND[1:]),
+    Family("fused_fill", programs.fused_fill,
+           ("t_params", "d_params", *_STATE, "ints_4b", "floats_2b", "keys_b2", "k_total_1", "stop_ids"),
+           (*_STATE, "outs"), _ROUND, donate=_STATE, static=_ROUND[1:]),
     Family("score", programs.score, ("t_params", "tokens_bt", "ints_4b", "floats_2b"), ("outs",), ("rows", "plen")),
 )}
+
+
+def bucket_key(family: str, **fields: Any) -> tuple[Any, ...]:
+    """`family`'s bucket key from named fields (fields it does not key on are ignored)."""
+    missing = [f for f in FAMILIES[family].bucket if f not in fields]
+    if missing:
+        raise TypeError(f"{family}'s bucket key needs fields {list(FAMILIES[family].bucket)}, missing {missing}")
+    return tuple(fields[f] for f in FAMILIES[family].bucket)
+
+
 STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "cache_lengths", "stop_ids")
-# per-call inputs: (shape, dtype) from the bucket sizes (+ "gamma" columns, "vocab")
+# per-call inputs: (shape, dtype) from the bucket sizes (+ "gamma" columns, "q_cols": the columns of
+# the q a draft carries to verify, the drafter's draft vocabulary or the target's)
 INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "ints_4b": lambda d: ((4, d["rows"]), jnp.int32),
     "floats_2b": lambda d: ((2, d["rows"]), jnp.float32),
     "keys_b2": lambda d: ((d["rows"], 2), jnp.uint32),
     "tokens_bt": lambda d: ((d["rows"], d["plen"]), jnp.int32),
     "draft_bg": lambda d: ((d["rows"], d["gamma"]), jnp.int32),
-    "q_bgv": lambda d: ((d["rows"], d["gamma"], d["vocab"]), jnp.float32),
-    "conf_bg": lambda d: ((d["rows"], d["gamma"]), jnp.float32),
-    "ctrl_2": lambda d: ((2,), jnp.int32),
+    "q_bgn": lambda d: ((d["rows"], d["gamma"], d["q_cols"]), jnp.float32),
+    "k_total_1": lambda d: ((1,), jnp.int32),
 }
 
 
@@ -135,7 +147,9 @@ class Runner:
                  allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
         # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops
-        self.mesh, self.gamma, self.max_len, self.vocab = mesh, gamma, max_len, target.config.vocab_size
+        self.mesh, self.gamma, self.max_len = mesh, gamma, max_len
+        vocab = getattr(drafter, "draft_vocab", None)  # q travels over it from draft to verify
+        self.q_cols = target.config.vocab_size if vocab is None else vocab.size
         make = (lambda f: f()) if allocate else jax.eval_shape
         t_graph, t_params = nnx.split(target)
         cache = make(lambda: target.init_cache(slots, max_len, dtype=cache_dtype))
@@ -224,7 +238,7 @@ class Runner:
         """Lower one bucket key from the family's argument layout (abstract state, INPUTS shapes);
         None when that key is compiled already."""
         fam = FAMILIES[family]
-        dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), vocab=self.vocab)
+        dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), q_cols=self.q_cols)
         sharding = None if self.mesh is None else shd.replicated(self.mesh)
 
         def arg(name: str) -> Any:

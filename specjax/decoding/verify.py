@@ -11,6 +11,13 @@ draft tokens), draft distributions q_1..q_ell and draft tokens x_1..x_ell:
 * if an accepted draft token is a stop token, acceptance ends right after the first such token and
   the row emits no next token.
 
+q may come over a subset of the vocabulary: `q_ids_n` [N] names the target token of each of its N
+columns (a drafter's draft vocabulary, `specjax.drafters.vocab`), q being zero elsewhere; the
+acceptance test reads q at the drafted tokens and the residual scatters only the one row it needs, so
+no [B, G, V] q is built. q stays float32: the verifier must use exactly the q the token was drawn
+from, and a bf16 copy of a float32-sampled q is another q (its p/q ratios and residual are off by up
+to 2^-8 relative); the draft vocabulary already cuts the bytes by V/N (6x for the shipped drafters).
+
 All positions >= ell (tokens, p, q) are padding and never influence the result, even if NaN.
 Randomness is per row: u_k comes from fold_in(fold_in(key_b[b], 0), k) and the next token from
 fold_in(key_b[b], 1), so a row's outcome depends only on its own key and data, not on the batch
@@ -86,42 +93,65 @@ def chain_round_probs(p_gv: Array, q_gv: Array, draft_g: Array, ell: Array | int
     return accept_g, next_nv
 
 
-def _checked_inputs(key_b, p_bgv, q_bgv, draft_bg, ell_b, stop_ids) -> tuple[Array, ...]:
-    """`verify_chain`'s inputs as typed keys, float32 probs, int32 drafts, lengths clipped to 0..G and
-    flat stop ids; a shape that does not fit raises ValueError."""
+def _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_ids, q_ids_n) -> tuple[Array, ...]:
+    """`verify_chain`'s inputs as typed keys, float32 probs, int32 drafts, lengths clipped to 0..G,
+    flat stop ids and int32 column ids (None: q is over the whole vocabulary); a shape that does not
+    fit raises ValueError."""
     key_b = _as_typed_key(key_b)
     p_bgv = jnp.asarray(p_bgv, jnp.float32)
-    q_bgv = jnp.asarray(q_bgv, jnp.float32)
+    q_bgn = jnp.asarray(q_bgn, jnp.float32)
     draft_bg = jnp.asarray(draft_bg, jnp.int32)
     stop_e = jnp.asarray(stop_ids, jnp.int32).reshape(-1)
     if p_bgv.ndim != 3:
         raise ValueError(f"p_bgv must be [B, G+1, V], got shape {p_bgv.shape}")
     b, g1, v = p_bgv.shape
     g = g1 - 1
-    if q_bgv.shape != (b, g, v):
-        raise ValueError(f"q_bgv must be [B, G, V] = {(b, g, v)}, got {q_bgv.shape}")
+    n = v if q_ids_n is None else jnp.shape(q_ids_n)[0]
+    if q_ids_n is not None:
+        if jnp.ndim(q_ids_n) != 1 or not 1 <= n <= v:
+            raise ValueError(f"q_ids_n must be [N] target ids with 1 <= N <= V = {v}, got shape {jnp.shape(q_ids_n)}")
+        q_ids_n = jnp.asarray(q_ids_n, jnp.int32)
+    if q_bgn.shape != (b, g, n):
+        raise ValueError(f"q_bgn must be [B, G, N] = {(b, g, n)}, got {q_bgn.shape}")
     if draft_bg.shape != (b, g):
         raise ValueError(f"draft_bg must be [B, G] = {(b, g)}, got {draft_bg.shape}")
     if key_b.shape != (b,):
         raise ValueError(f"key_b must be [B] = ({b},) typed keys, got shape {key_b.shape}")
     ell_b = jnp.clip(jnp.broadcast_to(jnp.asarray(ell_b, jnp.int32), (b,)), 0, g)
-    return key_b, p_bgv, q_bgv, draft_bg, ell_b, stop_e
+    return key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_e, q_ids_n
+
+
+def _q_at(q_bgn: Array, tok_bg: Array, q_ids_n: Array | None) -> Array:
+    """q at target tokens [B, G] (0 for a token outside q's columns)."""
+    if q_ids_n is None:
+        return jnp.take_along_axis(q_bgn, tok_bg[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(q_ids_n == tok_bg[..., None], q_bgn, 0.0), axis=-1)  # ids distinct: one term
+
+
+def _q_row(q_bn: Array, q_ids_n: Array | None, v: int) -> Array:
+    """Rows of q [B, N] over the whole vocabulary [B, V] (zero outside q's columns)."""
+    if q_ids_n is None:
+        return q_bn
+    return jnp.zeros((q_bn.shape[0], v), jnp.float32).at[:, q_ids_n].set(q_bn)
 
 
 @jax.jit
-def verify_chain(key_b: Array, p_bgv: Array, q_bgv: Array, draft_bg: Array, ell_b: Array,
-                 stop_ids: Array) -> VerifyResult:
+def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_b: Array,
+                 stop_ids: Array, q_ids_n: Array | None = None) -> VerifyResult:
     """Verify one round of chain drafts for a batch of rows (see module docstring).
 
     Args:
       key_b: [B] typed PRNG keys (one per row, e.g. `sampling.round_key`).
       p_bgv: [B, G+1, V] target probs (already through `probs_from_logits`).
-      q_bgv: [B, G, V] draft probs the draft tokens were drawn from.
+      q_bgn: [B, G, N] float32 draft probs the draft tokens were drawn from, over the target tokens
+        `q_ids_n` (N = V and None: the whole vocabulary in order).
       draft_bg: [B, G] int32 draft tokens.
       ell_b: [B] int32 in 0..G (values outside are clipped): how many drafts each row verifies.
       stop_ids: [E] int32 stop tokens (E may be 0; -1 entries are padding).
+      q_ids_n: [N] int32 distinct target ids of q's columns, or None.
     """
-    key_b, p_bgv, q_bgv, draft_bg, ell_b, stop_e = _checked_inputs(key_b, p_bgv, q_bgv, draft_bg, ell_b, stop_ids)
+    key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_e, q_ids_n = _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b,
+                                                                            stop_ids, q_ids_n)
     b, g1, v = p_bgv.shape
     g = g1 - 1
 
@@ -136,7 +166,7 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgv: Array, draft_bg: Array, ell_
     u_bg = jax.vmap(uniforms)(key_u_b)
     d_bg = jnp.clip(draft_bg, 0, v - 1)
     p_x = jnp.take_along_axis(p_bgv[:, :g], d_bg[..., None], axis=-1)[..., 0]
-    q_x = jnp.take_along_axis(q_bgv, d_bg[..., None], axis=-1)[..., 0]
+    q_x = _q_at(q_bgn, d_bg, q_ids_n)
     live_bg = pos_g[None, :] < ell_b[:, None]
     acc_bg = live_bg & (u_bg * q_x < p_x)
     n_b = jnp.sum(jnp.cumprod(acc_bg.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
@@ -151,7 +181,7 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgv: Array, draft_bg: Array, ell_
     # Next token: residual at the first rejection, else bonus from p_ell.
     p_n = jnp.take_along_axis(p_bgv, n_b[:, None, None], axis=1)[:, 0]
     if g > 0:
-        q_n = jnp.take_along_axis(q_bgv, jnp.minimum(n_b, g - 1)[:, None, None], axis=1)[:, 0]
+        q_n = _q_row(jnp.take_along_axis(q_bgn, jnp.minimum(n_b, g - 1)[:, None, None], axis=1)[:, 0], q_ids_n, v)
     else:
         q_n = jnp.zeros_like(p_n)
     dist_bv = next_token_dist(p_n, q_n, n_b < ell_b)

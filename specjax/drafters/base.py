@@ -9,7 +9,9 @@ inside its jitted round, so every method must be traceable with static shapes:
   (B <= slots; other rows are untouched). `anchor_b` is each row's last committed token, at position
   `position_b`; the block proposes tokens for positions position+1 .. position+gamma. Draft tokens
   MUST be sampled from exactly the `q` returned (float32, after the same sampling transform the
-  target gets: `specjax.sampling.probs_from_logits`).
+  target gets: `specjax.sampling.probs_from_logits`). A drafter with a draft vocabulary (attribute
+  `draft_vocab`) also returns q's columns of it (`DraftBlock.q_draft`): that is what the engine
+  carries from draft to verify.
 * `commit(state, update)` -> state: append committed positions (write, then mask: never copy), for
   rows [0:B] where B = update.tokens.shape[0].
 
@@ -35,6 +37,9 @@ class DraftBlock(NamedTuple):
     tokens: Array  # [B, gamma] int32
     q: Array  # [B, gamma, V] float32: the distribution each token was drawn from
     confidence: Array | None  # [B, gamma] float32 in (0, 1): P(slot k accepted | slots < k accepted)
+    # [B, gamma, N] float32: a drafter with a draft vocabulary (`draft_vocab`, N tokens) sets q's
+    # columns of it here (q is zero elsewhere); the engine carries this one from draft to verify
+    q_draft: Array | None = None
 
 
 class ContextUpdate(NamedTuple):

@@ -453,8 +453,9 @@ class PairCacheDrafter(nnx.Module):
 
         carry0 = (state.pending[:b], anchor_b.astype(jnp.int32), buf, buf)
         _, (tok_gb, q_gbn, z_gbn) = jax.lax.scan(step, carry0, jnp.arange(g, dtype=jnp.int32))
-        block = DraftBlock(tokens=jnp.swapaxes(tok_gb, 0, 1),
-                           q=dv.full_probs(vocab, jnp.swapaxes(q_gbn, 0, 1)), confidence=None)
+        q_bgn = jnp.swapaxes(q_gbn, 0, 1)
+        block = DraftBlock(tokens=jnp.swapaxes(tok_gb, 0, 1), q=dv.full_probs(vocab, q_bgn), confidence=None,
+                           q_draft=None if vocab is None else q_bgn)
         return block, dv.full_logits(vocab, jnp.swapaxes(z_gbn, 0, 1))
 
     def propose(self, state: PairCacheState, anchor_b: Array, position_b: Array,

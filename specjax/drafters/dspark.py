@@ -321,8 +321,9 @@ class DSparkDrafter(nnx.Module):
             c_logit = self.confidence_logits(h, prev)
             temps = self.confidence_temperatures[...].astype(jnp.float32)
             conf = jax.nn.sigmoid(c_logit / temps[None, :])
-        q = dv.full_probs(vocab, jnp.swapaxes(q_kbn, 0, 1))
-        block = DraftBlock(tokens=tokens, q=q, confidence=conf)
+        q_bkn = jnp.swapaxes(q_kbn, 0, 1)
+        block = DraftBlock(tokens=tokens, q=dv.full_probs(vocab, q_bkn), confidence=conf,
+                           q_draft=None if vocab is None else q_bkn)
         return block, dv.full_logits(vocab, jnp.swapaxes(z_kbn, 0, 1))
 
     def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,

@@ -7,7 +7,8 @@ Round kinds (`RoundPlan.kind`, the engine's `on_round` "kind"):
           step. Those rows' drafter context falls behind, so they never draft again.
 Programs (`RoundPlan.program`, named as the runner's executable families): "lite"; "fused" (draft
 and verify in one call, lengths known before drafting); "verify" (after a "draft" call, with lengths
-filled from this round's confidences on the host or on the device).
+filled from this round's confidences on the host); "fused_fill" (draft, a device fill of the lengths
+from this round's confidences and verify, in one call).
 
 The async policy (`confidence_async`) plans from confidences two rounds old, which `observe` keeps:
 a round drafts when it admits a draft and its expected tokens/s beat a plain decoding step's (rows
@@ -34,10 +35,10 @@ ROUND_KINDS: tuple[str, ...] = ("draft", "upkeep", "lite")
 class RoundPlan:
     """One round over rows [0:sb]: what runs, and each row's verification length (an upper bound
     when `fill` chooses the lengths: "host" from this round's confidences, after drafting; "device"
-    by the verify program's top-`k_total` fill of the current prefix survivals)."""
+    by the fused_fill program's top-`k_total` fill of the current prefix survivals)."""
 
     kind: str  # ROUND_KINDS
-    program: str  # "lite" | "fused" | "verify"
+    program: str  # "lite" | "fused" | "verify" | "fused_fill"
     ell_b: np.ndarray  # int64 [sb]; 0 for idle rows
     active_b: np.ndarray  # bool [sb]
     fill: str = "none"  # "none" | "host" | "device"
@@ -83,10 +84,10 @@ class RoundPlanner:
     @property
     def families(self) -> dict[str, int | None]:
         """The runner families this planner's rounds call, each with the largest ell it verifies
-        (None: no tokens bucket; "verify" may take any of the engine's tokens buckets)."""
+        (None: no tokens bucket; "verify" and "fused_fill" may take any of the engine's tokens buckets)."""
         return {"plain": {"lite": None}, "fixed": {"fused": self.fused_ell},
                 "host": {"draft": None, "verify": self.gamma},
-                "device": {"draft": None, "verify": self.gamma, "fused": 0, "lite": None}}[self.mode]
+                "device": {"fused_fill": self.gamma, "fused": 0, "lite": None}}[self.mode]
 
     @property
     def fused_ell(self) -> int:
@@ -144,7 +145,7 @@ class RoundPlanner:
             return self._lite(active_b)
         if kind == "upkeep":
             return RoundPlan("upkeep", "fused", np.zeros(active_b.shape, np.int64), active_b)
-        return RoundPlan("draft", "verify", np.minimum(caps_b, cap) * active_b, active_b, fill="device",
+        return RoundPlan("draft", "fused_fill", np.minimum(caps_b, cap) * active_b, active_b, fill="device",
                          k_total=k_total)
 
     def _async_decision(self, active_b: np.ndarray) -> tuple[int, int, str]:
