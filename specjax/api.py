@@ -70,8 +70,8 @@ def _target_id(target_dir: str | None, model: Any) -> str | None:
     """A cost-table identity: the checkpoint directory's name plus the engine's weight checksum."""
     if target_dir is None:
         return None
-    from specjax.decoding.engine import _target_identity
-    return f"{os.path.basename(os.path.normpath(target_dir))}:{_target_identity(model)}"
+    from specjax.decoding.profiling import target_identity
+    return f"{os.path.basename(os.path.normpath(target_dir))}:{target_identity(model)}"
 
 
 class LLM:

@@ -76,7 +76,7 @@ def test_no_recompiles_after_warmup_and_unwarmed_key_is_an_error(model):
     assert eng.compile_counts() == counts_before
     assert {n: list(e.keys) for n, e in eng.runner.exes.items()} == keys_before
     with pytest.raises(UnwarmedBucketError, match="not compiled at warm-up"):
-        eng.runner.run("fused", (3, 3), ints_4b=None, floats_2b=None, keys_b2=None)
+        eng.runner.run("fused", (3, 3), ell_b=None)
 
 
 def test_sharded_engine_matches_single_device(model):
@@ -178,7 +178,8 @@ def test_threaded_warmup_compiles_every_key_and_decodes_exactly(model):
         eng.warmup(threads=0)
     eng.warmup(threads=4)
     compiled = {(n, k) for n, e in eng.runner.exes.items() for k in e.keys}
-    assert compiled == set(eng.warm_keys()) and len(compiled) == 1 + 3 * len(cfg.sampling_variants)
+    # prefill, release (the host ending a row), and 3 fused tokens buckets per sampling variant
+    assert compiled == set(eng.warm_keys()) and len(compiled) == 2 + 3 * len(cfg.sampling_variants)
     ps = prompts()[:3]
     out, _ = run_greedy(eng, ps, n=8)
     assert out == [greedy_reference(model, p, 8) for p in ps]

@@ -220,15 +220,19 @@ def one_slot_async_engine(model, plain_seconds, drafter=None):
 
 def test_async_probes_back_off_and_stale_rows_never_draft(model):
     eng = one_slot_async_engine(model, {1: 0.2})
-    rounds, fresh_at_round = [], []  # fresh: the slot's drafter context complete before the round
-    eng.on_round = lambda info: rounds.append((info["kind"], max(info["ell"])))
-    reqs = [EngineRequest(str(i), PROMPT, max_tokens=8, temperature=1.0, seed=i) for i in range(160)]
-    for r in reqs:
-        eng.add_request(r)
-    while eng.has_work():
-        eng._admit_waiting()
+    # per planned round (the host plans each round before reading the previous one): its kind and
+    # largest ell, and whether the slot's drafter context was complete before it
+    rounds, fresh_at_round = [], []
+    plan = eng.planner.plan
+
+    def recording_plan(caps_b, active_b):
         fresh_at_round.append(bool(eng.planner.fresh[0]))
-        eng.step()
+        p = plan(caps_b, active_b)
+        rounds.append((p.kind, int(p.ell_b.max())))
+        return p
+    eng.planner.plan = recording_plan
+    reqs = [EngineRequest(str(i), PROMPT, max_tokens=8, temperature=1.0, seed=i) for i in range(160)]
+    eng.run(reqs, progress=False)
     drafts = [i for i, (k, _) in enumerate(rounds) if k == "draft"]
     assert all(fresh_at_round[i] for i in drafts)  # a row a lite round left behind never drafts again
     gaps = np.diff(drafts)
@@ -266,10 +270,21 @@ def test_async_drafting_round_is_one_call_and_greedy_equals_plain(model):
     """The async policy drafts, fills its lengths from the fresh confidences and verifies in one
     executable call (fused_fill); greedy output is the plain engine's."""
     eng = one_slot_async_engine(model, {1: 5.0})  # drafting always pays: every round drafts
-    calls, rounds = [], []
-    run = eng.runner.run
-    eng.runner.run = lambda family, key, **kw: (calls.append(family), run(family, key, **kw))[1]
-    eng.on_round = lambda info: (rounds.append((info["kind"], [f for f in calls if f != "prefill"])), calls.clear())
+    # per planned round (the host plans a round before reading the previous one): its kind and the
+    # round calls dispatched after the plan (prefill and release calls are no round's)
+    rounds: list[tuple[str, list[str]]] = []
+    run, plan = eng.runner.run, eng.planner.plan
+
+    def recording_run(family, key, **kw):
+        if family not in ("prefill", "release"):
+            rounds[-1][1].append(family)
+        return run(family, key, **kw)
+
+    def recording_plan(caps_b, active_b):
+        p = plan(caps_b, active_b)
+        rounds.append((p.kind, []))
+        return p
+    eng.runner.run, eng.planner.plan = recording_run, recording_plan
     reqs = [EngineRequest(str(i), p, max_tokens=8, temperature=0.0) for i, p in enumerate([PROMPT, [3, 4], [7]])]
     eng.run(reqs, progress=False)
     assert rounds and all(kind == "draft" and fams == ["fused_fill"] for kind, fams in rounds), rounds

@@ -2,10 +2,12 @@
 
 Each `step` admits waiting requests into free slots (bucketed, chunked prefill), asks the round
 planner (scheduling/planner.py: policy, probes, lagged confidences; numpy only) what the round runs,
-runs it through the runner (decoding/runner.py: device state and the only calls of compiled
+dispatches it through the runner (decoding/runner.py: device state and the only calls of compiled
 executables; the programs themselves are in decoding/programs.py), and appends each row's emitted
-tokens to its request under the stop rules. Device state stays on the device; the host keeps
-per-request bookkeeping (tokens, stop conditions, metrics).
+tokens to its request under the stop rules. Device state stays on the device, the slots' row state
+included (sampling parameters, keys, counters, active flags: written at admission and release);
+the host keeps per-request bookkeeping (tokens, stop conditions, metrics). For the plain, fixed and
+confidence_async policies the host runs one round behind (`step`).
 """
 from __future__ import annotations
 
@@ -18,23 +20,15 @@ import numpy as np
 from flax import nnx
 
 from specjax.decoding import buckets as bk
-from specjax.decoding.requests import EngineRequest, token_logprobs
+from specjax.decoding.requests import EngineRequest, Launched, check_request, seed_key_data, token_logprobs
+from specjax.decoding.profiling import target_identity
+from specjax.decoding.programs import unpack_round
 from specjax.decoding.runner import Runner, bucket_key
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.models.decoder import CausalLM
 from specjax.sampling import DEFAULT_TOP_K_CAP, VARIANTS, covering_variant
 from specjax.scheduling.names import COST_AWARE_POLICIES
-from specjax.scheduling.planner import RoundPlan, RoundPlanner
-
-
-def _target_identity(target: CausalLM) -> str:
-    """A stable identity of a target: its config and a checksum of its weights."""
-    import hashlib
-    import json
-    h = hashlib.sha256(json.dumps(dataclasses.asdict(target.config), sort_keys=True).encode())
-    for leaf in jax.tree.leaves(nnx.state(target, nnx.Param))[:4]:
-        h.update(np.asarray(leaf, np.float32).tobytes()[:4096])
-    return f"qwen3-{target.config.num_hidden_layers}x{target.config.hidden_size}-{h.hexdigest()[:12]}"
+from specjax.scheduling.planner import RoundPlanner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +52,7 @@ class EngineConfig:
     # bucket): a round runs the narrowest one its rows allow, a request no variant here covers is refused
     sampling_variants: tuple[str, ...] = VARIANTS
     top_k_cap: int = DEFAULT_TOP_K_CAP  # largest top_k a request may ask for (the lax.top_k of filtering)
+    pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,
     # and a call no bucket covers is refused before dispatch. Default buckets.attention_buckets(max_len)
@@ -103,7 +98,7 @@ class Engine:
             config = dataclasses.replace(config, policy="plain")
             planner = RoundPlanner("plain", 0, config.max_slots)
         self.cfg, self.planner = config, planner
-        self.target_id = target_id or _target_identity(target)
+        self.target_id = target_id or target_identity(target)
         self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
         max_len, slots = config.max_len, config.max_slots
         self.buckets = bk.BucketSet(
@@ -123,8 +118,14 @@ class Engine:
         self.queue: list[EngineRequest] = []
         self._key_data = np.zeros((slots, 2), np.uint32)
         self._seed_counter = 0
+        # rounds: dispatched (incl. ones whose rows had all ended); rounds_ahead: before the last was read;
         # attention_calls: target calls (rounds and prefill chunks) per attention bucket
-        self.stats = {"rounds": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0, "attention_calls": {}}
+        self.stats = {"rounds": 0, "rounds_ahead": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0,
+                      "attention_calls": {}}
+        self._one_behind = config.pipeline and planner.mode in ("plain", "fixed", "device")
+        planner.one_behind = self._one_behind
+        self._pending: Launched | None = None  # dispatched last step, not read yet
+        self._unread: list[tuple[EngineRequest, Any, int]] = []  # admitted; first token not read yet
         self.on_round: Callable[[dict[str, Any]], None] | None = None
 
     # ------------------------------------------------------------------ cost model
@@ -171,12 +172,13 @@ class Engine:
         """Every (family, bucket) this engine may execute under its policy: round buckets once per
         configured sampling variant without log-probabilities, and (max_logprobs > 0) once more in
         the widest variant with them: a round with a row asking for log-probabilities runs that
-        variant, which covers every row (see `_round_fields`); each at every attention bucket."""
+        variant, which covers every row (see `_launch`); each at every attention bucket."""
         attention, plens = self.buckets.attention, self.buckets.prefill
         # a prefill chunk of bucket p is longer than the bucket below (prev): it needs > prev rows
         keys: list[tuple[str, tuple[Any, ...]]] = [("prefill", (pb, p, a)) for pb in self.prefill_batches
                                                     for prev, p in zip((0,) + plens, plens)
                                                     for a in attention if a > prev]
+        keys.append(("release", (self.cfg.max_slots,)))
         if self.cfg.max_logprobs > 0:  # echo's prompt log-likelihoods, one prompt per call
             keys += [("score", (1, p)) for p in self.buckets.prefill]
         tokens = self.buckets.tokens
@@ -220,28 +222,9 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineRequest) -> None:
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise ValueError(f"request {req.request_id}: prompt is empty")
-        if n + 1 > self.cfg.max_len:
-            raise ValueError(f"request {req.request_id}: prompt of {n} tokens does not fit the context "
-                             f"(max_len {self.cfg.max_len} must hold the prompt plus one generated token)")
-        vocab = self.target_config.vocab_size
-        bad = [t for t in req.prompt_ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"request {req.request_id}: prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
-        if req.max_tokens <= 0:
-            raise ValueError(f"request {req.request_id}: max_tokens must be > 0, got {req.max_tokens}")
-        if req.top_k > self.cfg.top_k_cap:
-            raise ValueError(f"request {req.request_id}: top_k {req.top_k} exceeds the engine's top_k_cap "
-                             f"{self.cfg.top_k_cap}")
+        check_request(req, max_len=self.cfg.max_len, vocab=self.target_config.vocab_size,
+                      top_k_cap=self.cfg.top_k_cap, max_logprobs=self.cfg.max_logprobs)
         self.round_variant(req.temperature, req.top_k, req.top_p)  # refuses a variant not compiled
-        if req.logprobs is not None and self.cfg.max_logprobs == 0:
-            raise ValueError(f"request {req.request_id}: logprobs asked of an engine built without them "
-                             f"(EngineConfig.max_logprobs = 0)")
-        if req.logprobs is not None and not 0 <= req.logprobs <= self.cfg.max_logprobs:
-            raise ValueError(f"request {req.request_id}: logprobs must be in [0, {self.cfg.max_logprobs}] "
-                             f"(the engine's max_logprobs), got {req.logprobs}")
         req.metrics.start_time = time.perf_counter()
         self.queue.append(req)
 
@@ -265,29 +248,21 @@ class Engine:
         return sum(r is not None for r in self.slot_req)
 
     def has_work(self) -> bool:
-        return bool(self.queue) or self.num_active > 0
+        return bool(self.queue) or self.num_active > 0 or self._pending is not None or bool(self._unread)
 
     def _free_slot(self) -> int:
-        for i, r in enumerate(self.slot_req):
-            if r is None:
-                return i
-        return -1
+        return next((i for i, r in enumerate(self.slot_req) if r is None), -1)
 
     def _seed_key(self, req: EngineRequest) -> np.ndarray:
-        """Raw threefry key data of a request's base key, computed on the host (no device call).
+        """A request's base key (`seed_key_data`); unseeded: the engine's seed and a counter (never small)."""
+        if req.seed is not None:
+            return seed_key_data(req.seed)
+        self._seed_counter += 1
+        return seed_key_data(((self.cfg.seed & 0xFFFFFF) << 40) | (1 << 39) | self._seed_counter)
 
-        For seeds below 2**32 this equals `jax.random.key_data(jax.random.key(seed))`; larger seeds
-        use their high word as the key's first word, so distinct 64-bit seeds give distinct streams.
-        """
-        seed = req.seed
-        if seed is None:
-            self._seed_counter += 1
-            seed = ((self.cfg.seed & 0xFFFFFF) << 40) | (1 << 39) | self._seed_counter  # never a small explicit seed
-        return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
-
-    def _admit_waiting(self) -> list[EngineRequest]:
-        """Move queued requests into free slots and prefill them (batched; long prompts chunked)."""
-        finished: list[EngineRequest] = []
+    def _admit_waiting(self) -> None:
+        """Move queued requests into free slots and prefill them (up to `prefill_batches[-1]` prompts per
+        call, long prompts chunked). First tokens stay on the device; the host reads them in `_collect`."""
         while self.queue and self._free_slot() >= 0:
             batch: list[EngineRequest] = []
             while self.queue and len(batch) < self.prefill_batches[-1] and self._free_slot() >= 0:
@@ -296,23 +271,17 @@ class Engine:
                 self.slot_req[req.slot] = req
                 self._key_data[req.slot] = self._seed_key(req)
                 self.planner.admit(req.slot)
-                batch.append(req)
-            self._prefill(batch)
-            for req in batch:
-                self.stats["prefills"] += 1
                 self.lengths[req.slot] = len(req.prompt_ids)
-                req.metrics.first_token_time = time.perf_counter()
-                self._append(req, [req.output_ids.pop()])  # the sampled first token, checked for stops
-                del req.output_logprobs[len(req.output_ids):]
-                if req.finish_reason:
-                    finished.append(req)
-        return finished
+                self.stats["prefills"] += 1
+                batch.append(req)
+            self._unread += self._prefill(batch)
 
-    def _prefill(self, batch: list[EngineRequest]) -> None:
-        """Run prompt chunks of up to `prefill_batches[-1]` requests per call; the first token is sampled."""
+    def _prefill(self, batch: list[EngineRequest]) -> list[tuple[EngineRequest, Any, int]]:
+        """Run prompt chunks of up to `prefill_batches[-1]` requests per call; the first token is sampled.
+        Returns, per request, the outputs (on the device) of the call holding its last chunk and its row."""
         biggest = self.buckets.prefill[-1]
         offsets = [0] * len(batch)
-        first = [0] * len(batch)
+        firsts: list[tuple[EngineRequest, Any, int]] = []
         while todo := [i for i, r in enumerate(batch) if offsets[i] < len(r.prompt_ids)]:
             pb = bk.pick(self.prefill_batches, len(todo), what="prefill batch")
             chunk_lens = [min(biggest, len(batch[i].prompt_ids) - offsets[i]) for i in todo]
@@ -322,22 +291,25 @@ class Engine:
             ints[1] = self.cfg.max_slots  # padding rows point past the last slot: dropped
             floats = np.ones((2, pb), np.float32)  # temperature, top_p
             key_data = np.zeros((pb, 2), np.uint32)
+            limits = np.zeros((2, pb), np.int32)  # max_tokens, draft cap
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 r = batch[i]
                 toks[row, :n] = r.prompt_ids[offsets[i]:offsets[i] + n]
                 ints[:, row] = n, r.slot, offsets[i], r.top_k
                 floats[:, row] = r.temperature, r.top_p
                 key_data[row] = self._key_data[r.slot]
+                limits[:, row] = r.max_tokens, self._draft_cap(r)
             attn = self._attention_bucket(max(offsets[i] + n for i, n in zip(todo, chunk_lens)))
-            outs = jax.device_get(self.runner.run("prefill", (pb, plen, attn), tokens_bt=toks, ints_4b=ints,
-                                                  floats_2b=floats, keys_b2=key_data))
+            outs = self.runner.run("prefill", (pb, plen, attn), tokens_bt=toks, ints_4b=ints, floats_2b=floats,
+                                   keys_b2=key_data, limits_2b=limits)
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 offsets[i] += n
-                first[i] = int(outs["tokens"][row, 0])
-                if batch[i].logprobs is not None and offsets[i] == len(batch[i].prompt_ids):
-                    batch[i].output_logprobs = token_logprobs(batch[i], outs, row, 1)
-        for i, r in enumerate(batch):
-            r.output_ids.append(first[i])
+                if offsets[i] == len(batch[i].prompt_ids):
+                    firsts.append((batch[i], outs, row))
+        return firsts
+
+    def _draft_cap(self, r: EngineRequest) -> int:
+        return self.gamma if r.max_draft_tokens is None else min(self.gamma, r.max_draft_tokens)
 
     def _append(self, req: EngineRequest, toks: Sequence[int]) -> None:
         """Append emitted tokens and apply stop conditions (eos, stop ids, max_tokens, stop strings, length)."""
@@ -375,99 +347,142 @@ class Engine:
         counts[attn] = counts.get(attn, 0) + 1
         return attn
 
-    def _row_inputs(self, sb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows [0:sb]: packed ints (ell, set per program; active; counter; top_k), floats
-        (temperature, top_p), and each row's largest admissible ell: gamma, its own cap, room in the
-        cache, tokens still wanted (0 for idle rows)."""
-        ints = np.zeros((4, sb), np.int32)
-        floats = np.ones((2, sb), np.float32)
-        caps = np.zeros((sb,), np.int64)
-        for i, r in enumerate(self.slot_req[:sb]):
-            if r is None:
-                continue
-            ints[1:, i] = 1, r.rounds + 1, r.top_k
-            floats[:, i] = r.temperature, r.top_p
-            cap = self.gamma if r.max_draft_tokens is None else min(self.gamma, r.max_draft_tokens)
-            cap = min(cap, self.cfg.max_len - 1 - int(self.lengths[i]), r.max_tokens - len(r.output_ids) - 1)
-            caps[i] = max(cap, 0)
-        return ints, floats, caps
+    def _row_caps(self, sb: int) -> np.ndarray:
+        """Rows [0:sb]: each row's largest admissible ell as the host knows it (draft cap, room in the
+        cache, tokens wanted; an unread first token counts): upper bounds the device caps again."""
+        return np.array([0 if r is None else max(min(self._draft_cap(r), self.cfg.max_len - 1 - int(self.lengths[i]),
+                                                     r.max_tokens - max(len(r.output_ids), 1) - 1), 0)
+                         for i, r in enumerate(self.slot_req[:sb])], np.int64)
 
-    def _round_fields(self, active_b: np.ndarray, ints: np.ndarray, floats: np.ndarray) -> dict[str, Any]:
-        """The bucket key fields a round's rows [0:sb] fix: rows, logprobs (a row asked for them: the
-        widest compiled variant, the only one compiled with them) and the sampling variant."""
-        lp = self.cfg.max_logprobs > 0 and any(r is not None and r.logprobs is not None
-                                               for r in self.slot_req[:active_b.shape[0]])
-        variant = (self.cfg.sampling_variants[-1] if lp else
-                   self.round_variant(floats[0, active_b], ints[3, active_b], floats[1, active_b]))
-        return dict(rows=active_b.shape[0], logprobs=lp, variant=variant)
-
-    def _execute(self, plan: RoundPlan, ints: np.ndarray, floats: np.ndarray,
-                 keys: np.ndarray) -> tuple[np.ndarray, int, int, np.ndarray | None, dict[str, np.ndarray]]:
-        """Run a planned round. Returns (ell int64 [sb], tokens bucket, attention bucket, confidences
-        [sb, gamma] or None after a lite round, the round's outputs on the host)."""
-        sb, ell, conf = plan.active_b.shape[0], plan.ell_b, None
-        fields = self._round_fields(plan.active_b, ints, floats)
-        rows = dict(floats_2b=floats, keys_b2=keys)
+    def _launch(self, rows: list[int], unread: Launched | None) -> Launched:
+        """Plan and dispatch a round over `rows`, not waiting for its outputs (a "host" fill waits for the
+        drafts' confidences); `unread`: the round before, whose commits (<= its tb per row) are unread."""
+        t0 = time.perf_counter()
+        sb = bk.pick(self.buckets.slots, max(rows) + 1, what="active slot count")
+        active = np.isin(np.arange(sb), rows)
+        plan = self.planner.plan(self._row_caps(sb), active)
+        reqs = [self.slot_req[i] if active[i] else None for i in range(sb)]
+        live = [r for r in reqs if r is not None]
+        lp = self.cfg.max_logprobs > 0 and any(r.logprobs is not None for r in live)  # widest variant (warm_keys)
+        variant = self.cfg.sampling_variants[-1] if lp else self.round_variant(
+            [r.temperature for r in live], [r.top_k for r in live], [r.top_p for r in live])
+        fields = dict(rows=sb, logprobs=lp, variant=variant)
+        ell, conf = plan.ell_b, None
+        rows_in: dict[str, Any] = {}
         if plan.program == "verify":  # a host fill: this round's confidences choose the lengths
-            draft, q, conf_dev = self.runner.run("draft", bucket_key("draft", **fields), ints_4b=ints, **rows)
+            draft, q, conf_dev = self.runner.run("draft", bucket_key("draft", **fields), ell_b=ell.astype(np.int32))
             conf = np.asarray(conf_dev)
             ell = self.planner.host_lengths(plan, conf)
-            rows.update(draft_bg=draft, q_bgn=q)
+            rows_in = dict(draft_bg=draft, q_bgn=q)
         elif plan.program == "fused_fill":  # a device fill: lengths bounded by ell, chosen inside the call
-            rows["k_total_1"] = np.array([plan.k_total], np.int32)
+            rows_in = dict(k_total_1=np.array([plan.k_total], np.int32))
         tb = 1 if plan.program == "lite" else bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
-        ints[0] = ell
-        attn = self._attention_bucket(int(self.lengths[:sb][plan.active_b].max()) + tb)
-        outs = self.runner.run(plan.program, bucket_key(plan.program, tokens=tb, attn=attn, **fields), ints_4b=ints,
-                               **rows)
-        outs = jax.device_get(outs)
-        if "ell" in outs:
-            ell = np.asarray(outs["ell"], np.int64)
-        if conf is None and self.gamma > 0 and plan.kind != "lite":
-            conf = np.asarray(outs["confidence"])
-        return ell, tb, attn, conf, outs
+        lengths = self.lengths[:sb].copy()
+        if unread is not None:  # an upper bound of the true lengths: the attention bucket covers them
+            n = min(sb, len(unread.reqs))
+            lengths[:n] += unread.tb * np.array([r is not None for r in unread.reqs[:n]])
+        attn = self._attention_bucket(int(lengths[active].max()) + tb)
+        outs = self.runner.run(plan.program, bucket_key(plan.program, tokens=tb, attn=attn, **fields),
+                               ell_b=ell.astype(np.int32), **rows_in)
+        firsts, self._unread = self._unread, []
+        self.stats["rounds"] += 1
+        self.stats["verify_tokens"] += int(sb * tb)
+        self.stats["round_seconds"] += time.perf_counter() - t0
+        return Launched(plan, tb, attn, reqs, outs, firsts, t0, conf)
 
-    def step(self) -> list[EngineRequest]:
-        """Admit waiting requests into free slots, then run one round. Returns requests finished now."""
-        finished = self._admit_waiting()
-        active_idx = [i for i, r in enumerate(self.slot_req) if r is not None]
-        if not active_idx:
-            return finished
+    def _collect(self, firsts: list[tuple[EngineRequest, Any, int]], launched: Launched | None = None
+                 ) -> list[EngineRequest]:
+        """Read the first tokens of `firsts` and a dispatched round's outputs (one packed int array, plus
+        log-probabilities when asked) and apply them (`_apply_round`). Returns the requests finished now."""
         t0 = time.perf_counter()
-        sb = bk.pick(self.buckets.slots, max(active_idx) + 1, what="active slot count")
-        ints, floats, caps = self._row_inputs(sb)
-        plan = self.planner.plan(caps, ints[1] > 0)
-        ell, tb, attn, conf, outs = self._execute(plan, ints, floats, self._key_data[:sb])
-        self.planner.observe(plan, conf)
-        # taken before the loop frees finished slots; only for an on_round hook (off the hot path)
-        request_ids = [self.slot_req[i].request_id for i in active_idx] if self.on_round is not None else []
-        n_acc = outs["num_accepted"]
-        for i in active_idx:
-            r = self.slot_req[i]
+        unique = {id(o): o for _, o, _ in firsts}  # one prefill call may hold several requests
+        got, outs = jax.device_get((unique, None if launched is None else launched.outs))
+        finished: list[EngineRequest] = []
+        release: list[int] = []
+        for req, o, row in firsts:
+            o = got[id(o)]
+            req.metrics.first_token_time = time.perf_counter()
+            self._append(req, [int(o["tokens"][row, 0])])
+            if req.logprobs is not None:
+                req.output_logprobs = token_logprobs(req, o, row, len(req.output_ids))
+            if req.finish_reason:
+                finished.append(req)
+                if o["live"][row]:
+                    release.append(req.slot)
+        if launched is not None:
+            finished += self._apply_round(launched, outs, release)
+            self.stats["round_seconds"] += time.perf_counter() - t0
+        if release:  # rows the host ended and the device still runs (stop strings, a request's stop ids)
+            free = np.zeros((self.cfg.max_slots,), np.int32)
+            free[release] = 1
+            self.runner.run("release", bucket_key("release", rows=self.cfg.max_slots), free_s=free)
+        return finished
+
+    @staticmethod
+    def _served(launched: Launched) -> list[int]:
+        """Rows whose request had not ended when read (the others ran a round too many: dropped)."""
+        return [i for i, r in enumerate(launched.reqs) if r is not None and r.finish_reason is None]
+
+    def _apply_round(self, launched: Launched, outs: dict[str, np.ndarray], release: list[int]
+                     ) -> list[EngineRequest]:
+        """Apply a round's outputs (host copies) to the requests it served; rows to release are added
+        to `release`. Returns the requests finished now."""
+        plan, tb = launched.plan, launched.tb
+        col, toks, conf = unpack_round(outs["packed"], tb)
+        conf = launched.conf if conf is None else conf  # a host fill's confidences came with its drafts
+        self.planner.observe(plan, conf if plan.kind != "lite" else None)
+        served = self._served(launched)
+        finished: list[EngineRequest] = []
+        request_ids = [launched.reqs[i].request_id for i in served] if self.on_round is not None else []
+        for i in served:
+            r = launched.reqs[i]
             r.rounds += 1
-            r.metrics.record_round(int(ell[i]), int(n_acc[i]), self.gamma)
-            self.lengths[i] += int(n_acc[i]) + 1
+            r.metrics.record_round(int(col["ell"][i]), int(col["num_accepted"][i]), self.gamma)
+            self.lengths[i] += int(col["num_accepted"][i]) + 1
             n0 = len(r.output_ids)
-            self._append(r, outs["tokens"][i, : int(outs["num_emitted"][i])].tolist())
+            self._append(r, toks[i, : int(col["num_emitted"][i])].tolist())
             if r.logprobs is not None:  # entries for the tokens kept (stop rules may cut or trim)
                 r.output_logprobs += token_logprobs(r, outs, i, max(len(r.output_ids) - n0, 0))
                 del r.output_logprobs[len(r.output_ids):]
             if r.finish_reason:
                 finished.append(r)
-        dt = time.perf_counter() - t0
-        self.stats["rounds"] += 1
-        self.stats["verify_tokens"] += int(sb * tb)
-        self.stats["round_seconds"] += dt
-        if self.on_round is not None:
-            # per active slot, in slot order: its request, verified length, accepted drafts, whether
-            # an accepted stop token ended the round (no bonus), the drafter's per-position confidences
-            info = {"slots_bucket": sb, "tokens_bucket": tb, "attention_bucket": attn, "kind": plan.kind,
-                    "request_ids": request_ids, "ell": ell[plan.active_b].tolist(),
-                    "accepted": [int(n_acc[i]) for i in active_idx], "seconds": dt,
-                    "stopped": [bool(outs["stopped"][i]) for i in active_idx]}
+                if col["live"][i]:
+                    release.append(i)
+        if self.on_round is not None and served:
+            # per served slot: request, verified length, accepted drafts, stopped on a draft, confidences
+            info = {"slots_bucket": len(launched.reqs), "tokens_bucket": tb, "attention_bucket": launched.attn,
+                    "kind": plan.kind,
+                    "request_ids": request_ids, "ell": [int(col["ell"][i]) for i in served],
+                    "accepted": [int(col["num_accepted"][i]) for i in served],
+                    "seconds": time.perf_counter() - launched.t0,
+                    "stopped": [bool(col["stopped"][i]) for i in served]}
             if conf is not None:
-                info["confidence"] = np.asarray(conf)[plan.active_b].tolist()
+                info["confidence"] = conf[served].tolist()
             self.on_round(info)
+        return finished
+
+    def step(self) -> list[EngineRequest]:
+        """Admit waiting requests, dispatch one round; return the requests whose end the host learned
+        now. Plain, fixed and confidence_async (with `EngineConfig.pipeline`) read round t after
+        dispatching t+1: a request that ended in round t runs one more round, whose tokens are dropped."""
+        self._admit_waiting()
+        pending, self._pending = self._pending, None
+        finished: list[EngineRequest] = []
+        if pending is not None and pending.may_overflow(self.lengths, self.buckets, self.cfg.max_len):  # read it first
+            finished, pending = self._collect(pending.firsts, pending), None
+        # rows to run: not those whose unread first token is all they want
+        rows = [i for i, r in enumerate(self.slot_req) if r is not None and (r.max_tokens > 1 or r.output_ids)]
+        launched = self._launch(rows, pending) if rows else None
+        self.stats["rounds_ahead"] += pending is not None and launched is not None  # before its predecessor was read
+        if pending is not None:
+            finished += self._collect(pending.firsts, pending)
+        if launched is not None and self._one_behind:
+            self._pending = launched
+        elif launched is not None:
+            finished += self._collect(launched.firsts, launched)
+        if self._unread:  # admitted, but no round dispatched for them (their first token ends them)
+            finished += self._collect(self._unread)
+            self._unread = []
         return finished
 
     def run(self, requests: Sequence[EngineRequest], *, progress: bool | None = None) -> list[EngineRequest]:

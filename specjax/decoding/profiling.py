@@ -1,4 +1,5 @@
-"""Measure a cost table on the running engine: seconds per round for every executed bucket.
+"""Measure a cost table on the running engine: seconds per round for every executed bucket; the
+target identity a cost table is keyed by (`target_identity`).
 
 A drafting round of the host-scheduled policies is one draft call plus one verify call of the bucket
 (slots bucket, tokens-per-slot bucket), timed together; the async policy's is one fused_fill call.
@@ -7,13 +8,26 @@ measurement leaves the engine's state as it was).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from specjax.decoding.runner import bucket_key
 from specjax.scheduling import CostTable
+
+
+def target_identity(target: Any) -> str:
+    """A stable identity of a target: its config and a checksum of its weights."""
+    import hashlib
+    import json
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(target.config), sort_keys=True).encode())
+    for leaf in jax.tree.leaves(nnx.state(target, nnx.Param))[:4]:
+        h.update(np.asarray(leaf, np.float32).tobytes()[:4096])
+    return f"qwen3-{target.config.num_hidden_layers}x{target.config.hidden_size}-{h.hexdigest()[:12]}"
 
 
 def monotone(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
@@ -42,19 +56,17 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
     attn = engine.buckets.attention[-1]  # the whole cache: bounds every live length's cost
     k_total = engine.runner.put(np.zeros((1,), np.int32))
     for sb, tb in tqdm(keys, desc="profiling buckets", disable=not progress, leave=False):
-        ints = np.zeros((4, sb), np.int32)  # ell, active (all idle), counter, top_k
-        ints[0] = tb - 1
-        rows = {k: engine.runner.put(v) for k, v in  # copied in once, outside the timed calls
-                dict(ints_4b=ints, floats_2b=np.ones((2, sb), np.float32), keys_b2=np.zeros((sb, 2), np.uint32)).items()}
+        # every row idle (the resident row state before serving); copied in once, outside the timed calls
+        ell = engine.runner.put(np.full((sb,), tb - 1, np.int32))
         fields = dict(rows=sb, tokens=tb, logprobs=False, attn=attn, variant=variant)
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
             if engine.planner.mode == "device":
-                outs = run("fused_fill", bucket_key("fused_fill", **fields), k_total_1=k_total, **rows)
+                outs = run("fused_fill", bucket_key("fused_fill", **fields), ell_b=ell, k_total_1=k_total)
             else:
-                draft, q, _ = run("draft", bucket_key("draft", **fields), **rows)
-                outs = run("verify", bucket_key("verify", **fields), draft_bg=draft, q_bgn=q, **rows)
+                draft, q, _ = run("draft", bucket_key("draft", **fields), ell_b=ell)
+                outs = run("verify", bucket_key("verify", **fields), draft_bg=draft, q_bgn=q, ell_b=ell)
             jax.block_until_ready(outs)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
@@ -67,15 +79,13 @@ def measure_plain_seconds(engine, *, repeats: int = 7, warmup: int = 2) -> dict[
     bucket."""
     out: dict[int, float] = {}
     for sb in engine.buckets.slots:
-        rows = {k: engine.runner.put(v) for k, v in  # all rows idle; copied in once
-                dict(ints_4b=np.zeros((4, sb), np.int32), floats_2b=np.ones((2, sb), np.float32),
-                     keys_b2=np.zeros((sb, 2), np.uint32)).items()}
+        ell = engine.runner.put(np.zeros((sb,), np.int32))  # all rows idle; copied in once
         key = bucket_key("lite", rows=sb, logprobs=False, attn=engine.buckets.attention[-1],  # as the cost table
                          variant=engine.cfg.sampling_variants[-1])
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
-            outs = engine.runner.run("lite", key, **rows)
+            outs = engine.runner.run("lite", key, ell_b=ell)
             jax.block_until_ready(outs)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)

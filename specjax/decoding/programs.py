@@ -20,17 +20,26 @@ A round, for the rows [0:sb] of the slots:
 `fused` is draft and verify in one call (lengths known before drafting); `fused_fill` is draft,
 the device-side choice of lengths from the fresh confidences and verify in one call (the async
 policy); `lite` is a plain decoding step that taps nothing and leaves the drafter's context behind.
-Per-round row inputs travel packed (one host->device copy each): rounds take ints_4b = (ell,
-active, counter, top_k), prefill takes ints_4b = (n_valid, slot, start, top_k); both take
-floats_2b = (temperature, top_p) and the rows' raw key data keys_b2.
+Each slot's row state (`RowState`: active, round counter, tokens still wanted, draft cap, sampling
+parameters, key) is resident on the device: prefill writes it at admission, `release` clears a
+row's active flag when the host ends a request the device cannot see end (a stop string, a
+request's own stop ids), and every round advances it (counter; tokens wanted; active off after a
+global stop id, the last wanted token, or a full cache), so the host can dispatch a round before
+reading the previous one. A round's per-call input is the host's plan ell_b [sb] (plus fused_fill's
+k_total_1 and verify's draft), an upper bound the device caps by each row's draft cap, room in the
+cache and tokens still wanted; its outputs come back as one int32 array (`ROUND_COLUMNS`, then the
+tokens, then the confidences' float32 bits), plus the log-probabilities when `logprobs`. Prefill
+takes ints_4b = (n_valid, slot, start, top_k), floats_2b = (temperature, top_p), the rows' raw key
+data keys_b2 and limits_2b = (max_tokens, draft cap).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax.decoding.verify import VerifyResult
@@ -38,6 +47,24 @@ from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.sampling import DEFAULT_TOP_K_CAP, SamplingArrays, probs_from_logits, round_key, sample
 
 Array = jax.Array
+
+# the leading columns of a round's packed int32 outputs [sb, C]; tokens [tb] follow, then (drafting
+# families) the float32 bits of the gamma confidences. "live": the row is still active afterwards.
+ROUND_COLUMNS = ("num_emitted", "num_accepted", "stopped", "ell", "live")
+ROW_INTS = ("active", "count", "top_k", "remaining", "draft_cap")  # RowState.ints_5s rows
+
+
+class RowState(NamedTuple):
+    """Per-slot row state resident on the device (see the module docstring)."""
+
+    ints_5s: Array  # int32 [5, slots]: ROW_INTS (count = rounds run; remaining = tokens still wanted)
+    floats_2s: Array  # float32 [2, slots]: temperature, top_p
+    keys_s2: Array  # uint32 [slots, 2]: raw threefry key data of each row's base key
+
+    @classmethod
+    def init(cls, slots: int) -> "RowState":
+        return cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), jnp.ones((2, slots), jnp.float32),
+                   jnp.zeros((slots, 2), jnp.uint32))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -68,6 +95,10 @@ class Context:
         if dstate is not None:  # None: a lite round, which does not carry the drafter's state
             dstate = jax.lax.with_sharding_constraint(dstate, self.dstate_shardings)
         return cache, dstate, jax.lax.with_sharding_constraint(anchors, self.replicated)
+
+    def replicate(self, tree: Any) -> Any:
+        """Keep a replicated state (the row state) replicated under a mesh."""
+        return tree if self.replicated is None else jax.lax.with_sharding_constraint(tree, self.replicated)
 
     def gamma_columns(self, conf_bk: Array) -> Array:
         """The first gamma confidence columns: a block drafter may draft past gamma, and every round
@@ -101,12 +132,62 @@ def _filtered_sampling(ctx: Context, ints_4b: Array, floats_2b: Array) -> Sampli
     return SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1], "filtered", ctx.top_k_cap)
 
 
-def _unpack(ctx: Context, ints_4b: Array, floats_2b: Array, keys_b2: Array, variant: str
+def _unpack(ctx: Context, rows: RowState, ell_b: Array, lengths_b: Array, variant: str
             ) -> tuple[Array, Array, SamplingArrays, Array, Array]:
-    """A round's rows: (ell, active, sampling, draft keys, verify keys)."""
-    sa = SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1], variant, ctx.top_k_cap)
-    keys = round_key(jax.random.wrap_key_data(keys_b2), ints_4b[2])
-    return ints_4b[0], ints_4b[1].astype(bool), sa, round_key(keys, 0), round_key(keys, 1)
+    """A round's rows [0:sb] from the resident row state: (ell, active, sampling, draft keys, verify
+    keys). ell is the host's plan capped by each row's draft cap, room in the cache (`lengths_b`)
+    and tokens still wanted, 0 for inactive rows: the caps hold however stale the host's view."""
+    sb = ell_b.shape[0]
+    ints = rows.ints_5s[:, :sb]
+    active = ints[0] > 0
+    cap = jnp.minimum(jnp.minimum(ints[4], ctx.max_len - 1 - lengths_b), ints[3] - 1)
+    ell = jnp.where(active, jnp.clip(jnp.minimum(ell_b, cap), 0), 0)
+    sa = SamplingArrays(rows.floats_2s[0, :sb], ints[2], rows.floats_2s[1, :sb], variant, ctx.top_k_cap)
+    keys = round_key(jax.random.wrap_key_data(rows.keys_s2[:sb]), ints[1] + 1)
+    return ell, active, sa, round_key(keys, 0), round_key(keys, 1)
+
+
+def _is_stop(tokens: Array, stop_ids: Array) -> Array:
+    return jnp.any((tokens[..., None] == stop_ids) & (stop_ids >= 0), axis=-1)
+
+
+def _advance(ctx: Context, rows: RowState, res: VerifyResult, active_b: Array, new_len_b: Array,
+             stop_ids: Array) -> tuple[RowState, Array, Array]:
+    """The row state after a round: counter + 1 and tokens wanted - emitted for active rows, which
+    stay active unless they emitted a global stop id, want no more tokens, or their cache is full.
+    Returns (rows, emitted [sb], live [sb])."""
+    sb = active_b.shape[0]
+    emitted = jnp.where(active_b, res.num_emitted, 0)
+    remaining = rows.ints_5s[3, :sb] - emitted
+    ended = res.stopped_on_draft | _is_stop(res.next_token, stop_ids)
+    live = active_b & ~ended & (remaining > 0) & (new_len_b + 1 <= ctx.max_len)
+    ints = (rows.ints_5s.at[0, :sb].set(live.astype(jnp.int32)).at[1, :sb].add(active_b.astype(jnp.int32))
+            .at[3, :sb].set(remaining))
+    return ctx.replicate(rows._replace(ints_5s=ints)), emitted, live
+
+
+def _pack(emitted, res: VerifyResult, ell_b, live_b, conf_bg: Array | None = None) -> Array:
+    """A round's int outputs as one int32 [sb, C] array (ROUND_COLUMNS, tokens, confidence bits)."""
+    cols = jnp.stack([emitted, res.num_accepted, res.stopped_on_draft, ell_b, live_b], axis=1).astype(jnp.int32)
+    parts = [cols, res.tokens.astype(jnp.int32)]
+    if conf_bg is not None:
+        parts.append(jax.lax.bitcast_convert_type(conf_bg.astype(jnp.float32), jnp.int32))
+    return jnp.concatenate(parts, axis=1)
+
+
+def unpack_round(packed_bc: np.ndarray, tb: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray | None]:
+    """The host's view of `_pack`'s array: (ROUND_COLUMNS by name, tokens [sb, tb], confidences
+    [sb, gamma] float32 or None when the family reports none)."""
+    n = len(ROUND_COLUMNS)
+    cols = {name: packed_bc[:, j] for j, name in enumerate(ROUND_COLUMNS)}
+    conf = np.ascontiguousarray(packed_bc[:, n + tb:]).view(np.float32) if packed_bc.shape[1] > n + tb else None
+    return cols, packed_bc[:, n:n + tb], conf
+
+
+def release(ctx: Context, rows: RowState, free_s: Array) -> tuple[RowState]:
+    """Clear the active flag of the rows with free_s > 0 (requests the host ended). A 1-tuple."""
+    return (ctx.replicate(rows._replace(ints_5s=rows.ints_5s.at[0].set(
+        jnp.where(free_s > 0, 0, rows.ints_5s[0])))),)
 
 
 def _taps_update(ctx: Context, out: Any, tokens: Array, positions: Array, n_valid: Array) -> ContextUpdate:
@@ -115,12 +196,13 @@ def _taps_update(ctx: Context, out: Any, tokens: Array, positions: Array, n_vali
                          hidden=out.hidden if ctx.needs_hidden else None, n_valid=n_valid)
 
 
-def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgn, ell_b, active_b,
-                   sa, keys_b, stop_ids, tb: int, attn: int, logprobs: bool, maintain: bool = True):
+def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell_b, active_b,
+                   sa, keys_b, stop_ids, tb: int, attn: int, logprobs: bool, maintain: bool = True,
+                   conf_bg: Array | None = None):
     """Target pass over [anchor, drafts[:tb-1]], exact acceptance, commit. Returns new state + outputs
-    (with the emitted tokens' log-probabilities when `logprobs`). With `maintain` False (a lite
-    round) the target taps nothing and the drafter's context is left behind: those rows may not
-    draft again (see `RoundPlanner.fresh`)."""
+    (packed, see `_pack`; with the emitted tokens' log-probabilities when `logprobs`). With
+    `maintain` False (a lite round) the target taps nothing and the drafter's context is left
+    behind: those rows may not draft again (see `RoundPlanner.fresh`)."""
     target = nnx.merge(ctx.t_graph, t_params)
     sb = ell_b.shape[0]
     anchor_b = anchors[:sb]
@@ -142,11 +224,11 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, dra
         dstate = ctx.drafter(d_params).commit(dstate, _taps_update(ctx, out, toks, positions, n_commit))
     new_anchor = jnp.where(active_b & (res.next_token >= 0), res.next_token, anchor_b)
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors.at[:sb].set(new_anchor))
-    outs = {"tokens": res.tokens, "num_emitted": res.num_emitted, "num_accepted": res.num_accepted,
-            "stopped": res.stopped_on_draft}
+    rows, emitted, live = _advance(ctx, rows, res, active_b, start_b + n_commit, stop_ids)
+    outs = {"packed": _pack(emitted, res, ell_b, live, conf_bg)}
     if logprobs:
         outs.update(_logprobs(ctx, out.logits, sa, res.tokens))
-    return cache, dstate, anchors, outs
+    return cache, dstate, anchors, rows, outs
 
 
 def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array) -> dict[str, Array]:
@@ -166,20 +248,20 @@ def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array) ->
     return {"logprob": tok, "top_logprob": top_lp, "top_id": top_id}
 
 
-def lite(ctx: Context, t_params, cache, anchors, ints_4b, floats_2b, keys_b2, stop_ids, *, logprobs: bool,
-         attn: int, variant: str):
+def lite(ctx: Context, t_params, cache, anchors, rows, ell_b, stop_ids, *, logprobs: bool, attn: int, variant: str):
     """A plain decoding step that leaves the drafter alone (no drafter arguments to pass either)."""
-    ell_b, active_b, sa, _, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
-    cache, _, anchors, outs = _verify_commit(ctx, t_params, None, cache, None, anchors, None, None, ell_b,
-                                             active_b, sa, kv, stop_ids, 1, attn, logprobs, maintain=False)
-    return cache, anchors, outs
+    ell_b, active_b, sa, _, kv = _unpack(ctx, rows, ell_b, cache.lengths[:ell_b.shape[0]], variant)
+    cache, _, anchors, rows, outs = _verify_commit(ctx, t_params, None, cache, None, anchors, rows, None, None,
+                                                   ell_b, active_b, sa, kv, stop_ids, 1, attn, logprobs,
+                                                   maintain=False)
+    return cache, anchors, rows, outs
 
 
-def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, ints_4b, floats_2b, keys_b2, stop_ids, *,
+def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, ell_b, stop_ids, *,
           tokens: int, logprobs: bool, attn: int, variant: str):
     """Draft and verify in one call; `tokens` = 1 (an upkeep round) drafts nothing."""
-    ell_b, active_b, sa, kd, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
     sb = ell_b.shape[0]
+    ell_b, active_b, sa, kd, kv = _unpack(ctx, rows, ell_b, cache.lengths[:sb], variant)
     conf = jnp.zeros((sb, max(ctx.gamma, 1)), jnp.float32)
     draft_bg, q_bgn = None, None
     if tokens > 1:
@@ -187,10 +269,8 @@ def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, ints_4b, flo
         draft_bg, q_bgn = block.tokens, _carried_q(block)
         if block.confidence is not None:
             conf = ctx.gamma_columns(block.confidence)
-    cache, dstate, anchors, outs = _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgn,
-                                                  ell_b, active_b, sa, kv, stop_ids, tokens, attn, logprobs)
-    outs["confidence"] = conf
-    return cache, dstate, anchors, outs
+    return _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell_b, active_b,
+                          sa, kv, stop_ids, tokens, attn, logprobs, conf_bg=conf)
 
 
 def _carried_q(block: DraftBlock) -> Array:
@@ -213,40 +293,43 @@ def _propose(ctx: Context, d_params, dstate, anchors, cache_lengths, sa, kd, sb:
     return block.tokens, _carried_q(block), ctx.gamma_columns(conf)
 
 
-def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, ints_4b, floats_2b, keys_b2, *, variant: str):
+def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, rows, ell_b, *, variant: str):
     """Propose a block for every row: (tokens [sb, G], q [sb, G, N] over the drafter's draft vocabulary
     (N = V without one), gamma confidences [sb, gamma])."""
-    _, _, sa, kd, _ = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
-    return _propose(ctx, d_params, dstate, anchors, cache_lengths, sa, kd, keys_b2.shape[0])
+    sb = ell_b.shape[0]
+    _, _, sa, kd, _ = _unpack(ctx, rows, ell_b, cache_lengths[:sb], variant)
+    return _propose(ctx, d_params, dstate, anchors, cache_lengths, sa, kd, sb)
 
 
-def verify(ctx: Context, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgn, ints_4b, floats_2b, keys_b2,
-           stop_ids, *, tokens: int, logprobs: bool, attn: int, variant: str):
-    """Verify a `draft` call's blocks, each row's first ell = ints_4b[0] drafts (chosen on the host)."""
-    ell_b, active_b, sa, _, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
-    return _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgn, ell_b, active_b, sa, kv,
-                          stop_ids, tokens, attn, logprobs)
+def verify(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell_b, stop_ids, *,
+           tokens: int, logprobs: bool, attn: int, variant: str):
+    """Verify a `draft` call's blocks, each row's first ell = ell_b drafts (chosen on the host, capped
+    on the device)."""
+    ell_b, active_b, sa, _, kv = _unpack(ctx, rows, ell_b, cache.lengths[:ell_b.shape[0]], variant)
+    return _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell_b, active_b, sa,
+                          kv, stop_ids, tokens, attn, logprobs)
 
 
-def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, ints_4b, floats_2b, keys_b2, k_total_1,
-               stop_ids, *, tokens: int, logprobs: bool, attn: int, variant: str):
+def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, ell_b, k_total_1, stop_ids, *,
+               tokens: int, logprobs: bool, attn: int, variant: str):
     """Draft, choose lengths and verify in one call (the async policy's drafting round): each row
     verifies its share of the top-`k_total_1[0]` fill of this round's prefix survivals
-    (`topk_prefix_fill`), at most its bound ints_4b[0]. Outputs also hold the lengths (`ell`) and
-    the gamma confidences."""
-    ell_b, active_b, sa, kd, kv = _unpack(ctx, ints_4b, floats_2b, keys_b2, variant)
-    draft_bg, q_bgn, conf = _propose(ctx, d_params, dstate, anchors, cache.lengths, sa, kd, ell_b.shape[0])
+    (`topk_prefix_fill`), at most its bound ell_b (capped on the device). The packed outputs hold the
+    lengths (column "ell") and the gamma confidences."""
+    sb = ell_b.shape[0]
+    ell_b, active_b, sa, kd, kv = _unpack(ctx, rows, ell_b, cache.lengths[:sb], variant)
+    draft_bg, q_bgn, conf = _propose(ctx, d_params, dstate, anchors, cache.lengths, sa, kd, sb)
     filled = topk_prefix_fill(conf, k_total_1[0], active_b & (ell_b > 0), tokens - 1)  # capped rows take none
     ell = jnp.where(active_b, jnp.minimum(filled, ell_b), 0)
-    cache, dstate, anchors, outs = _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, draft_bg, q_bgn,
-                                                  ell, active_b, sa, kv, stop_ids, tokens, attn, logprobs)
-    outs.update(ell=ell, confidence=conf)
-    return cache, dstate, anchors, outs
+    return _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell, active_b, sa,
+                          kv, stop_ids, tokens, attn, logprobs, conf_bg=conf)
 
 
-def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, tokens_bt, ints_4b, floats_2b, keys_b2, *,
-            attn: int):
-    """Prefill P prompt chunks into slots (an id >= slots marks a padding row); samples each first token."""
+def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, tokens_bt, ints_4b, floats_2b, keys_b2,
+            limits_2b, stop_ids, *, attn: int):
+    """Prefill P prompt chunks into slots (an id >= slots marks a padding row); samples each first token
+    and writes each row's state (active unless the first token ends the request, counter 0, tokens
+    still wanted, draft cap, sampling parameters, key). Outputs: the first tokens [P, 1], "live" [P]."""
     target = nnx.merge(ctx.t_graph, t_params)
     pb, plen = tokens_bt.shape
     n_valid_p, slot_p, start_p = ints_4b[0], ints_4b[1], ints_4b[2]
@@ -268,7 +351,13 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, tokens_bt,
     tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p)
     anchors = anchors.at[slot_p].set(tok, mode="drop")
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors)
-    return cache, dstate, anchors, {"tokens": tok[:, None], **_logprobs(ctx, out.logits, sa, tok[:, None])}
+    live = (limits_2b[0] > 1) & ~_is_stop(tok, stop_ids)
+    ints = jnp.stack([live.astype(jnp.int32), jnp.zeros_like(tok), ints_4b[3], limits_2b[0] - 1, limits_2b[1]])
+    rows = ctx.replicate(RowState(rows.ints_5s.at[:, slot_p].set(ints, mode="drop"),
+                                  rows.floats_2s.at[:, slot_p].set(floats_2b, mode="drop"),
+                                  rows.keys_s2.at[slot_p].set(keys_b2, mode="drop")))
+    return cache, dstate, anchors, rows, {"tokens": tok[:, None], "live": live,
+                                          **_logprobs(ctx, out.logits, sa, tok[:, None])}
 
 
 def score(ctx: Context, t_params, tokens_bt, ints_4b, floats_2b):

@@ -1,9 +1,12 @@
 """A request as the engine sees it (`EngineRequest`), its speculative metrics with vLLM's
-definitions (`RequestMetrics`), and its per-token log-probability entries."""
+definitions (`RequestMetrics`), its per-token log-probability entries, and the host's record of a
+dispatched round (`Launched`)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
+
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -76,3 +79,56 @@ def token_logprobs(req: EngineRequest, outs: dict[str, Any], row: int, n: int
     k = req.logprobs or 0
     return [(float(outs["logprob"][row, j]), outs["top_id"][row, j, :k].tolist(),
              outs["top_logprob"][row, j, :k].tolist()) for j in range(n)]
+
+
+def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: int, max_logprobs: int) -> None:
+    """Refuse a request an engine of these limits cannot serve (a ValueError naming the field)."""
+    n = len(req.prompt_ids)
+    if n == 0:
+        raise ValueError(f"request {req.request_id}: prompt is empty")
+    if n + 1 > max_len:
+        raise ValueError(f"request {req.request_id}: prompt of {n} tokens does not fit the context "
+                         f"(max_len {max_len} must hold the prompt plus one generated token)")
+    bad = [t for t in req.prompt_ids if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"request {req.request_id}: prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
+    if req.max_tokens <= 0:
+        raise ValueError(f"request {req.request_id}: max_tokens must be > 0, got {req.max_tokens}")
+    if req.top_k > top_k_cap:
+        raise ValueError(f"request {req.request_id}: top_k {req.top_k} exceeds the engine's top_k_cap {top_k_cap}")
+    if req.logprobs is not None and max_logprobs == 0:
+        raise ValueError(f"request {req.request_id}: logprobs asked of an engine built without them "
+                         f"(EngineConfig.max_logprobs = 0)")
+    if req.logprobs is not None and not 0 <= req.logprobs <= max_logprobs:
+        raise ValueError(f"request {req.request_id}: logprobs must be in [0, {max_logprobs}] "
+                         f"(the engine's max_logprobs), got {req.logprobs}")
+
+
+def seed_key_data(seed: int) -> np.ndarray:
+    """Raw threefry key data of a seed's base key, computed on the host (no device call). For seeds
+    below 2**32 this equals `jax.random.key_data(jax.random.key(seed))`; larger seeds use their high
+    word as the key's first word, so distinct 64-bit seeds give distinct streams."""
+    return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+
+
+@dataclasses.dataclass
+class Launched:
+    """A dispatched round the host has not read yet."""
+
+    plan: Any  # scheduling.planner.RoundPlan
+    tb: int  # tokens bucket
+    attn: int  # attention bucket
+    reqs: list[EngineRequest | None]  # rows [0:sb]: the request each active row served at dispatch
+    outs: Any  # the round's outputs, on the device
+    firsts: list[tuple[EngineRequest, Any, int]]  # admitted before it: (request, prefill outputs, row)
+    t0: float
+    conf: np.ndarray | None = None  # float32 [sb, gamma]: a host fill's draft confidences, read at dispatch
+
+    def may_overflow(self, lengths_s: np.ndarray, buckets: Any, max_len: int) -> bool:
+        """Whether a round planned before reading this one might need more cache rows than the largest
+        attention bucket of `buckets` (a `buckets.BucketSet`) holds: the host knows its rows' lengths
+        `lengths_s` only up to this round's tokens bucket, and the next round writes up to the largest."""
+        if buckets.attention[-1] >= max_len:  # calls never read past max_len
+            return False
+        bound = lengths_s[:len(self.reqs)] + self.tb + buckets.tokens[-1]
+        return bool(np.any(bound[[r is not None for r in self.reqs]] > buckets.attention[-1]))

@@ -41,28 +41,29 @@ class Family:
     static: tuple[str, ...] = ()  # bucket fields the function takes as static values (not in any shape)
 
 
-_STATE = ("cache", "dstate", "anchors")
+_STATE = ("cache", "dstate", "anchors", "row_state")
 _ROUND = ("rows", "tokens", "logprobs", "attn", "variant")  # the bucket key of a round that verifies drafts
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("prefill", programs.prefill,
-           ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_2b", "keys_b2"),
+           ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_2b", "keys_b2", "limits_2b", "stop_ids"),
            (*_STATE, "first"), ("rows", "plen", "attn"), donate=_STATE, static=("attn",)),
     Family("lite", programs.lite,
-           ("t_params", "cache", "anchors", "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
-           ("cache", "anchors", "outs"), ("rows", "logprobs", "attn", "variant"), donate=("cache", "anchors"),
-           static=("logprobs", "attn", "variant")),
+           ("t_params", "cache", "anchors", "row_state", "ell_b", "stop_ids"),
+           ("cache", "anchors", "row_state", "outs"), ("rows", "logprobs", "attn", "variant"),
+           donate=("cache", "anchors", "row_state"), static=("logprobs", "attn", "variant")),
     Family("fused", programs.fused,
-           ("t_params", "d_params", *_STATE, "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
+           ("t_params", "d_params", *_STATE, "ell_b", "stop_ids"),
            (*_STATE, "outs"), _ROUND, donate=_STATE, static=_ROUND[1:]),
     Family("draft", programs.draft,
-           ("d_params", "dstate", "cache_lengths", "anchors", "ints_4b", "floats_2b", "keys_b2"),
+           ("d_params", "dstate", "cache_lengths", "anchors", "row_state", "ell_b"),
            ("draft_bg", "q_bgn", "conf_bg"), ("rows", "variant"), static=("variant",)),
     Family("verify", programs.verify,
-           ("t_params", "d_params", *_STATE, "draft_bg", "q_bgn", "ints_4b", "floats_2b", "keys_b2", "stop_ids"),
+           ("t_params", "d_params", *_STATE, "draft_bg", "q_bgn", "ell_b", "stop_ids"),
            (*_STATE, "outs"), _ROUND, donate=_STATE, static=_ROUND[1:]),
     Family("fused_fill", programs.fused_fill,
-           ("t_params", "d_params", *_STATE, "ints_4b", "floats_2b", "keys_b2", "k_total_1", "stop_ids"),
+           ("t_params", "d_params", *_STATE, "ell_b", "k_total_1", "stop_ids"),
            (*_STATE, "outs"), _ROUND, donate=_STATE, static=_ROUND[1:]),
+    Family("release", programs.release, ("row_state", "free_s"), ("row_state",), ("rows",), donate=("row_state",)),
     Family("score", programs.score, ("t_params", "tokens_bt", "ints_4b", "floats_2b"), ("outs",), ("rows", "plen")),
 )}
 
@@ -75,10 +76,14 @@ def bucket_key(family: str, **fields: Any) -> tuple[Any, ...]:
     return tuple(fields[f] for f in FAMILIES[family].bucket)
 
 
-STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "cache_lengths", "stop_ids")
+# resident state: "row_state" is the slots' row state (programs.RowState), replaced by the families that return it
+STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "row_state", "cache_lengths", "stop_ids")
 # per-call inputs: (shape, dtype) from the bucket sizes (+ "gamma" columns, "q_cols": the columns of
 # the q a draft carries to verify, the drafter's draft vocabulary or the target's)
 INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
+    "ell_b": lambda d: ((d["rows"],), jnp.int32),
+    "limits_2b": lambda d: ((2, d["rows"]), jnp.int32),
+    "free_s": lambda d: ((d["rows"],), jnp.int32),
     "ints_4b": lambda d: ((4, d["rows"]), jnp.int32),
     "floats_2b": lambda d: ((2, d["rows"]), jnp.float32),
     "keys_b2": lambda d: ((d["rows"], 2), jnp.uint32),
@@ -159,6 +164,7 @@ class Runner:
         else:
             d_graph, d_params, dstate = None, nnx.State({}), ()
         anchors = make(lambda: jnp.zeros((slots,), jnp.int32))
+        row_state = make(lambda: programs.RowState.init(slots))
         shardings: dict[str, Any] = {}
         if mesh is not None:
             t_params = shd.shard_state(t_params, mesh, "serve")
@@ -167,10 +173,12 @@ class Runner:
             cache = shd.shard_tree(cache, cache_axes, mesh, "serve")
             dstate = shd.shard_tree(dstate, dstate_axes, mesh, "serve")
             anchors = jax.device_put(anchors, shd.replicated(mesh))
+            row_state = jax.device_put(row_state, shd.replicated(mesh))
             shardings = dict(cache_shardings=shd.tree_shardings(cache, cache_axes, mesh, "serve"),
                              dstate_shardings=shd.tree_shardings(dstate, dstate_axes, mesh, "serve"),
                              replicated=shd.replicated(mesh))
         self.t_params, self.d_params, self.cache, self.dstate, self.anchors = t_params, d_params, cache, dstate, anchors
+        self.row_state = row_state
         self.stop_ids = self._resident(np.asarray(tuple(stop_ids) or (-1,), np.int32))
         tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
         needs_hidden = bool(getattr(drafter, "needs_hidden", False))
@@ -254,8 +262,9 @@ class Runner:
     def put(self, x: Any) -> Any:
         """A per-call host input; device arrays pass through. On one device the numpy array itself:
         the compiled call copies it in for a fraction of a separate device_put's cost (which is ~5%
-        of a small batch's step). Every step waits for its outputs before the host touches its
-        arrays again."""
+        of a small batch's step). The call may still be running when this returns (the engine
+        dispatches a round before reading the previous one): callers never write to an array
+        after passing it."""
         return self._resident(x) if self.mesh is not None and isinstance(x, np.ndarray) else x
 
     def _resident(self, x: np.ndarray) -> Any:

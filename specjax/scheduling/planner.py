@@ -15,7 +15,9 @@ a round drafts when it admits a draft and its expected tokens/s beat a plain dec
 whose drafter context is behind count one token each); otherwise it is an upkeep round, turning lite
 after `LITE_AFTER` such decisions in a row. A drafting probe refreshes the confidences after
 `probe_interval` rounds without drafting; the interval doubles (up to `PROBE_MAX`) each time a probe
-changes nothing. Nothing here looks at this round's tokens, so the schedule stays lossless.
+changes nothing. Nothing here looks at this round's tokens, so the schedule stays lossless. With
+`one_behind` (the engine dispatches a round before reading the previous one, so a plan comes before
+the last round's `observe`) the confidences two rounds old are the last observed ones.
 """
 from __future__ import annotations
 
@@ -80,6 +82,8 @@ class RoundPlanner:
         self._rounds_since_draft = 0
         self._undrafted_streak = 0
         self.probe_interval = self.PROBE_EVERY
+        self.one_behind = False  # set by the engine: plans come one `observe` early (see module docstring)
+        self._probed = False  # a round drafted before any confidences were known
 
     @property
     def families(self) -> dict[str, int | None]:
@@ -155,14 +159,17 @@ class RoundPlanner:
         if not fresh.any():
             return 0, 0, "lite"  # nobody can draft
         prior = np.full((self.gamma,), 0.5) if self._conf_prior is None else self._conf_prior
-        c = self._conf_lagged[rows]
+        c = (self._conf_known if self.one_behind else self._conf_lagged)[rows]
         c = np.where(np.isnan(c), prior[None, :], c)
         c[~fresh] = 0.0
         # theta: expected tokens/s of the schedule the async policy picks on these confidences
         k_total, cap, theta = async_plan(c, self.cost_table, gamma=self.gamma)
         plain_s = self.plain_seconds.get(active_b.shape[0]) if self.plain_seconds else None
-        if plain_s is None or self._conf_prior is None:
-            return k_total, cap, "draft"  # nothing to judge by yet: draft (a probe)
+        # nothing to judge by yet: draft (a probe); one round behind, the probe's confidences are not
+        # back when the next round is planned, which judges on the 0.5 prior rather than probe again
+        if plain_s is None or (self._conf_prior is None and not (self.one_behind and self._probed)):
+            self._probed = True
+            return k_total, cap, "draft"
         # a round that admits no draft is an upkeep round plus a proposal: never better than plain,
         # whatever the noise between the cost table's 1-token entry and the measured plain round
         if k_total > 0 and theta > len(rows) / plain_s:
