@@ -299,9 +299,10 @@ def attend_context_and_block(q_bthd: Array, k_ctx_bkshd: Array, v_ctx_bkshd: Arr
     """
     b, t, nh, hd = q_bthd.shape
     nkv = k_ctx_bkshd.shape[1]
-    q = q_bthd.reshape(b, t, nkv, nh // nkv, hd)
-    s_ctx = jnp.einsum("btkgd,bksd->bkgts", q, k_ctx_bkshd, preferred_element_type=jnp.float32)
-    s_blk = jnp.einsum("btkgd,bskd->bkgts", q, k_blk_bthd, preferred_element_type=jnp.float32)
+    # batch dims (b, k) lead every product: XLA:CPU's dot thunk rejects bf16 x bf16 -> f32 otherwise
+    q = q_bthd.reshape(b, t, nkv, nh // nkv, hd).transpose(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
+    s_ctx = jnp.einsum("bkgtd,bksd->bkgts", q, k_ctx_bkshd, preferred_element_type=jnp.float32)
+    s_blk = jnp.einsum("bkgtd,bskd->bkgts", q, k_blk_bthd, preferred_element_type=jnp.float32)
     scores = jnp.concatenate([s_ctx, s_blk], axis=-1) * (hd ** -0.5)
     m = jnp.concatenate([mask_ctx_bts, mask_blk_btt], axis=-1)[:, None, None, :, :]
     scores = jnp.where(m, scores, jnp.finfo(jnp.float32).min)
@@ -309,9 +310,9 @@ def attend_context_and_block(q_bthd: Array, k_ctx_bkshd: Array, v_ctx_bkshd: Arr
     n_ctx = k_ctx_bkshd.shape[2]
     p_ctx = probs[..., :n_ctx].astype(v_ctx_bkshd.dtype)
     p_blk = probs[..., n_ctx:].astype(v_blk_bthd.dtype)
-    out = (jnp.einsum("bkgts,bksd->btkgd", p_ctx, v_ctx_bkshd, preferred_element_type=jnp.float32)
-           + jnp.einsum("bkgts,bskd->btkgd", p_blk, v_blk_bthd, preferred_element_type=jnp.float32))
-    return out.reshape(b, t, nh, hd).astype(q_bthd.dtype)
+    out = (jnp.einsum("bkgts,bksd->bkgtd", p_ctx, v_ctx_bkshd, preferred_element_type=jnp.float32)
+           + jnp.einsum("bkgts,bskd->bkgtd", p_blk, v_blk_bthd, preferred_element_type=jnp.float32))
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, hd).astype(q_bthd.dtype)
 
 
 
