@@ -52,7 +52,8 @@ class BigramDrafter(nnx.Module):
     def commit(self, state, update: ContextUpdate):
         return state
 
-    def propose(self, state, anchor_b, position_b, sampling: SamplingArrays, key_b) -> DraftBlock:
+    def propose(self, state, anchor_b, position_b, sampling: SamplingArrays, key_b, kv_len=None) -> DraftBlock:
+        """A bigram block (no context state: kv_len is not needed)."""
         def step(prev, k):
             logits = self.table[...][prev]
             q = probs_from_logits(logits, sampling)

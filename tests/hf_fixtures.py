@@ -129,3 +129,16 @@ def padded_batch(seed: int, lengths: tuple[int, ...], vocab: int):
     tokens[np.arange(t)[None, :] >= valid[:, None]] = 0  # right padding
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape)
     return tokens, positions, valid
+
+
+def single_and_sharded(path: str | pathlib.Path, data: int, tensor: int):
+    """A saved target loaded on one device and on a (data, tensor) mesh under the "serve" rules:
+    (single model, sharded model, the mesh). Needs data * tensor emulated devices (conftest)."""
+    import jax
+
+    from specjax import checkpoints, sharding
+    assert len(jax.devices()) >= data * tensor
+    single, _ = checkpoints.load_target(path)
+    mesh = sharding.make_mesh((data, tensor), ("data", "tensor"))
+    sharded, _ = checkpoints.load_target(path, mesh=mesh, rules="serve")
+    return single, sharded, mesh

@@ -126,3 +126,65 @@ def test_overflow_is_refused_before_dispatch(model):
     long = make_engine(model, "plain", (16,))
     with pytest.raises(ValueError, match=r"attention length 20 .*attention_buckets, 16"):
         long.run([EngineRequest("b", list(range(20)), max_tokens=2, temperature=0.0)], progress=False)
+
+
+DRAFTER_KINDS = ["dspark", "eagle3", "mtp1", "standalone", "ngram"]
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_drafter_reads_its_context_within_the_bucket(model, kind):
+    """Every drafter kind proposes the same block (tokens and q) from context rows [0:kv_len) as from
+    its whole state when kv_len covers every row's committed context; for the kinds that attend to
+    their context, a kv_len that cuts a row's context changes q (negative control)."""
+    import jax
+    from flax import nnx
+
+    from specjax.config import TargetConfig
+    from specjax.drafters.base import ContextUpdate
+    from specjax.drafters.dspark import BlockDrafterConfig, make_block_drafter
+    from specjax.drafters.eagle3 import Eagle3Config, make_eagle3_drafter
+    from specjax.drafters.mtp import MTPConfig, make_mtp_drafter
+    from specjax.drafters.ngram import NGramDrafter
+    from specjax.drafters.standalone import StandaloneDrafter
+    from specjax.sampling import SamplingArrays
+    cfg, rngs, gamma = model.config, nnx.Rngs(4), 3
+    drafter = {
+        "dspark": lambda: make_block_drafter(model, cfg, BlockDrafterConfig.from_target(
+            cfg, target_layer_ids=(0, 1), mask_token_id=V - 1, num_draft_layers=1, block_size=gamma,
+            markov_rank=8, confidence_head=True), rngs),
+        "eagle3": lambda: make_eagle3_drafter(model, Eagle3Config.from_target(
+            cfg, target_layer_ids=(0, 1), gamma=gamma), rngs),
+        "mtp1": lambda: make_mtp_drafter(model, MTPConfig.from_target(cfg), rngs),
+        "standalone": lambda: StandaloneDrafter.from_config(TargetConfig(
+            vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16), gamma, rngs=rngs),
+        "ngram": lambda: NGramDrafter(V, gamma=gamma, max_ngram=2),
+    }[kind]()
+    rng = np.random.default_rng(2)
+    toks = np.tile(rng.integers(0, V, (2, 6)), (1, 2))  # a repeated 6-gram: the n-gram drafter matches
+    n_valid = jnp.array([12, 9], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+    out = model.forward(jnp.asarray(toks, jnp.int32), pos, valid_b=n_valid, tap_layers=drafter.tap_layers)
+    taps = jnp.concatenate(out.taps, axis=-1) if drafter.tap_layers else None
+    state = drafter.commit(drafter.init_state(2, MAX_LEN), ContextUpdate(
+        jnp.asarray(toks, jnp.int32), pos, taps, out.hidden, n_valid))
+    anchor = jnp.asarray(toks[:, 0], jnp.int32)
+    sa, keys = SamplingArrays.broadcast(2, 1.0), jax.random.split(jax.random.key(0), 2)
+    propose = lambda kv_len: drafter.propose(state, anchor, n_valid, sa, keys, kv_len=kv_len)  # noqa: E731
+    whole, bucket = propose(None), propose(16)
+    np.testing.assert_array_equal(bucket.tokens, whole.tokens)
+    np.testing.assert_allclose(bucket.q, whole.q, rtol=1e-6, atol=1e-7)
+    if kind != "ngram":
+        assert not np.allclose(propose(8).q, whole.q, atol=1e-4)  # row 0's context (12) cut at 8
+
+
+def test_draft_calls_take_the_context_bucket(model):
+    """The draft-then-verify path (threshold policy) keys its draft calls by the attention bucket too:
+    small buckets ran for both families, outputs equal the whole cache's."""
+    small, whole = make_engine(model, "threshold", SMALL), make_engine(model, "threshold", (MAX_LEN,))
+    keys = []
+    run = small.runner.run
+    small.runner.run = lambda family, key, **kw: (keys.append((family, key)), run(family, key, **kw))[1]
+    assert serve(small, requests(0.0))[0] == serve(whole, requests(0.0))[0]
+    draft_attn = {key[1] for family, key in keys if family == "draft"}
+    assert {16, 32} <= draft_attn <= set(SMALL)

@@ -69,8 +69,8 @@ class MisreportingDrafter(nnx.Module):
     def commit(self, state, update):
         return self.inner.commit(state, update)
 
-    def propose(self, state, anchor_b, position_b, sampling, key_b) -> DraftBlock:
-        block = self.inner.propose(state, anchor_b, position_b, sampling, key_b)
+    def propose(self, state, anchor_b, position_b, sampling, key_b, kv_len=None) -> DraftBlock:
+        block = self.inner.propose(state, anchor_b, position_b, sampling, key_b, kv_len)
         flat = jnp.sqrt(block.q)
         return block._replace(q=flat / flat.sum(-1, keepdims=True))
 

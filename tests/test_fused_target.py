@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 try:
-    from tests.hf_fixtures import make_tiny_lm
+    from tests.hf_fixtures import make_tiny_lm, single_and_sharded
 except ImportError:  # tests/ itself on sys.path
-    from hf_fixtures import make_tiny_lm
+    from hf_fixtures import make_tiny_lm, single_and_sharded
 
 from specjax import checkpoints
 from specjax.checkpoints import layouts
@@ -197,12 +197,7 @@ def test_kv_len_forward_equals_the_full_forward(ckpts):
 def test_fused_kernels_shard_over_kv_heads_and_mlp(ckpts):
     """On a tensor mesh of 2 the q/k/v kernel splits by kv group (each device keeps its groups'
     q, k and v) and gate/up by mlp channel; logits equal one device's."""
-    from specjax import sharding
-    assert len(jax.devices()) >= 2
-    mesh = sharding.make_mesh((1, 2), ("data", "tensor"))
-    path = ckpts["qwen3"]
-    single, cfg = checkpoints.load_target(path)
-    sharded, _ = checkpoints.load_target(path, mesh=mesh, rules="serve")
+    single, sharded, _ = single_and_sharded(ckpts["qwen3"], data=1, tensor=2)
     qkv = sharded.model.layers[0].self_attn.qkv_proj.kernel[...]
     gate_up = sharded.model.layers[0].mlp.gate_up_proj.kernel[...]
     assert qkv.sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None, None)

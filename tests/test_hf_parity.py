@@ -14,10 +14,10 @@ from flax import nnx
 
 try:
     from tests.hf_fixtures import (hf_forward, load_hf_model, make_tiny_qwen3, make_tiny_tokenizer,
-                                   padded_batch)
+                                   padded_batch, single_and_sharded)
 except ImportError:  # tests/ itself on sys.path
     from hf_fixtures import (hf_forward, load_hf_model, make_tiny_qwen3, make_tiny_tokenizer,
-                             padded_batch)
+                             padded_batch, single_and_sharded)
 
 from specjax import checkpoints
 from specjax.checkpoints import common
@@ -323,11 +323,7 @@ def test_sharded_target_on_2x4_mesh_equals_single_device(ckpts):
     import jax
     import jax.numpy as jnp
     from specjax import sharding
-    assert len(jax.devices()) >= 8
-    mesh = sharding.make_mesh((2, 4), ("data", "tensor"))
-    path = ckpts["untied_gqa1"]
-    single, _ = checkpoints.load_target(path)
-    sharded, _ = checkpoints.load_target(path, mesh=mesh, rules="serve")
+    single, sharded, mesh = single_and_sharded(ckpts["untied_gqa1"], data=2, tensor=4)
     gate_up = sharded.model.layers[0].mlp.gate_up_proj.kernel[...]
     assert len(gate_up.sharding.device_set) == 8 and gate_up.sharding.spec[2] == "tensor"
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, size=(4, 9)), jnp.int32)

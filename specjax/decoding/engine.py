@@ -196,7 +196,7 @@ class Engine:
                         tbs = sorted({1, bk.pick(tokens, max_ell + 1)} | {t for t in tokens if t <= max_ell + 1})
                     keys += [(family, bucket_key(family, rows=sb, tokens=tb, logprobs=lp, attn=a, variant=variant))
                              for tb in tbs for a in attention]
-        return list(dict.fromkeys(keys))  # draft has no logprobs or attention field: each key once
+        return list(dict.fromkeys(keys))  # draft has no logprobs field: each key once
 
     def round_variant(self, temperature: Any, top_k: Any, top_p: Any) -> str:
         """The narrowest compiled sampling variant exact for these rows (see `sampling.covering_variant`)."""
@@ -369,18 +369,20 @@ class Engine:
         fields = dict(rows=sb, logprobs=lp, variant=variant)
         ell, conf = plan.ell_b, None
         rows_in: dict[str, Any] = {}
+        lengths = self.lengths[:sb].copy()
+        if unread is not None:  # an upper bound of the true lengths: the attention bucket covers them
+            n = min(sb, len(unread.reqs))
+            lengths[:n] += unread.tb * np.array([r is not None for r in unread.reqs[:n]])
         if plan.program == "verify":  # a host fill: this round's confidences choose the lengths
-            draft, q, conf_dev = self.runner.run("draft", bucket_key("draft", **fields), ell_b=ell.astype(np.int32))
+            attn = self._attention_bucket(int(lengths[active].max()))  # the drafter's context rows
+            draft, q, conf_dev = self.runner.run("draft", bucket_key("draft", attn=attn, **fields),
+                                                 ell_b=ell.astype(np.int32))
             conf = np.asarray(conf_dev)
             ell = self.planner.host_lengths(plan, conf)
             rows_in = dict(draft_bg=draft, q_bgn=q)
         elif plan.program == "fused_fill":  # a device fill: lengths bounded by ell, chosen inside the call
             rows_in = dict(k_total_1=np.array([plan.k_total], np.int32))
         tb = 1 if plan.program == "lite" else bk.pick(self.buckets.tokens, int(ell.max()) + 1, what="tokens per slot")
-        lengths = self.lengths[:sb].copy()
-        if unread is not None:  # an upper bound of the true lengths: the attention bucket covers them
-            n = min(sb, len(unread.reqs))
-            lengths[:n] += unread.tb * np.array([r is not None for r in unread.reqs[:n]])
         attn = self._attention_bucket(int(lengths[active].max()) + tb)
         outs = self.runner.run(plan.program, bucket_key(plan.program, tokens=tb, attn=attn, **fields),
                                ell_b=ell.astype(np.int32), **rows_in)

@@ -265,7 +265,7 @@ def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, ell_b,
     conf = jnp.zeros((sb, max(ctx.gamma, 1)), jnp.float32)
     draft_bg, q_bgn = None, None
     if tokens > 1:
-        block = ctx.drafter(d_params).propose(dstate, anchors[:sb], cache.lengths[:sb], sa, kd)
+        block = ctx.drafter(d_params).propose(dstate, anchors[:sb], cache.lengths[:sb], sa, kd, kv_len=attn)
         draft_bg, q_bgn = block.tokens, _carried_q(block)
         if block.confidence is not None:
             conf = ctx.gamma_columns(block.confidence)
@@ -285,20 +285,22 @@ def _q_ids(ctx: Context, d_params) -> Array | None:
     return None if vocab is None else vocab.d2t[...]
 
 
-def _propose(ctx: Context, d_params, dstate, anchors, cache_lengths, sa, kd, sb: int) -> tuple[Array, Array, Array]:
+def _propose(ctx: Context, d_params, dstate, anchors, cache_lengths, sa, kd, sb: int,
+             attn: int) -> tuple[Array, Array, Array]:
     """A block for rows [0:sb]: (tokens [sb, G], carried q [sb, G, N], gamma confidences [sb, gamma];
-    all ones from a drafter without a confidence head)."""
-    block = ctx.drafter(d_params).propose(dstate, anchors[:sb], cache_lengths[:sb], sa, kd)
+    all ones from a drafter without a confidence head). The drafter reads its context from rows
+    [0:attn) (the attention bucket covers every row's committed length)."""
+    block = ctx.drafter(d_params).propose(dstate, anchors[:sb], cache_lengths[:sb], sa, kd, kv_len=attn)
     conf = block.confidence if block.confidence is not None else jnp.ones(block.tokens.shape, jnp.float32)
     return block.tokens, _carried_q(block), ctx.gamma_columns(conf)
 
 
-def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, rows, ell_b, *, variant: str):
+def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, rows, ell_b, *, attn: int, variant: str):
     """Propose a block for every row: (tokens [sb, G], q [sb, G, N] over the drafter's draft vocabulary
-    (N = V without one), gamma confidences [sb, gamma])."""
+    (N = V without one), gamma confidences [sb, gamma]); context read from rows [0:attn)."""
     sb = ell_b.shape[0]
     _, _, sa, kd, _ = _unpack(ctx, rows, ell_b, cache_lengths[:sb], variant)
-    return _propose(ctx, d_params, dstate, anchors, cache_lengths, sa, kd, sb)
+    return _propose(ctx, d_params, dstate, anchors, cache_lengths, sa, kd, sb, attn)
 
 
 def verify(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell_b, stop_ids, *,
@@ -318,7 +320,7 @@ def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, e
     lengths (column "ell") and the gamma confidences."""
     sb = ell_b.shape[0]
     ell_b, active_b, sa, kd, kv = _unpack(ctx, rows, ell_b, cache.lengths[:sb], variant)
-    draft_bg, q_bgn, conf = _propose(ctx, d_params, dstate, anchors, cache.lengths, sa, kd, sb)
+    draft_bg, q_bgn, conf = _propose(ctx, d_params, dstate, anchors, cache.lengths, sa, kd, sb, attn)
     filled = topk_prefix_fill(conf, k_total_1[0], active_b & (ell_b > 0), tokens - 1)  # capped rows take none
     ell = jnp.where(active_b, jnp.minimum(filled, ell_b), 0)
     return _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell, active_b, sa,

@@ -35,7 +35,8 @@ class Family:
     args: tuple[str, ...]  # argument layout: names in STATE or INPUTS
     returns: tuple[str, ...]  # outputs in order; a name in STATE replaces that state
     # bucket key fields: "rows" (slots or prompts), "tokens", "plen", "logprobs" (bool: a row of the
-    # round asked for log-probabilities), "attn" (attended cache rows), "variant" (sampling.VARIANTS)
+    # round asked for log-probabilities), "attn" (attended cache rows; a drafter's context rows too),
+    # "variant" (sampling.VARIANTS)
     bucket: tuple[str, ...]
     donate: tuple[str, ...] = ()  # state arguments whose buffers the call may reuse
     static: tuple[str, ...] = ()  # bucket fields the function takes as static values (not in any shape)
@@ -56,7 +57,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            (*_STATE, "outs"), _ROUND, donate=_STATE, static=_ROUND[1:]),
     Family("draft", programs.draft,
            ("d_params", "dstate", "cache_lengths", "anchors", "row_state", "ell_b"),
-           ("draft_bg", "q_bgn", "conf_bg"), ("rows", "variant"), static=("variant",)),
+           ("draft_bg", "q_bgn", "conf_bg"), ("rows", "attn", "variant"), static=("attn", "variant")),
     Family("verify", programs.verify,
            ("t_params", "d_params", *_STATE, "draft_bg", "q_bgn", "ell_b", "stop_ids"),
            (*_STATE, "outs"), _ROUND, donate=_STATE, static=_ROUND[1:]),

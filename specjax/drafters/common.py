@@ -422,14 +422,15 @@ class PairCacheDrafter(nnx.Module):
                               has_pending=state.has_pending.at[:b].set(has | (n > 0)))
 
     def propose_with_logits(self, state: PairCacheState, anchor_b: Array, position_b: Array,
-                            sampling: SamplingArrays, key_b: Array) -> tuple[DraftBlock, Array]:
+                            sampling: SamplingArrays, key_b: Array,
+                            kv_len: int | None = None) -> tuple[DraftBlock, Array]:
         """`propose`, also returning the draft logits [B, gamma, V] (float32) each q came from
         (-inf outside a draft vocabulary)."""
         b = anchor_b.shape[0]
         vocab = self.draft_vocab
         g = self.gamma
         lengths = state.lengths[:b]
-        k_ctx, v_ctx = state.k[:b], state.v[:b]
+        k_ctx, v_ctx = (kvc.read_rows(x, b, kv_len=kv_len) for x in (state.k, state.v))
         m = k_ctx.shape[2]
         mask_ctx = (jnp.arange(m, dtype=jnp.int32)[None, :] < lengths[:, None])[:, None, :]  # [B,1,M]
         base_pos = position_b.astype(jnp.int32) - 1  # the pending feature's position
@@ -460,7 +461,8 @@ class PairCacheDrafter(nnx.Module):
         return block, dv.full_logits(vocab, jnp.swapaxes(z_gbn, 0, 1))
 
     def propose(self, state: PairCacheState, anchor_b: Array, position_b: Array,
-                sampling: SamplingArrays, key_b: Array) -> DraftBlock:
-        """Propose gamma tokens for rows [0:B] (anchor at position_b), sampled from the q returned."""
-        return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b)[0]
+                sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:
+        """Propose gamma tokens for rows [0:B] (anchor at position_b), sampled from the q returned;
+        committed pairs are read from rows [0:kv_len) when given."""
+        return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b, kv_len)[0]
 

@@ -273,8 +273,10 @@ class DSparkDrafter(nnx.Module):
         n = jnp.clip(update.n_valid.astype(jnp.int32), 0, t)
         return kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=state.lengths.at[:b].add(n))
 
-    def block_hidden(self, state: kvc.KVCache, anchor_b: Array, position_b: Array) -> Array:
-        """Backbone hidden [B, K, H] of one block per row over its cached context."""
+    def block_hidden(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
+                     kv_len: int | None = None) -> Array:
+        """Backbone hidden [B, K, H] of one block per row over its cached context (rows [0:kv_len)
+        of it when given: `Drafter.propose`)."""
         b = anchor_b.shape[0]
         kk = self.gamma
         lengths = state.lengths[:b]
@@ -282,20 +284,22 @@ class DSparkDrafter(nnx.Module):
                                jnp.full((b, kk - 1), self.config.mask_token_id, jnp.int32)], axis=1)
         x = self.embed_tokens(ids)
         pos = position_b.astype(jnp.int32)[:, None] + jnp.arange(kk, dtype=jnp.int32)[None, :]
-        m = state.max_len
+        m = state.max_len if kv_len is None else kv_len
         mask_ctx = jnp.arange(m, dtype=jnp.int32)[None, None, :] < lengths[:, None, None]
         mask_ctx = jnp.broadcast_to(mask_ctx, (b, kk, m))
         for i, layer in enumerate(self.layers):
-            x = layer.cached_block(x, pos, state.k[i][:b], state.v[i][:b], mask_ctx)
+            x = layer.cached_block(x, pos, kvc.read_rows(state.k[i], b, kv_len=kv_len),
+                                   kvc.read_rows(state.v[i], b, kv_len=kv_len), mask_ctx)
         return self.norm(x)
 
     def propose_with_logits(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
-                            sampling: SamplingArrays, key_b: Array) -> tuple[DraftBlock, Array]:
+                            sampling: SamplingArrays, key_b: Array,
+                            kv_len: int | None = None) -> tuple[DraftBlock, Array]:
         """`propose`, also returning the draft logits z [B, K, V] (float32) the q came from
         (-inf outside a draft vocabulary)."""
         b = anchor_b.shape[0]
         vocab = self.draft_vocab
-        h = self.block_hidden(state, anchor_b, position_b)  # [B, K, H]
+        h = self.block_hidden(state, anchor_b, position_b, kv_len)  # [B, K, H]
         u = self.lm_logits(h)  # [B, K, N]
         head = self.markov_head
         carry0 = (head.init_carry((b,), h.dtype) if head is not None else None,
@@ -327,10 +331,11 @@ class DSparkDrafter(nnx.Module):
         return block, dv.full_logits(vocab, jnp.swapaxes(z_kbn, 0, 1))
 
     def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
-                sampling: SamplingArrays, key_b: Array) -> DraftBlock:
+                sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:
         """Propose gamma tokens per row [0:B]: the anchor at position_b sees cached context
-        j < lengths[b]; tokens are sampled left to right from q = probs_from_logits(z_k)."""
-        return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b)[0]
+        j < lengths[b] (read from rows [0:kv_len) when given); tokens are sampled left to right
+        from q = probs_from_logits(z_k)."""
+        return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b, kv_len)[0]
 
 
 def make_block_drafter(target_model, target_config: TargetConfig, cfg: BlockDrafterConfig,

@@ -54,11 +54,14 @@ class NGramDrafter(nnx.Module):
         hist = kvc.write(state.history[:, None, :, None], update.tokens[:, :, None, None], lengths)[:, 0, :, 0]
         return NGramState(hist, state.lengths.at[:b].add(update.n_valid.astype(jnp.int32)))
 
-    def propose(self, state: NGramState, anchor_b: Array, position_b: Array, sampling, key_b: Array) -> DraftBlock:
+    def propose(self, state: NGramState, anchor_b: Array, position_b: Array, sampling, key_b: Array,
+                kv_len: int | None = None) -> DraftBlock:
+        """Continue the latest earlier match of the longest suffix n-gram (history rows [0:kv_len))."""
         b = anchor_b.shape[0]
-        m = state.history.shape[1]
+        hist = state.history[:b] if kv_len is None else state.history[:b, :kv_len]
+        m = hist.shape[1]
         length = state.lengths[:b]  # the anchor sits at index `length`
-        seq = jnp.concatenate([state.history[:b], jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, M+1]
+        seq = jnp.concatenate([hist, jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, M+1]
         seq = seq.at[jnp.arange(b), length].set(anchor_b.astype(jnp.int32))
         idx = jnp.arange(m + 1)
         best_end = jnp.full((b,), -1, jnp.int32)

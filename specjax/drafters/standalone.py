@@ -88,16 +88,19 @@ class StandaloneDrafter(nnx.Module):
         return out.cache
 
     def propose_with_logits(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
-                            sampling: SamplingArrays, key_b: Array) -> tuple[DraftBlock, Array]:
+                            sampling: SamplingArrays, key_b: Array,
+                            kv_len: int | None = None) -> tuple[DraftBlock, Array]:
         """`propose`, also returning the draft logits [B, gamma, V] (float32) each q came from."""
         b = anchor_b.shape[0]
+        # the block's own gamma entries follow the committed context: read rows [0:kv_len + gamma)
+        read = None if kv_len is None or kv_len + self.gamma >= state.max_len else kv_len + self.gamma
         sub = kvc.KVCache(k=tuple(x[:b] for x in state.k), v=tuple(x[:b] for x in state.v),
                           lengths=state.lengths[:b])
         pos0 = position_b.astype(jnp.int32)
 
         def step(carry, k):
             cache, tok_b = carry
-            out = self.model.forward(tok_b[:, None], (pos0 + k)[:, None], cache, logits="all")
+            out = self.model.forward(tok_b[:, None], (pos0 + k)[:, None], cache, logits="all", kv_len=read)
             z = out.logits[:, 0]  # [B, V] float32
             q = probs_from_logits(z, sampling)
             nxt = sample(round_key(key_b, k), q)
@@ -110,9 +113,10 @@ class StandaloneDrafter(nnx.Module):
         return block, jnp.swapaxes(z_gbv, 0, 1)
 
     def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
-                sampling: SamplingArrays, key_b: Array) -> DraftBlock:
-        """Propose gamma tokens for rows [0:B] autoregressively from the anchor at position_b."""
-        return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b)[0]
+                sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:
+        """Propose gamma tokens for rows [0:B] autoregressively from the anchor at position_b
+        (its cache read up to the context bound kv_len plus the block's gamma entries)."""
+        return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b, kv_len)[0]
 
 
 

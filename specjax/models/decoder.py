@@ -26,8 +26,8 @@ from flax import nnx
 
 from specjax.config import TargetConfig
 from specjax.models import cache as kvc
-from specjax.models.layers import (Embed, FusedLinear, FusedSwiGLU, Linear, RMSNorm, attend,
-                                   fuse_qkv, init_kernel, rope_tables, rotate)
+from specjax.models.layers import (Embed, FusedLinear, FusedSwiGLU, Linear, RMSNorm, attend, fuse_qkv,
+                                   init_decoder_layer, init_kernel, rope_tables, rotate)
 
 Array = jax.Array
 
@@ -98,12 +98,10 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """The target's layer: fused `Attention` and `FusedSwiGLU` (`layers.init_decoder_layer`)."""
+
     def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32"):
-        kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.self_attn = Attention(cfg, rngs=rngs, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.mlp = FusedSwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, **kw)
+        init_decoder_layer(self, cfg, Attention, FusedSwiGLU, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def __call__(self, x: Array, li: LayerInputs, kv_cache: tuple[Array, Array] | None = None):
         a, new_kv = self.self_attn(self.input_layernorm(x), li, kv_cache)

@@ -156,6 +156,19 @@ class FusedSwiGLU(nnx.Module):
         return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :])
 
 
+def init_decoder_layer(layer: nnx.Module, cfg: Any, attention: type, mlp: type, *, rngs: nnx.Rngs,
+                       dtype="float32", param_dtype="float32") -> None:
+    """Give `layer` the parts of a pre-norm decoder layer under their Hugging Face names, in draw
+    order: input_layernorm, self_attn = attention(cfg), post_attention_layernorm and
+    mlp = mlp(hidden_size, intermediate_size). `cfg` is a `TargetConfig`; the attention and MLP
+    classes choose the fused (target) or the separate (drafter checkpoint) weight layout."""
+    kw = dict(dtype=dtype, param_dtype=param_dtype)
+    layer.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
+    layer.self_attn = attention(cfg, rngs=rngs, **kw)
+    layer.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
+    layer.mlp = mlp(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, **kw)
+
+
 def rope_inv_freq(head_dim: int, theta: float) -> Array:
     """Inverse frequencies [head_dim/2] of the rotate-half RoPE."""
     return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))

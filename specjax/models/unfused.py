@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from specjax.config import TargetConfig
-from specjax.models.layers import Linear, RMSNorm, SwiGLU, apply_rope
+from specjax.models.layers import Linear, RMSNorm, SwiGLU, apply_rope, init_decoder_layer
 
 Array = jax.Array
 
@@ -63,8 +63,4 @@ class DecoderLayer(nnx.Module):
     """input_layernorm, `Attention`, post_attention_layernorm, `SwiGLU` (Hugging Face names)."""
 
     def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32"):
-        kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.self_attn = Attention(cfg, rngs=rngs, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, **kw)
+        init_decoder_layer(self, cfg, Attention, SwiGLU, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
