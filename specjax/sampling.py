@@ -302,9 +302,13 @@ def _as_typed_key(key: Array) -> Array:
                      f"data, got dtype {key.dtype} shape {key.shape}")
 
 
-@jax.jit
-def sample(key: Array, probs: Array) -> Array:
+@functools.partial(jax.jit, static_argnames=("greedy",))
+def sample(key: Array, probs: Array, greedy: bool = False) -> Array:
     """Draw int32 tokens from `probs` [..., V] (categorical; zero-probability tokens never drawn).
+
+    `greedy` (static): every row of `probs` is one-hot (the "greedy" variant of `probs_from_logits`,
+    or a verifier's residual of one-hot p and q), so the draw is its argmax with certainty and no
+    random bits are drawn.
 
     `key` is either one key (shape ()), used for the whole array, or a batch of keys whose shape is
     a prefix of `probs.shape[:-1]`: e.g. key_b [B] with probs [B, V] gives one draw per row from its
@@ -316,6 +320,9 @@ def sample(key: Array, probs: Array) -> Array:
     if key.shape != probs.shape[:key.ndim] or key.ndim >= probs.ndim:
         raise ValueError(f"key batch shape {key.shape} must prefix probs batch shape "
                          f"{probs.shape[:-1]}")
+
+    if greedy:
+        return jnp.argmax(probs, axis=-1).astype(jnp.int32)
 
     def draw(k: Array, pr: Array) -> Array:
         logp = jnp.where(pr > 0, jnp.log(jnp.where(pr > 0, pr, 1.0)), -jnp.inf)

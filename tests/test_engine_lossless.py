@@ -15,12 +15,12 @@ V, GAMMA, PROMPT = 8, 3, [1, 5, 2]
 FILTERS = ((0.7, 3, 1.0), (1.3, 0, 0.8), (1.0, 5, 0.9))
 
 
-def _accept_all(key_b, p, q, d, ell, stop_ids, q_ids) -> VerifyResult:
+def _accept_all(key_b, p, q, d, ell, stop_ids, q_ids, greedy=False) -> VerifyResult:
     # make the target look exactly like the draft at every drafted position: min(1, p/q) == 1
     assert q_ids is None  # the bigram drafter's q is over the whole vocabulary
     g = q.shape[1]
     p_fake = jnp.concatenate([q, p[:, g:]], axis=1)
-    return verify_chain(key_b, p_fake, q, d, ell, stop_ids)
+    return verify_chain(key_b, p_fake, q, d, ell, stop_ids, greedy=greedy)
 
 
 @pytest.fixture(scope="module")

@@ -157,10 +157,41 @@ def test_rounds_run_the_narrowest_variant_and_decode_as_the_filtered_one(model):
 
 @pytest.mark.parametrize("variant,conds", [("greedy", 0), ("plain", 0), ("filtered", 1)])
 def test_greedy_and_unfiltered_rounds_compile_without_branches_or_loops(variant, conds):
+    """No conditional and no loop in a greedy or plain round; a greedy round draws no random bits at
+    all (no threefry loop, counted apart on CPU), where a plain one does (the count has teeth)."""
     from bench import round_ops
     runner = round_ops.abstract_runner(round_ops.presets()["tiny"], 2, 32)
-    for family in ("lite", "verify"):
+    for family in ("lite", "verify", "fused"):
         rep = round_ops.compiled_report(runner.lower(family, round_ops.bucket_key(runner, family, 2, variant)))
-        assert rep["conditionals"] == conds, (family, rep)
-        if variant != "filtered":
+        assert rep["conditionals"] == (conds if family != "fused" else 2 * conds), (family, rep)
+        if variant != "filtered" and family != "fused":  # fused drafts in a scan: one loop
             assert rep["whiles"] == 0, (family, rep)  # the threefry PRNG's CPU loops are counted apart
+        if variant == "greedy":
+            assert rep["prng_whiles"] == 0, (family, rep)
+        else:
+            assert rep["prng_whiles"] > 0, (family, rep)
+
+
+def test_greedy_draws_need_no_random_bits():
+    """On one-hot rows `sample(greedy=True)` is the draw (the argmax), and `verify_chain(greedy=True)`
+    decides as the random test does (accepted prefixes, residual tokens, stop tokens); on rows that
+    are not one-hot it is not a sampler (negative control: it always returns the mode)."""
+    from specjax.decoding.verify import verify_chain
+    rng = np.random.default_rng(0)
+    b, g, v = 256, 4, 12
+    keys = jax.random.split(jax.random.key(3), b)
+    target = rng.integers(0, v, (b, g + 1))
+    draft = np.where(rng.random((b, g)) < 0.7, target[:, :g], rng.integers(0, v, (b, g)))
+    p = jax.nn.one_hot(target, v, dtype=jnp.float32)
+    q = jax.nn.one_hot(draft, v, dtype=jnp.float32)
+    ell = jnp.asarray(rng.integers(0, g + 1, b), jnp.int32)
+    stop = jnp.array([3, -1], jnp.int32)
+    args = (keys, p, q, jnp.asarray(draft, jnp.int32), ell, stop)
+    want, got = verify_chain(*args), verify_chain(*args, greedy=True)
+    for field in ("num_accepted", "next_token", "tokens", "num_emitted", "stopped_on_draft"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    assert 0 < int((want.num_accepted < ell).sum()) < b  # rows rejected and rows fully accepted
+    np.testing.assert_array_equal(sample(keys, p[:, 0], greedy=True), sample(keys, p[:, 0]))
+    soft = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, v)), jnp.float32))
+    assert np.all(np.asarray(sample(keys, soft, greedy=True)) == np.argmax(np.asarray(soft), -1))
+    assert not np.array_equal(sample(keys, soft), sample(keys, soft, greedy=True))

@@ -85,7 +85,7 @@ class Engine:
                  eos_token_ids: Sequence[int] = (), cost_table: Any = None, target_id: str | None = None,
                  progress: bool = True, verifier: Callable[..., VerifyResult] = verify_chain,
                  schedule_fn: Callable[..., np.ndarray] | None = None):
-        # verifier: tests swap in a deliberately biased one to prove the checks have teeth;
+        # verifier: verify_chain's signature; tests swap in a deliberately biased one to prove the checks have teeth;
         # schedule_fn(confidences [R, gamma]) -> lengths [R]: a custom host policy (see RoundPlanner)
         self.drafter, self.mesh, self.progress = drafter, mesh, progress
         self.target_config = target.config
@@ -371,12 +371,10 @@ class Engine:
         rows_in: dict[str, Any] = {}
         lengths = self.lengths[:sb].copy()
         if unread is not None:  # an upper bound of the true lengths: the attention bucket covers them
-            n = min(sb, len(unread.reqs))
-            lengths[:n] += unread.tb * np.array([r is not None for r in unread.reqs[:n]])
+            lengths[:min(sb, len(unread.reqs))] += unread.tb * np.array([r is not None for r in unread.reqs[:sb]])
         if plan.program == "verify":  # a host fill: this round's confidences choose the lengths
-            attn = self._attention_bucket(int(lengths[active].max()))  # the drafter's context rows
-            draft, q, conf_dev = self.runner.run("draft", bucket_key("draft", attn=attn, **fields),
-                                                 ell_b=ell.astype(np.int32))
+            key = bucket_key("draft", attn=self._attention_bucket(int(lengths[active].max())), **fields)
+            draft, q, conf_dev = self.runner.run("draft", key, ell_b=ell.astype(np.int32))  # context rows: attn
             conf = np.asarray(conf_dev)
             ell = self.planner.host_lengths(plan, conf)
             rows_in = dict(draft_bg=draft, q_bgn=q)

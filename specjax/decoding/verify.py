@@ -25,6 +25,7 @@ or on the padded block size G.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -135,9 +136,9 @@ def _q_row(q_bn: Array, q_ids_n: Array | None, v: int) -> Array:
     return jnp.zeros((q_bn.shape[0], v), jnp.float32).at[:, q_ids_n].set(q_bn)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("greedy",))
 def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_b: Array,
-                 stop_ids: Array, q_ids_n: Array | None = None) -> VerifyResult:
+                 stop_ids: Array, q_ids_n: Array | None = None, *, greedy: bool = False) -> VerifyResult:
     """Verify one round of chain drafts for a batch of rows (see module docstring).
 
     Args:
@@ -149,6 +150,7 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
       ell_b: [B] int32 in 0..G (values outside are clipped): how many drafts each row verifies.
       stop_ids: [E] int32 stop tokens (E may be 0; -1 entries are padding).
       q_ids_n: [N] int32 distinct target ids of q's columns, or None.
+      greedy: (static) p and q one-hot (all rows at temperature 0): decided without random bits.
     """
     key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_e, q_ids_n = _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b,
                                                                             stop_ids, q_ids_n)
@@ -163,7 +165,7 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
     def uniforms(k: Array) -> Array:
         return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(k, i)))(pos_g)
 
-    u_bg = jax.vmap(uniforms)(key_u_b)
+    u_bg = jnp.zeros((b, g), jnp.float32) if greedy else jax.vmap(uniforms)(key_u_b)
     d_bg = jnp.clip(draft_bg, 0, v - 1)
     p_x = jnp.take_along_axis(p_bgv[:, :g], d_bg[..., None], axis=-1)[..., 0]
     q_x = _q_at(q_bgn, d_bg, q_ids_n)
@@ -185,7 +187,7 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
     else:
         q_n = jnp.zeros_like(p_n)
     dist_bv = next_token_dist(p_n, q_n, n_b < ell_b)
-    next_b = jnp.where(stopped_b, -1, sample(key_next_b, dist_bv))
+    next_b = jnp.where(stopped_b, -1, sample(key_next_b, dist_bv, greedy))
 
     j = jnp.arange(g1)[None, :]
     draft_pad = jnp.concatenate([draft_bg, jnp.full((b, 1), -1, jnp.int32)], axis=1)
