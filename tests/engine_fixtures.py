@@ -134,10 +134,14 @@ def sample_continuations(engine: Engine, prompt: list[int], n_samples: int, n_to
 
 def small_engine(model, drafter=None, *, slots: int = 4, max_len: int = 64, policy: str = "fixed",
                  gamma: int | None = None, tokens_buckets=None, prefill: int = 16, mesh=None,
-                 prefill_batch: int | None = None, **kw) -> Engine:
+                 prefill_batch: int | None = None, variants: tuple[str, ...] = ("greedy", "plain"),
+                 **kw) -> Engine:
+    """A warmed engine of one slots bucket; rounds compiled for the sampling `variants` only (a
+    top-k or top-p request needs "filtered": the engine refuses it otherwise)."""
     cfg = EngineConfig(max_slots=slots, max_len=max_len, policy=policy, gamma=gamma,
                        slots_buckets=(slots,), tokens_buckets=tokens_buckets, prefill_buckets=(prefill,),
-                       max_prefill=prefill, prefill_batch_buckets=(prefill_batch or min(slots, 8),))
+                       max_prefill=prefill, prefill_batch_buckets=(prefill_batch or min(slots, 8),),
+                       sampling_variants=variants)
     eng = Engine(model, drafter, cfg, mesh=mesh, progress=False, **kw)
     eng.warmup()
     return eng

@@ -93,7 +93,8 @@ def _engine_config(name: str):
     g = _gamma(name)
     return EngineConfig(max_slots=SLOTS, max_len=MAX_LEN, gamma=g, policy="fixed",
                         max_prefill=PREFILL, slots_buckets=SLOTS_BUCKETS, tokens_buckets=(g + 1,),
-                        prefill_buckets=PREFILL_BUCKETS, prefill_batch_buckets=SLOTS_BUCKETS)
+                        prefill_buckets=PREFILL_BUCKETS, prefill_batch_buckets=SLOTS_BUCKETS,
+                        sampling_variants=("greedy", "plain"))  # no test here filters top-k / top-p
 
 
 def _llm(name: str, target: tuple):

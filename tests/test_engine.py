@@ -8,6 +8,7 @@ from specjax.api import LLM, SamplingParams
 from specjax.decoding.runner import UnwarmedBucketError
 from specjax.decoding.engine import EngineRequest
 from specjax.drafters.ngram import NGramDrafter
+from specjax.sampling import VARIANTS
 
 from engine_fixtures import BigramDrafter, small_engine, tiny_target
 
@@ -63,7 +64,8 @@ def test_greedy_ngram_equals_reference(llm, model):
 
 
 def test_no_recompiles_after_warmup_and_unwarmed_key_is_an_error(model):
-    eng = small_engine(model, NGramDrafter(V, gamma=3), slots=4, max_len=40, prefill=8, tokens_buckets=(1, 2, 4))
+    eng = small_engine(model, NGramDrafter(V, gamma=3), slots=4, max_len=40, prefill=8, tokens_buckets=(1, 2, 4),
+                       variants=VARIANTS)
     keys_before = {n: list(e.keys) for n, e in eng.runner.exes.items()}
     counts_before = eng.compile_counts()
     rng = np.random.default_rng(1)

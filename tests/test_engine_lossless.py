@@ -4,7 +4,7 @@ import pytest
 
 from specjax.decoding import programs
 from specjax.decoding.engine import EngineRequest
-from specjax.sampling import SamplingArrays, probs_from_logits
+from specjax.sampling import VARIANTS, SamplingArrays, probs_from_logits
 from specjax.decoding.verify import VerifyResult, verify_chain
 
 from engine_fixtures import (BigramDrafter, chi_square_pvalue, exact_continuations, sample_continuations,
@@ -72,7 +72,7 @@ def exact_filtered(model):
 
 def filter_engine(model):
     return small_engine(model, BigramDrafter(V, GAMMA), slots=256, max_len=12, prefill=4, gamma=GAMMA,
-                        tokens_buckets=(1, 2, 4), prefill_batch=256)
+                        tokens_buckets=(1, 2, 4), prefill_batch=256, variants=VARIANTS)
 
 
 def test_engine_is_exact_with_per_row_top_k_top_p_and_temperature(model, exact_filtered):

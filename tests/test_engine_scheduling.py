@@ -12,6 +12,7 @@ from engine_fixtures import (BigramDrafter, chi_square_pvalue, exact_continuatio
                              tiny_target)
 
 V, GAMMA, PROMPT = 8, 3, [1, 5, 2]
+NO_FILTER = ("greedy", "plain")  # the sampling variants compiled: no test here filters top-k / top-p
 # Appendix A of the paper for one request: steps/s SPS(1)=1.0, SPS(2)=0.5, SPS(3)=0.45
 ONE_REQUEST = CostTable.from_seconds({(1, 1): 1.0, (1, 2): 2.0, (1, 3): 1 / 0.45, (1, 4): 2.5})
 # One request whose verify cost grows slowly enough that Algorithm 1 drafts: with the test drafter's
@@ -57,7 +58,7 @@ def make_engine(model, policy, *, schedule_fn=None, cost_table=None, plain_secon
                 threshold=None):
     cfg = EngineConfig(max_slots=256, max_len=12, policy=policy, gamma=GAMMA, slots_buckets=(256,),
                        tokens_buckets=tokens_buckets, prefill_buckets=(4,), max_prefill=4,
-                       prefill_batch_buckets=(256,), threshold=threshold)
+                       prefill_batch_buckets=(256,), threshold=threshold, sampling_variants=NO_FILTER)
     eng = Engine(model, BigramDrafter(V, GAMMA, confidence=True, seed=7), cfg, progress=False,
                  schedule_fn=schedule_fn)
     if cost_table is not None:
@@ -176,7 +177,7 @@ def test_cost_table_for_another_engine_is_refused(model):
 
 def test_engine_profiles_its_own_cost_table(model, tmp_path):
     cfg = EngineConfig(max_slots=2, max_len=16, policy="confidence", gamma=GAMMA, slots_buckets=(1, 2),
-                       tokens_buckets=(1, 4), prefill_buckets=(8,), max_prefill=8)
+                       tokens_buckets=(1, 4), prefill_buckets=(8,), max_prefill=8, sampling_variants=NO_FILTER)
     eng = Engine(model, BigramDrafter(V, GAMMA, confidence=True), cfg, progress=False)
     eng.warmup()
     table = eng.cost_table
@@ -209,7 +210,8 @@ def test_async_policy_skips_drafting_when_plain_rounds_pay_more(model, exact):
 
 def one_slot_async_engine(model, plain_seconds, drafter=None):
     cfg = EngineConfig(max_slots=1, max_len=12, policy="confidence_async", gamma=GAMMA, slots_buckets=(1,),
-                       tokens_buckets=(1, 2, 4), prefill_buckets=(4,), max_prefill=4, prefill_batch_buckets=(1,))
+                       tokens_buckets=(1, 2, 4), prefill_buckets=(4,), max_prefill=4, prefill_batch_buckets=(1,),
+                       sampling_variants=NO_FILTER)
     drafter = drafter if drafter is not None else BigramDrafter(V, GAMMA, confidence=True, seed=7)
     eng = Engine(model, drafter, cfg, progress=False)
     eng.cost_table = CostTable.from_seconds({(1, 1): 1.0, (1, 2): 1.2, (1, 4): 1.5}, meta=eng.cost_table_meta())
@@ -289,7 +291,8 @@ def test_async_drafting_round_is_one_call_and_greedy_equals_plain(model):
     eng.run(reqs, progress=False)
     assert rounds and all(kind == "draft" and fams == ["fused_fill"] for kind, fams in rounds), rounds
     plain = Engine(model, None, EngineConfig(max_slots=1, max_len=12, policy="plain", slots_buckets=(1,),
-                                             prefill_buckets=(4,), max_prefill=4, prefill_batch_buckets=(1,)),
+                                             prefill_buckets=(4,), max_prefill=4, prefill_batch_buckets=(1,),
+                                             sampling_variants=NO_FILTER),
                    progress=False)
     plain.warmup()
     ref = [EngineRequest(r.request_id, r.prompt_ids, max_tokens=8, temperature=0.0) for r in reqs]
