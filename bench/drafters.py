@@ -1,7 +1,8 @@
 """Benchmark drafter proposal latency per round against the target's verify step.
 
     python -m bench.drafters [--batches 1 16] [--gammas 4 8 12 16] [--context 128] [--max-len 256]
-                             [--repeats 15] [--sample-ms 20] [--drafters ...] [--out-dir bench/results]
+                             [--attention-len N] [--repeats 15] [--sample-ms 20] [--drafters ...]
+                             [--out-dir bench/results]
 
 For each batch size B and draft length gamma, every drafter (DSpark with the Markov head, DSpark
 with the RNN head, DFlash, Eagle3, standalone small LM, n-gram; MTP-1 once, at its fixed gamma 1)
@@ -11,7 +12,9 @@ hidden state there, committed through the drafter's own `commit`), and one jitte
 temperature 1). The verify step is one jitted `target.forward` over 1 + gamma tokens per row with a
 KV cache holding the same context (the cache is donated and its lengths kept, as in the engine's
 write-then-mask commit). All functions of one (B, gamma) are timed round-robin so they share the
-background load. Untrained random drafter weights: latency does not depend on them.
+background load. Untrained random drafter weights: latency does not depend on them. With
+`--attention-len N` the drafters read their context and the verify step attends to cache rows [0:N)
+only (the engine's attention bucket: `Drafter.propose(kv_len=N)`, `CausalLM.forward(kv_len=N)`).
 
 Block drafters (DSpark, DFlash) have block_size = gamma and `--draft-layers` (1) layers; the Markov
 rank is `--markov-rank` (256, the paper's default). The sequential head's overhead is
@@ -101,11 +104,12 @@ class Context:
     """A batch of committed contexts: tokens, the target's taps at every layer, final hidden, and
     the target KV cache holding them."""
 
-    def __init__(self, target: BenchTarget, batch: int, context: int, max_len: int, seed: int = 0):
+    def __init__(self, target: BenchTarget, batch: int, context: int, max_len: int, seed: int = 0,
+                 attention_len: int | None = None):
         import jax
         import jax.numpy as jnp
         from flax import nnx
-        self.batch, self.context, self.max_len = batch, context, max_len
+        self.batch, self.context, self.max_len, self.attention_len = batch, context, max_len, attention_len
         rng = np.random.default_rng(seed + batch)
         self.tokens = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, context)), jnp.int32)
         self.positions = jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32), (batch, context))
@@ -151,7 +155,7 @@ def propose_call(drafter: Any, ctx: Context) -> Callable[[], Any]:
 
     @jax.jit
     def propose(p, s, anchor, pos, sa, keys):
-        blk = nnx.merge(graph, p).propose(s, anchor, pos, sa, keys)
+        blk = nnx.merge(graph, p).propose(s, anchor, pos, sa, keys, kv_len=ctx.attention_len)
         return blk.tokens, blk.q, blk.confidence
 
     return lambda: propose(params, state, ctx.anchor, position, sa, keys)
@@ -192,7 +196,7 @@ def verify_call(target: BenchTarget, ctx: Context, n_tokens: int) -> Callable[[]
     pos = ctx.context + jnp.broadcast_to(jnp.arange(n_tokens, dtype=jnp.int32), (ctx.batch, n_tokens))
 
     def fwd(p, cache, toks, pos):
-        out = nnx.merge(graph, p).forward(toks, pos, cache, logits="all")
+        out = nnx.merge(graph, p).forward(toks, pos, cache, logits="all", kv_len=ctx.attention_len)
         return out.logits, out.cache.with_lengths(cache.lengths)
 
     fwd_d = jax.jit(fwd, donate_argnums=(1,))
@@ -225,7 +229,7 @@ def measure(target: BenchTarget, args: argparse.Namespace) -> list[dict[str, Any
     import jax
     rows = []
     for batch in args.batches:
-        ctx = Context(target, batch, args.context, args.max_len)
+        ctx = Context(target, batch, args.context, args.max_len, attention_len=args.attention_len)
         configs = [(g, [d for d in args.drafters if d != "mtp1"]) for g in args.gammas]
         if "mtp1" in args.drafters:
             configs.append((1, ["mtp1"]))
@@ -285,7 +289,9 @@ def markdown(res: dict[str, Any], command: str) -> str:
     out = ["# Drafter proposal latency vs the target's verify step\n",
            f"Command: `{command}`\n",
            f"- Target: {res['target']}.",
-           f"- Context: {a['context']} committed tokens per row (cache max_len {a['max_len']}); proposal = one "
+           f"- Context: {a['context']} committed tokens per row (cache max_len {a['max_len']}"
+           + ("" if a.get("attention_len") is None else f", read over rows [0:{a['attention_len']})")
+           + "); proposal = one "
            f"jitted `propose` (tokens + float32 q + confidence), verify = one jitted `target.forward` over "
            f"1 + gamma tokens per row with the KV cache; median of {a['repeats']} round-robin repeats, each "
            f"sample the mean of >= {a['inner']} calls (~{a['sample_ms']:g} ms). Untrained random drafter weights; "
@@ -393,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafters", nargs="+", default=list(ALL_DRAFTERS), choices=ALL_DRAFTERS)
     parser.add_argument("--context", type=int, default=128, help="committed context tokens per row")
     parser.add_argument("--max-len", type=int, default=256, help="cache length (target and drafters)")
+    parser.add_argument("--attention-len", type=int, default=None,
+                        help="read only cache rows [0:N) (the engine's attention bucket); default: all")
     parser.add_argument("--repeats", type=int, default=15, help="round-robin timed repeats")
     parser.add_argument("--inner", type=int, default=2, help="least calls per timed sample")
     parser.add_argument("--sample-ms", type=float, default=20.0, help="aim for samples this long (more "
@@ -412,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if min(args.batches) < 1 or min(args.gammas) < 1:
         parser.error("--batches and --gammas must be >= 1")
+    need = args.context + max(args.gammas) + 1
+    if args.attention_len is not None and not need <= args.attention_len <= args.max_len:
+        parser.error(f"--attention-len ({args.attention_len}) must lie in [--context + max gamma + 1 = {need}, "
+                     f"--max-len]")
     if args.context + max(args.gammas) + 1 > args.max_len:
         parser.error(f"--max-len ({args.max_len}) must hold --context + max gamma + 1 "
                      f"({args.context + max(args.gammas) + 1})")
@@ -423,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"benchmark": "drafters", "target": target.description, "target_source": target.source,
            "unit": "milliseconds per jitted call",
            "settings": {"batches": args.batches, "gammas": args.gammas, "context": args.context,
-                        "max_len": args.max_len, "repeats": args.repeats, "inner": args.inner, "sample_ms": args.sample_ms,
+                        "max_len": args.max_len, "attention_len": args.attention_len, "repeats": args.repeats,
+                        "inner": args.inner, "sample_ms": args.sample_ms,
                         "draft_layers": args.draft_layers, "markov_rank": args.markov_rank,
                         "tap_layers": list(default_target_layer_ids(target.config.num_hidden_layers,
                                                                     args.num_taps)),

@@ -462,3 +462,14 @@ def test_round_ops_runs_the_runners_programs_on_a_tiny_shape(tmp_path):
         assert r["ops_per_layer"] == round(r["top_level_ops"] / 2, 1)
     md = round_ops._markdown(res)
     assert md.startswith("# ") and "Command: `python -m bench.round_ops" in md
+
+
+@pytest.mark.parametrize("argv", [["--attention-len", "16"], ["--attention-len", "4096"]])
+def test_drafters_refuses_an_attention_len_outside_context_and_max_len(argv, capsys):
+    """--attention-len must cover the context plus a block and fit the cache: refused before any
+    model is loaded, naming the flag and the bound."""
+    from bench import drafters
+    with pytest.raises(SystemExit):
+        drafters.main(["--context", "64", "--max-len", "256", "--gammas", "8", *argv])
+    err = capsys.readouterr().err
+    assert "--attention-len" in err and "max gamma + 1 = 73" in err, err
