@@ -270,7 +270,7 @@ def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
     x = jnp.where(jnp.isnan(x), -jnp.inf, x)
     x = jnp.minimum(x, _F32_MAX)  # +inf -> largest float: keeps exp() finite
     vocab_ids = jnp.arange(v, dtype=jnp.int32)
-    onehot = (vocab_ids == jnp.argmax(x, axis=-1)[..., None].astype(jnp.int32)).astype(jnp.float32)
+    onehot = (vocab_ids == first_argmax(x)[..., None]).astype(jnp.float32)
     if sa.variant == "greedy":
         return onehot
     t = _per_row(sa.temperature, x.ndim, jnp.float32)
@@ -302,6 +302,14 @@ def _as_typed_key(key: Array) -> Array:
                      f"data, got dtype {key.dtype} shape {key.shape}")
 
 
+def first_argmax(x: Array) -> Array:
+    """int32 index of the largest entry along the last axis (the lowest on ties), for NaN-free x: as
+    `jnp.argmax`, from two plain reductions (a max, then a min over the indices holding it), which
+    XLA vectorises where its variadic argmax reduction is not (2-4x faster on CPU over a vocabulary)."""
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), ids, x.shape[-1]), axis=-1)
+
+
 @functools.partial(jax.jit, static_argnames=("greedy",))
 def sample(key: Array, probs: Array, greedy: bool = False) -> Array:
     """Draw int32 tokens from `probs` [..., V] (categorical; zero-probability tokens never drawn).
@@ -322,7 +330,7 @@ def sample(key: Array, probs: Array, greedy: bool = False) -> Array:
                          f"{probs.shape[:-1]}")
 
     if greedy:
-        return jnp.argmax(probs, axis=-1).astype(jnp.int32)
+        return first_argmax(probs)
 
     def draw(k: Array, pr: Array) -> Array:
         logp = jnp.where(pr > 0, jnp.log(jnp.where(pr > 0, pr, 1.0)), -jnp.inf)
@@ -382,4 +390,5 @@ def round_key(base_key_b: Array, counter_b: Array | int) -> Array:
 
 
 __all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "covering_variant", "probs_from_logits", "sample",
+           "first_argmax",
            "request_key", "round_key", "keys_for_batch", "validate_sampling"]

@@ -195,3 +195,18 @@ def test_greedy_draws_need_no_random_bits():
     soft = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, v)), jnp.float32))
     assert np.all(np.asarray(sample(keys, soft, greedy=True)) == np.argmax(np.asarray(soft), -1))
     assert not np.array_equal(sample(keys, soft), sample(keys, soft, greedy=True))
+
+
+def test_first_argmax_is_argmax_with_ties_and_infinities():
+    """The two-reduction argmax returns jnp.argmax's index (the lowest on ties) on rows with ties,
+    -inf entries, an all -inf row and +inf; a row's last maximum instead would fail (control)."""
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 4, (64, 33)).astype(np.float32)  # many ties
+    x[1] = -np.inf
+    x[2, 7] = np.inf
+    x[3, ::2] = -np.inf
+    got, want = np.asarray(sampling.first_argmax(jnp.asarray(x))), np.asarray(jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.int32
+    last = x.shape[-1] - 1 - np.argmax(x[:, ::-1], axis=-1)
+    assert not np.array_equal(got, last)
