@@ -129,6 +129,12 @@ class SamplingArrays:
         if isinstance(self.top_k_cap, bool) or not isinstance(self.top_k_cap, int) or self.top_k_cap < 1:
             raise ValueError(f"top_k_cap must be a positive int, got {self.top_k_cap!r}")
 
+    @property
+    def greedy(self) -> bool:
+        """Static: every row's distribution is a one-hot (the "greedy" variant), so draws need no
+        random bits (`sample(..., greedy=True)`)."""
+        return self.variant == "greedy"
+
     @classmethod
     def broadcast(cls, b: int, temperature: float = 1.0, top_k: int = 0,
                   top_p: float = 1.0) -> "SamplingArrays":

@@ -218,7 +218,7 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
         q_bgn = jnp.zeros((sb, 0, p.shape[-1]), jnp.float32)
         draft_bg = jnp.zeros((sb, 0), jnp.int32)
     res = ctx.verifier(keys_b, p, q_bgn[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_ids, q_ids,
-                       greedy=sa.variant == "greedy")
+                       greedy=sa.greedy)
     n_commit = jnp.where(active_b, res.num_accepted + 1, 0)
     cache = out.cache.with_lengths(cache.lengths.at[:sb].set(start_b + n_commit))
     if ctx.d_graph is not None and maintain:
@@ -351,8 +351,7 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
         sub = drafter.commit(sub, _taps_update(ctx, out, tokens_bt, positions, n_valid_p))
         dstate = jax.tree.map(lambda x, s_: x.at[slot_p].set(s_, mode="drop"), dstate, sub)
     p = probs_from_logits(out.logits[:, 0], sa)  # [P, V]
-    tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p,
-                 sa.variant == "greedy")
+    tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p)
     anchors = anchors.at[slot_p].set(tok, mode="drop")
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors)
     live = (limits_2b[0] > 1) & ~_is_stop(tok, stop_ids)

@@ -450,7 +450,7 @@ class PairCacheDrafter(nnx.Module):
             out = self._finish(res, a)  # [B, 1, H]
             z = self._logits(out)[:, 0]  # [B, N] float32
             q_bn = probs_from_logits(z, sampling)
-            nxt = dv.target_ids(vocab, sample(round_key(key_b, k), q_bn, sampling.variant == "greedy"))
+            nxt = dv.target_ids(vocab, sample(round_key(key_b, k), q_bn, sampling.greedy))
             return (out[:, 0].astype(feat_bh.dtype), nxt, dk, dv_), (nxt, q_bn, z)
 
         carry0 = (state.pending[:b], anchor_b.astype(jnp.int32), buf, buf)

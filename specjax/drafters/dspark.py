@@ -313,7 +313,7 @@ class DSparkDrafter(nnx.Module):
                 head_carry, bias = head.step(head_carry, h_bh, prev_b)
                 z = z + bias
             q = probs_from_logits(z, sampling)
-            d = sample(round_key(key_b, k), q, sampling.variant == "greedy")  # a draft index
+            d = sample(round_key(key_b, k), q, sampling.greedy)  # a draft index
             return (head_carry, d), (d, q, z)
 
         xs = (jnp.arange(self.gamma, dtype=jnp.int32), jnp.swapaxes(u, 0, 1), jnp.swapaxes(h, 0, 1))

@@ -58,7 +58,7 @@ class NGramDrafter(nnx.Module):
                 kv_len: int | None = None) -> DraftBlock:
         """Continue the latest earlier match of the longest suffix n-gram (history rows [0:kv_len))."""
         b = anchor_b.shape[0]
-        hist = state.history[:b] if kv_len is None else state.history[:b, :kv_len]
+        hist = state.history[:b, :kv_len]  # kv_len None: every row
         m = hist.shape[1]
         length = state.lengths[:b]  # the anchor sits at index `length`
         seq = jnp.concatenate([hist, jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, M+1]

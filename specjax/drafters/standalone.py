@@ -103,7 +103,7 @@ class StandaloneDrafter(nnx.Module):
             out = self.model.forward(tok_b[:, None], (pos0 + k)[:, None], cache, logits="all", kv_len=read)
             z = out.logits[:, 0]  # [B, V] float32
             q = probs_from_logits(z, sampling)
-            nxt = sample(round_key(key_b, k), q, sampling.variant == "greedy")
+            nxt = sample(round_key(key_b, k), q, sampling.greedy)
             return (out.cache, nxt), (nxt, q, z)
 
         carry0 = (sub, anchor_b.astype(jnp.int32))
