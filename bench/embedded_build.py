@@ -1,8 +1,10 @@
 """The shipped drafters' build record (specjax/assets/smollm2/BUILD.json, written by
 `make embedded` = `python -m train.build_embedded`) as a benchmark section: wall time per stage, the
-data it made, what it shipped and how large. Measures nothing itself.
+data it made, what it shipped and how large, and DSpark's learning curve when its training recorded
+one (tau per step on training, held-out and evaluation prompts). Measures nothing itself.
 
     python -m bench.embedded_build
+    python -m bench.embedded_build --curve <work>/train/dspark/logs/learning_curve.jsonl
 """
 from __future__ import annotations
 
@@ -13,12 +15,57 @@ import os
 from bench.common import command_line, md_table, pyplot, write_results
 
 
+def curve_section(points: list[dict], source: str, command: str, out_dir: str) -> list[str]:
+    """The learning-curve subsection (`embedded_build_curve`): tau at T=0 per set and step, the fit
+    gap (train - heldout), and a PNG of the curves."""
+    if not points:
+        raise SystemExit(f"{source}: no learning-curve point")
+    names = list(points[0]["sets"])
+    gap = "train" in names and "heldout" in names
+    rows = [[p["step"], *(f"{p['sets'][n]['tau']:.3f}" for n in names),
+             *([f"{p['sets']['train']['tau'] - p['sets']['heldout']['tau']:+.3f}"] if gap else [])] for p in points]
+    md = ("# Embedded build: DSpark's learning curve\n\n"
+          f"Command: `{command}` (reads `{source}`, written by the build's training of DSpark: "
+          "`curve.every` in its config, set by `train.build_embedded --curve-every`)\n\n"
+          "tau at T=0 under fixed verification on the target's greedy answers to the first prompts of "
+          "each set (`train`: training prompts, `heldout`: held-out ShareGPT prompts, `table1`: Table 1's "
+          "evaluation sets), replayed from the drafter's training forward at each step "
+          "(`specjax.eval.curve`; equal to the engine's tau: tests/test_train_infer_consistency.py). "
+          "Rounds per set: " + ", ".join(f"{n} {points[-1]['sets'][n]['rounds']}" for n in names) + ".\n\n"
+          + md_table(["step", *(f"tau {n}" for n in names), *(["fit gap (train - heldout)"] if gap else [])],
+                     rows, "r" * (1 + len(names) + gap)))
+
+    def plot(p):
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for n in names:
+            ax.plot([q["step"] for q in points], [q["sets"][n]["tau"] for q in points], marker="o", label=n)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("tau at T=0")
+        ax.set_title("DSpark learning curve")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+
+    return write_results("embedded_build_curve", {"source": source, "points": points}, md, out_dir=out_dir,
+                         plot=plot)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", default=None, help="BUILD.json (default: the shipped one)")
+    ap.add_argument("--curve", default=None, metavar="JSONL",
+                    help="only the learning-curve subsection, from this learning_curve.jsonl (default: the "
+                         "shipped DSpark's training.json, when it holds one)")
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     args = ap.parse_args(argv)
     from specjax import default_target
+    if args.curve:
+        from specjax.io import read_jsonl
+        curve_section(read_jsonl(args.curve, objects=True), os.path.relpath(args.curve),
+                      command_line("bench.embedded_build", argv), args.out_dir)
+        return
     path = args.record or os.path.join(default_target.asset_dir(), "BUILD.json")
     if not os.path.isfile(path):
         raise SystemExit(f"no build record {path}: run `make embedded` first")
@@ -65,6 +112,12 @@ def main(argv: list[str] | None = None) -> None:
 
     write_results("embedded_build", {"record": os.path.relpath(path), "stages": stages, "total_s": total,
                                      "data": data, "drafter_bytes": sizes}, md, out_dir=args.out_dir, plot=plot)
+    shipped = os.path.join(os.path.dirname(path), "drafters", "dspark", "training.json")
+    if os.path.isfile(shipped):
+        with open(shipped, encoding="utf-8") as f:
+            points = json.load(f).get("learning_curve")
+        if points:
+            curve_section(points, os.path.relpath(shipped), command_line("bench.embedded_build", argv), args.out_dir)
 
 
 if __name__ == "__main__":

@@ -166,6 +166,11 @@ def test_pipeline_end_to_end_resumes_and_exports_loadable_drafters(setup, capsys
         drafter = registry.load_drafter(d, target=target)
         info = json.loads((d / "training.json").read_text())
         assert info["final_step"] == 3 and str(s["root"]) not in json.dumps(info)
+        if name == "dspark":  # the smoke scale's learning curve, at the run's end (3 steps)
+            assert [p["step"] for p in info["learning_curve"]] == [3]
+            assert set(info["learning_curve"][0]["sets"]) == {"train", "heldout"}
+        else:
+            assert "learning_curve" not in info
         data = info["train_config"]["data"]
         if name == "dspark":
             assert (data["cache_dir"], data["extra_cache_dirs"]) == (

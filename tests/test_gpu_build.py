@@ -45,6 +45,7 @@ def setup(tmp_path_factory):
     eval_dir = root / "eval"
     eval_dir.mkdir()
     (eval_dir / "set.jsonl").write_text(json.dumps({"turns": [EVAL_PROMPT]}) + "\n")
+    (eval_dir / "gsm8k.jsonl").write_text(json.dumps({"turns": [EVAL_PROMPT]}) + "\n")  # a Table 1 set
     return {"root": root, "target": _tiny_llama_target(root), "sharegpt": _sharegpt(root),
             "configs": _configs(root), "eval": eval_dir}
 
@@ -121,6 +122,11 @@ def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys, mon
         assert rec["drafter_builds"][name]["machine"]["jax_backend"] == "cpu"
     assert rec["data"]["answers"]["samples"] == len(seed) + len(regen)
     assert rec["settings"]["budget_s"] is not None
+    # DSpark's learning curve: a point at the step training stopped, on the three sets
+    curve = read_jsonl(work / "train" / "dspark" / "logs" / "learning_curve.jsonl")
+    assert [p["step"] for p in curve] == [steps1["dspark"]]
+    assert set(curve[0]["sets"]) == {"train", "heldout", "table1"}
+    assert not (work / "train" / "mtp1" / "logs" / "learning_curve.jsonl").exists()
 
     # the pack: few small files, the answers (seed + new), lean drafters, the record
     files = sorted(os.listdir(r / "pack"))
@@ -166,6 +172,7 @@ def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys, mon
     with gzip.open(shipped / "regen" / "answers.jsonl.gz", "rt") as f:
         assert [json.loads(x) for x in f] == packed
     assert (r / "work_home" / "logs" / "dspark" / "metrics.jsonl").is_file()
+    assert read_jsonl(r / "work_home" / "logs" / "dspark" / "learning_curve.jsonl") == curve
     assert (shipped / "split.json").is_file()
 
 

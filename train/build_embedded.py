@@ -74,7 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                        ("max-turns", "user turns answered per conversation (default: the "
                                      "scale's; gpu: every turn)"),
                        ("context-tokens", "tokens per conversation, regeneration and training "
-                                          "(default: the scale's)")):
+                                          "(default: the scale's)"),
+                       ("curve-every", "DSpark's learning curve: tau on greedy texts every N "
+                                       "training steps (0: none; default: the scale's)"),
+                       ("curve-prompts", "learning curve: prompts per file of each set"),
+                       ("curve-tokens", "learning curve: tokens per greedy answer")):
         p.add_argument(f"--{name}", type=int, default=None, help=what)
     p.add_argument("--min-unit-s", type=float, default=None,
                    help="with --budget-s: the fewest seconds a stage (or drafter) runs in; one "
@@ -112,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         over = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in (
             "rows", "max-new-tokens", "prompt-max-tokens", "prepare-limit", "steps",
             "calibrate-prompts", "calibrate-tokens", "reference-rows", "text-rows",
-            "max-turns", "context-tokens", "min-unit-s")}
+            "max-turns", "context-tokens", "min-unit-s", "curve-every", "curve-prompts", "curve-tokens")}
         scale = dataclasses.replace(scale, **{k: v for k, v in over.items() if v is not None})
         gpu = args.scale == "gpu"
         if gpu and not args.unpack and not args.allow_cpu:

@@ -21,7 +21,8 @@ from typing import Callable, NamedTuple, Sequence
 
 from specjax.training.build import Build
 from specjax.training.build_outputs import BuildError
-from specjax.training.build_plan import BuildSettings, DrafterPlan
+from specjax.training.build_plan import CURVE_EVAL_SETS, BuildSettings, DrafterPlan
+from specjax.training.build_record import count_rows
 
 
 SOFT_SHARE = 0.85
@@ -128,12 +129,33 @@ class ProgramStages:
             sets.append(f"data.batch_size={s.scale.batch_size}")
         if s.scale.compute_dtype is not None:
             sets.append(f"model.compute_dtype={s.scale.compute_dtype}")
+        sets += self._curve_sets(build, p)
         args = ["--config", p.config, "--export-dtype", "bfloat16", *self._budget_args(build)]
         for x in sets:
             args += ["--set", x]
         if p.draft_vocab_size:
             args += ["--draft-vocab", s.vocab_file(p.draft_vocab_size)]
         self._run(build, Step("train.train_draft", args))
+
+    @staticmethod
+    def _curve_sets(build: Build, p: DrafterPlan) -> list[str]:
+        """The `curve.*` config overrides of a drafter that records a learning curve: sets
+        `train` (the answered prompts), `heldout` and `table1` (the evaluation sets found)."""
+        s, sc = build.s, build.s.scale
+        if not sc.curve_every or p.name not in s.curve_drafters:
+            return []
+        table1 = [f for f in (os.path.join(s.eval_dir, f"{n}.jsonl") for n in CURVE_EVAL_SETS) if os.path.isfile(f)]
+        answered = [f for f in s.answers_files if count_rows(f)]
+        sets = ([{"name": "train", "files": answered}] if answered else []) + [
+            {"name": "heldout", "files": [build.heldout_prompts]}]
+        if table1:
+            sets.append({"name": "table1", "files": table1})
+        else:
+            build.log(f"curve/{p.name}: no evaluation set of {list(CURVE_EVAL_SETS)} in {s.eval_dir}")
+        return [f"curve.every={sc.curve_every}", f"curve.sets={json.dumps(sets)}",
+                f"curve.prompts={sc.curve_prompts}", f"curve.max_tokens={sc.curve_tokens}",
+                f"curve.max_prompt_tokens={sc.prompt_max_tokens}",
+                f"curve.texts={os.path.join(s.run_dir(p.name), 'curve_texts.jsonl')}"]
 
     def calibrate(self, build: Build, p: DrafterPlan) -> None:
         s, sc = build.s, build.s.scale

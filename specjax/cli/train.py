@@ -8,7 +8,9 @@ the target checkpoint, builds the drafter of `model.kind` with frozen copies of 
 embedding and lm_head, and trains it on an offline target cache (`data.mode: cache`: DSpark /
 DFlash / Eagle3 / MTP-1, made by `python -m train.build_cache`) or online from chat or
 {"prompt", "completion"} JSONL (`data.mode: online`: the frozen target runs inside the jitted
-step); see `specjax.training.run`. Resumes from the latest checkpoint in `checkpoint.directory`;
+step); see `specjax.training.run`. With `curve.every` > 0 it records a learning curve (tau at T=0
+on greedy texts of named prompt sets, `specjax.eval.curve`) every that many steps and at the end.
+Resumes from the latest checkpoint in `checkpoint.directory`;
 SIGTERM / SIGINT save a checkpoint and exit with status 0.
 
 Multi-host (one process per host, `specjax.distributed`): run the same command on every host with
@@ -52,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specjax.config import ConfigError
     from specjax.training.build_outputs import read_draft_vocab
     from specjax.training.config import load_train_config
-    from specjax.training.run import build, train
+    from specjax.training.run import build, curve_hook, train
 
     try:
         if args.budget_s is not None and args.budget_s <= 0:
@@ -63,10 +65,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.draft_vocab:
             draft_ids = read_draft_vocab(args.draft_vocab, size=cfg.model.draft_vocab_size)
         run = build(cfg, draft_ids=draft_ids)
+        curve = curve_hook(cfg, run) if cfg.curve.every else None
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    train(cfg, run, steps=args.steps, export_dtype=args.export_dtype, deadline=deadline)
+    train(cfg, run, steps=args.steps, export_dtype=args.export_dtype, deadline=deadline, curve=curve)
     return 0
 
 

@@ -8,7 +8,8 @@ A pack directory holds
     build.tar.NN        one tar, cut in parts of at most the file limit: the shipped drafters
                         (lean exports: no frozen target tensors, with training.json and
                         calibration), split.json, prompts/heldout.jsonl and every drafter's
-                        training log (logs/<name>/metrics.jsonl)
+                        training log (logs/<name>/metrics.jsonl) and learning curve
+                        (logs/<name>/learning_curve.jsonl)
 A pack over the limits is refused before anything is written, naming the limit.
 
 `unpack` checks every file against PACK.json, then puts the drafters, split.json and held-out
@@ -29,6 +30,7 @@ import tarfile
 import tempfile
 from typing import TYPE_CHECKING, Any
 
+from specjax.eval.curve import CURVE_LOG
 from specjax.io import read_jsonl, write_json_atomic
 from specjax.training.answers import ANSWERS_NAME, read_answers, write_answers
 from specjax.training.build_outputs import BuildError, dir_bytes
@@ -78,9 +80,10 @@ def _tar_bytes(s: "BuildSettings") -> bytes:
             if os.path.isfile(os.path.join(s.out_dir, rel)):
                 tar.add(os.path.join(s.out_dir, rel), arcname=rel.replace(os.sep, "/"))
         for name in s.drafters:
-            log = os.path.join(s.run_dir(name), "logs", "metrics.jsonl")
-            if os.path.isfile(log):
-                tar.add(log, arcname=f"logs/{name}/metrics.jsonl")
+            for log in ("metrics.jsonl", CURVE_LOG):
+                path = os.path.join(s.run_dir(name), "logs", log)
+                if os.path.isfile(path):
+                    tar.add(path, arcname=f"logs/{name}/{log}")
     return buf.getvalue()
 
 

@@ -36,6 +36,12 @@ class Scale:
     batch_size: int | None = None  # every drafter's data.batch_size (None: each config's own)
     compute_dtype: str | None = None  # every drafter's model.compute_dtype (None: the config's)
     min_unit_s: float = 1.0  # with a budget: the fewest seconds a unit (stage, drafter) runs in
+    # learning curve of the `curve_drafters` (`specjax.eval.curve`): every `curve_every` steps
+    # (0: none) tau at T=0 on greedy answers (`curve_tokens` each) to `curve_prompts` prompts of
+    # each file: training prompts, held-out prompts, the evaluation sets `CURVE_EVAL_SETS`
+    curve_every: int = 0
+    curve_prompts: int = 16
+    curve_tokens: int = 64
 
 
 SCALES = {
@@ -44,18 +50,22 @@ SCALES = {
     # cache ~120 tokens/s, training 4-6 s/step): regenerate ~85 min, cache ~16 min, training
     # ~2.5 h over six drafters, calibration ~20 min; about 4.5 h in all
     "full": Scale(rows=384, max_new_tokens=192, prompt_max_tokens=256, prepare_limit=None,
-                  steps=None, calibrate_prompts=32, calibrate_tokens=128, text_rows=8000),
+                  steps=None, calibrate_prompts=32, calibrate_tokens=128, text_rows=8000,
+                  curve_every=120, curve_prompts=8),
     # proves the real path in minutes (garbage drafters: never export these into the package)
     "smoke": Scale(rows=16, max_new_tokens=32, prompt_max_tokens=128, prepare_limit=2000,
-                   steps=20, calibrate_prompts=4, calibrate_tokens=32, text_rows=8),
+                   steps=20, calibrate_prompts=4, calibrate_tokens=32, text_rows=8,
+                   curve_every=10, curve_prompts=2, curve_tokens=16),
     # one budgeted run on one accelerator (`--budget-s`): every user turn answered, online
     # target features at batch 64 in bfloat16; the step count sets the learning-rate schedule
     # and the budget usually stops training first (a later run resumes toward it)
     "gpu": Scale(rows=6144, max_new_tokens=256, prompt_max_tokens=256, prepare_limit=None,
                  steps=4000, calibrate_prompts=64, calibrate_tokens=128, text_rows=8000,
                  max_turns=None, context_tokens=1024, online=True, batch_size=64,
-                 compute_dtype="bfloat16", min_unit_s=20.0),
+                 compute_dtype="bfloat16", min_unit_s=20.0, curve_every=200, curve_prompts=16),
 }
+# Table 1's evaluation sets (bench.embedded) whose files in the build's eval_dir feed the curve
+CURVE_EVAL_SETS = ("mt-bench", "gsm8k", "humaneval", "math500", "mbpp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +93,7 @@ class BuildSettings:
     seed_answers: str | None = None  # answers artifact (gzip JSONL): its prompts are not redone
     budget_s: float | None = None  # wall-clock budget of the whole build (`build_budget`)
     command: str | None = None  # the command line that runs the build (recorded per drafter)
+    curve_drafters: tuple[str, ...] = ("dspark",)  # drafters that record a learning curve
 
     def __post_init__(self) -> None:
         for name in ("rows", "max_new_tokens", "prompt_max_tokens", "calibrate_prompts",
@@ -96,6 +107,11 @@ class BuildSettings:
         for name in ("reference_rows", "text_rows"):
             if getattr(self.scale, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self.scale, name)}")
+        for name in ("curve_prompts", "curve_tokens"):
+            if getattr(self.scale, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self.scale, name)}")
+        if self.scale.curve_every < 0:
+            raise ValueError(f"curve_every must be >= 0, got {self.scale.curve_every}")
         if self.scale.max_turns is not None and self.scale.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.scale.max_turns}")
         if self.budget_s is not None and self.budget_s <= 0:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from specjax.eval.curve import CURVE_LOG
 from specjax.io import read_jsonl, write_json_atomic
 from specjax.training.build_outputs import dir_bytes
 
@@ -137,7 +138,7 @@ def data_facts(s: "BuildSettings", wants_text: bool) -> dict[str, Any]:
 
 def provenance(s: "BuildSettings", p: "DrafterPlan") -> dict[str, Any]:
     """A shipped drafter's training.json: its config (work paths as <work>/...), final step and
-    metrics."""
+    metrics, and its learning curve when it recorded one."""
     logs = os.path.join(s.run_dir(p.name), "logs", "metrics.jsonl")
     rows = read_jsonl(logs, objects=True, repair_torn_tail=True, missing_ok=True)
     last = rows[-1] if rows else {}
@@ -156,9 +157,16 @@ def provenance(s: "BuildSettings", p: "DrafterPlan") -> dict[str, Any]:
                 data[key] = work_label(s, data[key])
             elif data.get(key):
                 data[key] = [work_label(s, x) for x in data[key]]
+        curve = train_cfg.get("curve") or {}
+        if curve.get("texts"):
+            curve["texts"] = work_label(s, curve["texts"])
+        for cs in curve.get("sets") or []:
+            cs["files"] = [work_label(s, x) for x in cs["files"]]
+    points = read_jsonl(os.path.join(s.run_dir(p.name), "logs", CURVE_LOG), objects=True,
+                        repair_torn_tail=True, missing_ok=True)
     return {"drafter": p.name, "config": os.path.basename(p.config),
             "final_step": last.get("step"), "final_metrics": last,
-            "train_config": train_cfg, "finished": now()}
+            "train_config": train_cfg, "finished": now(), **({"learning_curve": points} if points else {})}
 
 
 __all__ = ["RECORD_NAME", "count_rows", "data_facts", "drafter_build", "load_record", "machine",

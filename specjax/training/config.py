@@ -2,7 +2,7 @@
 
 A run is `TrainConfig`: the drafter and its loss (`ModelConfig`), the optimizer (`OptimizerConfig`),
 the step count (`ScheduleConfig`), data (`DataConfig`: an offline target cache or online JSONL),
-checkpointing, logging and the mesh. Defaults follow the shipped DeepSpec DSpark configs
+checkpointing, logging, the mesh and an optional learning curve (`CurveConfig`). Defaults follow the shipped DeepSpec DSpark configs
 (reference §6.1); the DFlash preset differs only in the loss weights and heads.
 """
 from __future__ import annotations
@@ -156,6 +156,48 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CurveSet:
+    """A named set of prompt files (evaluation rows: `turns`, `conversations` or `prompt`) for the
+    learning curve; the first `CurveConfig.prompts` prompts of each file (the evaluation's capped
+    order) are used."""
+
+    name: str
+    files: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("curve set field 'name' must be a non-empty string")
+        if not self.files:
+            raise ConfigError(f"curve set {self.name!r}: field 'files' must list one or more prompt files")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurveConfig:
+    """A learning curve (`specjax.eval.curve`): every `every` steps (0: none) and at the end of the
+    run, the drafter's tau at T=0 on the target's greedy answers (`max_tokens` each) to the prompts
+    of each set (prompts of more than `max_prompt_tokens` tokens left out). The greedy texts are made
+    once into `texts` (default <logging.directory>/curve_texts.jsonl); the points go to
+    <logging.directory>/learning_curve.jsonl."""
+
+    every: int = 0
+    sets: tuple[CurveSet, ...] = ()
+    prompts: int = 16
+    max_prompt_tokens: int = 256
+    max_tokens: int = 64
+    texts: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"field 'every' must be >= 0, got {self.every}")
+        check_positive(self, "prompts", "max_prompt_tokens", "max_tokens")
+        names = [s.name for s in self.sets]
+        if self.every and not names:
+            raise ConfigError("curve: field 'sets' must name one or more prompt sets when 'every' > 0")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"curve: set names repeat: {names}")
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Training mesh (data, fsdp, tensor); fsdp 0 means all remaining devices."""
 
@@ -244,6 +286,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     mesh: MeshConfig = MeshConfig()
+    curve: CurveConfig = CurveConfig()
     export_dir: str | None = None  # Hugging Face style export of the final drafter
 
 
@@ -280,6 +323,6 @@ def train_config_dict(cfg: TrainConfig) -> dict[str, Any]:
     return to_dict(cfg)
 
 
-__all__ = ["CheckpointConfig", "DataConfig", "LoggingConfig", "MeshConfig", "ModelConfig",
+__all__ = ["CheckpointConfig", "CurveConfig", "CurveSet", "DataConfig", "LoggingConfig", "MeshConfig", "ModelConfig",
            "OptimizerConfig", "ScheduleConfig", "TrainConfig", "apply_overrides",
            "load_train_config", "train_config_dict"]

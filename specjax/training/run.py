@@ -125,13 +125,53 @@ def export_trained(trainer, state, dcfg, out_dir: str, *, target: Any = None,
         print(f"exported the drafter to {out_dir}")
 
 
+def curve_hook(cfg: TrainConfig, run: Run) -> Any:
+    """The `Trainer.fit` callback of the run's learning curve (`cfg.curve`, `specjax.eval.curve`):
+    the greedy texts are made once (plain decoding of the target, float32, as the engine runs it),
+    then the target's features of them; points go to <logging.directory>/learning_curve.jsonl."""
+    from specjax.api import LLM
+    from specjax.eval import curve as C
+    from specjax.eval.datasets import load_dataset
+
+    cc, mc = cfg.curve, cfg.model
+    if jax.process_count() > 1:
+        raise ConfigError("curve: a learning curve is computed in single-process runs only")
+    texts_path = cc.texts or os.path.join(cfg.logging.directory, "curve_texts.jsonl")
+    max_len = cc.max_prompt_tokens + cc.max_tokens + 16
+    if os.path.isfile(texts_path):
+        target, _ = checkpoints.load_target(mc.target, dtype="float32")
+    else:
+        llm = LLM(mc.target, tokenizer=cfg.data.tokenizer, max_model_len=max_len, dtype="float32",
+                  max_prefill=min(256, cc.max_prompt_tokens))
+        prompt_sets = {}
+        for cs in cc.sets:
+            for path in cs.files:
+                if not os.path.isfile(path):
+                    raise ConfigError(f"curve set {cs.name!r}: prompt file {path} does not exist")
+            prompt_sets[cs.name] = [p for path in cs.files
+                                    for p in load_dataset(path, llm.tokenizer, cap=cc.prompts).prompts
+                                    if len(p) <= cc.max_prompt_tokens]
+            if not prompt_sets[cs.name]:
+                raise ConfigError(f"curve set {cs.name!r}: no prompt of at most {cc.max_prompt_tokens} "
+                                  f"tokens in {list(cs.files)}")
+        counts = C.write_curve_texts(llm, prompt_sets, texts_path, max_tokens=cc.max_tokens)
+        print(f"curve: greedy texts {counts} -> {texts_path}", flush=True)
+        target = llm.model
+        del llm
+    curve = C.LearningCurve(target, C.read_curve_texts(texts_path), max_len=max_len,
+                            max_tokens=cc.max_tokens, tap_layers=run.tap_layers)
+    log = C.CurveLog(os.path.join(cfg.logging.directory, C.CURVE_LOG))
+    return C.curve_hook(curve, log, cc.every, run.trainer.model, primary=dist.is_primary())
+
+
 def train(cfg: TrainConfig, run: Run, *, steps: int | None = None,
-          export_dtype: str | None = None, deadline: float | None = None) -> None:
+          export_dtype: str | None = None, deadline: float | None = None, curve: Any = None) -> None:
     """Train `run` (built from `cfg`; printing a start line and a final line), then export the
     drafter to `cfg.export_dir` with its progress file (`PROGRESS_NAME`). `steps`: stop after
     this many optimizer steps in total (default: the schedule's). A preempted run saves a
     checkpoint and returns (rerun to resume). `deadline` (a `time.monotonic()` value): a run that
-    reaches it saves a checkpoint and exports the drafter it has (a rerun continues it)."""
+    reaches it saves a checkpoint and exports the drafter it has (a rerun continues it). `curve`:
+    the learning curve's callback (`curve_hook`), called every step and at the end."""
     trainer, data, dcfg = run[:3]
     if dist.is_primary():
         os.makedirs(cfg.checkpoint.directory, exist_ok=True)
@@ -146,7 +186,9 @@ def train(cfg: TrainConfig, run: Run, *, steps: int | None = None,
     t0 = time.monotonic()
     start = (trainer.latest_checkpoint() or 0) if cfg.checkpoint.resume else 0
     try:
-        result = trainer.fit(data, total_steps=steps, deadline=deadline)
+        result = trainer.fit(data, total_steps=steps, deadline=deadline, on_step=curve)
+        if curve is not None and result.status != "preempted":
+            curve(result.step, result.state, force=True)
     finally:
         trainer.close()
     if result.status == "preempted":
@@ -172,4 +214,4 @@ def train(cfg: TrainConfig, run: Run, *, steps: int | None = None,
     print(f"done: {result.step} steps; last metrics {json.dumps(result.metrics)}", flush=True)
 
 
-__all__ = ["Run", "SampleList", "build", "export_trained", "train", "train_mesh"]
+__all__ = ["Run", "SampleList", "build", "curve_hook", "export_trained", "train", "train_mesh"]
