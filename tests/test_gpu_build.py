@@ -277,3 +277,22 @@ def test_without_prepared_prompts_the_artifact_alone_feeds_training(setup, tmp_p
     open(os.path.join(s.export_dir("dspark"), "config.json"), "w").close()
     b.calibrate(b.plans[0])
     assert steps[1].args[steps[1].args.index("--prompts") + 1] == str(out / "prompts" / "heldout.jsonl")
+
+
+def test_a_seeded_build_caches_the_artifact_without_a_regenerate_stage(setup, tmp_path):
+    """`--stages cache train` with `--seed-answers` on a machine without prepared prompts: the cache
+    stage seeds the work directory first and caches the artifact's answers."""
+    from specjax.io import read_jsonl
+    from specjax.training import build_plan as B
+    from train import build_stages as BS
+
+    seed = _seed_artifact(tmp_path / "a.jsonl.gz", [{"id": f"p{i}", "turns": [f"w{10 + i}"]} for i in range(3)])
+    s = B.BuildSettings(target=str(setup["target"]), out_dir=str(tmp_path / "out"), work_dir=str(tmp_path / "w"),
+                        config_dir=str(setup["configs"]), drafters=("dspark",), eval_dir=str(setup["eval"]),
+                        scale=B.SCALES["full"], seed_answers=str(tmp_path / "a.jsonl.gz"))
+    steps = []
+    b = BS.program_build(s, runner=lambda st: steps.append(st) or 0, log=lambda m: None)
+    b.cache()
+    assert steps[0].module == "train.build_cache"
+    assert steps[0].args[steps[0].args.index("--data") + 1] == s.regen_seed
+    assert sorted(map(json.dumps, read_jsonl(s.regen_seed))) == sorted(map(json.dumps, seed))

@@ -292,6 +292,7 @@ class Build:
         return self.layers is None or os.path.isfile(os.path.join(self.s.cache_dir, MANIFEST))
 
     def cache(self) -> None:
+        self.seed()
         self.launch.cache(self, self.s.answers_files, self.s.cache_dir)
 
     def reference_conversations(self, n: int) -> list[dict[str, Any]]:
