@@ -15,8 +15,9 @@ result as round_ops_S (a subsection of this benchmark's section) instead of roun
 XLA then compiles it for this machine's backend and the benchmark reads the optimised HLO: the
 top-level ops of the entry computation (parameters, constants, tuples, get-tuple-element and bitcasts
 not counted) per decoder layer, the number of `conditional` and `while` ops anywhere in the program,
-and XLA's `bytes accessed` of one call (`compiled.cost_analysis()`) against the bytes of the weights
-the program reads (target, plus drafter for draft/verify/fused) and of the whole KV cache.
+XLA's `bytes accessed` of one call (`compiled.cost_analysis()`) and the part of it the round touches
+(`bytes_breakdown`), against the bytes of the weights the program reads (target, plus drafter for
+draft/verify/fused) and of the whole KV cache.
 """
 from __future__ import annotations
 
@@ -85,6 +86,109 @@ def hlo_counts(hlo_text: str) -> dict[str, int]:
     return {"top_level_ops": top, "conditionals": cond, "whiles": loops, "prng_whiles": prng}
 
 
+_SHAPE_RE = re.compile(r"\b(pred|bf16|[fsu](?:8|16|32|64))\[([\d,]*)\]")
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
+_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_DTYPE_CHANGES = frozenset({"parameter", "convert", "bitcast", "copy"})
+_IN_PLACE_ROOTS = frozenset({"scatter", "dynamic-update-slice"})
+
+
+def _shape_bytes(shape_text: str) -> int:
+    """Bytes of an HLO shape (a tuple's elements summed; layouts ignored)."""
+    total = 0
+    for dtype, dims in _SHAPE_RE.findall(shape_text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * (1 if dtype == "pred" else int(dtype.lstrip("bfsu")) // 8)
+    return total
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[tuple[str, int, str, list[str], str]]], str]:
+    """Each computation's instructions (name, result bytes, op, operand names, the whole line), and
+    the entry computation's name."""
+    comps: dict[str, list[tuple[str, int, str, list[str], str]]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        head = _COMP_RE.match(line)
+        if head is not None:  # computation headers start the line; instructions are indented
+            current = comps.setdefault(head.group(1), [])
+            entry = head.group(1) if line.startswith("ENTRY") else entry
+            continue
+        m = _INSTR_RE.match(line)
+        if m is not None and current is not None:
+            name, shape, op, rest = m.groups()
+            operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+            current.append((name, _shape_bytes(shape), op, operands, line))
+    return comps, entry
+
+
+def _fusion_kind(body: list[tuple[str, int, str, list[str], str]], operand_bytes: list[int]) -> tuple[str, dict[int, int]]:
+    """What a fused computation does to its operands: 'convert' (it only changes their dtype or
+    layout), 'scatter' or 'dynamic-update-slice' (its root updates parameter 0's buffer in place), or
+    'other'; and, for gathers, {parameter number: bytes the gather reads} (its result's bytes)."""
+    ops = {op for _, _, op, _, _ in body}
+    if "convert" in ops and ops <= _DTYPE_CHANGES:
+        return "convert", {}
+    by_name = {name: (op, operands, line) for name, _, op, operands, line in body}
+    params = {name: int(re.search(r"parameter\((\d+)\)", line).group(1))
+              for name, (op, _, line) in by_name.items() if op == "parameter"}
+    root = body[-1]
+    if root[2] in _IN_PLACE_ROOTS and params.get(root[3][0]) == 0 and operand_bytes and operand_bytes[0] == root[1]:
+        return root[2], {}
+    reads: dict[int, int] = {}
+    for _, nbytes, op, operands, _ in body:
+        src = operands[0] if op == "gather" else None
+        while src is not None and src not in params and by_name.get(src, ("",))[0] in _DTYPE_CHANGES:
+            src = by_name[src][1][0]
+        if src in params:
+            reads[params[src]] = reads.get(params[src], 0) + nbytes
+    return "other", reads
+
+
+def bytes_breakdown(hlo_text: str) -> dict[str, int]:
+    """XLA's bytes accessed of a compiled program (each top-level op's operands and result, as its
+    cost analysis counts them: `xla`) split into `touched`, what the round reads and writes, and what
+    the count or the backend adds: `convert`, ops that only change a dtype (XLA:CPU has no bf16 dot:
+    it writes f32 copies of bf16 weights and cache each call, which a GPU's dot reads as stored; their
+    consumers are counted at the stored bytes) and `whole_buffer`, the excess of in-place updates
+    (a scatter into a buffer: XLA counts it whole in and out, it touches its update) and gathers
+    (counted at the whole table, they read their rows). xla = touched + convert + whole_buffer."""
+    comps, entry = _computations(hlo_text)
+    sizes: dict[str, int] = {}
+    stored: dict[str, int] = {}  # outputs of dtype-only ops -> bytes of what they convert
+    out = {"xla": 0, "touched": 0, "convert": 0, "whole_buffer": 0}
+    for name, nbytes, op, operands, line in comps.get(entry, []):
+        sizes[name] = nbytes
+        if op in _FREE_OPS:
+            continue
+        in_bytes = [sizes.get(o, 0) for o in operands]
+        called = re.search(r"calls=%([\w.\-]+)", line)
+        kind, reads = _fusion_kind(comps[called.group(1)], in_bytes) if op == "fusion" and called else ("other", {})
+        in_place = sum(in_bytes[1:]) + max(in_bytes[1:], default=0)  # update and indices in, update out
+        raw = in_place if kind == "dynamic-update-slice" else nbytes + sum(in_bytes)  # as XLA counts them
+        out["xla"] += raw
+        if kind == "convert":
+            stored[name] = sum(stored.get(o, b) for o, b in zip(operands, in_bytes))
+            out["convert"] += raw
+            continue
+        if kind in _IN_PLACE_ROOTS:
+            touched = in_place
+            out["whole_buffer"] += raw - touched
+            if operands[0] in stored:  # an update of a converted buffer: still the stored buffer
+                stored[name] = stored[operands[0]]
+        else:
+            touched = nbytes
+            for i, (o, b) in enumerate(zip(operands, in_bytes)):
+                as_stored = stored.get(o, b)
+                read = min(reads.get(i, as_stored), as_stored)
+                out["convert"] += b - as_stored
+                out["whole_buffer"] += as_stored - read
+                touched += read
+        out["touched"] += touched
+    return out
+
+
 def compiled_report(lowered: Any) -> dict[str, Any]:
     """Compile a jax `Lowered` and report its HLO counts, XLA's bytes accessed and compile seconds."""
     t0 = time.perf_counter()
@@ -93,8 +197,11 @@ def compiled_report(lowered: Any) -> dict[str, Any]:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
         cost = cost[0] if cost else {}
-    return {**hlo_counts(compiled.as_text()), "bytes_accessed": float((cost or {}).get("bytes accessed", 0.0)),
-            "compile_s": round(seconds, 2)}
+    text = compiled.as_text()
+    split = bytes_breakdown(text)
+    return {**hlo_counts(text), "bytes_accessed": float((cost or {}).get("bytes accessed", 0.0)),
+            "touched_bytes": split["touched"], "convert_bytes": split["convert"],
+            "whole_buffer_bytes": split["whole_buffer"], "compile_s": round(seconds, 2)}
 
 
 def _nbytes(tree: Any) -> int:
@@ -159,7 +266,8 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
             rows.append({"family": family, "variant": variant + (" +logprobs" if lp else ""), "bucket": list(key),
                          "slots": slots, "draft_vocab": draft_vocab, **rep,
                          "ops_per_layer": round(rep["top_level_ops"] / layers, 1), "weight_bytes": weights,
-                         "kv_cache_bytes": kv_bytes, "bytes_over_weights": round(rep["bytes_accessed"] / weights, 3)})
+                         "kv_cache_bytes": kv_bytes, "bytes_over_weights": round(rep["bytes_accessed"] / weights, 3),
+                         "touched_over_weights_kv": round(rep["touched_bytes"] / (weights + kv_bytes), 3)})
     return rows
 
 
@@ -173,8 +281,14 @@ def _markdown(res: dict[str, Any]) -> str:
              "= top-level HLO ops of the entry computation / the target's decoder layers (draft: also divided "
              "by the target's layers, for comparison); `cond` and `while` count every `conditional` and `while` "
              "op in the program, except that `PRNG while` counts apart the loops of the threefry random-bit "
-             "generator, which JAX lowers as a rolled loop on CPU only (unrolled, or one kernel, on GPU and TPU); `bytes/weights` = XLA's bytes accessed per call / the bytes of the weights the "
-             "program reads. The KV column is the whole cache (every slot at max_len). Goals (issue #36): "
+             "generator, which JAX lowers as a rolled loop on CPU only (unrolled, or one kernel, on GPU and TPU). "
+             "`bytes accessed` is XLA's count for one call; `touched` is the part of it the round reads and writes "
+             "(`bench.round_ops.bytes_breakdown`): without `CPU converts`, the fusions that only change a dtype "
+             "(XLA:CPU has no bf16 dot, so it writes f32 copies of the bf16 weights and cache every call; their "
+             "consumers are counted at the stored bytes, as a GPU's dot reads them), and with in-place cache "
+             "writes and gathers counted at the rows they touch instead of the whole buffer XLA counts. "
+             "`touched/(W+KV)` = touched / (the weights the program reads + the KV cache). The KV column is "
+             "the whole cache (every slot at max_len, the attention bucket these programs are built for). Goals (issue #36): "
              "<= 12 ops per layer, 0 conditionals and 0 loops in a greedy or unfiltered round, bytes accessed "
              "<= 1.3x (weights + live KV) at 128 slots.", ""]
     if any(res.get("draft_vocabs", [0])) or res.get("max_logprobs"):
@@ -185,12 +299,13 @@ def _markdown(res: dict[str, Any]) -> str:
         lines += [f"## {name} ({rows[0]['layers']} layers, {rows[0]['dtype']})", ""]
         lines.append(md_table(
             ["program", "sampling", "slots", "draft vocab", "top-level ops", "ops/layer", "cond", "while", "PRNG while",
-             "bytes accessed (MB)",
-             "weights (MB)", "KV cache (MB)", "bytes/weights", "compile (s)"],
-            [[r["family"], r["variant"], r["slots"], r.get("draft_vocab", 0), r["top_level_ops"], r["ops_per_layer"], r["conditionals"], r["whiles"], r["prng_whiles"],
-              f"{r['bytes_accessed'] / 1e6:.1f}", f"{r['weight_bytes'] / 1e6:.1f}",
-              f"{r['kv_cache_bytes'] / 1e6:.1f}", r["bytes_over_weights"], r["compile_s"]] for r in rows],
-            align="ll" + "r" * 12))
+             "bytes accessed (MB)", "touched (MB)", "CPU converts (MB)", "weights (MB)", "KV cache (MB)",
+             "touched/(W+KV)", "compile (s)"],
+            [[r["family"], r["variant"], r["slots"], r.get("draft_vocab", 0), r["top_level_ops"], r["ops_per_layer"],
+              r["conditionals"], r["whiles"], r["prng_whiles"], f"{r['bytes_accessed'] / 1e6:.1f}",
+              f"{r['touched_bytes'] / 1e6:.1f}", f"{r['convert_bytes'] / 1e6:.1f}", f"{r['weight_bytes'] / 1e6:.1f}",
+              f"{r['kv_cache_bytes'] / 1e6:.1f}", r["touched_over_weights_kv"], r["compile_s"]] for r in rows],
+            align="ll" + "r" * 14))
     return "\n".join(lines)
 
 

@@ -152,7 +152,9 @@ def test_headline_values_are_those_of_the_results_and_link_to_their_sections():
         anchor = re.search(r"\]\(#([^)]+)\)", goal).group(1)
         assert anchor in anchors, goal
         bench = re.search(r"python -m bench\.(\w+)", command).group(1)
-        with open(os.path.join(run_all.REPO_ROOT, run_all.RESULTS_DIR, f"{bench}.md"), encoding="utf-8") as f:
+        suffix = re.search(r"--suffix (\w+)", command)  # a variant result: <bench>_<suffix>.md
+        name = bench + (f"_{suffix.group(1)}" if suffix else "")
+        with open(os.path.join(run_all.REPO_ROOT, run_all.RESULTS_DIR, f"{name}.md"), encoding="utf-8") as f:
             result = f.read()
         for number in re.findall(r"\d+(?:\.\d+)?", measured):
             assert number in result, (goal, number)
@@ -451,6 +453,44 @@ def test_round_ops_counts_branches_and_loops_of_a_known_program():
     assert plain["bytes_accessed"] > 0
 
 
+def test_round_ops_bytes_breakdown_counts_what_a_program_touches():
+    """In-place writes and gathers count at the rows they touch, dtype-only ops apart (a bf16 matmul's
+    weight at its stored bytes); a program that streams its whole input counts whole (control)."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.round_ops import bytes_breakdown
+
+    def split(fn, *args, **jit_kw):
+        compiled = jax.jit(fn, **jit_kw).lower(*args).compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        out = bytes_breakdown(compiled.as_text())
+        assert out["xla"] == out["touched"] + out["convert"] + out["whole_buffer"]
+        assert abs(out["xla"] - cost["bytes accessed"]) <= 0.01 * cost["bytes accessed"]
+        return out
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    s32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    buf_bytes = 1024 * 256 * 4
+    scatter = split(lambda b, u, i: b.at[i].set(u), f32(1024, 256), f32(2, 256), s32(2), donate_argnums=0)
+    assert scatter["xla"] >= 2 * buf_bytes and scatter["touched"] < 0.01 * buf_bytes
+    assert scatter["whole_buffer"] >= 1.9 * buf_bytes and scatter["convert"] == 0
+    dus = split(lambda b, u, i: jax.lax.dynamic_update_slice(b, u, (i, 0)), f32(1024, 256), f32(1, 256), s32(),
+                donate_argnums=0)  # XLA itself counts a dynamic-update-slice in place
+    assert dus["touched"] == dus["xla"] < 0.01 * buf_bytes
+    gather = split(lambda t, i: t[i] * 2.0, f32(1024, 256), s32(4))
+    assert gather["xla"] >= buf_bytes and gather["touched"] < 0.05 * buf_bytes
+    stream = split(lambda b: b * 2.0 + 1.0, f32(1024, 256))  # negative control: every byte is touched
+    assert stream["touched"] == stream["xla"] >= 2 * buf_bytes and stream["whole_buffer"] == 0
+    bf16 = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((8, 512), jnp.bfloat16)
+    mm = split(lambda w, x: x @ w, bf16, x)
+    w_bytes = 512 * 512 * 2
+    assert w_bytes <= mm["touched"] <= 1.2 * (w_bytes + 2 * 8 * 512 * 4)
+    if jax.default_backend() == "cpu":  # XLA:CPU upcasts bf16 dots: the copies count apart
+        assert mm["convert"] >= 3 * w_bytes
+
+
 def test_round_ops_runs_the_runners_programs_on_a_tiny_shape(tmp_path):
     from bench import round_ops
     res = round_ops.run(["tiny"], [2], 64, "python -m bench.round_ops --presets tiny", families=("lite", "draft"),
@@ -473,3 +513,19 @@ def test_drafters_refuses_an_attention_len_outside_context_and_max_len(argv, cap
         drafters.main(["--context", "64", "--max-len", "256", "--gammas", "8", *argv])
     err = capsys.readouterr().err
     assert "--attention-len" in err and "max gamma + 1 = 73" in err, err
+
+
+def test_embedded_build_curve_section_tabulates_a_learning_curve(tmp_path):
+    from bench import embedded_build
+
+    curve = tmp_path / "learning_curve.jsonl"
+    curve.write_text("".join(json.dumps({"step": s, "sets": {"train": {"tau": t, "rounds": 40},
+                                                           "heldout": {"tau": h, "rounds": 41}}}) + "\n"
+                             for s, t, h in ((100, 1.5, 1.4), (200, 1.9, 1.6))))
+    embedded_build.main(["--curve", str(curve), "--out-dir", str(tmp_path)])
+    md = (tmp_path / "embedded_build_curve.md").read_text()
+    assert "| 200 | 1.900 | 1.600 | +0.300 |" in md and "Command: `python -m bench.embedded_build --curve" in md
+    assert (tmp_path / "embedded_build_curve.png").stat().st_size > 0
+    curve.write_text("")
+    with pytest.raises(SystemExit, match="no learning-curve point"):
+        embedded_build.main(["--curve", str(curve), "--out-dir", str(tmp_path)])
