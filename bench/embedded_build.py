@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
              if data.get("text_rows") else "") + ".\n\n"
           + md_table(["drafter", "shipped MiB"], [[k, f"{v / 2**20:.2f}"] for k, v in sizes.items()]
                      + [["all", f"{sum(sizes.values()) / 2**20:.2f}"]], "lr")
-          + "\nBudget: 40 MB in all.\n")
+          + f"\nBudget: {rec.get('settings', {}).get('budget_mb', 64):g} MiB in all.\n")
 
     def plot(p):
         plt = pyplot()

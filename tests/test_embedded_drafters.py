@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.real_target,
               pytest.mark.skipif(not dt.is_installed(), reason=f"{dt.PACKAGE} is not installed (make install)")]
 
 EVAL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "eval")
-BUDGET_BYTES = 40_000_000
+BUDGET_BYTES = 64 * 2**20
 PIT_REQUESTS, PIT_TOKENS, PIT_BINS = 8, 48, 8
 # Mean acceptance length floors (greedy; gamma GAMMA, mtp1 gamma 1) on the first HELDOUT_PROMPTS
 # held-out prompts, HELDOUT_TOKENS tokens each: the measured value less a margin, above what the

@@ -296,3 +296,36 @@ def test_a_seeded_build_caches_the_artifact_without_a_regenerate_stage(setup, tm
     assert steps[0].module == "train.build_cache"
     assert steps[0].args[steps[0].args.index("--data") + 1] == s.regen_seed
     assert sorted(map(json.dumps, read_jsonl(s.regen_seed))) == sorted(map(json.dumps, seed))
+
+
+def test_the_gpu_drafters_fit_the_shipped_budget_checked_before_training(tmp_path):
+    """configs/gpu (DSpark, DSpark-RNN, DFlash, Eagle3, MTP-1 at the target's MLP width) and the
+    CPU-built standalone LM fit 64 MiB for SmolLM2's shape, from the configs alone; a build whose
+    drafters would not fit its --budget-mb is refused before any stage runs (control: 30 MiB)."""
+    from bench.common import RANDOM_TARGET_SHAPE
+    from specjax.config import TargetConfig
+    from specjax.training import build_plan as B
+    from specjax.training.build_outputs import BuildError, planned_bytes
+    from train import build_stages as BS
+
+    target = tmp_path / "smollm2-shape"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TargetConfig(**RANDOM_TARGET_SHAPE).to_hf_dict()))
+    names = ("dspark", "dspark-rnn", "dflash", "eagle3", "mtp1")
+    gpu = {n: planned_bytes(str(REPO / "configs" / "gpu" / f"{n}.yaml"), str(target)) for n in names}
+    cpu = {n: planned_bytes(str(REPO / "configs" / "embedded" / f"{n}.yaml"), str(target)) for n in names}
+    standalone = planned_bytes(str(REPO / "configs" / "embedded" / "standalone.yaml"), str(target))
+    assert all(gpu[n] > 1.3 * cpu[n] for n in names), (gpu, cpu)  # the wider GPU shapes
+    assert sum(gpu.values()) + standalone <= 62 * 2**20, (gpu, standalone)  # small files: < 2 MiB
+    calls = []
+    for budget, ok in ((64.0, True), (30.0, False)):
+        s = B.BuildSettings(target=str(target), out_dir=str(tmp_path / "out"), work_dir=str(tmp_path / "w"),
+                            config_dir=str(REPO / "configs" / "gpu"), drafters=names, eval_dir=str(tmp_path),
+                            scale=B.SCALES["gpu"], budget_mb=budget)
+        b = BS.program_build(s, runner=lambda st: calls.append(st) or 0, log=lambda m: None)
+        if ok:
+            b.check_sizes()
+        else:
+            with pytest.raises(BuildError, match=r"over the 30 MiB budget \(--budget-mb\): dspark 9\.\d MiB"):
+                b.run(["train"])
+    assert calls == []  # refused before any program ran

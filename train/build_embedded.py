@@ -8,7 +8,8 @@ The GPU profile, one budgeted command on one accelerator:
 `python -m train.build_embedded --scale gpu --budget-s 540 --work-dir /tmp/gpu --out-dir
 /tmp/gpu/out --stages regenerate vocab train calibrate export --pack $OUT` answers every user
 turn (seeded from the committed answers, `specjax/assets/smollm2/regen/`), trains every drafter
-on online target features at batch 64 in bfloat16, calibrates and exports within 540 s of wall
+of configs/gpu (sized for it: the target's MLP width) on online target features at batch 64 in
+bfloat16, records DSpark's learning curve, calibrates and exports within 540 s of wall
 time, splitting them by a plan it prints first (`specjax.training.build_budget`); a stage that
 reaches its share stops and keeps its work, and the same command with more budget continues.
 `--pack DIR` writes what must leave the machine (`specjax.training.build_pack`: at most 8 files
@@ -17,8 +18,8 @@ and --work-dir. A GPU profile on a machine without an accelerator is refused unl
 
 Stages (`specjax.training.build`, their programs launched by `train.build_stages`): prepare (ShareGPT prompts) -> regenerate (the target's own
 answers) -> cache (offline target features) -> vocab (draft vocabularies) -> train (each drafter)
--> calibrate (STS of confidence heads) -> export (to <out-dir>/drafters/<name>, bfloat16, <= 40 MiB
-in all). Each stage is skipped when complete and resumes where it stopped, so after an interruption
+-> calibrate (STS of confidence heads) -> export (to <out-dir>/drafters/<name>, bfloat16, <= 64 MiB
+in all, checked from the configs before training too). Each stage is skipped when complete and resumes where it stopped, so after an interruption
 rerun the same command. Defaults: the SmolLM2 target, specjax/assets/smollm2, runs/embedded and
 configs/embedded; wall times, sizes and settings go to <out-dir>/BUILD.json. A from-scratch build:
 remove the work directory first. Stages run as child processes (`--in-process` runs them in this
@@ -42,6 +43,7 @@ from train.build_stages import program_build, run_child, run_in_process
 
 DEFAULT_WORK = os.path.join("runs", "embedded")
 DEFAULT_CONFIGS = os.path.join("configs", "embedded")
+GPU_CONFIGS = os.path.join("configs", "gpu")  # the drafters' shapes of --scale gpu
 DEFAULT_EVAL = os.path.join("..", "shared", "data", "eval")
 PACK_RESERVE_S = 5.0  # of --budget-s, kept for --pack
 
@@ -86,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--target", default=None, help="target checkpoint (default: SmolLM2's GGUF)")
     p.add_argument("--out-dir", default=None, help="default: specjax/assets/smollm2")
     p.add_argument("--work-dir", default=DEFAULT_WORK)
-    p.add_argument("--config-dir", default=DEFAULT_CONFIGS)
+    p.add_argument("--config-dir", default=None,
+                   help=f"<name>.yaml training configs (default: {DEFAULT_CONFIGS}; --scale gpu: {GPU_CONFIGS})")
     p.add_argument("--eval-dir", default=DEFAULT_EVAL, help="evaluation prompts kept out of training")
     p.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the installed package's)")
     p.add_argument("--heldout-fraction", type=float, default=0.01)
@@ -105,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="after the stages, pack what must leave this machine into DIR")
     act.add_argument("--unpack", metavar="DIR", default=None,
                      help="restore a pack into --out-dir / --work-dir (runs no stage)")
-    p.add_argument("--budget-mb", type=float, default=40.0, help="shipped drafters in all (MiB)")
+    p.add_argument("--budget-mb", type=float, default=64.0,
+                   help="shipped drafters in all (MiB), checked from the configs before training and at export")
     p.add_argument("--in-process", action="store_true", help="run the stages in this process")
     argv_list = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv_list)
@@ -136,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.target, label = dt.gguf_path(), f"{dt.NAME} ({dt.PACKAGE}=={dt.VERSION})"
         settings = B.BuildSettings(
             target=args.target, out_dir=out_dir,
-            work_dir=args.work_dir, config_dir=args.config_dir, drafters=tuple(args.drafters),
+            work_dir=args.work_dir, config_dir=args.config_dir or (GPU_CONFIGS if gpu else DEFAULT_CONFIGS),
+            drafters=tuple(args.drafters),
             eval_dir=args.eval_dir, scale=scale, sharegpt=args.sharegpt, target_label=label,
             heldout_fraction=args.heldout_fraction,
             regen_slots=args.regen_slots or (256 if gpu else 32), budget_mb=args.budget_mb,

@@ -50,8 +50,8 @@ from typing import Any, Callable, Protocol, Sequence
 from specjax.io import read_jsonl, write_jsonl_atomic
 from specjax.training.answers import answer_stats, answered, read_answers
 from specjax.training.build_budget import ALWAYS, Budget, UnitRef, format_plan
-from specjax.training.build_outputs import (PROGRESS_NAME, BuildError, build_vocab_files,
-                                            export_drafters, write_split)
+from specjax.training.build_outputs import (PROGRESS_NAME, BuildError, build_vocab_files, dir_bytes,
+                                            export_drafters, planned_bytes, write_split)
 from specjax.training.build_plan import (STAGES, BuildSettings, DrafterPlan, cache_layers, drafter_plan,
                                          online_plan)
 from specjax.training.build_record import (count_rows, drafter_build, load_record,
@@ -94,6 +94,22 @@ class Build:
         # the running unit's share (with a budget; None for the stages that run whole)
         self.unit_budget_s: float | None = None
 
+    def check_sizes(self) -> None:
+        """BuildError before any stage runs when the drafters to build, exported, would not fit
+        `budget_mb` beside the other drafters shipped in <out> (sizes from the configs)."""
+        planned = {p.name: planned_bytes(p.config, self.s.target) for p in self.plans}
+        drafters = os.path.join(self.s.out_dir, "drafters")
+        others = {n: dir_bytes(os.path.join(drafters, n))
+                  for n in (sorted(os.listdir(drafters)) if os.path.isdir(drafters) else [])
+                  if n not in planned and not n.endswith(".tmp")}
+        total = sum(planned.values()) + sum(others.values())
+        if total > self.s.budget_mb * 2**20:
+            raise BuildError(f"the drafters would take {total / 2**20:.1f} MiB in all, over the {self.s.budget_mb:g} "
+                             "MiB budget (--budget-mb): " + ", ".join(
+                                 f"{k} {v / 2**20:.1f} MiB" for k, v in {**planned, **others}.items()))
+        self.log("planned sizes: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in planned.items())
+                 + f" (with the others shipped: {total / 2**20:.1f} of {self.s.budget_mb:g} MiB)")
+
     # running -------------------------------------------------------------------------------
     def run(self, stages: Sequence[str] = STAGES) -> None:
         """Run the chosen stages in the fixed order, recording each."""
@@ -101,6 +117,8 @@ class Build:
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; stages: {', '.join(STAGES)}")
         chosen = [x for x in STAGES if x in stages]
+        if "train" in chosen:
+            self.check_sizes()
         units = [(i, name, u) for i, name in enumerate(chosen, 1) for u in self._units(name)]
         todo: list[UnitRef] = []
         if self.budget is not None:

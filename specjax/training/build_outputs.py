@@ -100,6 +100,31 @@ def frozen_tensor_names(path: str, target: Any) -> set[str]:
             if isinstance(e.variable, Frozen) and e.hf_name is not None}
 
 
+def planned_bytes(config_path: str, target: str, *, dtype_bytes: int = 2) -> int:
+    """Bytes of the trainable parameters a drafter's training config makes for `target` (a
+    checkpoint directory or .gguf), as the build exports them (bfloat16): the shipped drafter less
+    its small files. From abstract shapes (nothing allocated, nothing trained)."""
+    import jax
+    from flax import nnx
+
+    from specjax import checkpoints
+    from specjax.drafters.registry import KINDS
+    from specjax.models.decoder import CausalLM
+    from specjax.training.config import load_train_config
+
+    mc = load_train_config(config_path, [f"model.target={json.dumps(target)}"]).model
+    tcfg = checkpoints.read_target_config(target)
+    n = mc.draft_vocab_size
+
+    def build() -> Any:
+        drafter, _, _ = KINDS[mc.kind].build(mc.section, CausalLM(tcfg, rngs=nnx.Rngs(0)), tcfg, rngs=nnx.Rngs(0),
+                                             dtype=mc.compute_dtype, param_dtype=mc.param_dtype,
+                                             draft_ids=np.arange(n) if n else None)
+        return drafter
+    params = nnx.state(nnx.eval_shape(build), nnx.Param)
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))) * dtype_bytes
+
+
 def lean_copy(src: str, dst: str, target: Any) -> list[str]:
     """Copy drafter directory `src` to `dst` without the frozen target copies (a DSpark drafter
     for a 49k-token target would otherwise carry the 28M-entry embedding); returns the names left
@@ -176,5 +201,5 @@ def write_split(s: "BuildSettings") -> None:
 
 
 __all__ = ["PROGRESS_NAME", "BuildError", "build_vocab_files", "dir_bytes", "export_drafters",
-           "frozen_tensor_names", "lean_copy", "read_draft_vocab", "write_draft_vocab",
+           "frozen_tensor_names", "lean_copy", "planned_bytes", "read_draft_vocab", "write_draft_vocab",
            "write_split"]

@@ -88,7 +88,7 @@ class BuildSettings:
     top_p: float = 0.9
     top_k: int = 0
     cache_batch: int = 8
-    budget_mb: float = 40.0
+    budget_mb: float = 64.0  # the shipped drafters in all (MiB)
     seed: int = 0
     seed_answers: str | None = None  # answers artifact (gzip JSONL): its prompts are not redone
     budget_s: float | None = None  # wall-clock budget of the whole build (`build_budget`)
