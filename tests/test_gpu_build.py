@@ -286,6 +286,10 @@ def test_a_seeded_build_caches_the_artifact_without_a_regenerate_stage(setup, tm
     from specjax.training import build_plan as B
     from train import build_stages as BS
 
+    import dataclasses
+
+    from specjax.training.answers import read_answers
+
     seed = _seed_artifact(tmp_path / "a.jsonl.gz", [{"id": f"p{i}", "turns": [f"w{10 + i}"]} for i in range(3)])
     s = B.BuildSettings(target=str(setup["target"]), out_dir=str(tmp_path / "out"), work_dir=str(tmp_path / "w"),
                         config_dir=str(setup["configs"]), drafters=("dspark",), eval_dir=str(setup["eval"]),
@@ -296,6 +300,10 @@ def test_a_seeded_build_caches_the_artifact_without_a_regenerate_stage(setup, tm
     assert steps[0].module == "train.build_cache"
     assert steps[0].args[steps[0].args.index("--data") + 1] == s.regen_seed
     assert sorted(map(json.dumps, read_jsonl(s.regen_seed))) == sorted(map(json.dumps, seed))
+    # a build of fewer rows seeds that many answers of the artifact (in its order)
+    small = dataclasses.replace(s, work_dir=str(tmp_path / "w2"), scale=dataclasses.replace(s.scale, rows=2))
+    BS.program_build(small, runner=lambda st: 0, log=lambda m: None).cache()
+    assert read_jsonl(small.regen_seed) == read_answers(str(tmp_path / "a.jsonl.gz"))[:2]
 
 
 def test_the_gpu_drafters_fit_the_shipped_budget_checked_before_training(tmp_path):

@@ -254,7 +254,7 @@ class Build:
     def seed(self) -> None:
         """regen_seed.jsonl = the artifact's answers to wanted prompts, written once (the first
         stage that reads answers) so that later runs regenerate the same prompts; without
-        prepared prompts (no prepare stage on this machine) every answer of the artifact. A
+        prepared prompts (no prepare stage on this machine) the artifact's first `rows` answers. A
         corrupt artifact is an error naming it, before any file of the work directory is
         touched."""
         if not self.s.seed_answers or os.path.isfile(self.s.regen_seed):
@@ -263,8 +263,9 @@ class Build:
         if os.path.isfile(os.path.join(self.s.sharegpt_dir, "prompts.jsonl")):
             rows = answered(rows, self.wanted_prompts())
         else:
-            self.log(f"no prepared prompts in {self.s.sharegpt_dir}: every answer of the artifact "
-                     "is used")
+            rows = rows[:self.s.scale.rows]
+            self.log(f"no prepared prompts in {self.s.sharegpt_dir}: the artifact's first {len(rows)} "
+                     f"answers are used (rows {self.s.scale.rows})")
         write_jsonl_atomic(self.s.regen_seed, rows)
         self.log(f"{len(rows)} prompts already answered by {self.s.seed_answers}")
 
