@@ -141,13 +141,13 @@ def curve_hook(cfg: TrainConfig, run: Run) -> Any:
     if os.path.isfile(texts_path):
         target, _ = checkpoints.load_target(mc.target, dtype="float32")
     else:
+        missing = [(cs.name, path) for cs in cc.sets for path in cs.files if not os.path.isfile(path)]
+        if missing:
+            raise ConfigError(f"curve set {missing[0][0]!r}: prompt file {missing[0][1]} does not exist")
         llm = LLM(mc.target, tokenizer=cfg.data.tokenizer, max_model_len=max_len, dtype="float32",
                   max_prefill=min(256, cc.max_prompt_tokens))
         prompt_sets = {}
         for cs in cc.sets:
-            for path in cs.files:
-                if not os.path.isfile(path):
-                    raise ConfigError(f"curve set {cs.name!r}: prompt file {path} does not exist")
             prompt_sets[cs.name] = [p for path in cs.files
                                     for p in load_dataset(path, llm.tokenizer, cap=cc.prompts).prompts
                                     if len(p) <= cc.max_prompt_tokens]
