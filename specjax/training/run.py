@@ -130,6 +130,7 @@ def curve_hook(cfg: TrainConfig, run: Run) -> Any:
     the greedy texts are made once (plain decoding of the target, float32, as the engine runs it),
     then the target's features of them; points go to <logging.directory>/learning_curve.jsonl."""
     from specjax.api import LLM
+    from specjax.decoding.engine import EngineConfig
     from specjax.eval import curve as C
     from specjax.eval.datasets import load_dataset
 
@@ -144,8 +145,9 @@ def curve_hook(cfg: TrainConfig, run: Run) -> Any:
         missing = [(cs.name, path) for cs in cc.sets for path in cs.files if not os.path.isfile(path)]
         if missing:
             raise ConfigError(f"curve set {missing[0][0]!r}: prompt file {missing[0][1]} does not exist")
-        llm = LLM(mc.target, tokenizer=cfg.data.tokenizer, max_model_len=max_len, dtype="float32",
-                  max_prefill=min(256, cc.max_prompt_tokens))
+        greedy_only = EngineConfig(max_slots=8, max_len=max_len, policy="plain", sampling_variants=("greedy",),
+                                   max_prefill=min(256, cc.max_prompt_tokens))  # compiles a third of the rounds
+        llm = LLM(mc.target, tokenizer=cfg.data.tokenizer, dtype="float32", engine_config=greedy_only)
         prompt_sets = {}
         for cs in cc.sets:
             prompt_sets[cs.name] = [p for path in cs.files
