@@ -277,7 +277,7 @@ def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
     x = jnp.minimum(x, _F32_MAX)  # +inf -> largest float: keeps exp() finite
     vocab_ids = jnp.arange(v, dtype=jnp.int32)
     onehot = (vocab_ids == first_argmax(x)[..., None]).astype(jnp.float32)
-    if sa.variant == "greedy":
+    if sa.greedy:
         return onehot
     t = _per_row(sa.temperature, x.ndim, jnp.float32)
     greedy = t <= 0.0

@@ -50,8 +50,8 @@ from typing import Any, Callable, Protocol, Sequence
 from specjax.io import read_jsonl, write_jsonl_atomic
 from specjax.training.answers import answer_stats, answered, read_answers
 from specjax.training.build_budget import ALWAYS, Budget, UnitRef, format_plan
-from specjax.training.build_outputs import (PROGRESS_NAME, BuildError, build_vocab_files, dir_bytes,
-                                            export_drafters, planned_bytes, write_split)
+from specjax.training.build_outputs import (PROGRESS_NAME, BuildError, build_vocab_files, check_budget,
+                                            export_drafters, planned_bytes, with_shipped, write_split)
 from specjax.training.build_plan import (STAGES, BuildSettings, DrafterPlan, cache_layers, drafter_plan,
                                          online_plan)
 from specjax.training.build_record import (count_rows, drafter_build, load_record,
@@ -98,15 +98,7 @@ class Build:
         """BuildError before any stage runs when the drafters to build, exported, would not fit
         `budget_mb` beside the other drafters shipped in <out> (sizes from the configs)."""
         planned = {p.name: planned_bytes(p.config, self.s.target) for p in self.plans}
-        drafters = os.path.join(self.s.out_dir, "drafters")
-        others = {n: dir_bytes(os.path.join(drafters, n))
-                  for n in (sorted(os.listdir(drafters)) if os.path.isdir(drafters) else [])
-                  if n not in planned and not n.endswith(".tmp")}
-        total = sum(planned.values()) + sum(others.values())
-        if total > self.s.budget_mb * 2**20:
-            raise BuildError(f"the drafters would take {total / 2**20:.1f} MiB in all, over the {self.s.budget_mb:g} "
-                             "MiB budget (--budget-mb): " + ", ".join(
-                                 f"{k} {v / 2**20:.1f} MiB" for k, v in {**planned, **others}.items()))
+        total = check_budget(self.s, with_shipped(self.s, planned), "would take")
         self.log("planned sizes: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in planned.items())
                  + f" (with the others shipped: {total / 2**20:.1f} of {self.s.budget_mb:g} MiB)")
 

@@ -143,6 +143,24 @@ def lean_copy(src: str, dst: str, target: Any) -> list[str]:
     return sorted(drop)
 
 
+def with_shipped(s: "BuildSettings", sizes: dict[str, int]) -> dict[str, int]:
+    """`sizes` (bytes by drafter name) plus those of the other drafters shipped in <out>/drafters."""
+    drafters = os.path.join(s.out_dir, "drafters")
+    kept = {n: dir_bytes(os.path.join(drafters, n))
+            for n in (sorted(os.listdir(drafters)) if os.path.isdir(drafters) else [])
+            if n not in sizes and not n.endswith(".tmp")}
+    return {**kept, **sizes}
+
+
+def check_budget(s: "BuildSettings", sizes: dict[str, int], verb: str) -> int:
+    """The total of `sizes`; BuildError naming every drafter's size when it is over `budget_mb`."""
+    total = sum(sizes.values())
+    if total > s.budget_mb * 2**20:
+        raise BuildError(f"the drafters {verb} {total / 2**20:.1f} MiB in all, over the {s.budget_mb:g} MiB "
+                         "budget (--budget-mb): " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()))
+    return total
+
+
 def export_drafters(s: "BuildSettings", plans: Sequence["DrafterPlan"],
                     training_json: Callable[["DrafterPlan"], dict[str, Any]],
                     log: Callable[[str], None]) -> dict[str, int]:
@@ -159,19 +177,13 @@ def export_drafters(s: "BuildSettings", plans: Sequence["DrafterPlan"],
         dropped = lean_copy(s.export_dir(p.name), tmp, target)
         log(f"export {p.name}: left out the target's copies {dropped}")
         write_json_atomic(os.path.join(tmp, "training.json"), training_json(p))
-    sizes = {p.name: dir_bytes(s.shipped_dir(p.name) + ".tmp") for p in plans}
-    drafters_dir = os.path.join(s.out_dir, "drafters")
-    kept = {n: dir_bytes(os.path.join(drafters_dir, n))
-            for n in (sorted(os.listdir(drafters_dir)) if os.path.isdir(drafters_dir) else [])
-            if n not in sizes and not n.endswith(".tmp")}
-    sizes = {**kept, **sizes}
-    total = sum(sizes.values())
-    if total > s.budget_mb * 2**20:
+    sizes = with_shipped(s, {p.name: dir_bytes(s.shipped_dir(p.name) + ".tmp") for p in plans})
+    try:
+        check_budget(s, sizes, "take")
+    except BuildError:
         for p in plans:
             shutil.rmtree(s.shipped_dir(p.name) + ".tmp", ignore_errors=True)
-        raise BuildError(f"the drafters take {total / 2**20:.1f} MiB in all, over the "
-                         f"{s.budget_mb:g} MiB budget: " + ", ".join(
-                             f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()))
+        raise
     for p in plans:
         dst = s.shipped_dir(p.name)
         shutil.rmtree(dst, ignore_errors=True)
@@ -201,5 +213,5 @@ def write_split(s: "BuildSettings") -> None:
 
 
 __all__ = ["PROGRESS_NAME", "BuildError", "build_vocab_files", "dir_bytes", "export_drafters",
-           "frozen_tensor_names", "lean_copy", "planned_bytes", "read_draft_vocab", "write_draft_vocab",
-           "write_split"]
+           "check_budget", "frozen_tensor_names", "lean_copy", "planned_bytes", "read_draft_vocab",
+           "with_shipped", "write_draft_vocab", "write_split"]
