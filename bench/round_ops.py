@@ -3,6 +3,7 @@
     python -m bench.round_ops                       # Qwen3-4B and SmolLM2 shapes, 8 slots
     python -m bench.round_ops --presets tiny --slots 2 --variants plain
     python -m bench.round_ops --families draft verify --draft-vocab 0 32768 --suffix q --slots 128
+    python -m bench.round_ops --target h200 --suffix h200   # as XLA's GPU compiler builds them (no GPU needed)
 
 For each shape, the runner itself (decoding/runner.py, built with `allocate=False`: models from
 `nnx.eval_shape`, state as ShapeDtypeStructs) lowers each round family (lite, draft, verify, fused)
@@ -12,7 +13,9 @@ drafters with a draft vocabulary of each N tokens (0 = none; q travels from draf
 columns); `--max-logprobs K` builds the runner with log-probabilities and adds each round family's
 program with them on (the widest variant's, as the engine compiles it). `--suffix S` writes the
 result as round_ops_S (a subsection of this benchmark's section) instead of round_ops.
-XLA then compiles it for this machine's backend and the benchmark reads the optimised HLO: the
+XLA then compiles it for this machine's backend, or with `--target h200` for a GPU this machine does
+not have (bench/compile_target.py: XLA's GPU compiler from JAX's CUDA plugin, `make gpu-compiler`),
+and the benchmark reads the optimised HLO: the
 top-level ops of the entry computation (parameters, constants, tuples, get-tuple-element and bitcasts
 not counted) per decoder layer, the number of `conditional` and `while` ops anywhere in the program,
 XLA's `bytes accessed` of one call (`compiled.cost_analysis()`) and the part of it the round touches
@@ -190,7 +193,9 @@ def bytes_breakdown(hlo_text: str) -> dict[str, int]:
 
 
 def compiled_report(lowered: Any) -> dict[str, Any]:
-    """Compile a jax `Lowered` and report its HLO counts, XLA's bytes accessed and compile seconds."""
+    """Compile a jax `Lowered` and report its HLO counts, the platform compiled for, XLA's bytes
+    accessed and compile seconds."""
+    import jax
     t0 = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - t0
@@ -199,7 +204,10 @@ def compiled_report(lowered: Any) -> dict[str, Any]:
         cost = cost[0] if cost else {}
     text = compiled.as_text()
     split = bytes_breakdown(text)
-    return {**hlo_counts(text), "bytes_accessed": float((cost or {}).get("bytes accessed", 0.0)),
+    # a compile-only (deviceless) executable has no cost analysis: XLA's count redone from the HLO
+    accessed = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else float(split["xla"])
+    platforms = sorted({d.platform for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set})
+    return {**hlo_counts(text), "platform": ",".join(platforms), "bytes_accessed": accessed,
             "touched_bytes": split["touched"], "convert_bytes": split["convert"],
             "whole_buffer_bytes": split["whole_buffer"], "compile_s": round(seconds, 2)}
 
@@ -210,9 +218,11 @@ def _nbytes(tree: Any) -> int:
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0, max_logprobs: int = 0) -> Any:
+def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0, max_logprobs: int = 0,
+                    mesh: Any = None) -> Any:
     """The runner of an engine with this target and drafter shape (a draft vocabulary of
-    `draft_vocab` tokens, 0 = none), its state abstract (no memory)."""
+    `draft_vocab` tokens, 0 = none), its state abstract (no memory), placed on `mesh` when given
+    (e.g. a compile-only GPU's, `compile_target.compile_only_mesh`)."""
     import numpy as np
     from flax import nnx
 
@@ -234,7 +244,8 @@ def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0
                                           draft_ids=np.arange(draft_vocab) if draft_vocab else None)
     target, drafter = nnx.eval_shape(build)
     return Runner(target, drafter, slots=slots, max_len=max_len, gamma=shape.gamma, stop_ids=(0,),
-                  verifier=verify_chain, cache_dtype=shape.dtype, max_logprobs=max_logprobs, allocate=False)
+                  verifier=verify_chain, cache_dtype=shape.dtype, max_logprobs=max_logprobs, mesh=mesh,
+                  allocate=False)
 
 
 def bucket_key(runner: Any, family: str, slots: int, variant: str, logprobs: bool = False) -> tuple[Any, ...]:
@@ -245,12 +256,12 @@ def bucket_key(runner: Any, family: str, slots: int, variant: str, logprobs: boo
 
 def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FAMILY_ORDER,
             variants: Sequence[str] = ("greedy", "plain", "filtered"), draft_vocab: int = 0,
-            max_logprobs: int = 0) -> list[dict[str, Any]]:
+            max_logprobs: int = 0, mesh: Any = None) -> list[dict[str, Any]]:
     """One row per family and variant (and, with max_logprobs > 0, per round family in the widest
     variant with log-probabilities on): HLO counts, bytes accessed per call and the bytes it is
-    measured against."""
+    measured against; compiled for `mesh`'s devices when given, else the default backend."""
     from specjax.decoding.runner import FAMILIES
-    runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs)
+    runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs, mesh)
     layers = shape.target["num_hidden_layers"]
     t_bytes, d_bytes = _nbytes(runner.t_params), _nbytes(runner.d_params)
     kv_bytes = _nbytes(runner.cache)
@@ -276,7 +287,7 @@ def _markdown(res: dict[str, Any]) -> str:
     title = "Round programs: ops per layer, branches and bytes (compiled, abstract shapes)"
     lines = [f"# {title}" + (f" — {res['suffix']}" if res.get("suffix") else ""), "",
              f"Command: `{res['command']}`", "",
-             f"Backend `{res['backend']}`; max_len {res['max_len']}. Each row is one compiled program of the "
+             f"Compiled for `{res['backend']}`; max_len {res['max_len']}. Each row is one compiled program of the "
              "engine's runner at that slots bucket and sampling variant (verify and fused with gamma + 1 tokens per slot; `filtered` is the variant of a round in which some row uses top-k or top-p, its one conditional the exact fallback for a kept set past the top-k cap). `ops/layer` "
              "= top-level HLO ops of the entry computation / the target's decoder layers (draft: also divided "
              "by the target's layers, for comparison); `cond` and `while` count every `conditional` and `while` "
@@ -291,6 +302,12 @@ def _markdown(res: dict[str, Any]) -> str:
              "the whole cache (every slot at max_len, the attention bucket these programs are built for). Goals (issue #36): "
              "<= 12 ops per layer, 0 conditionals and 0 loops in a greedy or unfiltered round, bytes accessed "
              "<= 1.3x (weights + live KV) at 128 slots.", ""]
+    if res.get("target", "host") != "host":
+        lines += [f"Compiled for a GPU this machine does not have (`--target {res['target']}`, "
+                  "bench/compile_target.py): each top-level op is a kernel or library call the GPU runs "
+                  "(XLA's fusions chosen by its heuristics, as without autotuning); `bytes accessed` is "
+                  "XLA's count redone from the optimised HLO (a compile-only executable has no cost "
+                  "analysis); there are no CPU converts (the GPU's dots read bf16 as stored).", ""]
     if any(res.get("draft_vocabs", [0])) or res.get("max_logprobs"):
         lines += ["`draft vocab`: the drafter's draft vocabulary (0: the whole vocabulary; q travels from draft "
                   f"to verify over its columns); `+logprobs`: the round with log-probabilities (top "
@@ -311,12 +328,15 @@ def _markdown(res: dict[str, Any]) -> str:
 
 def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
         families: Sequence[str] = FAMILY_ORDER, variants: Sequence[str] = ("greedy", "plain", "filtered"),
-        draft_vocabs: Sequence[int] = (0,), max_logprobs: int = 0) -> dict[str, Any]:
+        draft_vocabs: Sequence[int] = (0,), max_logprobs: int = 0, target: str = "host") -> dict[str, Any]:
     import jax
 
+    from bench import compile_target
     from bench.common import log, machine_info
+    mesh = None if target == compile_target.HOST else compile_target.compile_only_mesh(target)
+    backend = jax.default_backend() if mesh is None else f"{target} (compile-only, XLA's GPU compiler, no autotuning)"
     shapes = presets()
-    res: dict[str, Any] = {"command": command, "backend": jax.default_backend(), "max_len": max_len,
+    res: dict[str, Any] = {"command": command, "backend": backend, "target": target, "max_len": max_len,
                            "draft_vocabs": list(draft_vocabs), "max_logprobs": max_logprobs, "machine": machine_info(),
                            "shapes": {}}
     for name in names:
@@ -324,13 +344,14 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
         for s in slots:
             for n in draft_vocabs:
                 log(f"{name}: compiling {', '.join(families)} x {', '.join(variants)} at {s} slot(s), draft vocab {n}")
-                for r in measure(shapes[name], s, max_len, families, variants, n, max_logprobs):
+                for r in measure(shapes[name], s, max_len, families, variants, n, max_logprobs, mesh):
                     rows.append({**r, "layers": shapes[name].target["num_hidden_layers"], "dtype": shapes[name].dtype})
         res["shapes"][name] = rows
     return res
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from bench import compile_target
     from bench.common import DEFAULT_OUT_DIR, command_line, write_results
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["qwen3-4b", "smollm2"], choices=sorted(presets()))
@@ -342,12 +363,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--suffix", default="", help="write the result as round_ops_SUFFIX")
     ap.add_argument("--max-logprobs", type=int, default=0, help="> 0: also the round programs with log-probabilities")
     ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--target", default="host", choices=compile_target.targets(),
+                    help="compile for this machine's backend (host) or for a GPU it does not have (make gpu-compiler)")
     ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
     ap.add_argument("--docs", default="docs/BENCHMARKS.md", help="section rewritten in this page ('' = none)")
     args = ap.parse_args(argv)
     res = run(args.presets, args.slots, args.max_len, command_line("bench.round_ops", argv),
               families=args.families, variants=args.variants, draft_vocabs=args.draft_vocab,
-              max_logprobs=args.max_logprobs)
+              max_logprobs=args.max_logprobs, target=args.target)
     res["suffix"] = args.suffix
     name = "round_ops" + (f"_{args.suffix}" if args.suffix else "")
     for p in write_results(name, res, _markdown(res), out_dir=args.out_dir):

@@ -105,15 +105,25 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: str | Rules) -> Any:
     def one(v: Any) -> Any:
         if isinstance(v, nnx.Variable):
             axes = v.get_metadata().get("logical_axes")
-            return v.replace(named_sharding(mesh, axes, v[...].shape, rules))
+            return v.replace(named_sharding(mesh, axes, v.get_value().shape, rules))
         return replicated(mesh)
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def place(tree: Any, shardings: Any) -> Any:
+    """jax.device_put `tree` with `shardings` (one, or a matching pytree); abstract leaves
+    (ShapeDtypeStructs, e.g. of a runner that only lowers) take the sharding instead, so programs can
+    be lowered for devices that only compile (a deviceless GPU topology)."""
+    if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
+        return jax.device_put(tree, shardings)  # one batched transfer
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
 def shard_state(state: nnx.State, mesh: Mesh, rules: str | Rules) -> nnx.State:
     """Place every Variable of `state` with its logical sharding."""
-    shardings = state_shardings(state, mesh, rules)
-    return jax.device_put(state, shardings)
+    return place(state, state_shardings(state, mesh, rules))
 
 
 def shard_module(module: nnx.Module, mesh: Mesh, rules: str | Rules) -> nnx.Module:
@@ -124,11 +134,8 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules: str | Rules) -> nnx.Modu
 
 
 def shard_tree(tree: Any, axes_tree: Any, mesh: Mesh, rules: str | Rules) -> Any:
-    """device_put a pytree of arrays given a matching pytree of logical-axis tuples."""
-    leaves, treedef = jax.tree.flatten(tree)
-    axes = treedef.flatten_up_to(axes_tree)
-    out = [jax.device_put(x, named_sharding(mesh, a, x.shape, rules)) for x, a in zip(leaves, axes)]
-    return treedef.unflatten(out)
+    """Place a pytree of arrays given a matching pytree of logical-axis tuples."""
+    return place(tree, tree_shardings(tree, axes_tree, mesh, rules))
 
 
 def tree_shardings(tree: Any, axes_tree: Any, mesh: Mesh, rules: str | Rules) -> Any:

@@ -529,3 +529,49 @@ def test_embedded_build_curve_section_tabulates_a_learning_curve(tmp_path):
     curve.write_text("")
     with pytest.raises(SystemExit, match="no learning-curve point"):
         embedded_build.main(["--curve", str(curve), "--out-dir", str(tmp_path)])
+
+
+def test_round_ops_lowers_the_runner_on_the_mesh_it_is_given():
+    """An abstract runner placed on a mesh (as for a compile-only GPU) carries the mesh's shardings
+    into its state and compiles for the mesh's devices; without a mesh the state has none."""
+    import jax
+    from bench import round_ops
+    from specjax import sharding as shd
+    shape = round_ops.presets()["tiny"]
+    mesh = shd.make_mesh((1, 1), shd.SERVE_AXES)
+    runner = round_ops.abstract_runner(shape, 2, 64, mesh=mesh)
+    leaves = jax.tree.leaves((runner.t_params, runner.cache, runner.row_state, runner.stop_ids))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding.mesh == mesh for x in leaves)
+    rows = round_ops.measure(shape, 2, 64, families=("lite",), variants=("greedy",), mesh=mesh)
+    assert rows[0]["platform"] == "cpu" and rows[0]["top_level_ops"] > 0 and rows[0]["conditionals"] == 0
+    bare = round_ops.abstract_runner(shape, 2, 64)
+    assert all(x.sharding is None for x in jax.tree.leaves(bare.cache))
+
+
+def test_compile_target_names_a_missing_plugin_and_an_unknown_target(tmp_path, monkeypatch):
+    from bench import compile_target
+    assert compile_target.targets()[0] == "host" and "h200" in compile_target.targets()
+    with pytest.raises(ValueError, match="unknown compile target 'b300'.*h200"):
+        compile_target.compile_only_mesh("b300")
+    monkeypatch.setenv("SPECJAX_CUDA_PJRT", str(tmp_path / "xla_cuda_plugin.so"))
+    with pytest.raises(FileNotFoundError, match="xla_cuda_plugin.so is not installed: run `make gpu-compiler`"):
+        compile_target.compile_only_mesh("h200")
+
+
+@pytest.mark.skipif(not os.path.isfile(os.environ.get("SPECJAX_CUDA_PJRT", "")) and
+                    not os.path.isfile(os.path.join(os.path.dirname(__file__), "..", ".gpu-compiler", "jax_plugins",
+                                                    "xla_cuda12", "xla_cuda_plugin.so")),
+                    reason="XLA's GPU compiler is not installed (make gpu-compiler)")
+def test_round_ops_compiles_for_a_gpu_this_machine_does_not_have(tmp_path):
+    """With `make gpu-compiler` installed: the round programs compile for the H200 description and
+    the HLO is the GPU compiler's (Triton/cuBLAS gemm fusions), not the host's."""
+    import subprocess
+    import sys
+    out = tmp_path / "res"
+    subprocess.run([sys.executable, "-m", "bench.round_ops", "--presets", "tiny", "--slots", "2", "--families", "lite",
+                    "--variants", "greedy", "--target", "h200", "--out-dir", str(out), "--docs", ""],
+                   check=True, cwd=os.path.join(os.path.dirname(__file__), ".."))
+    res = json.loads((out / "round_ops.json").read_text())
+    assert res["target"] == "h200" and res["backend"].startswith("h200 (compile-only")
+    row = res["shapes"]["tiny"][0]
+    assert row["platform"] == "gpu" and row["top_level_ops"] > 0 and row["bytes_accessed"] > 0

@@ -173,14 +173,15 @@ class Runner:
             cache_axes, dstate_axes = _cache_axes(cache), _slot_axes(dstate)
             cache = shd.shard_tree(cache, cache_axes, mesh, "serve")
             dstate = shd.shard_tree(dstate, dstate_axes, mesh, "serve")
-            anchors = jax.device_put(anchors, shd.replicated(mesh))
-            row_state = jax.device_put(row_state, shd.replicated(mesh))
+            anchors = shd.place(anchors, shd.replicated(mesh))
+            row_state = shd.place(row_state, shd.replicated(mesh))
             shardings = dict(cache_shardings=shd.tree_shardings(cache, cache_axes, mesh, "serve"),
                              dstate_shardings=shd.tree_shardings(dstate, dstate_axes, mesh, "serve"),
                              replicated=shd.replicated(mesh))
         self.t_params, self.d_params, self.cache, self.dstate, self.anchors = t_params, d_params, cache, dstate, anchors
         self.row_state = row_state
-        self.stop_ids = self._resident(np.asarray(tuple(stop_ids) or (-1,), np.int32))
+        stops = np.asarray(tuple(stop_ids) or (-1,), np.int32)
+        self.stop_ids = self._resident(stops) if allocate else self._abstract(stops)
         tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
         needs_hidden = bool(getattr(drafter, "needs_hidden", False))
         ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
@@ -267,6 +268,9 @@ class Runner:
         dispatches a round before reading the previous one): callers never write to an array
         after passing it."""
         return self._resident(x) if self.mesh is not None and isinstance(x, np.ndarray) else x
+
+    def _abstract(self, x: np.ndarray) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if self.mesh is None else shd.replicated(self.mesh))
 
     def _resident(self, x: np.ndarray) -> Any:
         """A device array that stays (replicated over the mesh when there is one)."""
