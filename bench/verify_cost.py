@@ -74,7 +74,7 @@ def measure_curve(target, rows: Sequence[int], tokens: Sequence[int], *, context
 
             def fresh_cache():
                 c = target.model.init_cache(r, cache_len)
-                return c.__class__(k=c.k, v=c.v, lengths=jnp.full((r,), context, jnp.int32))
+                return c.with_lengths(jnp.full((r,), context, jnp.int32))
             t0 = time.perf_counter()
             exe = fwd.lower(params, fresh_cache(), tok, pos).compile()
             compile_s = time.perf_counter() - t0

@@ -299,8 +299,8 @@ def test_train_inference_equivalence(target, variant):
     a = jnp.array([7, 4], jnp.int32)
     state = d.commit(drafter.init_state(3, 16), _update(ids, taps, jnp.zeros(b), a, 8))
     np.testing.assert_array_equal(state.lengths, [7, 4, 0])
-    for kbuf in state.k:  # slot 2 is not part of the update: untouched
-        assert np.all(np.asarray(kbuf[2]) == 0.0)
+    for kvbuf in state.kv:  # slot 2 is not part of the update: untouched
+        assert np.all(np.asarray(kvbuf[:, 2]) == 0.0)
     anchor = ids[jnp.arange(b), a]
     keys = jax.random.split(jax.random.key(7), b)
     keep = jnp.ones((b, 1), bool)
@@ -334,11 +334,10 @@ def test_incremental_commit_equals_one_shot(target):
     two = d.commit(two, _update(ids, taps, c1, a - c1, 9))
     np.testing.assert_array_equal(one.lengths, a)
     np.testing.assert_array_equal(one.lengths, two.lengths)
-    for k1, k2, v1, v2 in zip(one.k, two.k, one.v, two.v):
+    for kv1, kv2 in zip(one.kv, two.kv):
         for r in range(b):
             n = int(a[r])
-            np.testing.assert_allclose(k1[r, :, :n], k2[r, :, :n], atol=1e-6)
-            np.testing.assert_allclose(v1[r, :, :n], v2[r, :, :n], atol=1e-6)
+            np.testing.assert_allclose(kv1[:, r, :, :n], kv2[:, r, :, :n], atol=1e-6)  # keys and values
     sa = SamplingArrays.broadcast(b, 0.0)
     keys = jax.random.split(jax.random.key(0), b)
     anchor = ids[jnp.arange(b), a]

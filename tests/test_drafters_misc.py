@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from specjax.config import ConfigError, TargetConfig
+from specjax.models import cache as kvc
 from specjax.sampling import SamplingArrays
 from specjax.drafters.base import ContextUpdate, Drafter
 from specjax.drafters.common import Frozen
@@ -198,10 +199,9 @@ def test_incremental_commit_equals_one_shot(kind, target, drafters):
     np.testing.assert_array_equal(np.asarray(one.lengths), np.asarray(two.lengths))
     n = int(one.lengths[0])
     assert n == (total if kind == "standalone" else total - 1)  # the last feature is pending
-    ks1 = one.k if isinstance(one.k, tuple) else (one.k,)
-    ks2 = two.k if isinstance(two.k, tuple) else (two.k,)
-    for a, b_ in zip(ks1, ks2):
-        np.testing.assert_allclose(np.asarray(a[:, :, :n]), np.asarray(b_[:, :, :n]), atol=1e-5)
+    c1, c2 = (s if isinstance(s, kvc.KVCache) else s.cache for s in (one, two))
+    for a, b_ in zip(c1.kv, c2.kv):  # [2 (keys, values), slots, nkv, max_len, hd]
+        np.testing.assert_allclose(np.asarray(a[..., :n, :]), np.asarray(b_[..., :n, :]), atol=1e-5)
     anchor, pos = jnp.asarray([5], jnp.int32), jnp.asarray([total], jnp.int32)
     sa = SamplingArrays.broadcast(1, 0.0)
     b1, z1 = propose(one, anchor, pos, sa, _keys(0, 1))

@@ -93,8 +93,8 @@ def test_sharded_engine_matches_single_device(model):
     b, _ = run_greedy(sharded, ps, 10)
     assert a == b
     # state stays sharded across calls: cache slots over `data`, weights over `tensor`
-    k0 = sharded.runner.cache.k[0]
-    assert k0.sharding.spec[0] == "data" and len(k0.sharding.device_set) == 8
+    k0 = sharded.runner.cache.kv[0]
+    assert k0.sharding.spec[1] == "data" and len(k0.sharding.device_set) == 8
     assert sharded.runner.dstate.history.sharding.spec[0] == "data"
     gu = sharded.runner.t_params["model"]["layers"][0]["mlp"]["gate_up_proj"]["kernel"][...]
     assert gu.sharding.spec[2] == "tensor"

@@ -127,8 +127,8 @@ def test_incremental_equals_full(ckpts, name):
         cache, cur, steps = out.cache, cur + live, steps + 1
         np.testing.assert_array_equal(np.asarray(cache.lengths), list(cur) + [0])
     assert steps == t - prompt.min()
-    assert float(jnp.abs(cache.k[0][b]).max()) == 0.0  # the extra slot was never written
-    assert float(jnp.abs(cache.v[-1][b]).max()) == 0.0
+    assert float(jnp.abs(cache.kv[0][:, b]).max()) == 0.0  # the extra slot was never written (keys, values)
+    assert float(jnp.abs(cache.kv[-1][:, b]).max()) == 0.0
 
 
 @pytest.mark.parametrize("name", ["untied_gqa1", "tied_linear_rope"])

@@ -44,6 +44,7 @@ from flax import nnx
 
 from specjax.decoding.verify import VerifyResult
 from specjax.drafters.base import ContextUpdate, DraftBlock
+from specjax.models import cache as kvc
 from specjax.sampling import DEFAULT_TOP_K_CAP, SamplingArrays, probs_from_logits, round_key, sample
 
 Array = jax.Array
@@ -345,11 +346,16 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
     if ctx.d_graph is not None:
         drafter = ctx.drafter(d_params)
         fresh = drafter.init_state(pb, ctx.max_len)
-        old = jax.tree.map(lambda x: jnp.take(x, slot_p, axis=0, mode="clip"), dstate)
+        axes = kvc.slot_axes(dstate)
+        old = jax.tree.map(lambda x, a: jnp.take(x, slot_p, axis=a, mode="clip"), dstate, axes)
         first = start_p == 0
-        sub = jax.tree.map(lambda f, o: jnp.where(first.reshape((pb,) + (1,) * (f.ndim - 1)), f, o), fresh, old)
+
+        def renew(f: Array, o: Array, a: int) -> Array:  # fresh state for the rows that start at 0
+            return jnp.where(first.reshape((1,) * a + (pb,) + (1,) * (f.ndim - a - 1)), f, o)
+        sub = jax.tree.map(renew, fresh, old, axes)
         sub = drafter.commit(sub, _taps_update(ctx, out, tokens_bt, positions, n_valid_p))
-        dstate = jax.tree.map(lambda x, s_: x.at[slot_p].set(s_, mode="drop"), dstate, sub)
+        dstate = jax.tree.map(lambda x, s_, a: x.at[(slice(None),) * a + (slot_p,)].set(s_, mode="drop"),
+                              dstate, sub, axes)
     p = probs_from_logits(out.logits[:, 0], sa)  # [P, V]
     tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p)
     anchors = anchors.at[slot_p].set(tok, mode="drop")

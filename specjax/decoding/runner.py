@@ -278,9 +278,10 @@ class Runner:
 
 
 def _cache_axes(cache: kvc.KVCache) -> kvc.KVCache:
-    return kvc.KVCache(k=tuple(kvc.CACHE_AXES for _ in cache.k), v=tuple(kvc.CACHE_AXES for _ in cache.v),
-                       lengths=kvc.LENGTHS_AXES)
+    return kvc.KVCache(kv=tuple(kvc.KV_AXES for _ in cache.kv), lengths=kvc.LENGTHS_AXES)
 
 
 def _slot_axes(tree: Any) -> Any:
-    return jax.tree.map(lambda x: ("cache_batch",) + (None,) * (x.ndim - 1), tree)
+    """Logical axes of a drafter state: `cache_batch` on each leaf's slot axis (`kvc.slot_axes`)."""
+    return jax.tree.map(lambda x, a: (None,) * a + ("cache_batch",) + (None,) * (x.ndim - a - 1), tree,
+                        kvc.slot_axes(tree))

@@ -4,7 +4,8 @@ A drafter is an `nnx.Module` (parameters may be empty, as for the n-gram drafter
 per-slot state pytree (its context cache). The engine splits the module once and calls these methods
 inside its jitted round, so every method must be traceable with static shapes:
 
-* `init_state(slots, max_len)` -> state pytree whose leaves have a leading `slots` axis.
+* `init_state(slots, max_len)` -> state pytree whose leaves have a leading `slots` axis, except the
+  key/value buffers of a `specjax.models.cache.KVCache` in it ([2, slots, ...]; `cache.slot_axes`).
 * `propose(state, anchor_b, position_b, sampling, key_b)` -> DraftBlock for rows [0:B] of the state
   (B <= slots; other rows are untouched). `anchor_b` is each row's last committed token, at position
   `position_b`; the block proposes tokens for positions position+1 .. position+gamma. Draft tokens

@@ -321,13 +321,16 @@ def attend_context_and_block(q_bthd: Array, k_ctx_bkshd: Array, v_ctx_bkshd: Arr
 
 
 class PairCacheState(NamedTuple):
-    """Per-slot drafter state; every leaf has a leading `slots` axis."""
+    """Per-slot drafter state (slot axes: `kvc.slot_axes`)."""
 
-    k: Array  # [slots, nkv, max_len, hd] normed, rotated keys of committed pairs (KVCache layout)
-    v: Array  # [slots, nkv, max_len, hd]
-    lengths: Array  # [slots] int32: committed pairs (= position of the pending feature)
+    cache: kvc.KVCache  # one layer: normed, rotated keys and values of committed pairs; lengths [slots] =
+    # committed pairs (= position of the pending feature)
     pending: Array  # [slots, H] feature of the last committed position (awaits its next token)
     has_pending: Array  # [slots] bool
+
+    @property
+    def lengths(self) -> Array:
+        return self.cache.lengths
 
 
 def shift_left(x_bs: Array, k: int, fill: Any = 0) -> Array:
@@ -385,10 +388,9 @@ class PairCacheDrafter(nnx.Module):
 
     # inference ---------------------------------------------------------------------------------
     def init_state(self, slots: int, max_len: int) -> PairCacheState:
-        """Empty pair cache [slots, nkv, max_len, hd], no pending feature."""
-        shape = (slots, self.num_kv_heads, max_len, self.head_dim)
-        return PairCacheState(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
-                              lengths=jnp.zeros((slots,), jnp.int32),
+        """Empty pair cache [2, slots, nkv, max_len, hd], no pending feature."""
+        return PairCacheState(kvc.KVCache.init(num_layers=1, slots=slots, max_len=max_len, kv_heads=self.num_kv_heads,
+                                               head_dim=self.head_dim, dtype=self.dtype),
                               pending=jnp.zeros((slots, self.hidden_size), self.dtype),
                               has_pending=jnp.zeros((slots,), bool))
 
@@ -413,11 +415,10 @@ class PairCacheDrafter(nnx.Module):
         x_in, _ = self._attn_input(f_pair, t_pair)
         k, v = self._attention().keys_values(x_in, p_pair)
         lengths = state.lengths[:b]
-        new_k = kvc.write(state.k, k, lengths)
-        new_v = kvc.write(state.v, v, lengths)
+        new_kv = kvc.write_kv(state.cache.kv[0], k, v, lengths)
         last = jnp.take_along_axis(feats, jnp.clip(n - 1, 0, t - 1)[:, None, None], axis=1)[:, 0]
         pending = jnp.where((n > 0)[:, None], last, state.pending[:b])
-        return PairCacheState(k=new_k, v=new_v, lengths=state.lengths.at[:b].add(n_pairs),
+        return PairCacheState(kvc.KVCache(kv=(new_kv,), lengths=state.lengths.at[:b].add(n_pairs)),
                               pending=state.pending.at[:b].set(pending),
                               has_pending=state.has_pending.at[:b].set(has | (n > 0)))
 
@@ -430,7 +431,7 @@ class PairCacheDrafter(nnx.Module):
         vocab = self.draft_vocab
         g = self.gamma
         lengths = state.lengths[:b]
-        k_ctx, v_ctx = (kvc.read_rows(x, b, kv_len=kv_len) for x in (state.k, state.v))
+        k_ctx, v_ctx = kvc.read_kv(state.cache.kv[0], b, kv_len=kv_len)
         m = k_ctx.shape[2]
         mask_ctx = (jnp.arange(m, dtype=jnp.int32)[None, :] < lengths[:, None])[:, None, :]  # [B,1,M]
         base_pos = position_b.astype(jnp.int32) - 1  # the pending feature's position

@@ -248,7 +248,7 @@ class DSparkDrafter(nnx.Module):
 
     # ------------------------------------------------------------------ inference
     def init_state(self, slots: int, max_len: int) -> kvc.KVCache:
-        """Empty per-layer context K/V caches [slots, nkv, max_len, hd] and lengths [slots]."""
+        """Empty per-layer context key/value caches [2, slots, nkv, max_len, hd] and lengths [slots]."""
         cfg = self.config
         return kvc.KVCache.init(num_layers=cfg.num_draft_layers, slots=slots, max_len=max_len,
                                 kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
@@ -265,13 +265,10 @@ class DSparkDrafter(nnx.Module):
         lengths = state.lengths[:b]
         ctx = self.context_features(update.taps)
         pos = update.positions.astype(jnp.int32)
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            k, v = layer.context_kv(ctx, pos)
-            ks.append(kvc.write(state.k[i], k, lengths))
-            vs.append(kvc.write(state.v[i], v, lengths))
+        kvs = tuple(kvc.write_kv(state.kv[i], *layer.context_kv(ctx, pos), lengths)
+                    for i, layer in enumerate(self.layers))
         n = jnp.clip(update.n_valid.astype(jnp.int32), 0, t)
-        return kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=state.lengths.at[:b].add(n))
+        return kvc.KVCache(kv=kvs, lengths=state.lengths.at[:b].add(n))
 
     def block_hidden(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
                      kv_len: int | None = None) -> Array:
@@ -288,8 +285,7 @@ class DSparkDrafter(nnx.Module):
         mask_ctx = jnp.arange(m, dtype=jnp.int32)[None, None, :] < lengths[:, None, None]
         mask_ctx = jnp.broadcast_to(mask_ctx, (b, kk, m))
         for i, layer in enumerate(self.layers):
-            x = layer.cached_block(x, pos, kvc.read_rows(state.k[i], b, kv_len=kv_len),
-                                   kvc.read_rows(state.v[i], b, kv_len=kv_len), mask_ctx)
+            x = layer.cached_block(x, pos, *kvc.read_kv(state.kv[i], b, kv_len=kv_len), mask_ctx)
         return self.norm(x)
 
     def propose_with_logits(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,

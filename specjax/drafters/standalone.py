@@ -74,7 +74,7 @@ class StandaloneDrafter(nnx.Module):
                               f"from the target's ({target.vocab_size})")
 
     def init_state(self, slots: int, max_len: int) -> kvc.KVCache:
-        """An empty KV cache of the draft LM ([slots, nkv, max_len, hd] per layer)."""
+        """An empty KV cache of the draft LM ([2, slots, nkv, max_len, hd] per layer)."""
         return self.model.init_cache(slots, max_len)
 
     def commit(self, state: kvc.KVCache, update: ContextUpdate) -> kvc.KVCache:
@@ -94,8 +94,7 @@ class StandaloneDrafter(nnx.Module):
         b = anchor_b.shape[0]
         # the block's own gamma entries follow the committed context: read rows [0:kv_len + gamma)
         read = None if kv_len is None or kv_len + self.gamma >= state.max_len else kv_len + self.gamma
-        sub = kvc.KVCache(k=tuple(x[:b] for x in state.k), v=tuple(x[:b] for x in state.v),
-                          lengths=state.lengths[:b])
+        sub = kvc.KVCache(kv=tuple(x[:, :b] for x in state.kv), lengths=state.lengths[:b])
         pos0 = position_b.astype(jnp.int32)
 
         def step(carry, k):

@@ -7,8 +7,8 @@ scaling (default, linear, llama3) comes from the config.
 Kernels per layer are few: q/k/v are one fused projection (`self_attn.qkv_proj`, [H, nkv,
 q_per_kv + 2, hd], see `layers.fuse_qkv`) and gate/up one (`mlp.gate_up_proj`, [H, 2, F]); the
 checkpoint loaders fuse the stored tensors on load and split them on export. RoPE tables are
-computed once per forward, each layer writes its new K and V once and attends over the cache in its
-stored heads-major layout (`cache.KVCache`, `layers.attend`).
+computed once per forward, each layer writes its new keys and values in one scatter and attends over
+the cache in its stored heads-major layout (`cache.KVCache`, `layers.attend`).
 
 One forward serves prefill, decode and multi-token verification:
 tokens [B,T] + positions [B,T] (+ optional KVCache with per-row lengths) -> logits [B,T,V], hidden taps
@@ -82,17 +82,17 @@ class Attention(nnx.Module):
         k = rotate(self._norm(self.k_norm, qkv[:, :, :, g]), cos[:, :, :, 0], sin[:, :, :, 0])
         return q, k, qkv[:, :, :, g + 1]
 
-    def __call__(self, x_bth: Array, li: LayerInputs,
-                 kv_cache: tuple[Array, Array] | None) -> tuple[Array, tuple[Array, Array] | None]:
+    def __call__(self, x_bth: Array, li: LayerInputs, kv_2skmd: Array | None) -> tuple[Array, Array | None]:
+        """Attention output [B, T, H] and the layer's key/value buffer with this call's keys and
+        values written (one scatter; None without a cache)."""
         b, t, _ = x_bth.shape
         q, k, v = self.project(x_bth, li.cos, li.sin)
-        if kv_cache is None:
+        if kv_2skmd is None:
             new_kv = None
             k_all, v_all = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         else:
-            new_kv = (kvc.write(kv_cache[0], k, li.lengths, li.rows),
-                      kvc.write(kv_cache[1], v, li.lengths, li.rows))
-            k_all, v_all = (kvc.read_rows(buf, b, li.rows, li.kv_len) for buf in new_kv)
+            new_kv = kvc.write_kv(kv_2skmd, k, v, li.lengths, li.rows)
+            k_all, v_all = kvc.read_kv(new_kv, b, li.rows, li.kv_len)
         out = attend(q, k_all, v_all, li.mask)
         return self.o_proj(out.reshape(b, t, -1)), new_kv
 
@@ -103,7 +103,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32"):
         init_decoder_layer(self, cfg, Attention, FusedSwiGLU, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
-    def __call__(self, x: Array, li: LayerInputs, kv_cache: tuple[Array, Array] | None = None):
+    def __call__(self, x: Array, li: LayerInputs, kv_cache: Array | None = None):
         a, new_kv = self.self_attn(self.input_layernorm(x), li, kv_cache)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -163,19 +163,17 @@ class CausalLM(nnx.Module):
         li = self._layer_inputs(positions_bt, valid_b, cache, rows_b, kv_len)
         x = self.model.embed_tokens(tokens_bt)
         taps: dict[int, Array] = {-1: x}
-        new_k, new_v = [], []
+        new_kv = []
         for i, layer in enumerate(self.model.layers):
-            x, new_kv = layer(x, li, None if cache is None else (cache.k[i], cache.v[i]))
-            if new_kv is not None:
-                new_k.append(new_kv[0])
-                new_v.append(new_kv[1])
+            x, kv = layer(x, li, None if cache is None else cache.kv[i])
+            new_kv.append(kv)
             taps[i] = x
         hidden = self.model.norm(x)
         new_cache = None
         if cache is not None:
             rows = jnp.arange(b) if rows_b is None else rows_b
             lengths = cache.lengths.at[rows].add(valid_b.astype(jnp.int32), mode="drop")
-            new_cache = kvc.KVCache(k=tuple(new_k), v=tuple(new_v), lengths=lengths)
+            new_cache = kvc.KVCache(kv=tuple(new_kv), lengths=lengths)
         return ForwardOut(self._output_logits(hidden, valid_b, logits), tuple(taps[i] for i in tap_layers),
                           hidden, new_cache)
 
