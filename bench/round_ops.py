@@ -260,6 +260,9 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
     """One row per family and variant (and, with max_logprobs > 0, per round family in the widest
     variant with log-probabilities on): HLO counts, bytes accessed per call and the bytes it is
     measured against; compiled for `mesh`'s devices when given, else the default backend."""
+    import jax
+
+    from bench.common import log
     from specjax.decoding.runner import FAMILIES
     runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs, mesh)
     layers = shape.target["num_hidden_layers"]
@@ -273,11 +276,22 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
             combos.append((variants[-1], True))
         for variant, lp in combos:
             key = bucket_key(runner, family, slots, variant, lp)
-            rep = compiled_report(runner.lower(family, key))
-            rows.append({"family": family, "variant": variant + (" +logprobs" if lp else ""), "bucket": list(key),
-                         "slots": slots, "draft_vocab": draft_vocab, **rep,
-                         "ops_per_layer": round(rep["top_level_ops"] / layers, 1), "weight_bytes": weights,
-                         "kv_cache_bytes": kv_bytes, "bytes_over_weights": round(rep["bytes_accessed"] / weights, 3),
+            row = {"family": family, "variant": variant + (" +logprobs" if lp else ""), "bucket": list(key),
+                   "slots": slots, "draft_vocab": draft_vocab, "weight_bytes": weights, "kv_cache_bytes": kv_bytes}
+            try:
+                rep = compiled_report(runner.lower(family, key))
+            except jax.errors.JaxRuntimeError as e:
+                if mesh is None:
+                    raise
+                # a compile-only target's compiler can fail where the device's would autotune
+                # another tiling: recorded in the row, the other programs still measured
+                row["error"] = str(e).splitlines()[0][:300]
+                log(f"{family} {variant}: the compiler failed: {row['error']}")
+                rows.append(row)
+                continue
+            rows.append({**row, **rep,
+                         "ops_per_layer": round(rep["top_level_ops"] / layers, 1),
+                         "bytes_over_weights": round(rep["bytes_accessed"] / weights, 3),
                          "touched_over_weights_kv": round(rep["touched_bytes"] / (weights + kv_bytes), 3)})
     return rows
 
@@ -318,12 +332,23 @@ def _markdown(res: dict[str, Any]) -> str:
             ["program", "sampling", "slots", "draft vocab", "top-level ops", "ops/layer", "cond", "while", "PRNG while",
              "bytes accessed (MB)", "touched (MB)", "CPU converts (MB)", "weights (MB)", "KV cache (MB)",
              "touched/(W+KV)", "compile (s)"],
-            [[r["family"], r["variant"], r["slots"], r.get("draft_vocab", 0), r["top_level_ops"], r["ops_per_layer"],
-              r["conditionals"], r["whiles"], r["prng_whiles"], f"{r['bytes_accessed'] / 1e6:.1f}",
-              f"{r['touched_bytes'] / 1e6:.1f}", f"{r['convert_bytes'] / 1e6:.1f}", f"{r['weight_bytes'] / 1e6:.1f}",
-              f"{r['kv_cache_bytes'] / 1e6:.1f}", r["touched_over_weights_kv"], r["compile_s"]] for r in rows],
-            align="ll" + "r" * 14))
+            [_table_row(r) for r in rows], align="ll" + "r" * 14))
+        failed = [r for r in rows if "error" in r]
+        if failed:
+            lines += ["", "Compiler failures (no row figures): " + "; ".join(
+                f"{r['family']} {r['variant']}: `{r['error']}`" for r in failed), ""]
     return "\n".join(lines)
+
+
+def _table_row(r: dict[str, Any]) -> list[Any]:
+    head = [r["family"], r["variant"], r["slots"], r.get("draft_vocab", 0)]
+    if "error" in r:  # the compiler failed on this program
+        return head + ["compile failed"] + ["-"] * 7 + [f"{r['weight_bytes'] / 1e6:.1f}", f"{r['kv_cache_bytes'] / 1e6:.1f}",
+                                                        "-", "-"]
+    return head + [r["top_level_ops"], r["ops_per_layer"], r["conditionals"], r["whiles"], r["prng_whiles"],
+                   f"{r['bytes_accessed'] / 1e6:.1f}", f"{r['touched_bytes'] / 1e6:.1f}", f"{r['convert_bytes'] / 1e6:.1f}",
+                   f"{r['weight_bytes'] / 1e6:.1f}", f"{r['kv_cache_bytes'] / 1e6:.1f}", r["touched_over_weights_kv"],
+                   r["compile_s"]]
 
 
 def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
