@@ -67,6 +67,7 @@ class Preset:
     max_tokens: int
     budget_s: float
     draft_vocab_size: int = 0  # > 0: the drafter drafts over that many target ids (ids 0..N-1 here)
+    attention: str = "xla"  # the engine's attention over the cache (EngineConfig.attention)
 
 
 PRESETS: dict[str, Preset] = {
@@ -90,10 +91,11 @@ PHASES = ("plain", "curve", "async", "fixed")  # after "build"; --phases picks a
 NOT_ASKED = "not asked for (--phases)"
 
 
-def result_name(draft_vocab_size: int) -> str:
-    """The outputs' base name: one set per drafter vocabulary, so a run with a draft vocabulary
-    keeps the full-vocabulary results."""
-    return NAME + (f"_draft_vocab{draft_vocab_size}" if draft_vocab_size else "")
+def result_name(draft_vocab_size: int, attention: str = "xla") -> str:
+    """The outputs' base name: one set per drafter vocabulary and attention, so a run with a draft
+    vocabulary or the Pallas attention keeps the default results."""
+    return (NAME + (f"_draft_vocab{draft_vocab_size}" if draft_vocab_size else "")
+            + ("" if attention == "xla" else f"_{attention}"))
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -276,7 +278,7 @@ def writer(out_dir: str, docs: str) -> Callable[[dict[str, Any]], None]:
     def write(res: dict[str, Any]) -> None:
         from bench import run_all
         from bench.common import write_results
-        name = result_name(res["drafter"].get("draft_vocab_size", 0))
+        name = result_name(res["drafter"].get("draft_vocab_size", 0), res.get("attention", "xla"))
         plot = None if res.get("dry_run") else (lambda p: _plot(res, p))
         if plot is None and os.path.exists(os.path.join(out_dir, f"{name}.png")):
             os.remove(os.path.join(out_dir, f"{name}.png"))  # a picture of an older run would mislead
@@ -311,10 +313,14 @@ def _models(p: Preset):
 def _engine(target, drafter, policy: str, p: Preset, tokens: tuple[int, ...], progress: bool,
             cost_table=None):
     from specjax.decoding.engine import Engine, EngineConfig
-    cfg = EngineConfig(max_slots=p.slots[-1], max_len=p.prompt_len + p.max_tokens + p.gamma + 2,
+    from specjax.models.pallas_attention import MIN_KEY_BLOCK
+    max_len = p.prompt_len + p.max_tokens + p.gamma + 2
+    if p.attention == "pallas":  # its attention buckets are multiples of its key block
+        max_len = -(-max_len // MIN_KEY_BLOCK) * MIN_KEY_BLOCK
+    cfg = EngineConfig(max_slots=p.slots[-1], max_len=max_len,
                        gamma=None if drafter is None else p.gamma, policy=policy, slots_buckets=p.slots,
                        tokens_buckets=tokens, prefill_buckets=(p.prompt_len,), max_prefill=p.prompt_len,
-                       prefill_batch_buckets=(min(8, p.slots[-1]),))
+                       prefill_batch_buckets=(min(8, p.slots[-1]),), attention=p.attention)
     # a fixed identity: hashing 4B random weights on the host would only cost time
     return Engine(target, drafter, cfg, progress=progress, cost_table=cost_table,
                   target_id=f"random-{p.target['num_hidden_layers']}-layers")
@@ -421,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="draft over this many target ids (0: the whole vocabulary); outputs are named "
                          "gpu_check_draft_vocabN")
+    ap.add_argument("--attention", choices=["xla", "pallas"], default="xla",
+                    help="the engine's attention over the cache (pallas: the kernel of specjax.models."
+                         "pallas_attention); outputs of pallas are named gpu_check_pallas")
     ap.add_argument("--phases", help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
     ap.add_argument("--out-dir", help="default bench/results (--tiny: runs/gpu_check_tiny)")
     ap.add_argument("--docs", help="Markdown page whose GPU section to rewrite; '' skips it "
@@ -447,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--draft-vocab must be in 1..{p.target['vocab_size'] - 1} (the target vocabulary "
                      f"is {p.target['vocab_size']}), got {args.draft_vocab}")
         over["draft_vocab_size"] = args.draft_vocab
+    over["attention"] = args.attention
     phases = PHASES
     if args.phases:
         phases = tuple(x.strip() for x in args.phases.split(","))
@@ -465,13 +475,14 @@ def main(argv: list[str] | None = None) -> int:
     shown = [COMMAND] + (["--tiny"] if name == "tiny" else [])
     shown += [f"--{k} {','.join(map(str, over[k]))}" for k in ("slots", "tokens", "concurrency") if k in over]
     shown += [f"--draft-vocab {p.draft_vocab_size}"] if p.draft_vocab_size else []
+    shown += [f"--attention {p.attention}"] if p.attention != "xla" else []
     shown += [f"--phases {','.join(phases)}"] if phases != PHASES else []
     shown += [f"--budget {p.budget_s:g}"] if "budget_s" in over else []
     result: dict[str, Any] = {
         "benchmark": NAME, "preset": name, "command": " ".join(shown), "dry_run": args.dry_run,
         "target": p.target, "dtype": p.dtype, "slots": list(p.slots), "tokens": list(p.tokens),
         "concurrency": list(p.concurrency), "prompt_len": p.prompt_len, "max_tokens": p.max_tokens,
-        "budget_s": p.budget_s, "compile_threads": args.compile_threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "budget_s": p.budget_s, "attention": p.attention, "compile_threads": args.compile_threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "drafter": {"layers": p.draft_layers, "gamma": p.gamma, "markov_rank": p.markov_rank, "taps": list(p.taps),
                     "draft_vocab_size": p.draft_vocab_size},
         "phases": {}, "cost_curve": [], "plain_round_seconds": {}, "throughput": []}
@@ -506,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     timer.cancel()
     rec.finish(None)
-    print(f"wrote {out_dir}/{result_name(p.draft_vocab_size)}.json, .md, .png" + (f" and the section of {docs}" if docs else ""))
+    print(f"wrote {out_dir}/{result_name(p.draft_vocab_size, p.attention)}.json, .md, .png" + (f" and the section of {docs}" if docs else ""))
     return 0 if result["complete"] else EXIT_STOPPED
 
 

@@ -4,6 +4,7 @@
     python -m bench.round_ops --presets tiny --slots 2 --variants plain
     python -m bench.round_ops --families draft verify --draft-vocab 0 32768 --suffix q --slots 128
     python -m bench.round_ops --target h200 --suffix h200   # as XLA's GPU compiler builds them (no GPU needed)
+    python -m bench.round_ops --target h200 --attention pallas --suffix h200_pallas   # with the attention kernel
 
 For each shape, the runner itself (decoding/runner.py, built with `allocate=False`: models from
 `nnx.eval_shape`, state as ShapeDtypeStructs) lowers each round family (lite, draft, verify, fused)
@@ -219,7 +220,7 @@ def _nbytes(tree: Any) -> int:
 
 
 def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0, max_logprobs: int = 0,
-                    mesh: Any = None) -> Any:
+                    mesh: Any = None, attention: str = "xla") -> Any:
     """The runner of an engine with this target and drafter shape (a draft vocabulary of
     `draft_vocab` tokens, 0 = none), its state abstract (no memory), placed on `mesh` when given
     (e.g. a compile-only GPU's, `compile_target.compile_only_mesh`)."""
@@ -245,7 +246,7 @@ def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0
     target, drafter = nnx.eval_shape(build)
     return Runner(target, drafter, slots=slots, max_len=max_len, gamma=shape.gamma, stop_ids=(0,),
                   verifier=verify_chain, cache_dtype=shape.dtype, max_logprobs=max_logprobs, mesh=mesh,
-                  allocate=False)
+                  attention=attention, allocate=False)
 
 
 def bucket_key(runner: Any, family: str, slots: int, variant: str, logprobs: bool = False) -> tuple[Any, ...]:
@@ -256,7 +257,7 @@ def bucket_key(runner: Any, family: str, slots: int, variant: str, logprobs: boo
 
 def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FAMILY_ORDER,
             variants: Sequence[str] = ("greedy", "plain", "filtered"), draft_vocab: int = 0,
-            max_logprobs: int = 0, mesh: Any = None) -> list[dict[str, Any]]:
+            max_logprobs: int = 0, mesh: Any = None, attention: str = "xla") -> list[dict[str, Any]]:
     """One row per family and variant (and, with max_logprobs > 0, per round family in the widest
     variant with log-probabilities on): HLO counts, bytes accessed per call and the bytes it is
     measured against; compiled for `mesh`'s devices when given, else the default backend."""
@@ -264,7 +265,7 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
 
     from bench.common import log
     from specjax.decoding.runner import FAMILIES
-    runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs, mesh)
+    runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs, mesh, attention)
     layers = shape.target["num_hidden_layers"]
     t_bytes, d_bytes = _nbytes(runner.t_params), _nbytes(runner.d_params)
     kv_bytes = _nbytes(runner.cache)
@@ -301,7 +302,7 @@ def _markdown(res: dict[str, Any]) -> str:
     title = "Round programs: ops per layer, branches and bytes (compiled, abstract shapes)"
     lines = [f"# {title}" + (f" — {res['suffix']}" if res.get("suffix") else ""), "",
              f"Command: `{res['command']}`", "",
-             f"Compiled for `{res['backend']}`; max_len {res['max_len']}. Each row is one compiled program of the "
+             f"Compiled for `{res['backend']}`; attention `{res.get('attention', 'xla')}`; max_len {res['max_len']}. Each row is one compiled program of the "
              "engine's runner at that slots bucket and sampling variant (verify and fused with gamma + 1 tokens per slot; `filtered` is the variant of a round in which some row uses top-k or top-p, its one conditional the exact fallback for a kept set past the top-k cap). `ops/layer` "
              "= top-level HLO ops of the entry computation / the target's decoder layers (draft: also divided "
              "by the target's layers, for comparison); `cond` and `while` count every `conditional` and `while` "
@@ -353,7 +354,8 @@ def _table_row(r: dict[str, Any]) -> list[Any]:
 
 def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
         families: Sequence[str] = FAMILY_ORDER, variants: Sequence[str] = ("greedy", "plain", "filtered"),
-        draft_vocabs: Sequence[int] = (0,), max_logprobs: int = 0, target: str = "host") -> dict[str, Any]:
+        draft_vocabs: Sequence[int] = (0,), max_logprobs: int = 0, target: str = "host",
+        attention: str = "xla") -> dict[str, Any]:
     import jax
 
     from bench import compile_target
@@ -361,7 +363,8 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
     mesh = None if target == compile_target.HOST else compile_target.compile_only_mesh(target)
     backend = jax.default_backend() if mesh is None else f"{target} (compile-only, XLA's GPU compiler, no autotuning)"
     shapes = presets()
-    res: dict[str, Any] = {"command": command, "backend": backend, "target": target, "max_len": max_len,
+    res: dict[str, Any] = {"command": command, "backend": backend, "target": target, "attention": attention,
+                           "max_len": max_len,
                            "draft_vocabs": list(draft_vocabs), "max_logprobs": max_logprobs, "machine": machine_info(),
                            "shapes": {}}
     for name in names:
@@ -369,7 +372,7 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
         for s in slots:
             for n in draft_vocabs:
                 log(f"{name}: compiling {', '.join(families)} x {', '.join(variants)} at {s} slot(s), draft vocab {n}")
-                for r in measure(shapes[name], s, max_len, families, variants, n, max_logprobs, mesh):
+                for r in measure(shapes[name], s, max_len, families, variants, n, max_logprobs, mesh, attention):
                     rows.append({**r, "layers": shapes[name].target["num_hidden_layers"], "dtype": shapes[name].dtype})
         res["shapes"][name] = rows
     return res
@@ -388,6 +391,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--suffix", default="", help="write the result as round_ops_SUFFIX")
     ap.add_argument("--max-logprobs", type=int, default=0, help="> 0: also the round programs with log-probabilities")
     ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--attention", default="xla", choices=["xla", "pallas"],
+                    help="the target's attention over the cache in rounds (EngineConfig.attention)")
     ap.add_argument("--target", default="host", choices=compile_target.targets(),
                     help="compile for this machine's backend (host) or for a GPU it does not have (make gpu-compiler)")
     ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
@@ -395,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     res = run(args.presets, args.slots, args.max_len, command_line("bench.round_ops", argv),
               families=args.families, variants=args.variants, draft_vocabs=args.draft_vocab,
-              max_logprobs=args.max_logprobs, target=args.target)
+              max_logprobs=args.max_logprobs, target=args.target, attention=args.attention)
     res["suffix"] = args.suffix
     name = "round_ops" + (f"_{args.suffix}" if args.suffix else "")
     for p in write_results(name, res, _markdown(res), out_dir=args.out_dir):

@@ -138,3 +138,17 @@ def test_draft_vocab_run_of_chosen_phases_writes_its_own_outputs(tmp_path):
 def test_draft_vocab_and_phases_refusals(tmp_path, args, match):
     proc = _run(tmp_path, "--tiny", "--dry-run", "--out-dir", str(tmp_path / "o"), *args)
     assert proc.returncode == 2 and match in proc.stderr
+
+
+def test_pallas_attention_run_writes_its_own_outputs(tmp_path):
+    """--attention pallas runs the engine with the Pallas attention kernel (interpreted on CPU) and
+    names its outputs apart; the default results stay."""
+    out = tmp_path / "out"
+    proc = _run(tmp_path, "--tiny", "--quiet", "--attention", "pallas", "--phases", "plain", "--out-dir", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert not (out / "gpu_check.json").exists()
+    res = json.loads((out / "gpu_check_pallas.json").read_text())
+    assert res["complete"] and res["attention"] == "pallas" and res["phases"]["plain"]["status"] == "done"
+    assert {r["engine"] for r in res["throughput"]} == {"plain"}
+    assert "Command: `python -m bench.gpu_check --tiny --attention pallas --phases plain`" in (
+        out / "gpu_check_pallas.md").read_text()

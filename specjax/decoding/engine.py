@@ -21,60 +21,15 @@ from flax import nnx
 
 from specjax.decoding import buckets as bk
 from specjax.decoding.requests import EngineRequest, Launched, check_request, seed_key_data, token_logprobs
+from specjax.decoding.engine_config import EngineConfig
 from specjax.decoding.profiling import target_identity
 from specjax.decoding.programs import unpack_round
 from specjax.decoding.runner import Runner, bucket_key
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.models.decoder import CausalLM
-from specjax.sampling import DEFAULT_TOP_K_CAP, VARIANTS, covering_variant
+from specjax.sampling import covering_variant
 from specjax.scheduling.names import COST_AWARE_POLICIES
 from specjax.scheduling.planner import RoundPlanner
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Static engine shape and policy. `gamma` defaults to the drafter's."""
-
-    max_slots: int = 8
-    max_len: int = 1024
-    gamma: int | None = None
-    policy: str = "fixed"  # one of scheduling.names.LOSSLESS_POLICIES
-    threshold: float | None = None  # per-step confidence threshold of the `threshold` policy
-    max_prefill: int = 256
-    seed: int = 0
-    cache_dtype: str | None = None
-    slots_buckets: tuple[int, ...] | None = None
-    tokens_buckets: tuple[int, ...] | None = None
-    prefill_buckets: tuple[int, ...] | None = None
-    prefill_batch_buckets: tuple[int, ...] | None = None  # prompts per prefill call
-    max_logprobs: int = 0  # top alternatives a request may ask for (0: no log-probabilities computed)
-    # the sampling variants compiled for rounds (sampling.VARIANTS; each is one executable per round
-    # bucket): a round runs the narrowest one its rows allow, a request no variant here covers is refused
-    sampling_variants: tuple[str, ...] = VARIANTS
-    top_k_cap: int = DEFAULT_TOP_K_CAP  # largest top_k a request may ask for (the lax.top_k of filtering)
-    pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
-    # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
-    # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,
-    # and a call no bucket covers is refused before dispatch. Default buckets.attention_buckets(max_len)
-    attention_buckets: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
-        if self.max_len < 2:
-            raise ValueError(f"max_len must be >= 2, got {self.max_len}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        variants = tuple(self.sampling_variants)
-        if not variants or any(v not in VARIANTS for v in variants) or len(set(variants)) != len(variants):
-            raise ValueError(f"sampling_variants must be distinct names from {VARIANTS}, "
-                             f"got {self.sampling_variants!r}")
-        object.__setattr__(self, "sampling_variants", tuple(v for v in VARIANTS if v in variants))
-        if isinstance(self.top_k_cap, bool) or not isinstance(self.top_k_cap, int) or self.top_k_cap < 1:
-            raise ValueError(f"top_k_cap must be a positive int, got {self.top_k_cap!r}")
-        if self.attention_buckets is not None and any(a > self.max_len for a in self.attention_buckets):
-            raise ValueError(f"attention_buckets must not exceed max_len {self.max_len}, "
-                             f"got {self.attention_buckets!r}")
 
 
 class Engine:
@@ -112,7 +67,8 @@ class Engine:
             raise ValueError(f"largest slots bucket {self.buckets.slots[-1]} must equal max_slots {slots}")
         self.runner = Runner(target, drafter, slots=slots, max_len=max_len, gamma=self.gamma,
                              stop_ids=self.eos_token_ids, verifier=verifier, cache_dtype=config.cache_dtype,
-                             mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap)
+                             mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap,
+                             attention=config.attention)
         self.lengths = np.zeros((slots,), np.int64)  # committed cache rows per slot
         self.slot_req: list[EngineRequest | None] = [None] * slots
         self.queue: list[EngineRequest] = []

@@ -81,6 +81,7 @@ class Context:
     verifier: Callable[..., VerifyResult]
     max_logprobs: int = 0  # top alternatives computed per emitted token (0: no log-probabilities)
     top_k_cap: int = DEFAULT_TOP_K_CAP  # the filtered variant's lax.top_k size
+    attention: str = "xla"  # the target's cached attention: XLA's ops or the Pallas kernel (CausalLM.forward)
     cache_shardings: Any = None  # state shardings under a mesh (None without one)
     dstate_shardings: Any = None
     replicated: Any = None
@@ -212,7 +213,7 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     positions = start_b[:, None] + jnp.arange(tb, dtype=jnp.int32)[None, :]
     ell_b = jnp.where(active_b, jnp.minimum(ell_b, tb - 1), 0)
     out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=ctx.tap_layers if maintain else (),
-                         logits="all", kv_len=attn)
+                         logits="all", kv_len=attn, attention=ctx.attention)
     p = probs_from_logits(out.logits, sa)  # [sb, tb, V]
     q_ids = None if tb == 1 else _q_ids(ctx, d_params)
     if tb == 1:  # plain decoding: no drafts; the chain rule reduces to sampling from the target

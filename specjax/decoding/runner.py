@@ -150,7 +150,7 @@ class Runner:
     def __init__(self, target: Any, drafter: Any, *, slots: int, max_len: int, gamma: int,
                  stop_ids: Sequence[int], verifier: Callable[..., Any], cache_dtype: str | None = None,
                  mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, top_k_cap: int = DEFAULT_TOP_K_CAP,
-                 allocate: bool = True):
+                 attention: str = "xla", allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
         # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops
         self.mesh, self.gamma, self.max_len = mesh, gamma, max_len
@@ -185,7 +185,7 @@ class Runner:
         tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
         needs_hidden = bool(getattr(drafter, "needs_hidden", False))
         ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
-                               top_k_cap, **shardings)
+                               top_k_cap, attention, **shardings)
         self.exes = {f.name: Executables(f.name, functools.partial(f.fn, ctx),
                                          donate_argnums=tuple(f.args.index(a) for a in f.donate),
                                          static_argnames=f.static)

@@ -26,6 +26,7 @@ from flax import nnx
 
 from specjax.config import TargetConfig
 from specjax.models import cache as kvc
+from specjax.models.pallas_attention import ATTENTION_IMPLEMENTATIONS, cached_attention
 from specjax.models.layers import (Embed, FusedLinear, FusedSwiGLU, Linear, RMSNorm, attend, fuse_qkv,
                                    init_decoder_layer, init_kernel, rope_tables, rotate)
 
@@ -48,6 +49,7 @@ class LayerInputs(NamedTuple):
     lengths: Array | None  # [B] cache row where each row's first new token goes (None: no cache)
     rows: Array | None  # [B] cache slots of the rows (None: slots [0:B])
     kv_len: int | None  # attention reads cache rows [0:kv_len] (None: all)
+    kernel: bool = False  # attention by the Pallas kernel (`pallas_attention`), from `lengths`
 
 
 class Attention(nnx.Module):
@@ -92,6 +94,9 @@ class Attention(nnx.Module):
             k_all, v_all = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         else:
             new_kv = kvc.write_kv(kv_2skmd, k, v, li.lengths, li.rows)
+            if li.kernel:
+                out = cached_attention(q, new_kv, kvc.write_indices(li.lengths, t), li.kv_len)
+                return self.o_proj(out.reshape(b, t, -1)), new_kv
             k_all, v_all = kvc.read_kv(new_kv, b, li.rows, li.kv_len)
         out = attend(q, k_all, v_all, li.mask)
         return self.o_proj(out.reshape(b, t, -1)), new_kv
@@ -141,8 +146,8 @@ class CausalLM(nnx.Module):
 
     def forward(self, tokens_bt: Array, positions_bt: Array, cache: kvc.KVCache | None = None,
                 valid_b: Array | None = None, *, rows_b: Array | None = None,
-                tap_layers: Sequence[int] = (), logits: str = "all", kv_len: int | None = None
-                ) -> ForwardOut:
+                tap_layers: Sequence[int] = (), logits: str = "all", kv_len: int | None = None,
+                attention: str = "xla") -> ForwardOut:
         """Run the decoder. `valid_b` [B] is each row's count of real tokens (default T).
 
         With a cache, token t of row b is written at cache row lengths[b] + t and sees cache rows
@@ -151,7 +156,8 @@ class CausalLM(nnx.Module):
         whose writes are dropped) and the others are untouched. `kv_len` (static) limits attention
         to cache rows [0:kv_len] (writes still go to the whole cache; the caller guarantees
         lengths + T <= kv_len for every row whose outputs it uses). `logits` is "all", "last" (at
-        the last valid token of each row) or "none".
+        the last valid token of each row) or "none". `attention` "pallas" attends over the cache of
+        rows [0:B] in one kernel per layer (`pallas_attention`; other calls use XLA's ops, "xla").
         """
         cfg = self.config
         b, t = tokens_bt.shape
@@ -160,7 +166,11 @@ class CausalLM(nnx.Module):
         for lid in tap_layers:
             if not -1 <= lid < cfg.num_hidden_layers:
                 raise ValueError(f"tap layer id {lid} out of range [-1, {cfg.num_hidden_layers})")
+        if attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {attention!r}")
         li = self._layer_inputs(positions_bt, valid_b, cache, rows_b, kv_len)
+        if attention == "pallas" and cache is not None and rows_b is None:
+            li = li._replace(kernel=True)
         x = self.model.embed_tokens(tokens_bt)
         taps: dict[int, Array] = {-1: x}
         new_kv = []

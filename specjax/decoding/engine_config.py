@@ -1,0 +1,62 @@
+"""The engine's static shape and policy (`EngineConfig`), validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+
+from specjax.decoding.buckets import attention_buckets
+from specjax.models.pallas_attention import ATTENTION_IMPLEMENTATIONS, MIN_KEY_BLOCK
+from specjax.sampling import DEFAULT_TOP_K_CAP, VARIANTS
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static engine shape and policy. `gamma` defaults to the drafter's."""
+
+    max_slots: int = 8
+    max_len: int = 1024
+    gamma: int | None = None
+    policy: str = "fixed"  # one of scheduling.names.LOSSLESS_POLICIES
+    threshold: float | None = None  # per-step confidence threshold of the `threshold` policy
+    max_prefill: int = 256
+    seed: int = 0
+    cache_dtype: str | None = None
+    slots_buckets: tuple[int, ...] | None = None
+    tokens_buckets: tuple[int, ...] | None = None
+    prefill_buckets: tuple[int, ...] | None = None
+    prefill_batch_buckets: tuple[int, ...] | None = None  # prompts per prefill call
+    max_logprobs: int = 0  # top alternatives a request may ask for (0: no log-probabilities computed)
+    # the sampling variants compiled for rounds (sampling.VARIANTS; each is one executable per round
+    # bucket): a round runs the narrowest one its rows allow, a request no variant here covers is refused
+    sampling_variants: tuple[str, ...] = VARIANTS
+    top_k_cap: int = DEFAULT_TOP_K_CAP  # largest top_k a request may ask for (the lax.top_k of filtering)
+    attention: str = "xla"  # the target's attention over the cache in rounds: "xla" ops or the "pallas" kernel
+    pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
+    # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
+    # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,
+    # and a call no bucket covers is refused before dispatch. Default buckets.attention_buckets(max_len)
+    attention_buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
+        if self.max_len < 2:
+            raise ValueError(f"max_len must be >= 2, got {self.max_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        variants = tuple(self.sampling_variants)
+        if not variants or any(v not in VARIANTS for v in variants) or len(set(variants)) != len(variants):
+            raise ValueError(f"sampling_variants must be distinct names from {VARIANTS}, "
+                             f"got {self.sampling_variants!r}")
+        object.__setattr__(self, "sampling_variants", tuple(v for v in VARIANTS if v in variants))
+        if isinstance(self.top_k_cap, bool) or not isinstance(self.top_k_cap, int) or self.top_k_cap < 1:
+            raise ValueError(f"top_k_cap must be a positive int, got {self.top_k_cap!r}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attention!r}")
+        if self.attention == "pallas":
+            blocked = [a for a in self.attention_buckets or attention_buckets(self.max_len) if a % MIN_KEY_BLOCK]
+            if blocked:
+                raise ValueError(f"attention 'pallas' reads the cache in blocks of {MIN_KEY_BLOCK} rows: attention "
+                                 f"buckets {blocked} (max_len {self.max_len}) must be multiples of {MIN_KEY_BLOCK}")
+        if self.attention_buckets is not None and any(a > self.max_len for a in self.attention_buckets):
+            raise ValueError(f"attention_buckets must not exceed max_len {self.max_len}, "
+                             f"got {self.attention_buckets!r}")
