@@ -75,20 +75,23 @@ class Attention(nnx.Module):
     def _norm(norm: RMSNorm | None, x: Array) -> Array:
         return x if norm is None else norm(x)
 
-    def project(self, x_bth: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+    def project(self, x_bth: Array, cos: Array, sin: Array, row_scale: Array | None = None
+                ) -> tuple[Array, Array, Array]:
         """Normed, rotated queries [B, T, nkv, g, hd] and keys, values [B, T, nkv, hd] of x, from
-        one matmul; cos/sin: RoPE tables [B, T, 1, 1, hd/2] (`LayerInputs`)."""
-        qkv = self.qkv_proj(x_bth)  # [B, T, nkv, g + 2, hd]
+        one matmul (its rows scaled by `row_scale` [B, T, 1], `RMSNorm.factored`); cos/sin: RoPE
+        tables [B, T, 1, 1, hd/2] (`LayerInputs`)."""
+        qkv = self.qkv_proj(x_bth, row_scale)  # [B, T, nkv, g + 2, hd]
         g = qkv.shape[3] - 2
         q = rotate(self._norm(self.q_norm, qkv[:, :, :, :g]), cos, sin)
         k = rotate(self._norm(self.k_norm, qkv[:, :, :, g]), cos[:, :, :, 0], sin[:, :, :, 0])
         return q, k, qkv[:, :, :, g + 1]
 
-    def __call__(self, x_bth: Array, li: LayerInputs, kv_2skmd: Array | None) -> tuple[Array, Array | None]:
+    def __call__(self, x_bth: Array, li: LayerInputs, kv_2skmd: Array | None,
+                 row_scale: Array | None = None) -> tuple[Array, Array | None]:
         """Attention output [B, T, H] and the layer's key/value buffer with this call's keys and
         values written (one scatter; None without a cache)."""
         b, t, _ = x_bth.shape
-        q, k, v = self.project(x_bth, li.cos, li.sin)
+        q, k, v = self.project(x_bth, li.cos, li.sin, row_scale)
         if kv_2skmd is None:
             new_kv = None
             k_all, v_all = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -109,10 +112,11 @@ class DecoderLayer(nnx.Module):
         init_decoder_layer(self, cfg, Attention, FusedSwiGLU, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def __call__(self, x: Array, li: LayerInputs, kv_cache: Array | None = None):
-        a, new_kv = self.self_attn(self.input_layernorm(x), li, kv_cache)
+        # each norm's per-row factor scales its projection's output (RMSNorm.factored)
+        xw, factor = self.input_layernorm.factored(x)
+        a, new_kv = self.self_attn(xw, li, kv_cache, row_scale=factor)
         x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_kv
+        return x + self.mlp(*self.post_attention_layernorm.factored(x)), new_kv
 
 
 class DecoderStack(nnx.Module):

@@ -75,6 +75,15 @@ class RMSNorm(nnx.Module):
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (xf * self.weight[...].astype(jnp.float32)).astype(self.dtype)
 
+    def factored(self, x: Array) -> tuple[Array, Array]:
+        """The norm in two factors: x * weight (in the compute dtype) and the per-row factor
+        rsqrt(mean(x^2) + eps) [..., 1] (float32), norm(x) = factor * (x * weight). A projection of
+        the first scaled by the factor after (`FusedLinear(row_scale=)`) leaves the scaling to the
+        matmul's neighbours: one kernel fewer per norm on a GPU."""
+        xf = x.astype(jnp.float32)
+        factor = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(self.dtype), factor
+
 
 class SwiGLU(nnx.Module):
     """Qwen3 MLP: down(silu(gate(x)) * up(x))."""
@@ -102,8 +111,12 @@ class FusedLinear(nnx.Module):
         self.bias = None if bias is None else nnx.Param(bias.astype(param_dtype),
                                                         logical_axes=logical_axes[1:])
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, row_scale: Array | None = None) -> Array:
+        """x [..., in] -> [..., *out]; `row_scale` [..., 1] (float32) multiplies each row's product
+        before the bias (see `RMSNorm.factored`)."""
         y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=1)
+        if row_scale is not None:
+            y = (y * row_scale.reshape(row_scale.shape + (1,) * (y.ndim - row_scale.ndim))).astype(self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -151,8 +164,8 @@ class FusedSwiGLU(nnx.Module):
         self.down_proj = Linear(inner, hidden, logical_axes=("mlp", "embed"), rngs=rngs, dtype=dtype,
                                 param_dtype=param_dtype)
 
-    def __call__(self, x: Array) -> Array:
-        y = self.gate_up_proj(x)
+    def __call__(self, x: Array, row_scale: Array | None = None) -> Array:
+        y = self.gate_up_proj(x, row_scale)
         return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :])
 
 
