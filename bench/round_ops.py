@@ -127,27 +127,31 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[tuple[str, int, str, li
     return comps, entry
 
 
-def _fusion_kind(body: list[tuple[str, int, str, list[str], str]], operand_bytes: list[int]) -> tuple[str, dict[int, int]]:
+def _fusion_kind(body: list[tuple[str, int, str, list[str], str]], operand_bytes: list[int]
+                 ) -> tuple[str, dict[int, int], dict[int, int]]:
     """What a fused computation does to its operands: 'convert' (it only changes their dtype or
     layout), 'scatter' or 'dynamic-update-slice' (its root updates parameter 0's buffer in place), or
-    'other'; and, for gathers, {parameter number: bytes the gather reads} (its result's bytes)."""
+    'other'; for gathers, {parameter number: bytes the gathers read} (their results' bytes); and the
+    same for slices (which XLA's count already takes at the bytes they read)."""
     ops = {op for _, _, op, _, _ in body}
     if "convert" in ops and ops <= _DTYPE_CHANGES:
-        return "convert", {}
+        return "convert", {}, {}
     by_name = {name: (op, operands, line) for name, _, op, operands, line in body}
     params = {name: int(re.search(r"parameter\((\d+)\)", line).group(1))
               for name, (op, _, line) in by_name.items() if op == "parameter"}
     root = body[-1]
     if root[2] in _IN_PLACE_ROOTS and params.get(root[3][0]) == 0 and operand_bytes and operand_bytes[0] == root[1]:
-        return root[2], {}
-    reads: dict[int, int] = {}
+        return root[2], {}, {}
+    gathers: dict[int, int] = {}
+    slices: dict[int, int] = {}
     for _, nbytes, op, operands, _ in body:
-        src = operands[0] if op == "gather" else None
+        src = operands[0] if op in ("gather", "slice", "dynamic-slice") else None
         while src is not None and src not in params and by_name.get(src, ("",))[0] in _DTYPE_CHANGES:
             src = by_name[src][1][0]
         if src in params:
-            reads[params[src]] = reads.get(params[src], 0) + nbytes
-    return "other", reads
+            into = gathers if op == "gather" else slices
+            into[params[src]] = into.get(params[src], 0) + nbytes
+    return "other", gathers, slices
 
 
 def bytes_breakdown(hlo_text: str) -> dict[str, int]:
@@ -157,7 +161,9 @@ def bytes_breakdown(hlo_text: str) -> dict[str, int]:
     it writes f32 copies of bf16 weights and cache each call, which a GPU's dot reads as stored; their
     consumers are counted at the stored bytes) and `whole_buffer`, the excess of in-place updates
     (a scatter into a buffer: XLA counts it whole in and out, it touches its update) and gathers
-    (counted at the whole table, they read their rows). xla = touched + convert + whole_buffer."""
+    (counted at the whole table, they read their rows). Slices, e.g. of the key/value halves of the
+    cache, count at the part they read, as XLA's own count takes them. xla = touched + convert +
+    whole_buffer."""
     comps, entry = _computations(hlo_text)
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}  # outputs of dtype-only ops -> bytes of what they convert
@@ -168,7 +174,9 @@ def bytes_breakdown(hlo_text: str) -> dict[str, int]:
             continue
         in_bytes = [sizes.get(o, 0) for o in operands]
         called = re.search(r"calls=%([\w.\-]+)", line)
-        kind, reads = _fusion_kind(comps[called.group(1)], in_bytes) if op == "fusion" and called else ("other", {})
+        kind, reads, sliced = (_fusion_kind(comps[called.group(1)], in_bytes) if op == "fusion" and called
+                               else ("other", {}, {}))
+        in_bytes = [min(b, sliced[i]) if i in sliced else b for i, b in enumerate(in_bytes)]
         in_place = sum(in_bytes[1:]) + max(in_bytes[1:], default=0)  # update and indices in, update out
         raw = in_place if kind == "dynamic-update-slice" else nbytes + sum(in_bytes)  # as XLA counts them
         out["xla"] += raw
@@ -184,7 +192,7 @@ def bytes_breakdown(hlo_text: str) -> dict[str, int]:
         else:
             touched = nbytes
             for i, (o, b) in enumerate(zip(operands, in_bytes)):
-                as_stored = stored.get(o, b)
+                as_stored = min(stored.get(o, b), b)
                 read = min(reads.get(i, as_stored), as_stored)
                 out["convert"] += b - as_stored
                 out["whole_buffer"] += as_stored - read

@@ -480,6 +480,12 @@ def test_round_ops_bytes_breakdown_counts_what_a_program_touches():
     assert dus["touched"] == dus["xla"] < 0.01 * buf_bytes
     gather = split(lambda t, i: t[i] * 2.0, f32(1024, 256), s32(4))
     assert gather["xla"] >= buf_bytes and gather["touched"] < 0.05 * buf_bytes
+    # a slice reads its part (XLA's count too), also as a matmul's operand (a key/value half)
+    half = split(lambda b: b[:512] * 2.0, f32(1024, 256))
+    assert half["touched"] == half["xla"] == buf_bytes
+    kv = split(lambda b, x: x @ b[0], f32(2, 256, 256), f32(8, 256))
+    half_bytes = 256 * 256 * 4  # read by the slice (and on XLA:CPU written as a copy and read by the dot)
+    assert kv["touched"] <= 3 * half_bytes + 2 * 8 * 256 * 4 and kv["whole_buffer"] == 0
     stream = split(lambda b: b * 2.0 + 1.0, f32(1024, 256))  # negative control: every byte is touched
     assert stream["touched"] == stream["xla"] >= 2 * buf_bytes and stream["whole_buffer"] == 0
     bf16 = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
