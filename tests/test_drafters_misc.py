@@ -421,3 +421,19 @@ def test_every_kind_is_one_table_entry():
     assert registry.kind_of_drafter(NGramDrafter(V)).name == "ngram"
     with pytest.raises(ConfigError, match="unsupported drafter architecture 'Nope'"):
         registry.kind_of_architecture({"architectures": ["Nope"]})
+
+
+def test_slot_axes_name_the_slot_axis_of_every_state_leaf():
+    """KV buffers of a KVCache (also inside a drafter's state) index slots on axis 1, every other
+    leaf on axis 0; prefill's per-slot gather and set use them (negative control: axis 0 for a KV
+    buffer would take keys/values apart instead of slots)."""
+    from specjax.drafters.common import PairCacheState
+    cache = kvc.KVCache.init(num_layers=2, slots=3, max_len=4, kv_heads=1, head_dim=2)
+    state = PairCacheState(cache, pending=jnp.zeros((3, 5)), has_pending=jnp.zeros((3,), bool))
+    axes = kvc.slot_axes({"pair": state, "history": jnp.zeros((3, 7), jnp.int32)})
+    assert axes["pair"].cache.kv == (1, 1) and axes["pair"].cache.lengths == 0
+    assert axes["pair"].pending == 0 and axes["history"] == 0
+    kv = jnp.arange(2 * 3 * 4 * 2, dtype=jnp.float32).reshape(2, 3, 1, 4, 2)
+    row = jnp.take(kv, jnp.asarray([2]), axis=kvc.KV_SLOT_AXIS)
+    np.testing.assert_array_equal(row[:, 0], kv[:, 2])  # slot 2's keys and values
+    assert jnp.take(kv, jnp.asarray([1]), axis=0).shape != row.shape
