@@ -110,3 +110,6 @@ def test_engine_with_the_kernel_decodes_as_with_xla_attention():
     assert spec == plain and drafted > 0
     with pytest.raises(ValueError, match="attention must be one of"):
         EngineConfig(attention="flash")
+    with pytest.raises(ValueError, match=r"blocks of 16 rows: attention buckets \[100\] \(max_len 100\)"):
+        EngineConfig(max_len=100, attention="pallas")  # the default bucket, 100, is not a multiple of 16
+    EngineConfig(max_len=100, attention="pallas", attention_buckets=(64, 96))  # chosen buckets that block
