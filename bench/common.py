@@ -203,8 +203,17 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str |
 
 
 def command_line(module: str, argv: Sequence[str] | None) -> str:
-    """The command that reproduces a run: `python -m <module> <args>`."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    """The command that reproduces a run: `python -m <module> <args>`, without `--docs PAGE` (which
+    page the section is written to does not change what is measured)."""
+    given, args = list(sys.argv[1:] if argv is None else argv), []
+    skip = False
+    for a in given:
+        if skip or a.startswith("--docs="):
+            skip = False
+            continue
+        skip = a == "--docs"
+        if not skip:
+            args.append(a)
     return " ".join(["python", "-m", module] + args)
 
 

@@ -599,3 +599,9 @@ def test_round_ops_table_records_a_program_the_compiler_failed_on():
     assert len(rows) == 2 and all(r.count("|") == 17 for r in rows), rows
     assert "compile failed" in rows[1] and "| 30.0 |" in rows[0]
     assert "Compiler failures (no row figures): draft plain: `INTERNAL: Couldn't find output tile sizes`" in md
+
+
+def test_command_line_leaves_out_the_docs_page():
+    assert common.command_line("bench.round_ops", ["--target", "h200", "--docs", "", "--suffix", "h200"]) == \
+        "python -m bench.round_ops --target h200 --suffix h200"
+    assert common.command_line("bench.x", ["--docs=a.md", "--slots", "8"]) == "python -m bench.x --slots 8"
