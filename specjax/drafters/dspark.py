@@ -101,7 +101,7 @@ class DSparkDrafter(nnx.Module):
 
     Protocol attributes: `gamma` (= block_size), `tap_layers` (= target_layer_ids),
     `needs_hidden` (False). State: a `specjax.models.cache.KVCache` with one entry per draft layer
-    holding the normed, rotated context keys/values [slots, nkv, max_len, hd] and `lengths[slots]`.
+    holding the normed, rotated context keys/values [2, slots, nkv, max_len, hd] and `lengths[slots]`.
     """
 
     def __init__(self, cfg: BlockDrafterConfig, *, rngs: nnx.Rngs | None = None, dtype="float32",
