@@ -584,7 +584,8 @@ def test_round_ops_compiles_for_a_gpu_this_machine_does_not_have(tmp_path):
 
 
 def test_round_ops_table_records_a_program_the_compiler_failed_on():
-    """A compile-only target's compiler failure is a row saying so (no figures) plus the message."""
+    """A compile-only target's compiler failure is a row saying so (no figures) plus the message; a
+    program compiled again without Triton matmuls is marked and the note says why."""
     from bench import round_ops
     ok = {"family": "lite", "variant": "greedy", "slots": 8, "draft_vocab": 0, "top_level_ops": 60, "ops_per_layer": 30.0,
           "conditionals": 0, "whiles": 0, "prng_whiles": 0, "bytes_accessed": 2e6, "touched_bytes": 1e6,
@@ -592,12 +593,15 @@ def test_round_ops_table_records_a_program_the_compiler_failed_on():
           "compile_s": 1.0, "layers": 2, "dtype": "float32"}
     bad = {k: ok[k] for k in ("slots", "draft_vocab", "weight_bytes", "kv_cache_bytes", "layers", "dtype")}
     bad.update(family="draft", variant="plain", error="INTERNAL: Couldn't find output tile sizes")
+    retried = {**ok, "family": "fused", "compiler_options": round_ops.NO_TRITON_GEMM_TEXT,
+               "first_error": "INTERNAL: tile sizes"}
     res = {"command": "python -m bench.round_ops --target h200", "backend": "h200 (compile-only)", "target": "h200",
-           "max_len": 64, "shapes": {"tiny": [ok, bad]}}
+           "max_len": 64, "shapes": {"tiny": [ok, bad, retried]}}
     md = round_ops._markdown(res)
-    rows = [line for line in md.splitlines() if line.startswith("| lite") or line.startswith("| draft")]
-    assert len(rows) == 2 and all(r.count("|") == 17 for r in rows), rows
-    assert "compile failed" in rows[1] and "| 30.0 |" in rows[0]
+    rows = [line for line in md.splitlines() if line.startswith(("| lite", "| draft", "| fused"))]
+    assert len(rows) == 3 and all(r.count("|") == 17 for r in rows), rows
+    assert "compile failed" in rows[1] and "| 30.0 |" in rows[0] and rows[2].startswith("| fused* | greedy")
+    assert "`*`: compiled with `xla_gpu_enable_triton_gemm=false`" in md and "`INTERNAL: tile sizes`" in md
     assert "Compiler failures (no row figures): draft plain: `INTERNAL: Couldn't find output tile sizes`" in md
 
 
