@@ -33,8 +33,8 @@ class KVCache:
     @classmethod
     def init(cls, *, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
              dtype="float32") -> "KVCache":
-        return cls(kv=tuple(empty_kv(slots, max_len, kv_heads, head_dim, dtype) for _ in range(num_layers)),
-                   lengths=jnp.zeros((slots,), jnp.int32))
+        shape = (2, slots, kv_heads, max_len, head_dim)
+        return cls(kv=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)), lengths=jnp.zeros((slots,), jnp.int32))
 
     @property
     def slots(self) -> int:
@@ -46,11 +46,6 @@ class KVCache:
 
     def with_lengths(self, lengths: Array) -> "KVCache":
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
-
-
-def empty_kv(slots: int, max_len: int, kv_heads: int, head_dim: int, dtype="float32") -> Array:
-    """One layer's zeroed key/value buffer [2, slots, kv_heads, max_len, head_dim]."""
-    return jnp.zeros((2, slots, kv_heads, max_len, head_dim), dtype)
 
 
 def slot_axes(tree: Any) -> Any:

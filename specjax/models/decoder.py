@@ -49,7 +49,8 @@ class LayerInputs(NamedTuple):
     lengths: Array | None  # [B] cache row where each row's first new token goes (None: no cache)
     rows: Array | None  # [B] cache slots of the rows (None: slots [0:B])
     kv_len: int | None  # attention reads cache rows [0:kv_len] (None: all)
-    kernel: bool = False  # attention by the Pallas kernel (`pallas_attention`), from `lengths`
+    # attention by the Pallas kernel (`pallas_attention`): [B, T] the last cache row each query sees
+    kernel_limits: Array | None = None
 
 
 class Attention(nnx.Module):
@@ -97,8 +98,8 @@ class Attention(nnx.Module):
             k_all, v_all = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         else:
             new_kv = kvc.write_kv(kv_2skmd, k, v, li.lengths, li.rows)
-            if li.kernel:
-                out = cached_attention(q, new_kv, kvc.write_indices(li.lengths, t), li.kv_len)
+            if li.kernel_limits is not None:
+                out = cached_attention(q, new_kv, li.kernel_limits, li.kv_len)
                 return self.o_proj(out.reshape(b, t, -1)), new_kv
             k_all, v_all = kvc.read_kv(new_kv, b, li.rows, li.kv_len)
         out = attend(q, k_all, v_all, li.mask)
@@ -174,7 +175,7 @@ class CausalLM(nnx.Module):
             raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {attention!r}")
         li = self._layer_inputs(positions_bt, valid_b, cache, rows_b, kv_len)
         if attention == "pallas" and cache is not None and rows_b is None:
-            li = li._replace(kernel=True)
+            li = li._replace(kernel_limits=kvc.write_indices(li.lengths, t))
         x = self.model.embed_tokens(tokens_bt)
         taps: dict[int, Array] = {-1: x}
         new_kv = []
