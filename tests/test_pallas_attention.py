@@ -16,50 +16,77 @@ except ImportError:  # tests/ itself on sys.path
 from specjax.decoding.engine import Engine, EngineConfig
 from specjax.decoding.requests import EngineRequest
 from specjax.models import cache as kvc
-from specjax.models.layers import attend
+from specjax.models.layers import attend, rope_tables, rotate
 from specjax.models.pallas_attention import cached_attention
 
 
 def _case(t: int, dtype, seed: int = 0):
+    """A fused projection [slots, t, nkv, g + 2, hd], a key/value buffer, row lengths and RoPE tables."""
     rng = np.random.default_rng(seed)
     slots, nkv, g, hd, max_len = 3, 2, 3, 16, 64
     kv = jnp.asarray(rng.normal(size=(2, slots, nkv, max_len, hd)), dtype)
-    q = jnp.asarray(rng.normal(size=(slots, t, nkv, g, hd)), dtype)
+    qkv = jnp.asarray(rng.normal(size=(slots, t, nkv, g + 2, hd)), dtype)
     lengths = jnp.asarray([5, 0, 64 - t], jnp.int32)  # a short row, an empty one, one filling the cache
-    return q, kv, lengths
+    cos, sin = rope_tables(lengths[:, None] + jnp.arange(t), hd, theta=10000.0)
+    return qkv, kv, lengths, cos, sin
 
 
-@pytest.mark.parametrize("t,kv_len,block_k", [(1, 64, 16), (4, 64, 64), (4, 32, 16)])
-def test_kernel_equals_attend_over_the_cache(t, kv_len, block_k):
-    """Several key blocks (a running softmax) or one; one query per row (decoding) or four (verify)."""
-    q, kv, lengths = _case(t, jnp.float32)
+def _reference(qkv, kv, lengths, cos, sin, kv_len, q_norm=None):
+    """Queries as `decoder.Attention.project` makes them, attended by `layers.attend`."""
+    g, t = qkv.shape[3] - 2, qkv.shape[1]
+    q = qkv[:, :, :, :g].astype(jnp.float32)
+    if q_norm is not None:
+        q = q * jax.lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True) + 1e-6) * q_norm
+    q = rotate(q.astype(qkv.dtype), cos[:, :, None, None], sin[:, :, None, None])
+    k, v = kvc.read_kv(kv, qkv.shape[0], kv_len=kv_len)
+    out = attend(q, k, v, kvc.cached_mask(lengths, t, kv_len))  # [B, T, nkv * g, hd]
+    return out.reshape(q.shape)
+
+
+@pytest.mark.parametrize("t,kv_len,block_k,norm", [(1, 64, 16, False), (4, 64, 64, True), (4, 32, 16, False),
+                                                   (3, 64, 32, True)])
+def test_kernel_equals_attend_over_the_cache(t, kv_len, block_k, norm):
+    """Several key blocks (a running softmax) or one; one query per row (decoding), three or four
+    (verify); queries normed (Qwen3's q_norm, a random weight) and rotated in the kernel or only rotated."""
+    qkv, kv, lengths, cos, sin = _case(t, jnp.float32)
     if kv_len < 64:
         lengths = jnp.minimum(lengths, kv_len - t)
+    w = jnp.asarray(np.random.default_rng(9).uniform(0.5, 1.5, 16), jnp.float32) if norm else None
     limits = kvc.write_indices(lengths, t)
-    k, v = kvc.read_kv(kv, 3, kv_len=kv_len)
-    ref = attend(q, k, v, kvc.cached_mask(lengths, t, kv_len))
-    got = jax.jit(lambda q, kv, lim: cached_attention(q, kv, lim, kv_len, block_k=block_k))(q, kv, limits)
+    ref = _reference(qkv, kv, lengths, cos, sin, kv_len, w)
+
+    def kernel(lim, cos, sin, w):
+        return jax.jit(lambda *a: cached_attention(qkv, kv, *a, q_norm=w, kv_len=kv_len, block_k=block_k))(
+            lim, cos, sin)
+    got = kernel(limits, cos, sin, w)
+    assert got.shape == ref.shape == (3, t, 2, 3, 16)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=0)
-    # negative control: one more key visible to every query changes the output
-    wider = jax.jit(lambda q, kv, lim: cached_attention(q, kv, lim, kv_len, block_k=block_k))(q, kv, limits + 1)
-    assert np.abs(np.asarray(wider) - np.asarray(ref)).max() > 1e-3
+    # negative controls: one more key visible to every query, a position off in the RoPE tables, or
+    # (with the norm) its weight left out, each change the output
+    cos1, sin1 = rope_tables(lengths[:, None] + jnp.arange(t) + 1, 16, theta=10000.0)
+    off = {"limits": kernel(limits + 1, cos, sin, w), "rope": kernel(limits, cos1, sin1, w)}
+    if norm:
+        off["norm weight"] = kernel(limits, cos, sin, jnp.ones_like(w))
+    for name, wrong in off.items():
+        assert np.abs(np.asarray(wrong) - np.asarray(ref)).max() > 1e-3, name
 
 
 def test_kernel_in_bfloat16_is_close_to_attend():
-    q, kv, lengths = _case(1, jnp.bfloat16, seed=1)
-    k, v = kvc.read_kv(kv, 3)
-    ref = attend(q, k, v, kvc.cached_mask(lengths, 1, 64)).astype(jnp.float32)
-    got = cached_attention(q, kv, kvc.write_indices(lengths, 1)).astype(jnp.float32)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-2, rtol=0)
+    qkv, kv, lengths, cos, sin = _case(1, jnp.bfloat16, seed=1)
+    ref = _reference(qkv, kv, lengths, cos, sin, 64).astype(jnp.float32)
+    got = cached_attention(qkv, kv, kvc.write_indices(lengths, 1), cos, sin).astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=3e-2, rtol=0)
 
 
-def test_kernel_refuses_attention_lengths_it_cannot_block():
-    q, kv, lengths = _case(1, jnp.float32)
+def test_kernel_refuses_shapes_it_cannot_block():
+    qkv, kv, lengths, cos, sin = _case(1, jnp.float32)
     limits = kvc.write_indices(lengths, 1)
     with pytest.raises(ValueError, match="multiple of 16, got 40"):
-        cached_attention(q, kv, limits, 40)
+        cached_attention(qkv, kv, limits, cos, sin, kv_len=40)
     with pytest.raises(ValueError, match="kv_len 128 outside"):
-        cached_attention(q, kv, limits, 128)
+        cached_attention(qkv, kv, limits, cos, sin, kv_len=128)
+    with pytest.raises(ValueError, match=r"RoPE tables must be \[B, T, hd/2\] = \(3, 1, 8\)"):
+        cached_attention(qkv, kv, limits, cos[..., :4], sin[..., :4])
 
 
 def test_forward_with_the_kernel_equals_xla_attention():
@@ -80,7 +107,7 @@ def test_forward_with_the_kernel_equals_xla_attention():
                 for a in ("xla", "pallas")}
         np.testing.assert_allclose(np.asarray(outs["pallas"].logits), np.asarray(outs["xla"].logits), atol=1e-5, rtol=0)
         for a, b in zip(jax.tree.leaves(outs["pallas"].cache), jax.tree.leaves(outs["xla"].cache)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     jaxpr = str(jax.make_jaxpr(lambda st, c: run("pallas", st, c, tokens[:, 8:9], positions[:, 8:9], None))(
         state, prefill.cache))
     assert "pallas_call" in jaxpr and "pallas_call" not in str(jax.make_jaxpr(

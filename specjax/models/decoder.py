@@ -84,23 +84,32 @@ class Attention(nnx.Module):
         qkv = self.qkv_proj(x_bth, row_scale)  # [B, T, nkv, g + 2, hd]
         g = qkv.shape[3] - 2
         q = rotate(self._norm(self.q_norm, qkv[:, :, :, :g]), cos, sin)
+        return q, *self._keys_values(qkv, cos, sin)
+
+    def _keys_values(self, qkv: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
+        g = qkv.shape[3] - 2
         k = rotate(self._norm(self.k_norm, qkv[:, :, :, g]), cos[:, :, :, 0], sin[:, :, :, 0])
-        return q, k, qkv[:, :, :, g + 1]
+        return k, qkv[:, :, :, g + 1]
 
     def __call__(self, x_bth: Array, li: LayerInputs, kv_2skmd: Array | None,
                  row_scale: Array | None = None) -> tuple[Array, Array | None]:
         """Attention output [B, T, H] and the layer's key/value buffer with this call's keys and
         values written (one scatter; None without a cache)."""
         b, t, _ = x_bth.shape
+        if li.kernel_limits is not None:  # the kernel norms and rotates the queries itself
+            qkv = self.qkv_proj(x_bth, row_scale)
+            new_kv = kvc.write_kv(kv_2skmd, *self._keys_values(qkv, li.cos, li.sin), li.lengths, li.rows)
+            q_norm = None if self.q_norm is None else self.q_norm.weight[...]
+            eps = 0.0 if self.q_norm is None else self.q_norm.eps
+            out = cached_attention(qkv, new_kv, li.kernel_limits, li.cos[:, :, 0, 0], li.sin[:, :, 0, 0],
+                                   q_norm=q_norm, eps=eps, kv_len=li.kv_len)
+            return self.o_proj(out.reshape(b, t, -1)), new_kv
         q, k, v = self.project(x_bth, li.cos, li.sin, row_scale)
         if kv_2skmd is None:
             new_kv = None
             k_all, v_all = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         else:
             new_kv = kvc.write_kv(kv_2skmd, k, v, li.lengths, li.rows)
-            if li.kernel_limits is not None:
-                out = cached_attention(q, new_kv, li.kernel_limits, li.kv_len)
-                return self.o_proj(out.reshape(b, t, -1)), new_kv
             k_all, v_all = kvc.read_kv(new_kv, b, li.rows, li.kv_len)
         out = attend(q, k_all, v_all, li.mask)
         return self.o_proj(out.reshape(b, t, -1)), new_kv
