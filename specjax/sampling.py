@@ -316,6 +316,13 @@ def first_argmax(x: Array) -> Array:
     return jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), ids, x.shape[-1]), axis=-1)
 
 
+def draft_probs(logits: Array, sa: SamplingArrays, dtype: Any) -> Array:
+    """A drafter's q: `probs_from_logits` rounded to `dtype`, the drafter's compute dtype (bfloat16
+    halves what travels from draft to verify). Draws come from the rounded q (`sample` needs no
+    normalised row) and the verifier renormalises it, so verification stays exact."""
+    return probs_from_logits(logits, sa).astype(dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("greedy",))
 def sample(key: Array, probs: Array, greedy: bool = False) -> Array:
     """Draw int32 tokens from `probs` [..., V] (categorical; zero-probability tokens never drawn).
@@ -395,6 +402,6 @@ def round_key(base_key_b: Array, counter_b: Array | int) -> Array:
     return fold(base_key_b, counter_b)
 
 
-__all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "covering_variant", "probs_from_logits", "sample",
+__all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "covering_variant", "probs_from_logits", "draft_probs", "sample",
            "first_argmax",
            "request_key", "round_key", "keys_for_batch", "validate_sampling"]

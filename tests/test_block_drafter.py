@@ -460,3 +460,27 @@ def test_gradients_skip_frozen_embedding_and_lm_head(target):
     np.testing.assert_array_equal(d.embed_tokens.embedding[...], emb0)
     np.testing.assert_array_equal(d.lm_head.kernel[...], head0)
     assert not np.allclose(d.fc.kernel[...], fc0)
+
+
+def test_a_bfloat16_drafter_carries_its_q_rounded_and_draws_from_it(target):
+    """A drafter computing in bfloat16 returns q in bfloat16 (`sampling.draft_probs`: half the bytes
+    from draft to verify) and its tokens are drawn from that rounded q: under top-k = 1 the one kept
+    token is drawn with certainty from bfloat16 rows; a float32 drafter's q stays float32."""
+    d16 = make_block_drafter(target, TCFG, _cfg("vanilla"), nnx.Rngs(3), dtype="bfloat16", param_dtype="bfloat16")
+    _scramble(d16, 13)
+    b = 2
+    ids, taps = _data(target, b, 12)
+    a = jnp.array([5, 8], jnp.int32)
+    anchor = ids[jnp.arange(b), a]
+    keys = jax.random.split(jax.random.key(1), b)
+    for d, dtype in ((d16, jnp.bfloat16), (_drafter(target, "vanilla"), jnp.float32)):
+        state = d.commit(d.init_state(b, 12), _update(ids, taps, jnp.zeros(b), a, 8))
+        blk = d.propose(state, anchor, a, SamplingArrays.broadcast(b, temperature=1.0), keys)
+        assert blk.q.dtype == dtype
+        q = np.asarray(blk.q, np.float32)
+        assert np.all(np.take_along_axis(q, np.asarray(blk.tokens)[..., None], -1) > 0)
+        if dtype == jnp.bfloat16:
+            assert np.abs(q.sum(-1) - 1.0).max() > 1e-4  # rounded: rows no longer sum to one exactly
+        top1 = d.propose(state, anchor, a, SamplingArrays.broadcast(b, temperature=1.0, top_k=1), keys)
+        q1 = np.asarray(top1.q, np.float32)
+        np.testing.assert_array_equal(np.asarray(top1.tokens), q1.argmax(-1))

@@ -1,13 +1,11 @@
 """Every drafter runs in the engine with exact verification (Monte-Carlo chi-square on a tiny target),
 and an oracle drafter (a copy of the target) has every greedy draft accepted."""
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
 from specjax.config import TargetConfig
-from specjax.decoding.engine import EngineRequest
+from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.drafters.base import DraftBlock
 from specjax.drafters.dspark import BlockDrafterConfig
 from specjax.drafters.dspark import make_block_drafter
@@ -36,12 +34,14 @@ def exact(model):
 def make(kind: str, target):
     cfg = target.config
     rngs = nnx.Rngs(4)
-    if kind in ("dspark", "dspark-rnn", "dflash"):
+    if kind in ("dspark", "dspark-rnn", "dflash", "dspark-bf16"):
         bcfg = BlockDrafterConfig.from_target(
             cfg, target_layer_ids=(0, 1), mask_token_id=V - 1, num_draft_layers=1, block_size=GAMMA,
             markov_rank=0 if kind == "dflash" else 8, markov_head_type="rnn" if kind == "dspark-rnn" else "vanilla",
             confidence_head=kind != "dflash")
-        return make_block_drafter(target, cfg, bcfg, rngs)
+        # dspark-bf16: computing in bfloat16, it carries q rounded (sampling.draft_probs) to verify
+        dtype = "bfloat16" if kind == "dspark-bf16" else "float32"
+        return make_block_drafter(target, cfg, bcfg, rngs, dtype=dtype, param_dtype=dtype)
     if kind == "eagle3":
         return make_eagle3_drafter(target, Eagle3Config.from_target(cfg, target_layer_ids=(0, 1), gamma=GAMMA), rngs)
     if kind == "mtp1":
@@ -80,7 +80,8 @@ def engine_pvalue(drafter, model, exact, seed0: int = 0) -> float:
     return drafter_pvalue(model, drafter, PROMPT, exact, temperature=TEMPERATURE, seed0=seed0)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dspark-rnn", "dflash", "eagle3", "mtp1", "standalone", "ngram"])
+@pytest.mark.parametrize("kind", ["dspark", "dspark-rnn", "dflash", "dspark-bf16", "eagle3", "mtp1", "standalone",
+                                  "ngram"])
 def test_drafter_in_engine_is_exact(kind, model, exact):
     p = engine_pvalue(make(kind, model), model, exact)
     assert p > 1e-3, f"{kind}: engine output differs from the target distribution (p={p:.2e})"
@@ -101,3 +102,28 @@ def test_oracle_drafter_accepts_every_greedy_draft(model):
         m = r.metrics
         assert m.num_draft_tokens > 0 and m.num_accepted_tokens == m.num_draft_tokens
         assert m.mean_acceptance_length == GAMMA + 1
+
+
+def test_a_bfloat16_drafters_q_crosses_from_draft_to_verify(model):
+    """Under a host policy (the draft and verify programs apart, q carried between them) a bfloat16
+    drafter's q reaches a verify program compiled for it: greedy outputs equal plain decoding,
+    drafts were verified, and a sampled run at TEMPERATURE completes."""
+    drafter = make("dspark-bf16", model)
+    cfg = EngineConfig(max_slots=2, max_len=32, policy="threshold", threshold=0.0, gamma=GAMMA, slots_buckets=(2,),
+                       tokens_buckets=(1, GAMMA + 1), prefill_buckets=(8,), max_prefill=8, prefill_batch_buckets=(2,),
+                       sampling_variants=("greedy", "plain"))
+    eng = Engine(model, drafter, cfg, progress=False)
+    eng.warmup()
+    assert eng.runner.q_dtype == jnp.bfloat16
+    plain = small_engine(model, None, slots=2, max_len=32, prefill=8, policy="plain")
+    prompts = [PROMPT, [3, 3, 4]]
+
+    def run(e, temperature):
+        reqs = [EngineRequest(str(i), p, max_tokens=9, temperature=temperature) for i, p in enumerate(prompts)]
+        e.run(reqs, progress=False)
+        return reqs
+    spec = run(eng, 0.0)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in run(plain, 0.0)]
+    assert sum(r.metrics.num_draft_tokens for r in spec) > 0
+    assert "draft" in eng.runner.exes and eng.runner.exes["draft"].keys
+    assert all(len(r.output_ids) == 9 for r in run(eng, TEMPERATURE))

@@ -376,9 +376,7 @@ def _power_of_two(q: jax.Array) -> jax.Array:
 def test_q_over_a_draft_vocabulary_verifies_exactly_and_wrong_columns_or_rounding_fail() -> None:
     """q carried over the draft vocabulary's columns (what the engine moves from draft to verify)
     gives the same outcome as the scattered q and passes the chi-square test; q read at the wrong
-    tokens (a column map off by one) and a rounded q the drafts were not drawn from both fail it.
-    q stays float32 (decoding/verify.py): rounding it without sampling from the rounded q is the
-    second negative control."""
+    tokens (a column map off by one) and a rounded q the drafts were not drawn from both fail it."""
     b = 20_000
     tp, dq = _mc_tables(dict(temperature=0.8, top_k=5))
     inside = jnp.zeros((V_MC,), bool).at[DRAFT_IDS_MC].set(True)
@@ -396,6 +394,25 @@ def test_q_over_a_draft_vocabulary_verifies_exactly_and_wrong_columns_or_roundin
     assert _chi2_pvalue(np.asarray(wrong[0][:, :3]), tp) < 1e-3
     rounded = _generate(keys, tp, dq, ell_offset, one, EMPTY_STOPS, q_seen=_power_of_two)
     assert _chi2_pvalue(np.asarray(rounded[0][:, :3]), tp) < 1e-3
+
+
+def test_rounded_q_the_drafts_were_drawn_from_verifies_exactly_in_bfloat16() -> None:
+    """A drafter's q rounded to its compute dtype (`sampling.draft_probs`) no longer sums to one;
+    drafts drawn from the rounded q and the verifier handed it in bfloat16 (renormalised there) pass
+    the chi-square test. Negative control: the same q handed as float32 (taken as normalised) fails.
+    Rounding down to powers of two (exact in bfloat16) makes the rows sum to ~0.7, a bias the test sees."""
+    b = 20_000
+    tp, dq = _mc_tables(dict(temperature=0.8, top_k=5))
+    dq = _power_of_two(dq)  # the rounded q the drafts are drawn from
+    sums = np.asarray(dq.sum(-1))
+    assert sums.min() < 0.8 and sums.max() < 1.0
+    keys = keys_for_batch(range(b))
+    ell_offset = jnp.arange(b, dtype=jnp.int32) % (G_MC + 1)
+    bf16 = _generate(keys, tp, dq, ell_offset, jnp.float32(1.0), EMPTY_STOPS, q_seen=lambda q: q.astype(jnp.bfloat16))
+    assert int(np.asarray(bf16[2][0]).sum()) > 0  # drafts were accepted
+    assert _chi2_pvalue(np.asarray(bf16[0][:, :3]), tp) > 1e-3
+    as_f32 = _generate(keys, tp, dq, ell_offset, jnp.float32(1.0), EMPTY_STOPS)
+    assert _chi2_pvalue(np.asarray(as_f32[0][:, :3]), tp) < 1e-3
 
 
 def test_verify_chain_rejects_bad_column_ids() -> None:

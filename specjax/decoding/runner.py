@@ -80,7 +80,7 @@ def bucket_key(family: str, **fields: Any) -> tuple[Any, ...]:
 # resident state: "row_state" is the slots' row state (programs.RowState), replaced by the families that return it
 STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "row_state", "cache_lengths", "stop_ids")
 # per-call inputs: (shape, dtype) from the bucket sizes (+ "gamma" columns, "q_cols": the columns of
-# the q a draft carries to verify, the drafter's draft vocabulary or the target's)
+# the q a draft carries to verify, the drafter's draft vocabulary or the target's; "q_dtype": its dtype)
 INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "ell_b": lambda d: ((d["rows"],), jnp.int32),
     "limits_2b": lambda d: ((2, d["rows"]), jnp.int32),
@@ -90,7 +90,7 @@ INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "keys_b2": lambda d: ((d["rows"], 2), jnp.uint32),
     "tokens_bt": lambda d: ((d["rows"], d["plen"]), jnp.int32),
     "draft_bg": lambda d: ((d["rows"], d["gamma"]), jnp.int32),
-    "q_bgn": lambda d: ((d["rows"], d["gamma"], d["q_cols"]), jnp.float32),
+    "q_bgn": lambda d: ((d["rows"], d["gamma"], d["q_cols"]), d["q_dtype"]),
     "k_total_1": lambda d: ((1,), jnp.int32),
 }
 
@@ -156,6 +156,7 @@ class Runner:
         self.mesh, self.gamma, self.max_len = mesh, gamma, max_len
         vocab = getattr(drafter, "draft_vocab", None)  # q travels over it from draft to verify
         self.q_cols = target.config.vocab_size if vocab is None else vocab.size
+        self.q_dtype = jnp.dtype(getattr(drafter, "dtype", jnp.float32))  # ... in the drafter's dtype
         make = (lambda f: f()) if allocate else jax.eval_shape
         t_graph, t_params = nnx.split(target)
         cache = make(lambda: target.init_cache(slots, max_len, dtype=cache_dtype))
@@ -248,7 +249,7 @@ class Runner:
         """Lower one bucket key from the family's argument layout (abstract state, INPUTS shapes);
         None when that key is compiled already."""
         fam = FAMILIES[family]
-        dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), q_cols=self.q_cols)
+        dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), q_cols=self.q_cols, q_dtype=self.q_dtype)
         sharding = None if self.mesh is None else shd.replicated(self.mesh)
 
         def arg(name: str) -> Any:

@@ -95,12 +95,16 @@ def chain_round_probs(p_gv: Array, q_gv: Array, draft_g: Array, ell: Array | int
 
 
 def _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_ids, q_ids_n) -> tuple[Array, ...]:
-    """`verify_chain`'s inputs as typed keys, float32 probs, int32 drafts, lengths clipped to 0..G,
+    """`verify_chain`'s inputs as typed keys, float32 probs (a rounded q renormalised), int32 drafts, lengths clipped to 0..G,
     flat stop ids and int32 column ids (None: q is over the whole vocabulary); a shape that does not
     fit raises ValueError."""
     key_b = _as_typed_key(key_b)
     p_bgv = jnp.asarray(p_bgv, jnp.float32)
-    q_bgn = jnp.asarray(q_bgn, jnp.float32)
+    carried = jnp.asarray(q_bgn)
+    q_bgn = carried.astype(jnp.float32)
+    if carried.dtype != jnp.float32:  # a rounded q (`sampling.draft_probs`): the drafter drew from it normalised
+        total = jnp.sum(q_bgn, axis=-1, keepdims=True)
+        q_bgn = jnp.where(total > 0, q_bgn / jnp.where(total > 0, total, 1.0), q_bgn)
     draft_bg = jnp.asarray(draft_bg, jnp.int32)
     stop_e = jnp.asarray(stop_ids, jnp.int32).reshape(-1)
     if p_bgv.ndim != 3:
@@ -144,8 +148,9 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
     Args:
       key_b: [B] typed PRNG keys (one per row, e.g. `sampling.round_key`).
       p_bgv: [B, G+1, V] target probs (already through `probs_from_logits`).
-      q_bgn: [B, G, N] float32 draft probs the draft tokens were drawn from, over the target tokens
-        `q_ids_n` (N = V and None: the whole vocabulary in order).
+      q_bgn: [B, G, N] draft probs the draft tokens were drawn from, over the target tokens
+        `q_ids_n` (N = V and None: the whole vocabulary in order); float32, or rounded to a lower
+        precision (`sampling.draft_probs`; renormalised here, as the draws were).
       draft_bg: [B, G] int32 draft tokens.
       ell_b: [B] int32 in 0..G (values outside are clipped): how many drafts each row verifies.
       stop_ids: [E] int32 stop tokens (E may be 0; -1 entries are padding).

@@ -9,8 +9,11 @@ inside its jitted round, so every method must be traceable with static shapes:
 * `propose(state, anchor_b, position_b, sampling, key_b)` -> DraftBlock for rows [0:B] of the state
   (B <= slots; other rows are untouched). `anchor_b` is each row's last committed token, at position
   `position_b`; the block proposes tokens for positions position+1 .. position+gamma. Draft tokens
-  MUST be sampled from exactly the `q` returned (float32, after the same sampling transform the
-  target gets: `specjax.sampling.probs_from_logits`). A drafter with a draft vocabulary (attribute
+  MUST be sampled from exactly the `q` returned, after the same sampling transform the target gets
+  (`specjax.sampling.probs_from_logits`), in float32 or rounded to the drafter's compute dtype
+  (`sampling.draft_probs`: the verifier renormalises a rounded q, from which the draws came). The
+  attribute `dtype` names q's dtype (float32 when absent): the engine compiles its verify round
+  for it. A drafter with a draft vocabulary (attribute
   `draft_vocab`) also returns q's columns of it (`DraftBlock.q_draft`): that is what the engine
   carries from draft to verify.
 * `commit(state, update)` -> state: append committed positions (write, then mask: never copy), for
@@ -36,9 +39,9 @@ Array = jax.Array
 
 class DraftBlock(NamedTuple):
     tokens: Array  # [B, gamma] int32
-    q: Array  # [B, gamma, V] float32: the distribution each token was drawn from
+    q: Array  # [B, gamma, V] float32 or the drafter's dtype: the distribution each token was drawn from
     confidence: Array | None  # [B, gamma] float32 in (0, 1): P(slot k accepted | slots < k accepted)
-    # [B, gamma, N] float32: a drafter with a draft vocabulary (`draft_vocab`, N tokens) sets q's
+    # [B, gamma, N] (q's dtype): a drafter with a draft vocabulary (`draft_vocab`, N tokens) sets q's
     # columns of it here (q is zero elsewhere); the engine carries this one from draft to verify
     q_draft: Array | None = None
 

@@ -29,7 +29,7 @@ from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.models import cache as kvc
 from specjax.models.layers import RMSNorm, gqa_attention
 from specjax.models.unfused import Attention
-from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.sampling import SamplingArrays, draft_probs, round_key, sample
 
 Array = jax.Array
 _INIT_STD = 0.02
@@ -450,7 +450,7 @@ class PairCacheDrafter(nnx.Module):
             a = attend_context_and_block(q, k_ctx, v_ctx, mask_ctx, dk, dv_, mask_blk)
             out = self._finish(res, a)  # [B, 1, H]
             z = self._logits(out)[:, 0]  # [B, N] float32
-            q_bn = probs_from_logits(z, sampling)
+            q_bn = draft_probs(z, sampling, self.dtype)
             nxt = dv.target_ids(vocab, sample(round_key(key_b, k), q_bn, sampling.greedy))
             return (out[:, 0].astype(feat_bh.dtype), nxt, dk, dv_), (nxt, q_bn, z)
 

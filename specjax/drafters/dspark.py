@@ -43,7 +43,7 @@ from specjax.drafters.common import (Calibration, FrozenEmbed, FrozenLMHead, Tap
 from specjax.drafters.dspark_layers import ConfidenceHead, DraftDecoderLayer, MarkovHead, RNNHead
 from specjax.models import cache as kvc
 from specjax.models.layers import Linear, RMSNorm
-from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.sampling import SamplingArrays, draft_probs, round_key, sample
 
 Array = jax.Array
 MARKOV_HEAD_TYPES = ("vanilla", "rnn")
@@ -308,7 +308,7 @@ class DSparkDrafter(nnx.Module):
             if head is not None:
                 head_carry, bias = head.step(head_carry, h_bh, prev_b)
                 z = z + bias
-            q = probs_from_logits(z, sampling)
+            q = draft_probs(z, sampling, self.dtype)
             d = sample(round_key(key_b, k), q, sampling.greedy)  # a draft index
             return (head_carry, d), (d, q, z)
 
@@ -330,7 +330,7 @@ class DSparkDrafter(nnx.Module):
                 sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:
         """Propose gamma tokens per row [0:B]: the anchor at position_b sees cached context
         j < lengths[b] (read from rows [0:kv_len) when given); tokens are sampled left to right
-        from q = probs_from_logits(z_k)."""
+        from q = draft_probs(z_k) (probs_from_logits in the drafter's dtype)."""
         return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b, kv_len)[0]
 
 

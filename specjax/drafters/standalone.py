@@ -39,7 +39,7 @@ from specjax.drafters.base import ContextUpdate, DraftBlock, Kind, TargetView
 from specjax.drafters.common import TrainingSection, shift_left
 from specjax.models import cache as kvc
 from specjax.models.decoder import CausalLM
-from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.sampling import SamplingArrays, draft_probs, round_key, sample
 
 Array = jax.Array
 ARCHITECTURE = "SpecjaxStandaloneDrafter"
@@ -66,6 +66,11 @@ class StandaloneDrafter(nnx.Module):
                     dtype="float32", param_dtype="float32") -> "StandaloneDrafter":
         """A freshly initialised draft LM of config `cfg`."""
         return cls(CausalLM(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype), gamma)
+
+    @property
+    def dtype(self) -> Any:
+        """The model's compute dtype (that of its q)."""
+        return self.model.model.embed_tokens.dtype
 
     def check_target(self, target: TargetConfig) -> None:
         """Raise ConfigError unless the draft LM shares the target's vocabulary size."""
@@ -101,7 +106,7 @@ class StandaloneDrafter(nnx.Module):
             cache, tok_b = carry
             out = self.model.forward(tok_b[:, None], (pos0 + k)[:, None], cache, logits="all", kv_len=read)
             z = out.logits[:, 0]  # [B, V] float32
-            q = probs_from_logits(z, sampling)
+            q = draft_probs(z, sampling, self.dtype)
             nxt = sample(round_key(key_b, k), q, sampling.greedy)
             return (out.cache, nxt), (nxt, q, z)
 
