@@ -95,16 +95,14 @@ def chain_round_probs(p_gv: Array, q_gv: Array, draft_g: Array, ell: Array | int
 
 
 def _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_ids, q_ids_n) -> tuple[Array, ...]:
-    """`verify_chain`'s inputs as typed keys, float32 probs (a rounded q renormalised), int32 drafts, lengths clipped to 0..G,
+    """`verify_chain`'s inputs as typed keys, float32 p (q as carried: `_q_totals`), int32 drafts, lengths clipped to 0..G,
     flat stop ids and int32 column ids (None: q is over the whole vocabulary); a shape that does not
     fit raises ValueError."""
     key_b = _as_typed_key(key_b)
     p_bgv = jnp.asarray(p_bgv, jnp.float32)
-    carried = jnp.asarray(q_bgn)
-    q_bgn = carried.astype(jnp.float32)
-    if carried.dtype != jnp.float32:  # a rounded q (`sampling.draft_probs`): the drafter drew from it normalised
-        total = jnp.sum(q_bgn, axis=-1, keepdims=True)
-        q_bgn = jnp.where(total > 0, q_bgn / jnp.where(total > 0, total, 1.0), q_bgn)
+    q_bgn = jnp.asarray(q_bgn)
+    if not jnp.issubdtype(q_bgn.dtype, jnp.floating):
+        q_bgn = q_bgn.astype(jnp.float32)
     draft_bg = jnp.asarray(draft_bg, jnp.int32)
     stop_e = jnp.asarray(stop_ids, jnp.int32).reshape(-1)
     if p_bgv.ndim != 3:
@@ -124,6 +122,16 @@ def _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_ids, q_ids_n) -> 
         raise ValueError(f"key_b must be [B] = ({b},) typed keys, got shape {key_b.shape}")
     ell_b = jnp.clip(jnp.broadcast_to(jnp.asarray(ell_b, jnp.int32), (b,)), 0, g)
     return key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_e, q_ids_n
+
+
+def _q_totals(q_bgn: Array) -> Array | None:
+    """Row sums [B, G] (float32) of a q rounded below float32 (`sampling.draft_probs`: the drafter
+    drew from it normalised, so the verifier divides the entries it reads by them); None for a
+    float32 q, taken as normalised. One read of q: the division touches only what is read."""
+    if q_bgn.dtype == jnp.float32:
+        return None
+    total = jnp.sum(q_bgn, axis=-1, dtype=jnp.float32)
+    return jnp.where(total > 0, total, 1.0)
 
 
 def _q_at(q_bgn: Array, tok_bg: Array, q_ids_n: Array | None) -> Array:
@@ -173,7 +181,10 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
     u_bg = jnp.zeros((b, g), jnp.float32) if greedy else jax.vmap(uniforms)(key_u_b)
     d_bg = jnp.clip(draft_bg, 0, v - 1)
     p_x = jnp.take_along_axis(p_bgv[:, :g], d_bg[..., None], axis=-1)[..., 0]
-    q_x = _q_at(q_bgn, d_bg, q_ids_n)
+    totals_bg = _q_totals(q_bgn)
+    q_x = _q_at(q_bgn, d_bg, q_ids_n).astype(jnp.float32)
+    if totals_bg is not None:
+        q_x = q_x / totals_bg
     live_bg = pos_g[None, :] < ell_b[:, None]
     acc_bg = live_bg & (u_bg * q_x < p_x)
     n_b = jnp.sum(jnp.cumprod(acc_bg.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
@@ -188,7 +199,11 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
     # Next token: residual at the first rejection, else bonus from p_ell.
     p_n = jnp.take_along_axis(p_bgv, n_b[:, None, None], axis=1)[:, 0]
     if g > 0:
-        q_n = _q_row(jnp.take_along_axis(q_bgn, jnp.minimum(n_b, g - 1)[:, None, None], axis=1)[:, 0], q_ids_n, v)
+        at_n = jnp.minimum(n_b, g - 1)
+        q_n = jnp.take_along_axis(q_bgn, at_n[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+        if totals_bg is not None:
+            q_n = q_n / jnp.take_along_axis(totals_bg, at_n[:, None], axis=1)
+        q_n = _q_row(q_n, q_ids_n, v)
     else:
         q_n = jnp.zeros_like(p_n)
     dist_bv = next_token_dist(p_n, q_n, n_b < ell_b)
