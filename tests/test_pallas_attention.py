@@ -2,6 +2,8 @@
 interpreter on CPU: equal to `layers.attend` over the cache, in a forward and in the engine."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,6 +89,30 @@ def test_kernel_refuses_shapes_it_cannot_block():
         cached_attention(qkv, kv, limits, cos, sin, kv_len=128)
     with pytest.raises(ValueError, match=r"RoPE tables must be \[B, T, hd/2\] = \(3, 1, 8\)"):
         cached_attention(qkv, kv, limits, cos[..., :4], sin[..., :4])
+
+
+def _kernel_accesses(t: int, g: int) -> tuple[list[str], list[str]]:
+    """The q loads and the output store of the kernel's jaxpr for T = t queries and g q heads per
+    kv head (the fused projection has g + 2 entries per kv head)."""
+    qkv = jnp.zeros((3, t, 2, g + 2, 16))
+    kv = jnp.zeros((2, 3, 2, 64, 16))
+    cos, sin = rope_tables(jnp.zeros((3, t), jnp.int32), 16, theta=1e4)
+    text = str(jax.make_jaxpr(lambda *a: cached_attention(*a))(qkv, kv, jnp.zeros((3, t), jnp.int32), cos, sin))
+    lines = [ln.strip() for ln in text.splitlines()]
+    loads = [ln for ln in lines if re.search(r"<- \w+\[:,:,(:8|8:)\]", ln)]
+    stores = [ln for ln in lines if re.search(r", \w+\[\.\.\.\] <- \w+\[\.\.\.\], ", ln)]
+    return loads, stores
+
+
+def test_kernel_masks_blocks_that_overhang_the_arrays():
+    """Triton's loads and stores are not bounds-checked and Pallas' interpreter pads, so the tests
+    above cannot see an access past an array's end: the kernel's jaxpr must mask the q loads and the
+    output store where its power-of-two block overhangs (one query of 3 heads: a 16-row block) and
+    need no mask where it fits (4 queries of 4 heads)."""
+    loads, stores = _kernel_accesses(1, 3)  # (the kernel appears once per platform branch)
+    assert loads and stores and all("mask=" in ln for ln in loads + stores), (loads, stores)
+    loads, stores = _kernel_accesses(4, 4)
+    assert loads and stores and not any("mask=" in ln for ln in loads + stores), (loads, stores)
 
 
 def test_forward_with_the_kernel_equals_xla_attention():

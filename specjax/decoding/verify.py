@@ -14,9 +14,13 @@ draft tokens), draft distributions q_1..q_ell and draft tokens x_1..x_ell:
 q may come over a subset of the vocabulary: `q_ids_n` [N] names the target token of each of its N
 columns (a drafter's draft vocabulary, `specjax.drafters.vocab`), q being zero elsewhere; the
 acceptance test reads q at the drafted tokens and the residual scatters only the one row it needs, so
-no [B, G, V] q is built. q stays float32: the verifier must use exactly the q the token was drawn
-from, and a bf16 copy of a float32-sampled q is another q (its p/q ratios and residual are off by up
-to 2^-8 relative); the draft vocabulary already cuts the bytes by V/N (6x for the shipped drafters).
+no [B, G, V] q is built. The verifier must use exactly the q the token was drawn from: a bf16 copy of
+a float32-sampled q is another q (its p/q ratios and residual off by up to 2^-8 relative). A drafter
+computing in bfloat16 therefore rounds q first and draws from the rounded q (`sampling.draft_probs`),
+which no longer sums to one: given q in a dtype below float32, the verifier divides the entries it
+reads by their rows' sums (`_q_totals`), the distribution the draws came from. Together with the draft
+vocabulary (V/N fewer columns, 6x for the shipped drafters) that halves what travels from draft to
+verify.
 
 All positions >= ell (tokens, p, q) are padding and never influence the result, even if NaN.
 Randomness is per row: u_k comes from fold_in(fold_in(key_b[b], 0), k) and the next token from

@@ -8,7 +8,9 @@ and keys and values where the layer's key/value buffer [2, slots, kv_heads, max_
 (no slice, copy or transpose), over rows [0:kv_len) in blocks with a running (online) softmax, and
 writes its output in the layout the output projection reads. Softmax in float32 as in
 `layers.attend`; every query sees at least key 0 (`cache.cached_mask`), so the first block's maximum
-is finite and masked keys weigh exp(finfo.min - max) = 0.
+is finite and masked keys weigh exp(finfo.min - max) = 0. Triton's blocks are powers of two and its
+loads and stores are not bounds-checked: where a block of queries overhangs its array, the kernel
+masks them (`_load`, and the output store).
 
 Lowered for CUDA the kernel goes through Triton; for any other platform it runs in Pallas'
 interpreter (slow: there it exists to test the kernel against `layers.attend`). It is opt-in
@@ -32,28 +34,47 @@ MIN_KEY_BLOCK = 16  # and >= 16 keys per block
 DEFAULT_BLOCK_K = 128
 
 
-def _kernel(limits_ref, cos_ref, sin_ref, w_ref, qkv_ref, kv_ref, o_ref, *, tp: int, gp: int, block_k: int,
+def _inside(shape: tuple[int, ...], sizes: tuple[int, ...]) -> Array | None:
+    """A block's mask of entries inside the array: leading axes i < sizes[i] (None: all inside)."""
+    if all(n >= b for n, b in zip(sizes, shape)):
+        return None
+    mask = jnp.ones(shape, bool)
+    for axis, n in enumerate(sizes):
+        if n < shape[axis]:
+            mask = mask & (jax.lax.broadcasted_iota(jnp.int32, shape, axis) < n)
+    return mask
+
+
+def _load(ref, sizes: tuple[int, ...]) -> Array:
+    """Load a block, entries past the array's end (leading axes `sizes`) masked to zero: Triton
+    reads nothing there (a block may overhang the array: blocks are powers of two)."""
+    mask = _inside(ref.shape, sizes)
+    return ref[...] if mask is None else pl_triton.load(ref, mask=mask, other=0)
+
+
+def _kernel(limits_ref, cos_ref, sin_ref, w_ref, qkv_ref, kv_ref, o_ref, *, t: int, g: int, block_k: int,
             blocks: int, eps: float | None) -> None:
-    # one (row, kv head): the projection's q heads [tp, gp, hd] (pre-norm, unrotated), RoPE tables
-    # [tp, hd/2], keys and values [2, kv_len, hd], limits [tp] (the last key each query position sees)
-    r, hd = tp * gp, qkv_ref.shape[-1]
-    half = hd // 2
-    q1 = qkv_ref[:, :, pl.ds(0, half)].astype(jnp.float32).reshape(r, half)
-    q2 = qkv_ref[:, :, pl.ds(half, half)].astype(jnp.float32).reshape(r, half)
+    # one (row, kv head): the projection's q heads [tp, gp, hd] (pre-norm, unrotated; t x g of them
+    # real), RoPE tables [tp, hd/2], keys and values [2, kv_len, hd], limits [tp] (the last key each
+    # query position sees)
+    tp, gp, hd = qkv_ref.shape
+    r, half = tp * gp, hd // 2
+    q1 = _load(qkv_ref.at[:, :, pl.ds(0, half)], (t, g)).astype(jnp.float32).reshape(r, half)
+    q2 = _load(qkv_ref.at[:, :, pl.ds(half, half)], (t, g)).astype(jnp.float32).reshape(r, half)
     if eps is not None:  # the per-head RMSNorm of q (Qwen3), weight in halves as q
         factor = jax.lax.rsqrt((jnp.sum(q1 * q1, axis=1) + jnp.sum(q2 * q2, axis=1)) / hd + eps)[:, None]
         q1 = q1 * factor * w_ref[pl.ds(0, half)].astype(jnp.float32)[None, :]
         q2 = q2 * factor * w_ref[pl.ds(half, half)].astype(jnp.float32)[None, :]
 
     def per_row(table_ref) -> Array:  # [tp, half] -> [r, half]: a query position's table for its gp heads
-        return jnp.broadcast_to(table_ref[...][:, None, :], (tp, gp, half)).reshape(r, half)
+        return jnp.broadcast_to(_load(table_ref, (t,))[:, None, :], (tp, gp, half)).reshape(r, half)
     cos, sin = per_row(cos_ref), per_row(sin_ref)
     # rotate-half RoPE, with the softmax scale; the scores are the two halves' products summed
     scale = hd ** -0.5
     dtype = kv_ref.dtype
     a1 = ((q1 * cos - q2 * sin) * scale).astype(dtype)
     a2 = ((q2 * cos + q1 * sin) * scale).astype(dtype)
-    limits = jnp.broadcast_to(limits_ref[...][:, None], (tp, gp)).reshape(r)
+    limits = jnp.broadcast_to(_load(limits_ref, (t,))[:, None], (tp, gp)).reshape(r)
     low = jnp.finfo(jnp.float32).min
     dims = (((1,), (1,)), ((), ()))
 
@@ -74,7 +95,12 @@ def _kernel(limits_ref, cos_ref, sin_ref, w_ref, qkv_ref, kv_ref, o_ref, *, tp: 
         return m_new, total * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
     init = (jnp.full((r,), low, jnp.float32), jnp.zeros((r,), jnp.float32), jnp.zeros((r, hd), jnp.float32))
     _, total, acc = jax.lax.fori_loop(0, blocks, block, init)
-    o_ref[...] = (acc / total[:, None]).reshape(tp, gp, hd).astype(o_ref.dtype)
+    out = (acc / total[:, None]).reshape(tp, gp, hd).astype(o_ref.dtype)
+    mask = _inside(o_ref.shape, (t, g))  # rows past the real queries are never stored
+    if mask is None:
+        o_ref[...] = out
+    else:
+        pl_triton.store(o_ref, out, mask=mask)
 
 
 def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, limits_bt: Array, cos_bth: Array, sin_bth: Array, *,
@@ -100,12 +126,11 @@ def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, limits_bt: Array, cos_bt
     if hd % 2 or cos_bth.shape != (b, t, hd // 2) or sin_bth.shape != cos_bth.shape:
         raise ValueError(f"RoPE tables must be [B, T, hd/2] = {(b, t, hd // 2)}, got {cos_bth.shape}, {sin_bth.shape}")
     # a kv head's block of queries: [tp, gp] positions x heads, powers of two (Triton's blocks) with
-    # >= 16 rows (Triton's matmul); entries past the q heads read k, v or nothing (masked) and are
-    # never stored
+    # >= 16 rows (Triton's matmul); entries past the t x g queries are masked: zeros in, never stored
     tp = pl.next_power_of_2(t)
     gp = max(pl.next_power_of_2(g), MIN_QUERY_ROWS // tp)
     norm = q_norm if q_norm is not None else jnp.ones((hd,), qkv_btkjd.dtype)
-    kernel = functools.partial(_kernel, tp=tp, gp=gp, block_k=block_k, blocks=kv_len // block_k,
+    kernel = functools.partial(_kernel, t=t, g=g, block_k=block_k, blocks=kv_len // block_k,
                                eps=None if q_norm is None else float(eps))
 
     def call(interpret: bool) -> Array:
