@@ -19,7 +19,7 @@ from specjax.decoding.engine import Engine, EngineConfig
 from specjax.decoding.requests import EngineRequest
 from specjax.models import cache as kvc
 from specjax.models.layers import attend, rope_tables, rotate
-from specjax.models.pallas_attention import cached_attention
+from specjax.models.pallas_attention import cached_attention, check_head_dim
 
 
 def _case(t: int, dtype, seed: int = 0):
@@ -113,6 +113,17 @@ def test_kernel_masks_blocks_that_overhang_the_arrays():
     assert loads and stores and all("mask=" in ln for ln in loads + stores), (loads, stores)
     loads, stores = _kernel_accesses(4, 4)
     assert loads and stores and not any("mask=" in ln for ln in loads + stores), (loads, stores)
+
+
+def test_head_sizes_the_kernel_cannot_lower_are_refused():
+    """On a GPU each half of a head is a Triton matmul's inner size (>= 16); the interpreter takes any
+    even size; the runner checks its devices' platform (CPU here: the tests' 16-wide heads pass)."""
+    check_head_dim(16, "cpu")
+    check_head_dim(64, "gpu")
+    with pytest.raises(ValueError, match="on gpu needs head_dim >= 32.*got 16"):
+        check_head_dim(16, "gpu")
+    with pytest.raises(ValueError, match="even head_dim"):
+        check_head_dim(15, "cpu")
 
 
 def test_forward_with_the_kernel_equals_xla_attention():

@@ -23,6 +23,7 @@ from flax import nnx
 from specjax import sharding as shd
 from specjax.decoding import programs
 from specjax.models import cache as kvc
+from specjax.models.pallas_attention import check_head_dim
 from specjax.sampling import DEFAULT_TOP_K_CAP
 
 
@@ -185,6 +186,9 @@ class Runner:
         self.stop_ids = self._resident(stops) if allocate else self._abstract(stops)
         tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
         needs_hidden = bool(getattr(drafter, "needs_hidden", False))
+        if attention == "pallas":
+            for platform in {d.platform for d in (mesh.devices.flat if mesh is not None else jax.devices())}:
+                check_head_dim(target.config.head_dim, platform)
         ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
                                top_k_cap, attention, **shardings)
         self.exes = {f.name: Executables(f.name, functools.partial(f.fn, ctx),

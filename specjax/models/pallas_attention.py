@@ -32,6 +32,17 @@ ATTENTION_IMPLEMENTATIONS = ("xla", "pallas")  # CausalLM.forward(attention=...)
 MIN_QUERY_ROWS = 16  # Triton's dot needs >= 16 rows: a kv head's block of queries has at least 16
 MIN_KEY_BLOCK = 16  # and >= 16 keys per block
 DEFAULT_BLOCK_K = 128
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def check_head_dim(head_dim: int, platform: str) -> None:
+    """Refuse a head size the kernel cannot lower for `platform`: on a GPU each half of a head is a
+    Triton matmul's inner size, which must be >= 16 (the interpreter elsewhere takes any even size)."""
+    if head_dim % 2:
+        raise ValueError(f"attention 'pallas' needs an even head_dim (rotate-half RoPE), got {head_dim}")
+    if platform in GPU_PLATFORMS and head_dim < 2 * MIN_KEY_BLOCK:
+        raise ValueError(f"attention 'pallas' on {platform} needs head_dim >= {2 * MIN_KEY_BLOCK} (each half "
+                         f"a Triton matmul's inner size >= {MIN_KEY_BLOCK}), got {head_dim}")
 
 
 def _inside(shape: tuple[int, ...], sizes: tuple[int, ...]) -> Array | None:
