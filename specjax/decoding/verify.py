@@ -138,6 +138,12 @@ def _q_totals(q_bgn: Array) -> Array | None:
     return jnp.where(total > 0, total, 1.0)
 
 
+def _normalised(q: Array, totals: Array | None) -> Array:
+    """Entries of q (float32) divided by their rows' sums when q was rounded (`_q_totals`)."""
+    q = q.astype(jnp.float32)
+    return q if totals is None else q / totals
+
+
 def _q_at(q_bgn: Array, tok_bg: Array, q_ids_n: Array | None) -> Array:
     """q at target tokens [B, G] (0 for a token outside q's columns)."""
     if q_ids_n is None:
@@ -150,6 +156,16 @@ def _q_row(q_bn: Array, q_ids_n: Array | None, v: int) -> Array:
     if q_ids_n is None:
         return q_bn
     return jnp.zeros((q_bn.shape[0], v), jnp.float32).at[:, q_ids_n].set(q_bn)
+
+
+def _cut_at_stops(draft_bg: Array, stop_e: Array, n_b: Array) -> tuple[Array, Array]:
+    """Accepted counts [B] cut right after the first stop token inside the accepted prefix, and
+    whether a row stopped there."""
+    is_stop_bg = jnp.any((draft_bg[..., None] == stop_e) & (stop_e >= 0), axis=-1)
+    stop_bg = is_stop_bg & (jnp.arange(draft_bg.shape[1])[None, :] < n_b[:, None])
+    stopped_b = jnp.any(stop_bg, axis=-1)
+    first_stop_b = jnp.sum(jnp.cumprod((~stop_bg).astype(jnp.int32), axis=-1), axis=-1)
+    return jnp.where(stopped_b, first_stop_b.astype(jnp.int32) + 1, n_b), stopped_b
 
 
 @functools.partial(jax.jit, static_argnames=("greedy",))
@@ -186,28 +202,20 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
     d_bg = jnp.clip(draft_bg, 0, v - 1)
     p_x = jnp.take_along_axis(p_bgv[:, :g], d_bg[..., None], axis=-1)[..., 0]
     totals_bg = _q_totals(q_bgn)
-    q_x = _q_at(q_bgn, d_bg, q_ids_n).astype(jnp.float32)
-    if totals_bg is not None:
-        q_x = q_x / totals_bg
+    q_x = _normalised(_q_at(q_bgn, d_bg, q_ids_n), totals_bg)
     live_bg = pos_g[None, :] < ell_b[:, None]
     acc_bg = live_bg & (u_bg * q_x < p_x)
     n_b = jnp.sum(jnp.cumprod(acc_bg.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
-    # Stop tokens inside the accepted prefix cut it right after the first one.
-    is_stop_bg = jnp.any((draft_bg[..., None] == stop_e) & (stop_e >= 0), axis=-1)
-    stop_bg = is_stop_bg & (pos_g[None, :] < n_b[:, None])
-    stopped_b = jnp.any(stop_bg, axis=-1)
-    first_stop_b = jnp.sum(jnp.cumprod((~stop_bg).astype(jnp.int32), axis=-1), axis=-1)
-    n_b = jnp.where(stopped_b, first_stop_b.astype(jnp.int32) + 1, n_b)
+    n_b, stopped_b = _cut_at_stops(draft_bg, stop_e, n_b)
 
     # Next token: residual at the first rejection, else bonus from p_ell.
     p_n = jnp.take_along_axis(p_bgv, n_b[:, None, None], axis=1)[:, 0]
     if g > 0:
-        at_n = jnp.minimum(n_b, g - 1)
-        q_n = jnp.take_along_axis(q_bgn, at_n[:, None, None], axis=1)[:, 0].astype(jnp.float32)
-        if totals_bg is not None:
-            q_n = q_n / jnp.take_along_axis(totals_bg, at_n[:, None], axis=1)
-        q_n = _q_row(q_n, q_ids_n, v)
+        at_n = jnp.minimum(n_b, g - 1)[:, None]
+        q_n = jnp.take_along_axis(q_bgn, at_n[..., None], axis=1)[:, 0]
+        q_n = _q_row(_normalised(q_n, None if totals_bg is None else jnp.take_along_axis(totals_bg, at_n, 1)),
+                     q_ids_n, v)
     else:
         q_n = jnp.zeros_like(p_n)
     dist_bv = next_token_dist(p_n, q_n, n_b < ell_b)
