@@ -99,9 +99,9 @@ def chain_round_probs(p_gv: Array, q_gv: Array, draft_g: Array, ell: Array | int
 
 
 def _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_ids, q_ids_n) -> tuple[Array, ...]:
-    """`verify_chain`'s inputs as typed keys, float32 p (q as carried: `_q_totals`), int32 drafts, lengths clipped to 0..G,
-    flat stop ids and int32 column ids (None: q is over the whole vocabulary); a shape that does not
-    fit raises ValueError."""
+    """`verify_chain`'s inputs as typed keys, float32 p (q as carried: `_q_totals`), int32 drafts,
+    lengths clipped to 0..G, flat stop ids and int32 column ids (None: q is over the whole
+    vocabulary); a shape that does not fit raises ValueError."""
     key_b = _as_typed_key(key_b)
     p_bgv = jnp.asarray(p_bgv, jnp.float32)
     q_bgn = jnp.asarray(q_bgn)
