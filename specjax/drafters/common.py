@@ -301,15 +301,20 @@ def attend_context_and_block(q_bthd: Array, k_ctx_bkshd: Array, v_ctx_bkshd: Arr
     nkv = k_ctx_bkshd.shape[1]
     # batch dims (b, k) lead every product: XLA:CPU's dot thunk rejects bf16 x bf16 -> f32 otherwise
     q = q_bthd.reshape(b, t, nkv, nh // nkv, hd).transpose(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
-    s_ctx = jnp.einsum("bkgtd,bksd->bkgts", q, k_ctx_bkshd, preferred_element_type=jnp.float32)
-    s_blk = jnp.einsum("bkgtd,bskd->bkgts", q, k_blk_bthd, preferred_element_type=jnp.float32)
-    scores = jnp.concatenate([s_ctx, s_blk], axis=-1) * (hd ** -0.5)
-    m = jnp.concatenate([mask_ctx_bts, mask_blk_btt], axis=-1)[:, None, None, :, :]
-    scores = jnp.where(m, scores, jnp.finfo(jnp.float32).min)
-    probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0)
-    n_ctx = k_ctx_bkshd.shape[2]
-    p_ctx = probs[..., :n_ctx].astype(v_ctx_bkshd.dtype)
-    p_blk = probs[..., n_ctx:].astype(v_blk_bthd.dtype)
+    low = jnp.finfo(jnp.float32).min
+    # one softmax over both parts without concatenating them: a shared maximum and denominator
+    m_ctx, m_blk = mask_ctx_bts[:, None, None], mask_blk_btt[:, None, None]
+    s_ctx = jnp.where(m_ctx, jnp.einsum("bkgtd,bksd->bkgts", q, k_ctx_bkshd, preferred_element_type=jnp.float32)
+                      * (hd ** -0.5), low)
+    s_blk = jnp.where(m_blk, jnp.einsum("bkgtd,bskd->bkgts", q, k_blk_bthd, preferred_element_type=jnp.float32)
+                      * (hd ** -0.5), low)
+    top = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True), jnp.max(s_blk, axis=-1, keepdims=True))
+    e_ctx = jnp.where(m_ctx, jnp.exp(s_ctx - top), 0.0)
+    e_blk = jnp.where(m_blk, jnp.exp(s_blk - top), 0.0)
+    total = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_blk, axis=-1, keepdims=True)
+    total = jnp.where(total > 0, total, 1.0)  # no visible key: zeros
+    p_ctx = (e_ctx / total).astype(v_ctx_bkshd.dtype)
+    p_blk = (e_blk / total).astype(v_blk_bthd.dtype)
     out = (jnp.einsum("bkgts,bksd->bkgtd", p_ctx, v_ctx_bkshd, preferred_element_type=jnp.float32)
            + jnp.einsum("bkgts,bskd->bkgtd", p_blk, v_blk_bthd, preferred_element_type=jnp.float32))
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, hd).astype(q_bthd.dtype)
