@@ -201,7 +201,7 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
     u_bg = jnp.zeros((b, g), jnp.float32) if greedy else jax.vmap(uniforms)(key_u_b)
     d_bg = jnp.clip(draft_bg, 0, v - 1)
     p_x = jnp.take_along_axis(p_bgv[:, :g], d_bg[..., None], axis=-1)[..., 0]
-    totals_bg = _q_totals(q_bgn)
+    totals_bg = None if greedy else _q_totals(q_bgn)  # a greedy round's q is one-hot: exact in any dtype
     q_x = _normalised(_q_at(q_bgn, d_bg, q_ids_n), totals_bg)
     live_bg = pos_g[None, :] < ell_b[:, None]
     acc_bg = live_bg & (u_bg * q_x < p_x)
