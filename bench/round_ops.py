@@ -5,6 +5,7 @@
     python -m bench.round_ops --families draft verify --draft-vocab 0 32768 --suffix q --slots 128
     python -m bench.round_ops --target h200 --suffix h200   # as XLA's GPU compiler builds them (no GPU needed)
     python -m bench.round_ops --target h200 --attention pallas --suffix h200_pallas   # with the attention kernel
+    python -m bench.round_ops --target h200 --xla-option xla_gpu_enable_triton_gemm=false --suffix s  # XLA options
 
 For each shape, the runner itself (decoding/runner.py, built with `allocate=False`: models from
 `nnx.eval_shape`, state as ShapeDtypeStructs) lowers each round family (lite, draft, verify, fused)
@@ -268,10 +269,13 @@ def bucket_key(runner: Any, family: str, slots: int, variant: str, logprobs: boo
 
 def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FAMILY_ORDER,
             variants: Sequence[str] = ("greedy", "plain", "filtered"), draft_vocab: int = 0,
-            max_logprobs: int = 0, mesh: Any = None, attention: str = "xla") -> list[dict[str, Any]]:
+            max_logprobs: int = 0, mesh: Any = None, attention: str = "xla",
+            compiler_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per family and variant (and, with max_logprobs > 0, per round family in the widest
     variant with log-probabilities on): HLO counts, bytes accessed per call and the bytes it is
-    measured against; compiled for `mesh`'s devices when given, else the default backend."""
+    measured against; compiled for `mesh`'s devices when given, else the default backend, with XLA
+    `compiler_options` (e.g. {"xla_gpu_enable_triton_gemm": False})."""
+    options = dict(compiler_options or {})
     import jax
 
     from bench.common import log
@@ -291,9 +295,9 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
             row = {"family": family, "variant": variant + (" +logprobs" if lp else ""), "bucket": list(key),
                    "slots": slots, "draft_vocab": draft_vocab, "weight_bytes": weights, "kv_cache_bytes": kv_bytes}
             try:
-                rep = compiled_report(runner.lower(family, key))
+                rep = compiled_report(runner.lower(family, key), options or None)
             except jax.errors.JaxRuntimeError as e:
-                if mesh is None:
+                if mesh is None or options.get(NO_TRITON_GEMM[0][0]) is False:
                     raise
                 # a compile-only target's compiler can fail where the device's would autotune another
                 # tiling (XLA's Triton matmuls): once more with cuBLAS for every matmul, marked in the
@@ -301,7 +305,7 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
                 first = str(e).splitlines()[0][:300]
                 log(f"{family} {variant}: the compiler failed ({first[:120]}); again without Triton matmuls")
                 try:
-                    rep = compiled_report(runner.lower(family, key), dict(NO_TRITON_GEMM))
+                    rep = compiled_report(runner.lower(family, key), {**options, **dict(NO_TRITON_GEMM)})
                     row.update(compiler_options=NO_TRITON_GEMM_TEXT, first_error=first)
                 except jax.errors.JaxRuntimeError as e2:
                     row["error"] = f"{first}; without Triton matmuls: {str(e2).splitlines()[0][:200]}"
@@ -319,7 +323,8 @@ def _markdown(res: dict[str, Any]) -> str:
     title = "Round programs: ops per layer, branches and bytes (compiled, abstract shapes)"
     lines = [f"# {title}" + (f" — {res['suffix']}" if res.get("suffix") else ""), "",
              f"Command: `{res['command']}`", "",
-             f"Compiled for `{res['backend']}`; attention `{res.get('attention', 'xla')}`; max_len {res['max_len']}. Each row is one compiled program of the "
+             f"Compiled for `{res['backend']}`; attention `{res.get('attention', 'xla')}`; max_len {res['max_len']}"
+             + "".join(f"; `{k}={v}`" for k, v in res.get("compiler_options", {}).items()) + ". Each row is one compiled program of the "
              "engine's runner at that slots bucket and sampling variant (verify and fused with gamma + 1 tokens per slot; `filtered` is the variant of a round in which some row uses top-k or top-p, its one conditional the exact fallback for a kept set past the top-k cap). `ops/layer` "
              "= top-level HLO ops of the entry computation / the target's decoder layers (draft: also divided "
              "by the target's layers, for comparison); `cond` and `while` count every `conditional` and `while` "
@@ -376,7 +381,7 @@ def _table_row(r: dict[str, Any]) -> list[Any]:
 def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
         families: Sequence[str] = FAMILY_ORDER, variants: Sequence[str] = ("greedy", "plain", "filtered"),
         draft_vocabs: Sequence[int] = (0,), max_logprobs: int = 0, target: str = "host",
-        attention: str = "xla") -> dict[str, Any]:
+        attention: str = "xla", compiler_options: dict[str, Any] | None = None) -> dict[str, Any]:
     import jax
 
     from bench import compile_target
@@ -385,7 +390,7 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
     backend = jax.default_backend() if mesh is None else f"{target} (compile-only, XLA's GPU compiler, no autotuning)"
     shapes = presets()
     res: dict[str, Any] = {"command": command, "backend": backend, "target": target, "attention": attention,
-                           "max_len": max_len,
+                           "max_len": max_len, "compiler_options": dict(compiler_options or {}),
                            "draft_vocabs": list(draft_vocabs), "max_logprobs": max_logprobs, "machine": machine_info(),
                            "shapes": {}}
     for name in names:
@@ -393,10 +398,23 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
         for s in slots:
             for n in draft_vocabs:
                 log(f"{name}: compiling {', '.join(families)} x {', '.join(variants)} at {s} slot(s), draft vocab {n}")
-                for r in measure(shapes[name], s, max_len, families, variants, n, max_logprobs, mesh, attention):
+                for r in measure(shapes[name], s, max_len, families, variants, n, max_logprobs, mesh, attention,
+                                 compiler_options):
                     rows.append({**r, "layers": shapes[name].target["num_hidden_layers"], "dtype": shapes[name].dtype})
         res["shapes"][name] = rows
     return res
+
+
+def xla_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """`--xla-option NAME=VALUE` pairs as XLA compiler options (true/false and integers typed)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.startswith("xla_"):
+            raise SystemExit(f"--xla-option must be NAME=VALUE with an XLA option name (xla_...), got {pair!r}")
+        low = value.lower()
+        out[name] = True if low == "true" else False if low == "false" else int(value) if value.lstrip("-").isdigit() else value
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -416,12 +434,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="the target's attention over the cache in rounds (EngineConfig.attention)")
     ap.add_argument("--target", default="host", choices=compile_target.targets(),
                     help="compile for this machine's backend (host) or for a GPU it does not have (make gpu-compiler)")
+    ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="an XLA compiler option for every program, e.g. xla_gpu_enable_triton_gemm=false")
     ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
     ap.add_argument("--docs", default="docs/BENCHMARKS.md", help="section rewritten in this page ('' = none)")
     args = ap.parse_args(argv)
+    options = xla_options(args.xla_option)
     res = run(args.presets, args.slots, args.max_len, command_line("bench.round_ops", argv),
               families=args.families, variants=args.variants, draft_vocabs=args.draft_vocab,
-              max_logprobs=args.max_logprobs, target=args.target, attention=args.attention)
+              max_logprobs=args.max_logprobs, target=args.target, attention=args.attention,
+              compiler_options=options)
     res["suffix"] = args.suffix
     name = "round_ops" + (f"_{args.suffix}" if args.suffix else "")
     for p in write_results(name, res, _markdown(res), out_dir=args.out_dir):

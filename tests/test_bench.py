@@ -510,6 +510,26 @@ def test_round_ops_runs_the_runners_programs_on_a_tiny_shape(tmp_path):
     assert md.startswith("# ") and "Command: `python -m bench.round_ops" in md
 
 
+def test_round_ops_compiles_with_the_xla_options_it_is_given():
+    """--xla-option NAME=VALUE reaches every compile (an option XLA does not know fails the compile,
+    naming it) and the result records and prints it; a malformed pair is refused naming the flag."""
+    import jax
+
+    from bench import round_ops
+    assert round_ops.xla_options(["xla_gpu_enable_triton_gemm=false", "xla_backend_optimization_level=0",
+                                  "xla_dump_to=/tmp/x"]) == {
+        "xla_gpu_enable_triton_gemm": False, "xla_backend_optimization_level": 0, "xla_dump_to": "/tmp/x"}
+    for bad in ("xla_gpu_enable_triton_gemm", "enable=1"):
+        with pytest.raises(SystemExit, match="--xla-option must be NAME=VALUE"):
+            round_ops.xla_options([bad])
+    kw = dict(families=("lite",), variants=("plain",))
+    res = round_ops.run(["tiny"], [2], 64, "cmd", compiler_options={"xla_backend_optimization_level": 0}, **kw)
+    assert res["compiler_options"] == {"xla_backend_optimization_level": 0} and res["shapes"]["tiny"][0]["top_level_ops"] > 0
+    assert "`xla_backend_optimization_level=0`" in round_ops._markdown(res)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
+        round_ops.run(["tiny"], [2], 64, "cmd", compiler_options={"xla_no_such_option": True}, **kw)
+
+
 @pytest.mark.parametrize("argv", [["--attention-len", "16"], ["--attention-len", "4096"]])
 def test_drafters_refuses_an_attention_len_outside_context_and_max_len(argv, capsys):
     """--attention-len must cover the context plus a block and fit the cache: refused before any
