@@ -309,12 +309,11 @@ def attend_context_and_block(q_bthd: Array, k_ctx_bkshd: Array, v_ctx_bkshd: Arr
     s_blk = jnp.where(m_blk, jnp.einsum("bkgtd,bskd->bkgts", q, k_blk_bthd, preferred_element_type=jnp.float32)
                       * (hd ** -0.5), low)
     top = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True), jnp.max(s_blk, axis=-1, keepdims=True))
-    e_ctx = jnp.where(m_ctx, jnp.exp(s_ctx - top), 0.0)
-    e_blk = jnp.where(m_blk, jnp.exp(s_blk - top), 0.0)
+    e_ctx, e_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)  # masked keys: exp(low - top) = 0
     total = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_blk, axis=-1, keepdims=True)
-    total = jnp.where(total > 0, total, 1.0)  # no visible key: zeros
-    p_ctx = (e_ctx / total).astype(v_ctx_bkshd.dtype)
-    p_blk = (e_blk / total).astype(v_blk_bthd.dtype)
+    scale = jnp.where(top > low, 1.0 / total, 0.0)  # a row with no visible key (top = low): zeros
+    p_ctx = (e_ctx * scale).astype(v_ctx_bkshd.dtype)
+    p_blk = (e_blk * scale).astype(v_blk_bthd.dtype)
     out = (jnp.einsum("bkgts,bksd->bkgtd", p_ctx, v_ctx_bkshd, preferred_element_type=jnp.float32)
            + jnp.einsum("bkgts,bskd->bkgtd", p_blk, v_blk_bthd, preferred_element_type=jnp.float32))
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, hd).astype(q_bthd.dtype)
