@@ -40,8 +40,15 @@ _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 _PRNG_SCOPES = ("threefry", "_uniform", "random_bits")
 FAMILY_ORDER = ("lite", "draft", "verify", "fused", "fused_fill")
 # the retry of a compile-only GPU program whose Triton matmul tiling failed without autotuning
-NO_TRITON_GEMM = (("xla_gpu_enable_triton_gemm", False),)
-NO_TRITON_GEMM_TEXT = "xla_gpu_enable_triton_gemm=false"
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
+
+
+def options_text(options: dict[str, Any]) -> str:
+    """XLA compiler options as written on a command line: `name=value` (booleans lower-case), `; `-joined."""
+    return "; ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
+
+
+NO_TRITON_GEMM_TEXT = options_text(NO_TRITON_GEMM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,12 +282,12 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
     variant with log-probabilities on): HLO counts, bytes accessed per call and the bytes it is
     measured against; compiled for `mesh`'s devices when given, else the default backend, with XLA
     `compiler_options` (e.g. {"xla_gpu_enable_triton_gemm": False})."""
-    options = dict(compiler_options or {})
     import jax
 
     from bench.common import log
     from specjax.decoding.runner import FAMILIES
     runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs, mesh, attention)
+    options = dict(compiler_options or {})
     layers = shape.target["num_hidden_layers"]
     t_bytes, d_bytes = _nbytes(runner.t_params), _nbytes(runner.d_params)
     kv_bytes = _nbytes(runner.cache)
@@ -295,9 +302,9 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
             row = {"family": family, "variant": variant + (" +logprobs" if lp else ""), "bucket": list(key),
                    "slots": slots, "draft_vocab": draft_vocab, "weight_bytes": weights, "kv_cache_bytes": kv_bytes}
             try:
-                rep = compiled_report(runner.lower(family, key), options or None)
+                rep = compiled_report(runner.lower(family, key), options)
             except jax.errors.JaxRuntimeError as e:
-                if mesh is None or options.get(NO_TRITON_GEMM[0][0]) is False:
+                if mesh is None or NO_TRITON_GEMM.items() <= options.items():
                     raise
                 # a compile-only target's compiler can fail where the device's would autotune another
                 # tiling (XLA's Triton matmuls): once more with cuBLAS for every matmul, marked in the
@@ -305,7 +312,7 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
                 first = str(e).splitlines()[0][:300]
                 log(f"{family} {variant}: the compiler failed ({first[:120]}); again without Triton matmuls")
                 try:
-                    rep = compiled_report(runner.lower(family, key), {**options, **dict(NO_TRITON_GEMM)})
+                    rep = compiled_report(runner.lower(family, key), {**options, **NO_TRITON_GEMM})
                     row.update(compiler_options=NO_TRITON_GEMM_TEXT, first_error=first)
                 except jax.errors.JaxRuntimeError as e2:
                     row["error"] = f"{first}; without Triton matmuls: {str(e2).splitlines()[0][:200]}"
@@ -324,7 +331,7 @@ def _markdown(res: dict[str, Any]) -> str:
     lines = [f"# {title}" + (f" — {res['suffix']}" if res.get("suffix") else ""), "",
              f"Command: `{res['command']}`", "",
              f"Compiled for `{res['backend']}`; attention `{res.get('attention', 'xla')}`; max_len {res['max_len']}"
-             + "".join(f"; `{k}={v}`" for k, v in res.get("compiler_options", {}).items()) + ". Each row is one compiled program of the "
+             + "".join(f"; `{options_text({k: v})}`" for k, v in res.get("compiler_options", {}).items()) + ". Each row is one compiled program of the "
              "engine's runner at that slots bucket and sampling variant (verify and fused with gamma + 1 tokens per slot; `filtered` is the variant of a round in which some row uses top-k or top-p, its one conditional the exact fallback for a kept set past the top-k cap). `ops/layer` "
              "= top-level HLO ops of the entry computation / the target's decoder layers (draft: also divided "
              "by the target's layers, for comparison); `cond` and `while` count every `conditional` and `while` "
