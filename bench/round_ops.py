@@ -165,6 +165,16 @@ def _fusion_kind(body: list[tuple[str, int, str, list[str], str]], operand_bytes
     return "other", gathers, slices
 
 
+def _aliased_output_bytes(line: str, operand_bytes: list[int]) -> int:
+    """Bytes of a custom call's outputs that alias an operand (`output_to_operand_aliasing`): a
+    kernel that updates a buffer in place, e.g. the attention kernel writing its new keys and values
+    into the cache (counted as the reads of the operand; the rows it writes are left out)."""
+    attr = re.search(r"output_to_operand_aliasing=\{(.*?\))\}", line)
+    if attr is None:
+        return 0
+    return sum(operand_bytes[int(i)] for i in re.findall(r"\}: \((\d+),", attr.group(1)))
+
+
 def bytes_breakdown(hlo_text: str) -> dict[str, int]:
     """XLA's bytes accessed of a compiled program (each top-level op's operands and result, as its
     cost analysis counts them: `xla`) split into `touched`, what the round reads and writes, and what
@@ -172,7 +182,8 @@ def bytes_breakdown(hlo_text: str) -> dict[str, int]:
     it writes f32 copies of bf16 weights and cache each call, which a GPU's dot reads as stored; their
     consumers are counted at the stored bytes) and `whole_buffer`, the excess of in-place updates
     (a scatter into a buffer: XLA counts it whole in and out, it touches its update) and gathers
-    (counted at the whole table, they read their rows). Slices, e.g. of the key/value halves of the
+    (counted at the whole table, they read their rows), and custom calls' outputs that alias an
+    operand (a kernel writing into a buffer in place, `_aliased_output_bytes`). Slices, e.g. of the key/value halves of the
     cache, count at the part they read, as XLA's own count takes them. xla = touched + convert +
     whole_buffer."""
     comps, entry = _computations(hlo_text)
@@ -201,7 +212,9 @@ def bytes_breakdown(hlo_text: str) -> dict[str, int]:
             if operands[0] in stored:  # an update of a converted buffer: still the stored buffer
                 stored[name] = stored[operands[0]]
         else:
-            touched = nbytes
+            aliased = _aliased_output_bytes(line, in_bytes) if op == "custom-call" else 0
+            touched = nbytes - aliased
+            out["whole_buffer"] += aliased
             for i, (o, b) in enumerate(zip(operands, in_bytes)):
                 as_stored = min(stored.get(o, b), b)
                 read = min(reads.get(i, as_stored), as_stored)

@@ -453,6 +453,24 @@ def test_round_ops_counts_branches_and_loops_of_a_known_program():
     assert plain["bytes_accessed"] > 0
 
 
+def test_round_ops_bytes_breakdown_counts_a_kernel_writing_in_place_at_its_reads():
+    """A custom call whose output aliases an operand (the attention kernel writing into the cache)
+    counts that output apart (whole_buffer), its reads as touched; without the alias (control) the
+    output counts as written."""
+    from bench.round_ops import bytes_breakdown
+
+    def hlo(aliasing: str) -> str:
+        return ("HloModule m\n\nENTRY %main (p0: f32[1024,256], p1: f32[8,256]) -> (f32[8,256], f32[1024,256]) {\n"
+                "  %p0 = f32[1024,256]{1,0} parameter(0)\n  %p1 = f32[8,256]{1,0} parameter(1)\n"
+                "  ROOT %k = (f32[8,256]{1,0}, f32[1024,256]{1,0}) custom-call(%p1, %p0), "
+                f'custom_call_target="__gpu$xla.gpu.triton"{aliasing}\n}}\n')
+    buf, small = 1024 * 256 * 4, 8 * 256 * 4
+    kernel = bytes_breakdown(hlo(", output_to_operand_aliasing={{1}: (1, {})}"))
+    assert kernel == {"xla": 2 * buf + 2 * small, "touched": buf + 2 * small, "convert": 0, "whole_buffer": buf}
+    copy = bytes_breakdown(hlo(""))
+    assert copy["touched"] == copy["xla"] == 2 * buf + 2 * small and copy["whole_buffer"] == 0
+
+
 def test_round_ops_bytes_breakdown_counts_what_a_program_touches():
     """In-place writes and gathers count at the rows they touch, dtype-only ops apart (a bf16 matmul's
     weight at its stored bytes); a program that streams its whole input counts whole (control)."""

@@ -33,62 +33,97 @@ def _case(t: int, dtype, seed: int = 0):
     return qkv, kv, lengths, cos, sin
 
 
-def _reference(qkv, kv, lengths, cos, sin, kv_len, q_norm=None):
-    """Queries as `decoder.Attention.project` makes them, attended by `layers.attend`."""
+def _reference(qkv, kv, lengths, cos, sin, kv_len, q_norm=None, k_norm=None):
+    """What `decoder.Attention` computes without the kernel: queries and keys as `project` makes them,
+    keys and values written by `cache.write_kv`, the written cache attended by `layers.attend`.
+    Returns the output and the written buffer."""
     g, t = qkv.shape[3] - 2, qkv.shape[1]
-    q = qkv[:, :, :, :g].astype(jnp.float32)
-    if q_norm is not None:
-        q = q * jax.lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True) + 1e-6) * q_norm
-    q = rotate(q.astype(qkv.dtype), cos[:, :, None, None], sin[:, :, None, None])
-    k, v = kvc.read_kv(kv, qkv.shape[0], kv_len=kv_len)
-    out = attend(q, k, v, kvc.cached_mask(lengths, t, kv_len))  # [B, T, nkv * g, hd]
-    return out.reshape(q.shape)
+
+    def norm_rotate(x, w, cos, sin):
+        x = x.astype(jnp.float32)
+        if w is not None:
+            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * w
+        return rotate(x.astype(qkv.dtype), cos, sin)
+    q = norm_rotate(qkv[:, :, :, :g], q_norm, cos[:, :, None, None], sin[:, :, None, None])
+    k = norm_rotate(qkv[:, :, :, g], k_norm, cos[:, :, None], sin[:, :, None])
+    written = kvc.write_kv(kv, k, qkv[:, :, :, g + 1], lengths)
+    k_all, v_all = kvc.read_kv(written, qkv.shape[0], kv_len=kv_len)
+    out = attend(q, k_all, v_all, kvc.cached_mask(lengths, t, kv_len))  # [B, T, nkv * g, hd]
+    return out.reshape(q.shape), written
+
+
+def _weights(norm: bool, seed: int):
+    return jnp.asarray(np.random.default_rng(seed).uniform(0.5, 1.5, 16), jnp.float32) if norm else None
 
 
 @pytest.mark.parametrize("t,kv_len,block_k,norm", [(1, 64, 16, False), (4, 64, 64, True), (4, 32, 16, False),
                                                    (3, 64, 32, True)])
 def test_kernel_equals_attend_over_the_cache(t, kv_len, block_k, norm):
     """Several key blocks (a running softmax) or one; one query per row (decoding), three or four
-    (verify); queries normed (Qwen3's q_norm, a random weight) and rotated in the kernel or only rotated."""
+    (verify); queries and keys normed (Qwen3's q_norm and k_norm, random weights) and rotated in the
+    kernel or only rotated; the keys and values written into the buffer as `cache.write_kv` does."""
     qkv, kv, lengths, cos, sin = _case(t, jnp.float32)
     if kv_len < 64:
         lengths = jnp.minimum(lengths, kv_len - t)
-    w = jnp.asarray(np.random.default_rng(9).uniform(0.5, 1.5, 16), jnp.float32) if norm else None
-    limits = kvc.write_indices(lengths, t)
-    ref = _reference(qkv, kv, lengths, cos, sin, kv_len, w)
+    wq, wk = _weights(norm, 9), _weights(norm, 10)
+    ref, ref_kv = _reference(qkv, kv, lengths, cos, sin, kv_len, wq, wk)
 
-    def kernel(lim, cos, sin, w):
-        return jax.jit(lambda *a: cached_attention(qkv, kv, *a, q_norm=w, kv_len=kv_len, block_k=block_k))(
-            lim, cos, sin)
-    got = kernel(limits, cos, sin, w)
+    def kernel(lengths, cos, sin, wq, wk):
+        return jax.jit(lambda *a: cached_attention(qkv, kv, *a[:3], q_norm=a[3], k_norm=a[4], kv_len=kv_len,
+                                                   block_k=block_k))(lengths, cos, sin, wq, wk)
+    got, got_kv = kernel(lengths, cos, sin, wq, wk)
     assert got.shape == ref.shape == (3, t, 2, 3, 16)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=0)
-    # negative controls: one more key visible to every query, a position off in the RoPE tables, or
-    # (with the norm) its weight left out, each change the output
+    np.testing.assert_allclose(np.asarray(got_kv), np.asarray(ref_kv), atol=1e-5, rtol=0)
+    # negative controls: the rows one further on (one more old key seen, the writes shifted), a
+    # position off in the RoPE tables, or (with the norms) a weight left out, each change the output
     cos1, sin1 = rope_tables(lengths[:, None] + jnp.arange(t) + 1, 16, theta=10000.0)
-    off = {"limits": kernel(limits + 1, cos, sin, w), "rope": kernel(limits, cos1, sin1, w)}
+    off = {"lengths": kernel(jnp.minimum(lengths + 1, kv_len - t), cos, sin, wq, wk),
+           "rope": kernel(lengths, cos1, sin1, wq, wk)}
     if norm:
-        off["norm weight"] = kernel(limits, cos, sin, jnp.ones_like(w))
-    for name, wrong in off.items():
+        off["q norm weight"] = kernel(lengths, cos, sin, jnp.ones_like(wq), wk)
+        off["k norm weight"] = kernel(lengths, cos, sin, wq, jnp.ones_like(wk))
+    for name, (wrong, wrong_kv) in off.items():
         assert np.abs(np.asarray(wrong) - np.asarray(ref)).max() > 1e-3, name
+    assert np.abs(np.asarray(off["rope"][1]) - np.asarray(ref_kv)).max() > 1e-3  # rotated keys written
+
+
+def test_kernel_drops_writes_past_the_cache_and_reads_only_live_rows():
+    """A row whose new tokens run past max_len writes those that fit and drops the rest (as
+    `cache.write_kv`); a row reads only the key blocks holding its live rows (NaN in the blocks past
+    them leaves its output finite and equal: a loop over every block would spread it)."""
+    qkv, kv, lengths, cos, sin = _case(4, jnp.float32, seed=3)
+    lengths = jnp.asarray([5, 0, 62], jnp.int32)  # row 2 writes rows 62, 63 and drops two
+    _, ref_kv = _reference(qkv, kv, lengths, cos, sin, 64)
+    got, got_kv = cached_attention(qkv, kv, lengths, cos, sin, block_k=16)
+    np.testing.assert_allclose(np.asarray(got_kv), np.asarray(ref_kv), atol=1e-5, rtol=0)
+    stale = kv.at[:, 0, :, 16:].set(jnp.nan).at[:, 1].set(jnp.nan)  # blocks past rows 0 and 1's lengths (5, 0)
+    ref, _ = _reference(qkv, kv, lengths, cos, sin, 64)
+    got_stale, _ = cached_attention(qkv, stale, lengths, cos, sin, block_k=16)
+    np.testing.assert_allclose(np.asarray(got_stale[:2]), np.asarray(ref[:2]), atol=1e-5, rtol=0)
+    # control: a NaN in a row's live keys does reach its output
+    live = cached_attention(qkv, kv.at[:, 0, :, 4].set(jnp.nan), lengths, cos, sin, block_k=16)[0]
+    assert np.isnan(np.asarray(live[0])).any()
 
 
 def test_kernel_in_bfloat16_is_close_to_attend():
     qkv, kv, lengths, cos, sin = _case(1, jnp.bfloat16, seed=1)
-    ref = _reference(qkv, kv, lengths, cos, sin, 64).astype(jnp.float32)
-    got = cached_attention(qkv, kv, kvc.write_indices(lengths, 1), cos, sin).astype(jnp.float32)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=3e-2, rtol=0)
+    ref, ref_kv = _reference(qkv, kv, lengths, cos, sin, 64)
+    got, got_kv = cached_attention(qkv, kv, lengths, cos, sin)
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)),
+                               atol=3e-2, rtol=0)
+    np.testing.assert_allclose(np.asarray(got_kv.astype(jnp.float32)), np.asarray(ref_kv.astype(jnp.float32)),
+                               atol=3e-2, rtol=0)
 
 
 def test_kernel_refuses_shapes_it_cannot_block():
     qkv, kv, lengths, cos, sin = _case(1, jnp.float32)
-    limits = kvc.write_indices(lengths, 1)
     with pytest.raises(ValueError, match="multiple of 16, got 40"):
-        cached_attention(qkv, kv, limits, cos, sin, kv_len=40)
+        cached_attention(qkv, kv, lengths, cos, sin, kv_len=40)
     with pytest.raises(ValueError, match="kv_len 128 outside"):
-        cached_attention(qkv, kv, limits, cos, sin, kv_len=128)
+        cached_attention(qkv, kv, lengths, cos, sin, kv_len=128)
     with pytest.raises(ValueError, match=r"RoPE tables must be \[B, T, hd/2\] = \(3, 1, 8\)"):
-        cached_attention(qkv, kv, limits, cos[..., :4], sin[..., :4])
+        cached_attention(qkv, kv, lengths, cos[..., :4], sin[..., :4])
 
 
 def _kernel_accesses(t: int, g: int) -> tuple[list[str], list[str]]:
@@ -97,7 +132,7 @@ def _kernel_accesses(t: int, g: int) -> tuple[list[str], list[str]]:
     qkv = jnp.zeros((3, t, 2, g + 2, 16))
     kv = jnp.zeros((2, 3, 2, 64, 16))
     cos, sin = rope_tables(jnp.zeros((3, t), jnp.int32), 16, theta=1e4)
-    text = str(jax.make_jaxpr(lambda *a: cached_attention(*a))(qkv, kv, jnp.zeros((3, t), jnp.int32), cos, sin))
+    text = str(jax.make_jaxpr(lambda *a: cached_attention(*a))(qkv, kv, jnp.zeros((3,), jnp.int32), cos, sin))
     lines = [ln.strip() for ln in text.splitlines()]
     loads = [ln for ln in lines if re.search(r"<- \w+\[:,:,(:8|8:)\]", ln)]
     stores = [ln for ln in lines if re.search(r", \w+\[\.\.\.\] <- \w+\[\.\.\.\], ", ln)]

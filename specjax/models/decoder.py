@@ -49,8 +49,7 @@ class LayerInputs(NamedTuple):
     lengths: Array | None  # [B] cache row where each row's first new token goes (None: no cache)
     rows: Array | None  # [B] cache slots of the rows (None: slots [0:B])
     kv_len: int | None  # attention reads cache rows [0:kv_len] (None: all)
-    # attention by the Pallas kernel (`pallas_attention`): [B, T] the last cache row each query sees
-    kernel_limits: Array | None = None
+    kernel: bool = False  # attention and the cache write by the Pallas kernel (`pallas_attention`)
 
 
 class Attention(nnx.Module):
@@ -84,25 +83,20 @@ class Attention(nnx.Module):
         qkv = self.qkv_proj(x_bth, row_scale)  # [B, T, nkv, g + 2, hd]
         g = qkv.shape[3] - 2
         q = rotate(self._norm(self.q_norm, qkv[:, :, :, :g]), cos, sin)
-        return q, *self._keys_values(qkv, cos, sin)
-
-    def _keys_values(self, qkv: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
-        g = qkv.shape[3] - 2
         k = rotate(self._norm(self.k_norm, qkv[:, :, :, g]), cos[:, :, :, 0], sin[:, :, :, 0])
-        return k, qkv[:, :, :, g + 1]
+        return q, k, qkv[:, :, :, g + 1]
 
     def __call__(self, x_bth: Array, li: LayerInputs, kv_2skmd: Array | None,
                  row_scale: Array | None = None) -> tuple[Array, Array | None]:
         """Attention output [B, T, H] and the layer's key/value buffer with this call's keys and
-        values written (one scatter; None without a cache)."""
+        values written (one scatter, or in place by the kernel; None without a cache)."""
         b, t, _ = x_bth.shape
-        if li.kernel_limits is not None:  # the kernel norms and rotates the queries itself
-            qkv = self.qkv_proj(x_bth, row_scale)
-            new_kv = kvc.write_kv(kv_2skmd, *self._keys_values(qkv, li.cos, li.sin), li.lengths, li.rows)
-            q_norm = None if self.q_norm is None else self.q_norm.weight[...]
-            eps = 0.0 if self.q_norm is None else self.q_norm.eps
-            out = cached_attention(qkv, new_kv, li.kernel_limits, li.cos[:, :, 0, 0], li.sin[:, :, 0, 0],
-                                   q_norm=q_norm, eps=eps, kv_len=li.kv_len)
+        if li.kernel:  # the kernel norms and rotates queries and keys and writes the cache itself
+            weight = lambda norm: None if norm is None else norm.weight[...]  # noqa: E731
+            out, new_kv = cached_attention(
+                self.qkv_proj(x_bth, row_scale), kv_2skmd, li.lengths, li.cos[:, :, 0, 0], li.sin[:, :, 0, 0],
+                q_norm=weight(self.q_norm), k_norm=weight(self.k_norm),
+                eps=0.0 if self.q_norm is None else self.q_norm.eps, kv_len=li.kv_len)
             return self.o_proj(out.reshape(b, t, -1)), new_kv
         q, k, v = self.project(x_bth, li.cos, li.sin, row_scale)
         if kv_2skmd is None:
@@ -184,7 +178,7 @@ class CausalLM(nnx.Module):
             raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {attention!r}")
         li = self._layer_inputs(positions_bt, valid_b, cache, rows_b, kv_len)
         if attention == "pallas" and cache is not None and rows_b is None:
-            li = li._replace(kernel_limits=kvc.write_indices(li.lengths, t))
+            li = li._replace(kernel=True)
         x = self.model.embed_tokens(tokens_bt)
         taps: dict[int, Array] = {-1: x}
         new_kv = []

@@ -1,16 +1,18 @@
-"""Decode attention over the KV cache in one Pallas kernel (GPU; interpreted elsewhere, for tests).
+"""Cached attention in one Pallas kernel per layer (GPU; interpreted elsewhere, for tests).
 
-`cached_attention(qkv, kv, limits, cos, sin)` is what `decoder.Attention` computes from its fused
-q/k/v projection in a cached forward whose rows are cache slots [0:B] and whose query t of row b sees
-keys j <= limits[b, t]: the queries' RMSNorm (Qwen3's q_norm) and RoPE, scores, mask, softmax and the
-value product in one kernel per (row, kv head). It reads the queries where the projection wrote them
-and keys and values where the layer's key/value buffer [2, slots, kv_heads, max_len, hd] stores them
-(no slice, copy or transpose), over rows [0:kv_len) in blocks with a running (online) softmax, and
-writes its output in the layout the output projection reads. Softmax in float32 as in
-`layers.attend`; every query sees at least key 0 (`cache.cached_mask`), so the first block's maximum
-is finite and masked keys weigh exp(finfo.min - max) = 0. Triton's blocks are powers of two and its
-loads and stores are not bounds-checked: where a block of queries overhangs its array, the kernel
-masks them (`_load`, and the output store).
+`cached_attention(qkv, kv, lengths, cos, sin)` is what `decoder.Attention` computes from its fused
+q/k/v projection in a cached forward whose rows are cache slots [0:B]: in one kernel per (row, kv
+head), the queries' and new keys' RMSNorm (Qwen3's q_norm and k_norm) and RoPE, the new keys and
+values written into the layer's key/value buffer [2, slots, kv_heads, max_len, hd] in place (the
+kernel's output aliases it: no scatter), and attention of each query over the row's cache rows
+[0:length) and the new keys up to its own. It reads the projection where it was written and the
+buffer where it is stored (no slice, copy or transpose), only the key blocks that hold the row's
+live rows, with a running (online) softmax that starts from the new keys (every query sees the
+first, so the maximum is finite and masked keys weigh exp(finfo.min - max) = 0), and writes its
+output in the layout the output projection reads. Softmax in float32 as in `layers.attend`.
+Triton's blocks are powers of two and its loads and stores are not bounds-checked: where a block
+overhangs its array, the kernel masks it (`_load`, and the output store); the new keys and values
+are stored a row at a time, those past max_len dropped.
 
 Lowered for CUDA the kernel goes through Triton; for any other platform it runs in Pallas'
 interpreter (slow: there it exists to test the kernel against `layers.attend`). It is opt-in
@@ -63,67 +65,114 @@ def _load(ref, sizes: tuple[int, ...]) -> Array:
     return ref[...] if mask is None else pl_triton.load(ref, mask=mask, other=0)
 
 
-def _kernel(limits_ref, cos_ref, sin_ref, w_ref, qkv_ref, kv_ref, o_ref, *, t: int, g: int, block_k: int,
-            blocks: int, eps: float | None) -> None:
-    # one (row, kv head): the projection's q heads [tp, gp, hd] (pre-norm, unrotated; t x g of them
-    # real), RoPE tables [tp, hd/2], keys and values [2, kv_len, hd], limits [tp] (the last key each
-    # query position sees)
-    tp, gp, hd = qkv_ref.shape
-    r, half = tp * gp, hd // 2
-    q1 = _load(qkv_ref.at[:, :, pl.ds(0, half)], (t, g)).astype(jnp.float32).reshape(r, half)
-    q2 = _load(qkv_ref.at[:, :, pl.ds(half, half)], (t, g)).astype(jnp.float32).reshape(r, half)
-    if eps is not None:  # the per-head RMSNorm of q (Qwen3), weight in halves as q
-        factor = jax.lax.rsqrt((jnp.sum(q1 * q1, axis=1) + jnp.sum(q2 * q2, axis=1)) / hd + eps)[:, None]
-        q1 = q1 * factor * w_ref[pl.ds(0, half)].astype(jnp.float32)[None, :]
-        q2 = q2 * factor * w_ref[pl.ds(half, half)].astype(jnp.float32)[None, :]
+def _halves(ref, sizes: tuple[int, ...], n: int, half: int) -> tuple[Array, Array]:
+    """A block's two head halves in float32, [n, hd/2] each (entries past the array masked to 0)."""
+    return tuple(_load(ref.at[..., pl.ds(i * half, half)], sizes).astype(jnp.float32).reshape(n, half)
+                 for i in (0, 1))
 
-    def per_row(table_ref) -> Array:  # [tp, half] -> [r, half]: a query position's table for its gp heads
-        return jnp.broadcast_to(_load(table_ref, (t,))[:, None, :], (tp, gp, half)).reshape(r, half)
-    cos, sin = per_row(cos_ref), per_row(sin_ref)
-    # rotate-half RoPE, with the softmax scale; the scores are the two halves' products summed
-    scale = hd ** -0.5
+
+def _norm_rotate(x1: Array, x2: Array, w_ref, eps: float | None, cos: Array, sin: Array) -> tuple[Array, Array]:
+    """Per-head RMSNorm (weight in halves as x; none when eps is None) then rotate-half RoPE of a
+    head given as halves [n, hd/2], in float32."""
+    half = x1.shape[1]
+    if eps is not None:
+        factor = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * half) + eps)[:, None]
+        x1 = x1 * factor * w_ref[pl.ds(0, half)].astype(jnp.float32)[None, :]
+        x2 = x2 * factor * w_ref[pl.ds(half, half)].astype(jnp.float32)[None, :]
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+def _kernel(len_ref, cos_ref, sin_ref, cosk_ref, sink_ref, wq_ref, wk_ref, q_ref, k_ref, v_ref, kv_ref, o_ref,
+            kv_out_ref, *, t: int, g: int, block_k: int, blocks: int, eps_q: float | None,
+            eps_k: float | None) -> None:
+    # one (row, kv head): the row's cache length (a scalar), RoPE tables [tp | tk, hd/2] of the
+    # queries and the new keys, the projection's q heads [tp, gp, hd] (t x g real), its new keys and
+    # values [tk, hd] (t real; pre-norm, unrotated), the cache's keys and values [2, kv_len, hd] to
+    # read, and the same buffer [2, max_len, hd] (aliased) to write the new ones into
+    tp, gp, hd = q_ref.shape
+    tk = k_ref.shape[0]
+    r, half = tp * gp, hd // 2
     dtype = kv_ref.dtype
-    a1 = ((q1 * cos - q2 * sin) * scale).astype(dtype)
-    a2 = ((q2 * cos + q1 * sin) * scale).astype(dtype)
-    limits = jnp.broadcast_to(_load(limits_ref, (t,))[:, None], (tp, gp)).reshape(r)
+    length = len_ref[...]
+
+    def per_query(table_ref) -> Array:  # [tp, half] -> [r, half]: a query position's table for its gp heads
+        return jnp.broadcast_to(_load(table_ref, (t,))[:, None, :], (tp, gp, half)).reshape(r, half)
+    # queries normed (Qwen3's q_norm) and rotated, with the softmax scale
+    scale = hd ** -0.5
+    a1, a2 = (x * scale for x in _norm_rotate(*_halves(q_ref, (t, g), r, half), wq_ref, eps_q,
+                                              per_query(cos_ref), per_query(sin_ref)))
+    a1, a2 = a1.astype(dtype), a2.astype(dtype)
+    # the new keys normed and rotated, rounded to the cache's dtype as the cache stores them
+    k1, k2 = (x.astype(dtype) for x in _norm_rotate(*_halves(k_ref, (t,), tk, half), wk_ref, eps_k,
+                                                     _load(cosk_ref, (t,)), _load(sink_ref, (t,))))
+    v = _load(v_ref, (t,)).astype(dtype)
     low = jnp.finfo(jnp.float32).min
     dims = (((1,), (1,)), ((), ()))
 
+    def scores(c1: Array, c2: Array) -> Array:  # [r, n] of keys given as halves [n, half]
+        return (jax.lax.dot_general(a1, c1, dims, preferred_element_type=jnp.float32)
+                + jax.lax.dot_general(a2, c2, dims, preferred_element_type=jnp.float32))
+
+    def values(p: Array, v_nd: Array) -> Array:
+        return jax.lax.dot_general(p.astype(dtype), v_nd, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    # the new keys first: query position i sees new keys j <= i (key 0 at least: a finite maximum)
+    q_pos = jax.lax.broadcasted_iota(jnp.int32, (tp, gp), 0).reshape(r)
+    s = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (r, tk), 1) <= q_pos[:, None], scores(k1, k2), low)
+    m = jnp.max(s, axis=1)
+    p = jnp.exp(s - m[:, None])
+    init = (m, jnp.sum(p, axis=1), values(p, v))
+
     def block(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        # cache keys j < length, in blocks with a running softmax; keys past it weigh exp(low - m) = 0
         m, total, acc = carry
         start = pl.multiple_of(i * block_k, block_k)
-        s = (jax.lax.dot_general(a1, kv_ref[0, pl.ds(start, block_k), pl.ds(0, half)], dims,
-                                 preferred_element_type=jnp.float32)
-             + jax.lax.dot_general(a2, kv_ref[0, pl.ds(start, block_k), pl.ds(half, half)], dims,
-                                   preferred_element_type=jnp.float32))
-        key = start + jax.lax.broadcasted_iota(jnp.int32, (r, block_k), 1)
-        s = jnp.where(key <= limits[:, None], s, low)
+        s = scores(kv_ref[0, pl.ds(start, block_k), pl.ds(0, half)], kv_ref[0, pl.ds(start, block_k), pl.ds(half, half)])
+        s = jnp.where(start + jax.lax.broadcasted_iota(jnp.int32, (r, block_k), 1) < length, s, low)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
-        v = kv_ref[1, pl.ds(start, block_k), :]
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return m_new, total * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
-    init = (jnp.full((r,), low, jnp.float32), jnp.zeros((r,), jnp.float32), jnp.zeros((r, hd), jnp.float32))
-    _, total, acc = jax.lax.fori_loop(0, blocks, block, init)
+        return m_new, total * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + values(p, kv_ref[1, pl.ds(start, block_k), :])
+    # only the blocks holding the row's live keys are read
+    _, total, acc = jax.lax.fori_loop(0, jnp.minimum((length + block_k - 1) // block_k, blocks), block, init)
     out = (acc / total[:, None]).reshape(tp, gp, hd).astype(o_ref.dtype)
     mask = _inside(o_ref.shape, (t, g))  # rows past the real queries are never stored
     if mask is None:
         o_ref[...] = out
     else:
         pl_triton.store(o_ref, out, mask=mask)
+    _write_new_rows(kv_out_ref, length, t, k1, k2, v)
 
 
-def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, limits_bt: Array, cos_bth: Array, sin_bth: Array, *,
-                     q_norm: Array | None = None, eps: float = 1e-6, kv_len: int | None = None,
-                     block_k: int = DEFAULT_BLOCK_K) -> Array:
-    """Attention of the queries of a fused q/k/v projection [B, T, nkv, g + 2, hd] (rows = cache
-    slots [0:B]; j < g are q heads, as `layers.fuse_qkv` lays them out) over keys/values [0:kv_len)
-    of the key/value buffer [2, slots, nkv, max_len, hd]; query t of row b sees keys j <= limits[b, t].
-    The queries are normed (RMSNorm with weight `q_norm` [hd] and `eps`, when given) and rotated
-    (rotate-half RoPE, tables cos/sin [B, T, hd/2]) in the kernel. Returns [B, T, nkv, g, hd] in the
-    projection's dtype: `Attention` with `layers.attend` and `cache.cached_mask`, to rounding.
-    On a GPU (Triton) hd/2 must be >= 16 (a matmul's inner size)."""
+def _write_new_rows(kv_out_ref, length: Array, t: int, k1: Array, k2: Array, v: Array) -> None:
+    """The new keys (halves [tk, hd/2]) and values [tk, hd] of rows i < t into cache rows length + i
+    of a (row, kv head)'s buffer [2, max_len, hd], a row at a time; rows past max_len dropped (as
+    `cache.write`)."""
+    half, max_len, dtype = k1.shape[1], kv_out_ref.shape[1], kv_out_ref.dtype
+    row = jax.lax.broadcasted_iota(jnp.int32, (k1.shape[0], 1), 0)
+    for i in range(t):
+        def write(i: int = i) -> None:
+            def pick(x: Array) -> Array:  # row i of x [tk, n] as [1, n]
+                return jnp.sum(jnp.where(row == i, x.astype(jnp.float32), 0.0), axis=0, keepdims=True).astype(dtype)
+            at = pl.ds(length + i, 1)
+            kv_out_ref[0, at, pl.ds(0, half)] = pick(k1)
+            kv_out_ref[0, at, pl.ds(half, half)] = pick(k2)
+            kv_out_ref[1, at, :] = pick(v)
+        pl.when(length + i < max_len)(write)
+
+
+def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, lengths_b: Array, cos_bth: Array, sin_bth: Array, *,
+                     q_norm: Array | None = None, k_norm: Array | None = None, eps: float = 1e-6,
+                     kv_len: int | None = None, block_k: int = DEFAULT_BLOCK_K) -> tuple[Array, Array]:
+    """One cached attention call of a fused q/k/v projection [B, T, nkv, g + 2, hd] (rows = cache
+    slots [0:B]; j < g are q heads, then the key and the value, as `layers.fuse_qkv` lays them out)
+    whose row b writes its T keys and values at cache rows lengths[b] + t of the key/value buffer
+    [2, slots, nkv, max_len, hd] (writes past max_len dropped), query t seeing the row's cache rows
+    [0:lengths[b]) (read within [0:kv_len)) and new keys 0..t. Queries and keys are normed (RMSNorm
+    with weights `q_norm`, `k_norm` [hd] and `eps`, when given) and rotated (rotate-half RoPE, tables
+    cos/sin [B, T, hd/2]) in the kernel. Returns the output [B, T, nkv, g, hd] in the projection's
+    dtype and the buffer with the new keys and values (in place: the kernel's output aliases it):
+    `Attention` with `cache.write_kv`, `layers.attend` and `cache.cached_mask`, to rounding. On a
+    GPU (Triton) hd/2 must be >= 16 (a matmul's inner size)."""
     b, t, nkv, j, hd = qkv_btkjd.shape
     g = j - 2
     max_len = kv_2skmd.shape[3]
@@ -137,28 +186,36 @@ def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, limits_bt: Array, cos_bt
     if hd % 2 or cos_bth.shape != (b, t, hd // 2) or sin_bth.shape != cos_bth.shape:
         raise ValueError(f"RoPE tables must be [B, T, hd/2] = {(b, t, hd // 2)}, got {cos_bth.shape}, {sin_bth.shape}")
     # a kv head's block of queries: [tp, gp] positions x heads, powers of two (Triton's blocks) with
-    # >= 16 rows (Triton's matmul); entries past the t x g queries are masked: zeros in, never stored
+    # >= 16 rows (Triton's matmul); of new keys and values: tk >= 16 positions. Entries past the
+    # t x g queries or t keys are masked: zeros in, never stored
     tp = pl.next_power_of_2(t)
     gp = max(pl.next_power_of_2(g), MIN_QUERY_ROWS // tp)
-    norm = q_norm if q_norm is not None else jnp.ones((hd,), qkv_btkjd.dtype)
+    tk = max(tp, MIN_KEY_BLOCK)
+    ones = jnp.ones((hd,), qkv_btkjd.dtype)
     kernel = functools.partial(_kernel, t=t, g=g, block_k=block_k, blocks=kv_len // block_k,
-                               eps=None if q_norm is None else float(eps))
+                               eps_q=None if q_norm is None else float(eps),
+                               eps_k=None if k_norm is None else float(eps))
+    tables = [pl.BlockSpec((None, n, hd // 2), lambda i, h: (i, 0, 0)) for n in (tp, tp, tk, tk)]
+    heads = pl.BlockSpec((None, tp, None, gp, hd), lambda i, h: (i, 0, h, 0, 0))
+    cache = [pl.BlockSpec((2, None, None, n, hd), lambda i, h: (0, i, h, 0, 0)) for n in (kv_len, max_len)]
 
-    def call(interpret: bool) -> Array:
+    def new(entry: int) -> pl.BlockSpec:  # the key (entry g) or the value (g + 1) of a kv head, tk positions
+        return pl.BlockSpec((None, tk, None, None, hd), lambda i, h: (i, 0, h, entry, 0))
+
+    def call(interpret: bool) -> tuple[Array, Array]:
         return pl.pallas_call(
             kernel,
-            out_shape=jax.ShapeDtypeStruct((b, t, nkv, g, hd), qkv_btkjd.dtype),
+            out_shape=(jax.ShapeDtypeStruct((b, t, nkv, g, hd), qkv_btkjd.dtype),
+                       jax.ShapeDtypeStruct(kv_2skmd.shape, kv_2skmd.dtype)),
             grid=(b, nkv),
-            in_specs=[pl.BlockSpec((None, tp), lambda i, h: (i, 0)),
-                      pl.BlockSpec((None, tp, hd // 2), lambda i, h: (i, 0, 0)),
-                      pl.BlockSpec((None, tp, hd // 2), lambda i, h: (i, 0, 0)),
-                      pl.BlockSpec((hd,), lambda i, h: (0,)),
-                      pl.BlockSpec((None, tp, None, gp, hd), lambda i, h: (i, 0, h, 0, 0)),
-                      pl.BlockSpec((2, None, None, kv_len, hd), lambda i, h: (0, i, h, 0, 0))],
-            out_specs=pl.BlockSpec((None, tp, None, gp, hd), lambda i, h: (i, 0, h, 0, 0)),
+            in_specs=[pl.BlockSpec((None,), lambda i, h: (i,)), *tables, pl.BlockSpec((hd,), lambda i, h: (0,)),
+                      pl.BlockSpec((hd,), lambda i, h: (0,)), heads, new(g), new(g + 1), cache[0]],
+            out_specs=(heads, cache[1]),
+            input_output_aliases={10: 1},  # the key/value buffer is written in place
             interpret=interpret, name="specjax_cached_attention",
             compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
-        )(limits_bt.astype(jnp.int32), cos_bth.astype(jnp.float32), sin_bth.astype(jnp.float32), norm,
-          qkv_btkjd, kv_2skmd)
+        )(lengths_b.astype(jnp.int32), *(x.astype(jnp.float32) for x in (cos_bth, sin_bth, cos_bth, sin_bth)),
+          ones if q_norm is None else q_norm, ones if k_norm is None else k_norm, qkv_btkjd, qkv_btkjd, qkv_btkjd,
+          kv_2skmd)
     # the platform the program is lowered for picks: Triton on CUDA, the interpreter elsewhere
     return jax.lax.platform_dependent(cuda=lambda: call(False), default=lambda: call(True))
