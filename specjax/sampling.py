@@ -216,10 +216,15 @@ def _mass_cutoff(probs: Array, p: Array) -> Array:
     return jnp.where(c == 0, -jnp.inf, _from_ordered_bits(c))
 
 
-def _softmax(z: Array) -> Array:
-    m = jnp.max(z, axis=-1, keepdims=True)
+def _softmax_parts(z: Array, m: Array | None = None) -> tuple[Array, Array]:
+    """exp(z - max) and its row sums [..., 1]; `m` the rows' max of z when known."""
+    m = jnp.max(z, axis=-1, keepdims=True) if m is None else m
     e = jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0))
-    s = jnp.sum(e, axis=-1, keepdims=True)
+    return e, jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _softmax(z: Array) -> Array:
+    e, s = _softmax_parts(z)
     return e / jnp.where(s > 0, s, 1.0)
 
 
@@ -276,19 +281,23 @@ def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
     x = jnp.where(jnp.isnan(x), -jnp.inf, x)
     x = jnp.minimum(x, _F32_MAX)  # +inf -> largest float: keeps exp() finite
     vocab_ids = jnp.arange(v, dtype=jnp.int32)
-    onehot = (vocab_ids == first_argmax(x)[..., None]).astype(jnp.float32)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    onehot = (vocab_ids == first_argmax(x, top)[..., None]).astype(jnp.float32)
     if sa.greedy:
         return onehot
     t = _per_row(sa.temperature, x.ndim, jnp.float32)
     greedy = t <= 0.0
-    z = jnp.clip(x / jnp.where(greedy, 1.0, t), -jnp.inf, _F32_MAX)
-    if sa.variant == "plain":
-        probs = _softmax(z)
-    else:
-        k = _per_row(sa.top_k, x.ndim, jnp.int32)
-        p = _per_row(sa.top_p, x.ndim, jnp.float32)
-        k_on, p_on = (k > 0) & (k < v), p < 1.0
-        probs = _filtered(z, k, p, k_on, p_on, ~greedy, sa.top_k_cap)
+
+    def scaled(y: Array) -> Array:  # monotonic: the max of the scaled row is the scaled max
+        return jnp.clip(y / jnp.where(greedy, 1.0, t), -jnp.inf, _F32_MAX)
+    z = scaled(x)
+    if sa.variant == "plain":  # the softmax's own sums normalise: no second pass over the row
+        e, s = _softmax_parts(z, scaled(top))
+        return jnp.where(greedy | (s <= 0), onehot, e / jnp.where(s > 0, s, 1.0))
+    k = _per_row(sa.top_k, x.ndim, jnp.int32)
+    p = _per_row(sa.top_p, x.ndim, jnp.float32)
+    k_on, p_on = (k > 0) & (k < v), p < 1.0
+    probs = _filtered(z, k, p, k_on, p_on, ~greedy, sa.top_k_cap)
     s = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(s > 0, s, 1.0)
     return jnp.where(greedy | (s <= 0), onehot, probs)
@@ -308,12 +317,14 @@ def _as_typed_key(key: Array) -> Array:
                      f"data, got dtype {key.dtype} shape {key.shape}")
 
 
-def first_argmax(x: Array) -> Array:
+def first_argmax(x: Array, top: Array | None = None) -> Array:
     """int32 index of the largest entry along the last axis (the lowest on ties), for NaN-free x: as
     `jnp.argmax`, from two plain reductions (a max, then a min over the indices holding it), which
-    XLA vectorises where its variadic argmax reduction is not (2-4x faster on CPU over a vocabulary)."""
+    XLA vectorises where its variadic argmax reduction is not (2-4x faster on CPU over a vocabulary).
+    `top` [..., 1]: the rows' max when the caller has it."""
     ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    return jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), ids, x.shape[-1]), axis=-1)
+    top = jnp.max(x, axis=-1, keepdims=True) if top is None else top
+    return jnp.min(jnp.where(x == top, ids, x.shape[-1]), axis=-1)
 
 
 def draft_probs(logits: Array, sa: SamplingArrays, dtype: Any) -> Array:
