@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import time
 from typing import Any, Sequence
@@ -106,6 +107,11 @@ _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\
 _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _DTYPE_CHANGES = frozenset({"parameter", "convert", "bitcast", "copy"})
 _IN_PLACE_ROOTS = frozenset({"scatter", "dynamic-update-slice"})
+_PICKS = frozenset({"gather", "slice", "dynamic-slice"})  # ops that read their operand 0 at some positions
+_ELEMENTWISE = _DTYPE_CHANGES - {"parameter"} | frozenset({
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "exponential", "log", "negate", "abs",
+    "rsqrt", "sqrt", "tanh", "select", "compare", "clamp", "and", "or", "not", "xor", "is-finite", "floor",
+    "ceil", "sign", "power", "exponential-minus-one", "log-plus-one"})
 
 
 def _shape_bytes(shape_text: str) -> int:
@@ -138,12 +144,57 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[tuple[str, int, str, li
     return comps, entry
 
 
+def _shape_elements(shape_text: str) -> int:
+    """Elements of an HLO array shape (its first array shape)."""
+    m = _SHAPE_RE.search(shape_text)
+    return 0 if m is None else math.prod(int(d) for d in filter(None, m.group(2).split(",")))
+
+
+def _partial_reads(body: list[tuple[str, int, str, list[str], str]], params: dict[str, int]) -> dict[int, int]:
+    """{parameter number: bytes read} for the parameters of a fused computation that it reads only
+    through gathers or slices, directly or through elementwise ops (dtype changes, arithmetic,
+    selects): a fusion computes its output per element, so an elementwise expression gathered at a
+    few positions reads its inputs at those positions only."""
+    shapes = {name: _INSTR_RE.match(line).group(2) for name, _, _, _, line in body}
+    ops = {name: op for name, _, op, _, _ in body}
+    users: dict[str, list[tuple[str, int]]] = {}
+    for name, _, _, operands, _ in body:
+        for i, o in enumerate(operands):
+            users.setdefault(o, []).append((name, i))
+    memo: dict[str, int | None] = {}
+
+    def elements_read(name: str) -> int | None:  # of `name`'s value, None: all of it
+        if name not in memo:
+            total: int | None = 0
+            for user, i in users.get(name, [("", -1)]):
+                if ops.get(user) in _PICKS and i == 0:  # what it picks, or less where a pick of it reads less
+                    got = elements_read(user)
+                    got = _shape_elements(shapes[user]) if got is None else min(got, _shape_elements(shapes[user]))
+                elif ops.get(user) in _ELEMENTWISE and _shape_elements(shapes[user]) == _shape_elements(shapes[name]):
+                    got = elements_read(user)
+                else:
+                    got = None
+                if got is None:
+                    total = None
+                    break
+                total += got
+            memo[name] = total
+        return memo[name]
+    reads: dict[int, int] = {}
+    for name, number in params.items():
+        n, whole = elements_read(name), _shape_elements(shapes[name])
+        if n is not None and whole and n < whole:
+            reads[number] = n * _shape_bytes(shapes[name]) // whole
+    return reads
+
+
 def _fusion_kind(body: list[tuple[str, int, str, list[str], str]], operand_bytes: list[int]
                  ) -> tuple[str, dict[int, int], dict[int, int]]:
     """What a fused computation does to its operands: 'convert' (it only changes their dtype or
     layout), 'scatter' or 'dynamic-update-slice' (its root updates parameter 0's buffer in place), or
-    'other'; for gathers, {parameter number: bytes the gathers read} (their results' bytes); and the
-    same for slices (which XLA's count already takes at the bytes they read)."""
+    'other'; {parameter number: bytes read} for the parameters read only at gathered or sliced
+    positions (`_partial_reads`); and {parameter number: bytes} for the parameters sliced directly
+    (which XLA's count already takes at the bytes they read)."""
     ops = {op for _, _, op, _, _ in body}
     if "convert" in ops and ops <= _DTYPE_CHANGES:
         return "convert", {}, {}
@@ -153,16 +204,14 @@ def _fusion_kind(body: list[tuple[str, int, str, list[str], str]], operand_bytes
     root = body[-1]
     if root[2] in _IN_PLACE_ROOTS and params.get(root[3][0]) == 0 and operand_bytes and operand_bytes[0] == root[1]:
         return root[2], {}, {}
-    gathers: dict[int, int] = {}
     slices: dict[int, int] = {}
     for _, nbytes, op, operands, _ in body:
-        src = operands[0] if op in ("gather", "slice", "dynamic-slice") else None
+        src = operands[0] if op in ("slice", "dynamic-slice") else None
         while src is not None and src not in params and by_name.get(src, ("",))[0] in _DTYPE_CHANGES:
             src = by_name[src][1][0]
         if src in params:
-            into = gathers if op == "gather" else slices
-            into[params[src]] = into.get(params[src], 0) + nbytes
-    return "other", gathers, slices
+            slices[params[src]] = slices.get(params[src], 0) + nbytes
+    return "other", _partial_reads(body, params), slices
 
 
 def _aliased_output_bytes(line: str, operand_bytes: list[int]) -> int:
@@ -182,10 +231,11 @@ def bytes_breakdown(hlo_text: str) -> dict[str, int]:
     it writes f32 copies of bf16 weights and cache each call, which a GPU's dot reads as stored; their
     consumers are counted at the stored bytes) and `whole_buffer`, the excess of in-place updates
     (a scatter into a buffer: XLA counts it whole in and out, it touches its update) and gathers
-    (counted at the whole table, they read their rows), and custom calls' outputs that alias an
-    operand (a kernel writing into a buffer in place, `_aliased_output_bytes`). Slices, e.g. of the key/value halves of the
-    cache, count at the part they read, as XLA's own count takes them. xla = touched + convert +
-    whole_buffer."""
+    (counted at the whole table, they read their rows; also where they pick from an elementwise
+    expression of the input, `_partial_reads`), and custom calls' outputs that alias an operand (a
+    kernel writing into a buffer in place, `_aliased_output_bytes`). Slices, e.g. of the key/value
+    halves of the cache, count at the part they read, as XLA's own count takes them. xla = touched +
+    convert + whole_buffer."""
     comps, entry = _computations(hlo_text)
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}  # outputs of dtype-only ops -> bytes of what they convert
@@ -354,7 +404,8 @@ def _markdown(res: dict[str, Any]) -> str:
              "(`bench.round_ops.bytes_breakdown`): without `CPU converts`, the fusions that only change a dtype "
              "(XLA:CPU has no bf16 dot, so it writes f32 copies of the bf16 weights and cache every call; their "
              "consumers are counted at the stored bytes, as a GPU's dot reads them), and with in-place cache "
-             "writes and gathers counted at the rows they touch instead of the whole buffer XLA counts. "
+             "writes and gathers (also of elementwise expressions of an input) counted at the rows they touch "
+             "instead of the whole buffer XLA counts. "
              "`touched/(W+KV)` = touched / (the weights the program reads + the KV cache). The KV column is "
              "the whole cache (every slot at max_len, the attention bucket these programs are built for). Goals (issue #36): "
              "<= 12 ops per layer, 0 conditionals and 0 loops in a greedy or unfiltered round, bytes accessed "

@@ -472,7 +472,7 @@ def test_round_ops_bytes_breakdown_counts_a_kernel_writing_in_place_at_its_reads
 
 
 def test_round_ops_bytes_breakdown_counts_what_a_program_touches():
-    """In-place writes and gathers count at the rows they touch, dtype-only ops apart (a bf16 matmul's
+    """In-place writes and gathers (also of elementwise expressions) count at the rows they touch, dtype-only ops apart (a bf16 matmul's
     weight at its stored bytes); a program that streams its whole input counts whole (control)."""
     import jax
     import jax.numpy as jnp
@@ -504,6 +504,15 @@ def test_round_ops_bytes_breakdown_counts_what_a_program_touches():
     kv = split(lambda b, x: x @ b[0], f32(2, 256, 256), f32(8, 256))
     half_bytes = 256 * 256 * 4  # read by the slice (and on XLA:CPU written as a copy and read by the dot)
     assert kv["touched"] <= 3 * half_bytes + 2 * 8 * 256 * 4 and kv["whole_buffer"] == 0
+    # a gather (or a row) of an elementwise expression reads its input at the picked positions only;
+    # the same expression also summed reads all of it (control)
+    picked = split(lambda t, i: jnp.exp(t * 2.0)[i], f32(1024, 256), s32(4))
+    assert picked["touched"] < 0.01 * buf_bytes and picked["whole_buffer"] >= 0.99 * buf_bytes
+    row = split(lambda t, i: jnp.take_along_axis(jnp.exp(t), i[:, None, None], axis=1)[:, 0].sum(-1),
+                f32(16, 64, 256), s32(16))
+    assert row["touched"] < 0.05 * buf_bytes
+    summed = split(lambda t, i: (jnp.exp(t)[i], jnp.sum(jnp.exp(t))), f32(1024, 256), s32(4))
+    assert summed["touched"] >= buf_bytes
     stream = split(lambda b: b * 2.0 + 1.0, f32(1024, 256))  # negative control: every byte is touched
     assert stream["touched"] == stream["xla"] >= 2 * buf_bytes and stream["whole_buffer"] == 0
     bf16 = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)

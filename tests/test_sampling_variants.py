@@ -198,7 +198,7 @@ def test_greedy_draws_need_no_random_bits():
 
 
 def test_first_argmax_is_argmax_with_ties_and_infinities():
-    """The two-reduction argmax returns jnp.argmax's index (the lowest on ties) on rows with ties,
+    """The argmax returns jnp.argmax's index (the lowest on ties) on rows with ties,
     -inf entries, an all -inf row and +inf; a row's last maximum instead would fail (control)."""
     rng = np.random.default_rng(5)
     x = rng.integers(0, 4, (64, 33)).astype(np.float32)  # many ties
@@ -208,5 +208,10 @@ def test_first_argmax_is_argmax_with_ties_and_infinities():
     got, want = np.asarray(sampling.first_argmax(jnp.asarray(x))), np.asarray(jnp.argmax(x, axis=-1))
     np.testing.assert_array_equal(got, want)
     assert got.dtype == np.int32
+    # both ways of `max_argmax` (CPU's two reductions, the variadic one elsewhere) agree, max included
+    for way in (sampling._max_argmax_two_reductions, sampling._max_argmax_one_reduction):
+        top, idx = jax.jit(way)(jnp.asarray(x))
+        np.testing.assert_array_equal(np.asarray(idx), want)
+        np.testing.assert_array_equal(np.asarray(top)[:, 0], x.max(axis=-1))
     last = x.shape[-1] - 1 - np.argmax(x[:, ::-1], axis=-1)
     assert not np.array_equal(got, last)
