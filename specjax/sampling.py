@@ -216,16 +216,39 @@ def _mass_cutoff(probs: Array, p: Array) -> Array:
     return jnp.where(c == 0, -jnp.inf, _from_ordered_bits(c))
 
 
-def _softmax_parts(z: Array, m: Array | None = None) -> tuple[Array, Array]:
-    """exp(z - max) and its row sums [..., 1]; `m` the rows' max of z when known."""
-    m = jnp.max(z, axis=-1, keepdims=True) if m is None else m
-    e = jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0))
-    return e, jnp.sum(e, axis=-1, keepdims=True)
-
-
 def _softmax(z: Array) -> Array:
-    e, s = _softmax_parts(z)
+    m = jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0))
+    s = jnp.sum(e, axis=-1, keepdims=True)
     return e / jnp.where(s > 0, s, 1.0)
+
+
+def _stats_three_reductions(z: Array) -> tuple[Array, Array, Array]:
+    top, top_id = _max_argmax_two_reductions(z)
+    return top, top_id, jnp.sum(jnp.exp(z - jnp.where(jnp.isfinite(top), top, 0.0)), axis=-1, keepdims=True)
+
+
+def _stats_one_reduction(z: Array) -> tuple[Array, Array, Array]:
+    # a running (max, first argmax, sum of exp(z - max)) per row, merged pairwise; an element's own
+    # sum is 1 (0 at -inf), and a part with sum 0 adds nothing (its max may be -inf)
+    ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+
+    def merge(a: tuple[Array, Array, Array], b: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        (m1, i1, s1), (m2, i2, s2) = a, b
+        m = jnp.maximum(m1, m2)
+        first = jnp.where(m1 > m2, i1, jnp.where(m2 > m1, i2, jnp.minimum(i1, i2)))
+        return m, first, sum(jnp.where(sk > 0, sk * jnp.exp(mk - m), 0.0) for mk, sk in ((m1, s1), (m2, s2)))
+    inits = (jnp.float32(-jnp.inf), jnp.int32(z.shape[-1]), jnp.float32(0.0))
+    top, top_id, s = jax.lax.reduce((z, ids, jnp.where(z > -jnp.inf, 1.0, 0.0)), inits, merge, (z.ndim - 1,))
+    return top[..., None], top_id, s[..., None]
+
+
+def softmax_stats(z: Array) -> tuple[Array, Array, Array]:
+    """The rows' max [..., 1] of NaN-free z, its int32 index (the lowest on ties) and the softmax's
+    sum of exp(z - max) [..., 1]. On CPU three plain reductions (XLA:CPU vectorises them, not a
+    variadic reduction); elsewhere one variadic reduction with a running max (one pass over the row
+    on a GPU). The sums agree to rounding."""
+    return jax.lax.platform_dependent(z, cpu=_stats_three_reductions, default=_stats_one_reduction)
 
 
 def _filtered_by_bisection(z: Array, k: Array, p: Array, k_on: Array, p_on: Array) -> Array:
@@ -281,19 +304,17 @@ def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
     x = jnp.where(jnp.isnan(x), -jnp.inf, x)
     x = jnp.minimum(x, _F32_MAX)  # +inf -> largest float: keeps exp() finite
     vocab_ids = jnp.arange(v, dtype=jnp.int32)
-    top, top_id = max_argmax(x)
-    onehot = (vocab_ids == top_id[..., None]).astype(jnp.float32)
     if sa.greedy:
-        return onehot
+        return (vocab_ids == first_argmax(x)[..., None]).astype(jnp.float32)
     t = _per_row(sa.temperature, x.ndim, jnp.float32)
     greedy = t <= 0.0
-
-    def scaled(y: Array) -> Array:  # monotonic: the max of the scaled row is the scaled max
-        return jnp.clip(y / jnp.where(greedy, 1.0, t), -jnp.inf, _F32_MAX)
-    z = scaled(x)
-    if sa.variant == "plain":  # the softmax's own sums normalise: no second pass over the row
-        e, s = _softmax_parts(z, scaled(top))
+    z = jnp.clip(x / jnp.where(greedy, 1.0, t), -jnp.inf, _F32_MAX)  # a greedy row's z is its x
+    if sa.variant == "plain":  # one pass for the row's max, argmax and softmax sum; they normalise
+        top, top_id, s = softmax_stats(z)
+        onehot = (vocab_ids == top_id[..., None]).astype(jnp.float32)
+        e = jnp.exp(z - jnp.where(jnp.isfinite(top), top, 0.0))
         return jnp.where(greedy | (s <= 0), onehot, e / jnp.where(s > 0, s, 1.0))
+    onehot = (vocab_ids == first_argmax(x)[..., None]).astype(jnp.float32)
     k = _per_row(sa.top_k, x.ndim, jnp.int32)
     p = _per_row(sa.top_p, x.ndim, jnp.float32)
     k_on, p_on = (k > 0) & (k < v), p < 1.0
@@ -429,5 +450,5 @@ def round_key(base_key_b: Array, counter_b: Array | int) -> Array:
 
 
 __all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "covering_variant", "probs_from_logits", "draft_probs", "sample",
-           "first_argmax", "max_argmax",
+           "first_argmax", "max_argmax", "softmax_stats",
            "request_key", "round_key", "keys_for_batch", "validate_sampling"]

@@ -213,5 +213,15 @@ def test_first_argmax_is_argmax_with_ties_and_infinities():
         top, idx = jax.jit(way)(jnp.asarray(x))
         np.testing.assert_array_equal(np.asarray(idx), want)
         np.testing.assert_array_equal(np.asarray(top)[:, 0], x.max(axis=-1))
+    # the softmax statistics both ways, of x with +inf clamped (as probs_from_logits does): max and
+    # argmax exact, sums to rounding (0 on the all -inf row)
+    xc = np.minimum(x, np.finfo(np.float32).max)
+    finite_max = np.where(np.isfinite(xc.max(-1)), xc.max(-1), 0.0)[:, None]
+    want_sum = np.exp(xc - finite_max).sum(-1)
+    for way in (sampling._stats_three_reductions, sampling._stats_one_reduction):
+        top, idx, total = jax.jit(way)(jnp.asarray(xc))
+        np.testing.assert_array_equal(np.asarray(idx), want)
+        np.testing.assert_array_equal(np.asarray(top)[:, 0], xc.max(axis=-1))
+        np.testing.assert_allclose(np.asarray(total)[:, 0], want_sum, rtol=1e-5)
     last = x.shape[-1] - 1 - np.argmax(x[:, ::-1], axis=-1)
     assert not np.array_equal(got, last)
