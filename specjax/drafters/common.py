@@ -306,7 +306,10 @@ def attend_context_and_block(q_bthd: Array, k_ctx_bkshd: Array, v_ctx_bkshd: Arr
     m_ctx, m_blk = mask_ctx_bts[:, None, None], mask_blk_btt[:, None, None]
     s_ctx = jnp.where(m_ctx, jnp.einsum("bkgtd,bksd->bkgts", q, k_ctx_bkshd, preferred_element_type=jnp.float32)
                       * (hd ** -0.5), low)
-    s_blk = jnp.where(m_blk, jnp.einsum("bkgtd,bskd->bkgts", q, k_blk_bthd, preferred_element_type=jnp.float32)
+    # the block's own copy of q: XLA's dot merger would otherwise join the two products into one over
+    # [context ; block] keys, copying (and transposing) the whole context cache every call
+    q_blk = jax.lax.optimization_barrier(q)
+    s_blk = jnp.where(m_blk, jnp.einsum("bkgtd,bskd->bkgts", q_blk, k_blk_bthd, preferred_element_type=jnp.float32)
                       * (hd ** -0.5), low)
     top = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True), jnp.max(s_blk, axis=-1, keepdims=True))
     e_ctx, e_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)  # masked keys: exp(low - top) = 0
