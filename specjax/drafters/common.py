@@ -247,7 +247,8 @@ class FrozenEmbed(nnx.Module):
 
 
 class FrozenLMHead(nnx.Module):
-    """The target's output projection, kernel [H, V] (Linear layout), frozen; float32 logits."""
+    """The target's output projection, kernel [H, V] (Linear layout), frozen; float32 logits (or
+    `out_dtype`'s: the compute dtype's keep the matmul's output as it is)."""
 
     def __init__(self, hidden: int, vocab: int, *, rngs: nnx.Rngs, dtype="float32",
                  param_dtype="float32"):
@@ -255,9 +256,9 @@ class FrozenLMHead(nnx.Module):
         w = _INIT_STD * jax.random.normal(rngs.params(), (hidden, vocab), jnp.float32)
         self.kernel = Frozen(w.astype(param_dtype), logical_axes=("embed", "vocab"))
 
-    def __call__(self, h: Array) -> Array:
+    def __call__(self, h: Array, out_dtype: Any = jnp.float32) -> Array:
         w = jax.lax.stop_gradient(self.kernel[...]).astype(self.dtype)
-        return jnp.dot(h.astype(self.dtype), w).astype(jnp.float32)
+        return jnp.dot(h.astype(self.dtype), w).astype(out_dtype)
 
 
 def copy_frozen_from_target(embed: FrozenEmbed, head: FrozenLMHead, target_model: Any,

@@ -28,6 +28,7 @@ target ids, and the q handed to verification is zero outside the subset (`specja
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -296,35 +297,38 @@ class DSparkDrafter(nnx.Module):
         b = anchor_b.shape[0]
         vocab = self.draft_vocab
         h = self.block_hidden(state, anchor_b, position_b, kv_len)  # [B, K, H]
-        u = self.lm_logits(h)  # [B, K, N]
+        u = self.lm_head(h, self.dtype)  # [B, K, N] logits in the compute dtype, float32 a step at a time
         head = self.markov_head
-        carry0 = (head.init_carry((b,), h.dtype) if head is not None else None,
-                  dv.draft_index(vocab, anchor_b))
+        n = u.shape[-1]
+        # the steps write their draws, q and z into [B, K, ...] buffers in place: no [K, B, N]
+        # copy of the logits in, none of q out
+        carry0 = (head.init_carry((b,), h.dtype) if head is not None else None, dv.draft_index(vocab, anchor_b),
+                  jnp.zeros((b, self.gamma), jnp.int32), jnp.zeros((b, self.gamma, n), self.dtype),
+                  jnp.zeros((b, self.gamma, n), jnp.float32))
 
-        def step(carry, xs):
-            head_carry, prev_b = carry  # prev_b: draft index of the previous token
-            k, u_bn, h_bh = xs
-            z = u_bn
+        def step(k: Array, carry: tuple) -> tuple:
+            head_carry, prev_b, d_bk, q_bkn, z_bkn = carry  # prev_b: draft index of the previous token
+            z = jax.lax.dynamic_index_in_dim(u, k, axis=1, keepdims=False).astype(jnp.float32)
             if head is not None:
-                head_carry, bias = head.step(head_carry, h_bh, prev_b)
+                head_carry, bias = head.step(head_carry, jax.lax.dynamic_index_in_dim(h, k, axis=1, keepdims=False),
+                                             prev_b)
                 z = z + bias
             q = draft_probs(z, sampling, self.dtype)
             d = sample(round_key(key_b, k), q, sampling.greedy)  # a draft index
-            return (head_carry, d), (d, q, z)
+            put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=k, axis=1)
+            return head_carry, d, put(d_bk, d), put(q_bkn, q), put(z_bkn, z)
 
-        xs = (jnp.arange(self.gamma, dtype=jnp.int32), jnp.swapaxes(u, 0, 1), jnp.swapaxes(h, 0, 1))
-        _, (d_kb, q_kbn, z_kbn) = jax.lax.scan(step, carry0, xs)
-        tokens = dv.target_ids(vocab, jnp.swapaxes(d_kb, 0, 1))
+        _, _, d_bk, q_bkn, z_bkn = jax.lax.fori_loop(0, self.gamma, step, carry0)
+        tokens = dv.target_ids(vocab, d_bk)
         conf = None
         if self.confidence_head is not None:
             prev = jnp.concatenate([anchor_b.astype(jnp.int32)[:, None], tokens[:, :-1]], axis=1)
             c_logit = self.confidence_logits(h, prev)
             temps = self.confidence_temperatures[...].astype(jnp.float32)
             conf = jax.nn.sigmoid(c_logit / temps[None, :])
-        q_bkn = jnp.swapaxes(q_kbn, 0, 1)
         block = DraftBlock(tokens=tokens, q=dv.full_probs(vocab, q_bkn), confidence=conf,
                            q_draft=None if vocab is None else q_bkn)
-        return block, dv.full_logits(vocab, jnp.swapaxes(z_kbn, 0, 1))
+        return block, dv.full_logits(vocab, z_bkn)
 
     def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
                 sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:
