@@ -16,7 +16,8 @@ the pending-feature pair cache (the block layout of training is `specjax.drafter
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -324,6 +325,24 @@ def attend_context_and_block(q_bthd: Array, k_ctx_bkshd: Array, v_ctx_bkshd: Arr
 
 
 
+def draft_loop(step: Callable[[Array, Any], tuple[Any, Array, Array, Array]], carry0: Any, gamma: int
+               ) -> tuple[Any, Array, Array, Array]:
+    """Run a drafter's `gamma` sequential steps, `step(k, carry) -> (carry, token_b, q_bn, z_bn)`,
+    writing each step's token, q and logits into [B, gamma, ...] buffers in place (no per-step
+    stack to transpose after the loop). Returns the last carry, tokens [B, gamma] (int32), q
+    [B, gamma, N] and z [B, gamma, N], in the dtypes the step gives them."""
+    _, tok, q, z = jax.eval_shape(step, jnp.int32(0), carry0)
+
+    def body(k: Array, c: tuple[Any, Array, Array, Array]) -> tuple[Any, Array, Array, Array]:
+        carry, tok_bg, q_bgn, z_bgn = c
+        carry, tok_b, q_bn, z_bn = step(k, carry)
+        put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=k, axis=1)
+        return carry, put(tok_bg, tok_b.astype(jnp.int32)), put(q_bgn, q_bn), put(z_bgn, z_bn)
+    buffers = tuple(jnp.zeros((x.shape[0], gamma, *x.shape[1:]), dtype) for x, dtype in
+                    ((tok, jnp.int32), (q, q.dtype), (z, z.dtype)))
+    return jax.lax.fori_loop(0, gamma, body, (carry0, *buffers))
+
+
 # ------------------------------------------------------------------------------------------------
 # the pending-feature pair cache (Eagle3, MTP-1)
 
@@ -446,7 +465,7 @@ class PairCacheDrafter(nnx.Module):
         attn = self._attention()
         buf = jnp.zeros((b, g, self.num_kv_heads, self.head_dim), k_ctx.dtype)
 
-        def step(carry, k):
+        def step(k: Array, carry: tuple[Array, Array, Array, Array]) -> tuple[tuple, Array, Array, Array]:
             feat_bh, tok_b, dk, dv_ = carry
             pos = (base_pos + k)[:, None]
             x_in, res = self._attn_input(feat_bh[:, None, :], tok_b[:, None])
@@ -460,14 +479,13 @@ class PairCacheDrafter(nnx.Module):
             z = self._logits(out)[:, 0]  # [B, N] float32
             q_bn = draft_probs(z, sampling, self.dtype)
             nxt = dv.target_ids(vocab, sample(round_key(key_b, k), q_bn, sampling.greedy))
-            return (out[:, 0].astype(feat_bh.dtype), nxt, dk, dv_), (nxt, q_bn, z)
+            return (out[:, 0].astype(feat_bh.dtype), nxt, dk, dv_), nxt, q_bn, z
 
         carry0 = (state.pending[:b], anchor_b.astype(jnp.int32), buf, buf)
-        _, (tok_gb, q_gbn, z_gbn) = jax.lax.scan(step, carry0, jnp.arange(g, dtype=jnp.int32))
-        q_bgn = jnp.swapaxes(q_gbn, 0, 1)
-        block = DraftBlock(tokens=jnp.swapaxes(tok_gb, 0, 1), q=dv.full_probs(vocab, q_bgn), confidence=None,
+        _, tokens, q_bgn, z_bgn = draft_loop(step, carry0, g)
+        block = DraftBlock(tokens=tokens, q=dv.full_probs(vocab, q_bgn), confidence=None,
                            q_draft=None if vocab is None else q_bgn)
-        return block, dv.full_logits(vocab, jnp.swapaxes(z_gbn, 0, 1))
+        return block, dv.full_logits(vocab, z_bgn)
 
     def propose(self, state: PairCacheState, anchor_b: Array, position_b: Array,
                 sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:

@@ -28,7 +28,6 @@ target ids, and the q handed to verification is zero outside the subset (`specja
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,7 @@ from specjax.config import ConfigError, TargetConfig
 from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.drafters.block_layout import block_attention_mask, block_positions
-from specjax.drafters.common import (Calibration, FrozenEmbed, FrozenLMHead, TapDims,
+from specjax.drafters.common import (Calibration, FrozenEmbed, FrozenLMHead, TapDims, draft_loop,
                                      copy_frozen_from_target)
 from specjax.drafters.dspark_layers import ConfidenceHead, DraftDecoderLayer, MarkovHead, RNNHead
 from specjax.models import cache as kvc
@@ -299,15 +298,10 @@ class DSparkDrafter(nnx.Module):
         h = self.block_hidden(state, anchor_b, position_b, kv_len)  # [B, K, H]
         u = self.lm_head(h, self.dtype)  # [B, K, N] logits in the compute dtype, float32 a step at a time
         head = self.markov_head
-        n = u.shape[-1]
-        # the steps write their draws, q and z into [B, K, ...] buffers in place: no [K, B, N]
-        # copy of the logits in, none of q out
-        carry0 = (head.init_carry((b,), h.dtype) if head is not None else None, dv.draft_index(vocab, anchor_b),
-                  jnp.zeros((b, self.gamma), jnp.int32), jnp.zeros((b, self.gamma, n), self.dtype),
-                  jnp.zeros((b, self.gamma, n), jnp.float32))
+        carry0 = (head.init_carry((b,), h.dtype) if head is not None else None, dv.draft_index(vocab, anchor_b))
 
-        def step(k: Array, carry: tuple) -> tuple:
-            head_carry, prev_b, d_bk, q_bkn, z_bkn = carry  # prev_b: draft index of the previous token
+        def step(k: Array, carry: tuple) -> tuple[tuple, Array, Array, Array]:
+            head_carry, prev_b = carry  # prev_b: draft index of the previous token
             z = jax.lax.dynamic_index_in_dim(u, k, axis=1, keepdims=False).astype(jnp.float32)
             if head is not None:
                 head_carry, bias = head.step(head_carry, jax.lax.dynamic_index_in_dim(h, k, axis=1, keepdims=False),
@@ -315,10 +309,9 @@ class DSparkDrafter(nnx.Module):
                 z = z + bias
             q = draft_probs(z, sampling, self.dtype)
             d = sample(round_key(key_b, k), q, sampling.greedy)  # a draft index
-            put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=k, axis=1)
-            return head_carry, d, put(d_bk, d), put(q_bkn, q), put(z_bkn, z)
+            return (head_carry, d), d, q, z
 
-        _, _, d_bk, q_bkn, z_bkn = jax.lax.fori_loop(0, self.gamma, step, carry0)
+        _, d_bk, q_bkn, z_bkn = draft_loop(step, carry0, self.gamma)
         tokens = dv.target_ids(vocab, d_bk)
         conf = None
         if self.confidence_head is not None:

@@ -36,7 +36,7 @@ from specjax.config import (SUPPORTED_ARCHITECTURES, ConfigError, TargetConfig,
                             check_non_negative, check_positive)
 from specjax.drafters import losses
 from specjax.drafters.base import ContextUpdate, DraftBlock, Kind, TargetView
-from specjax.drafters.common import TrainingSection, shift_left
+from specjax.drafters.common import TrainingSection, draft_loop, shift_left
 from specjax.models import cache as kvc
 from specjax.models.decoder import CausalLM
 from specjax.sampling import SamplingArrays, draft_probs, round_key, sample
@@ -102,19 +102,16 @@ class StandaloneDrafter(nnx.Module):
         sub = kvc.KVCache(kv=tuple(x[:, :b] for x in state.kv), lengths=state.lengths[:b])
         pos0 = position_b.astype(jnp.int32)
 
-        def step(carry, k):
+        def step(k: Array, carry: tuple[kvc.KVCache, Array]) -> tuple[tuple, Array, Array, Array]:
             cache, tok_b = carry
             out = self.model.forward(tok_b[:, None], (pos0 + k)[:, None], cache, logits="all", kv_len=read)
             z = out.logits[:, 0]  # [B, V] float32
             q = draft_probs(z, sampling, self.dtype)
             nxt = sample(round_key(key_b, k), q, sampling.greedy)
-            return (out.cache, nxt), (nxt, q, z)
+            return (out.cache, nxt), nxt, q, z
 
-        carry0 = (sub, anchor_b.astype(jnp.int32))
-        _, (tok_gb, q_gbv, z_gbv) = jax.lax.scan(step, carry0, jnp.arange(self.gamma, dtype=jnp.int32))
-        block = DraftBlock(tokens=jnp.swapaxes(tok_gb, 0, 1), q=jnp.swapaxes(q_gbv, 0, 1),
-                           confidence=None)
-        return block, jnp.swapaxes(z_gbv, 0, 1)
+        _, tokens, q_bgv, z_bgv = draft_loop(step, (sub, anchor_b.astype(jnp.int32)), self.gamma)
+        return DraftBlock(tokens=tokens, q=q_bgv, confidence=None), z_bgv
 
     def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
                 sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:
