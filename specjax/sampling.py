@@ -344,23 +344,13 @@ def _max_argmax_two_reductions(x: Array) -> tuple[Array, Array]:
     return top, jnp.min(jnp.where(x == top, ids, x.shape[-1]), axis=-1)
 
 
-def _max_argmax_one_reduction(x: Array) -> tuple[Array, Array]:
-    idx = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    return jnp.take_along_axis(x, idx[..., None], axis=-1), idx
-
-
-def max_argmax(x: Array) -> tuple[Array, Array]:
-    """The largest entry [..., 1] along the last axis of NaN-free x and its int32 index (the lowest
-    on ties, as `jnp.argmax`). On CPU two plain reductions (a max, then a min over the indices
-    holding it), which XLA:CPU vectorises where its variadic argmax reduction is not (2-4x faster
-    over a vocabulary); elsewhere the variadic one (one pass over the row on a GPU) and the max read
-    at its index."""
-    return jax.lax.platform_dependent(x, cpu=_max_argmax_two_reductions, default=_max_argmax_one_reduction)
-
-
 def first_argmax(x: Array) -> Array:
-    """int32 index of the largest entry along the last axis (the lowest on ties), for NaN-free x."""
-    return max_argmax(x)[1]
+    """int32 index of the largest entry along the last axis (the lowest on ties), for NaN-free x, as
+    `jnp.argmax`. On CPU from two plain reductions (a max, then a min over the indices holding it),
+    which XLA:CPU vectorises where its variadic argmax reduction is not (2-4x faster over a
+    vocabulary); elsewhere the variadic one (one pass over the row on a GPU)."""
+    return jax.lax.platform_dependent(x, cpu=lambda x: _max_argmax_two_reductions(x)[1],
+                                      default=lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
 
 
 def draft_probs(logits: Array, sa: SamplingArrays, dtype: Any) -> Array:
@@ -450,5 +440,5 @@ def round_key(base_key_b: Array, counter_b: Array | int) -> Array:
 
 
 __all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "covering_variant", "probs_from_logits", "draft_probs", "sample",
-           "first_argmax", "max_argmax", "softmax_stats",
+           "first_argmax", "softmax_stats",
            "request_key", "round_key", "keys_for_batch", "validate_sampling"]

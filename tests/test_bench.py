@@ -472,8 +472,9 @@ def test_round_ops_bytes_breakdown_counts_a_kernel_writing_in_place_at_its_reads
 
 
 def test_round_ops_bytes_breakdown_counts_what_a_program_touches():
-    """In-place writes and gathers (also of elementwise expressions) count at the rows they touch, dtype-only ops apart (a bf16 matmul's
-    weight at its stored bytes); a program that streams its whole input counts whole (control)."""
+    """In-place writes and gathers (also of elementwise expressions) count at the rows they touch,
+    dtype-only ops apart (a bf16 matmul's weight at its stored bytes); a program that streams its
+    whole input counts whole (control)."""
     import jax
     import jax.numpy as jnp
 

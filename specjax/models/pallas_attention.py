@@ -126,12 +126,13 @@ def _kernel(len_ref, cos_ref, sin_ref, cosk_ref, sink_ref, wq_ref, wk_ref, q_ref
         # cache keys j < length, in blocks with a running softmax; keys past it weigh exp(low - m) = 0
         m, total, acc = carry
         start = pl.multiple_of(i * block_k, block_k)
-        s = scores(kv_ref[0, pl.ds(start, block_k), pl.ds(0, half)], kv_ref[0, pl.ds(start, block_k), pl.ds(half, half)])
+        rows = pl.ds(start, block_k)
+        s = scores(kv_ref[0, rows, pl.ds(0, half)], kv_ref[0, rows, pl.ds(half, half)])
         s = jnp.where(start + jax.lax.broadcasted_iota(jnp.int32, (r, block_k), 1) < length, s, low)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
-        return m_new, total * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + values(p, kv_ref[1, pl.ds(start, block_k), :])
+        return m_new, total * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + values(p, kv_ref[1, rows, :])
     # only the blocks holding the row's live keys are read
     _, total, acc = jax.lax.fori_loop(0, jnp.minimum((length + block_k - 1) // block_k, blocks), block, init)
     out = (acc / total[:, None]).reshape(tp, gp, hd).astype(o_ref.dtype)
