@@ -216,16 +216,20 @@ def _mass_cutoff(probs: Array, p: Array) -> Array:
     return jnp.where(c == 0, -jnp.inf, _from_ordered_bits(c))
 
 
+def _shifted_exp(z: Array, top: Array) -> Array:
+    """exp(z - top) for the rows' max `top` [..., 1] (a row of -inf: exp(z) = 0, no NaN)."""
+    return jnp.exp(z - jnp.where(jnp.isfinite(top), top, 0.0))
+
+
 def _softmax(z: Array) -> Array:
-    m = jnp.max(z, axis=-1, keepdims=True)
-    e = jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0))
+    e = _shifted_exp(z, jnp.max(z, axis=-1, keepdims=True))
     s = jnp.sum(e, axis=-1, keepdims=True)
     return e / jnp.where(s > 0, s, 1.0)
 
 
 def _stats_three_reductions(z: Array) -> tuple[Array, Array, Array]:
     top, top_id = _max_argmax_two_reductions(z)
-    return top, top_id, jnp.sum(jnp.exp(z - jnp.where(jnp.isfinite(top), top, 0.0)), axis=-1, keepdims=True)
+    return top, top_id, jnp.sum(_shifted_exp(z, top), axis=-1, keepdims=True)
 
 
 def _stats_one_reduction(z: Array) -> tuple[Array, Array, Array]:
@@ -312,8 +316,7 @@ def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
     if sa.variant == "plain":  # one pass for the row's max, argmax and softmax sum; they normalise
         top, top_id, s = softmax_stats(z)
         onehot = (vocab_ids == top_id[..., None]).astype(jnp.float32)
-        e = jnp.exp(z - jnp.where(jnp.isfinite(top), top, 0.0))
-        return jnp.where(greedy | (s <= 0), onehot, e / jnp.where(s > 0, s, 1.0))
+        return jnp.where(greedy | (s <= 0), onehot, _shifted_exp(z, top) / jnp.where(s > 0, s, 1.0))
     onehot = (vocab_ids == first_argmax(x)[..., None]).astype(jnp.float32)
     k = _per_row(sa.top_k, x.ndim, jnp.int32)
     p = _per_row(sa.top_p, x.ndim, jnp.float32)

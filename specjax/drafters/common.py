@@ -303,26 +303,25 @@ def attend_context_and_block(q_bthd: Array, k_ctx_bkshd: Array, v_ctx_bkshd: Arr
     nkv = k_ctx_bkshd.shape[1]
     # batch dims (b, k) lead every product: XLA:CPU's dot thunk rejects bf16 x bf16 -> f32 otherwise
     q = q_bthd.reshape(b, t, nkv, nh // nkv, hd).transpose(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
-    low = jnp.finfo(jnp.float32).min
+    low, scale = jnp.finfo(jnp.float32).min, hd ** -0.5
     # one softmax over both parts without concatenating them: a shared maximum and denominator
     m_ctx, m_blk = mask_ctx_bts[:, None, None], mask_blk_btt[:, None, None]
     s_ctx = jnp.where(m_ctx, jnp.einsum("bkgtd,bksd->bkgts", q, k_ctx_bkshd, preferred_element_type=jnp.float32)
-                      * (hd ** -0.5), low)
+                      * scale, low)
     # the block's own copy of q: XLA's dot merger would otherwise join the two products into one over
     # [context ; block] keys, copying (and transposing) the whole context cache every call
     q_blk = jax.lax.optimization_barrier(q)
     s_blk = jnp.where(m_blk, jnp.einsum("bkgtd,bskd->bkgts", q_blk, k_blk_bthd, preferred_element_type=jnp.float32)
-                      * (hd ** -0.5), low)
+                      * scale, low)
     top = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True), jnp.max(s_blk, axis=-1, keepdims=True))
     e_ctx, e_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)  # masked keys: exp(low - top) = 0
     total = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_blk, axis=-1, keepdims=True)
-    scale = jnp.where(top > low, 1.0 / total, 0.0)  # a row with no visible key (top = low): zeros
-    p_ctx = (e_ctx * scale).astype(v_ctx_bkshd.dtype)
-    p_blk = (e_blk * scale).astype(v_blk_bthd.dtype)
+    norm = jnp.where(top > low, 1.0 / total, 0.0)  # a row with no visible key (top = low): zeros
+    p_ctx = (e_ctx * norm).astype(v_ctx_bkshd.dtype)
+    p_blk = (e_blk * norm).astype(v_blk_bthd.dtype)
     out = (jnp.einsum("bkgts,bksd->bkgtd", p_ctx, v_ctx_bkshd, preferred_element_type=jnp.float32)
            + jnp.einsum("bkgts,bskd->bkgtd", p_blk, v_blk_bthd, preferred_element_type=jnp.float32))
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, hd).astype(q_bthd.dtype)
-
 
 
 def draft_loop(step: Callable[[Array, Any], tuple[Any, Array, Array, Array]], carry0: Any, gamma: int

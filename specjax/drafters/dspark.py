@@ -28,6 +28,7 @@ target ids, and the q handed to verification is zero outside the subset (`specja
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -158,10 +159,10 @@ class DSparkDrafter(nnx.Module):
                              f"{taps_bsf.shape}")
         return self.hidden_norm(self.fc(taps_bsf))
 
-    def lm_logits(self, h_xh: Array) -> Array:
-        """Frozen lm_head applied to hidden [..., H] -> float32 logits [..., N] (N = V without a
-        draft vocabulary; with one, the target's logits restricted to the draft tokens)."""
-        return self.lm_head(h_xh)
+    def lm_logits(self, h_xh: Array, out_dtype: Any = jnp.float32) -> Array:
+        """Frozen lm_head applied to hidden [..., H] -> logits [..., N] in `out_dtype` (N = V without
+        a draft vocabulary; with one, the target's logits restricted to the draft tokens)."""
+        return self.lm_head(h_xh, out_dtype)
 
     def draft_labels(self, labels: Array) -> Array:
         """Target-id labels -> indices into the draft logits (-1: outside the draft vocabulary)."""
@@ -296,7 +297,7 @@ class DSparkDrafter(nnx.Module):
         b = anchor_b.shape[0]
         vocab = self.draft_vocab
         h = self.block_hidden(state, anchor_b, position_b, kv_len)  # [B, K, H]
-        u = self.lm_head(h, self.dtype)  # [B, K, N] logits in the compute dtype, float32 a step at a time
+        u = self.lm_logits(h, self.dtype)  # [B, K, N] in the compute dtype, float32 a step at a time
         head = self.markov_head
         carry0 = (head.init_carry((b,), h.dtype) if head is not None else None, dv.draft_index(vocab, anchor_b))
 
