@@ -43,6 +43,24 @@ class DemoRun:
         tau = 1.0 + acc / drafts if drafts else 1.0
         return tau, (per_pos / drafts).tolist() if drafts else []
 
+    def rounds(self) -> tuple[int, int]:
+        """(target passes that verified drafts, all target passes after prefill)."""
+        return (sum(o.metrics["num_drafts"] for o in self.outputs),
+                sum(o.metrics["num_rounds"] for o in self.outputs))
+
+
+def verification_note(drafter: str, policy: str | None, drafted: int, rounds: int) -> str:
+    """One sentence on how many rounds verified drafts; when none did, why the output equals plain
+    decoding's trivially and what would change it."""
+    said = f"{drafted} of {rounds} target passes verified drafts"
+    if drafted or not rounds:
+        return said + "."
+    if policy and policy.startswith("confidence"):
+        return (said + f": the {policy} scheduler found a plain step cheaper than any drafted round for "
+                f"'{drafter}''s confidences and this machine's measured costs, so this run decoded plainly "
+                "(better-trained drafters accept more and make drafting pay; docs/BENCHMARKS.md).")
+    return said + ": no draft was proposed for these prompts."
+
 
 # used when no held-out split is shipped (no drafter built yet)
 DEMO_PROMPTS = (
@@ -113,6 +131,7 @@ def run_demo(out_dir: str = "demo_output", *, drafter: str = "dspark", num_promp
         del llm
     plain, spec = runs["plain"], runs[drafter]
     tau, per_pos = spec.acceptance()
+    verified = verification_note(drafter, policy, *spec.rounds())
     speedup = spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else 0.0
     same = [a.token_ids == b.token_ids for a, b in zip(plain.outputs, spec.outputs)]
     for i, (p, o) in enumerate(zip(prompts, spec.outputs)):
@@ -122,17 +141,18 @@ def run_demo(out_dir: str = "demo_output", *, drafter: str = "dspark", num_promp
     print(f"\nτ (mean acceptance length incl. bonus) = {tau:.2f}; tokens/s plain {plain.tokens_per_second:.1f}, "
           f"{drafter} {spec.tokens_per_second:.1f}; speedup {speedup:.2f}x; "
           f"{'identical' if all(same) else 'different'} greedy outputs" if temperature == 0 else "")
+    print(verified)
     report = {"setup": note, "drafter": drafter, "temperature": temperature, "max_tokens": max_tokens,
               "prompts": len(prompts), "tau": tau, "acceptance_by_position": per_pos,
               "tokens_per_second": {"plain": plain.tokens_per_second, drafter: spec.tokens_per_second},
-              "speedup": speedup, "greedy_outputs_identical": all(same) if temperature == 0 else None}
+              "speedup": speedup, "verification": verified, "greedy_outputs_identical": all(same) if temperature == 0 else None}
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     _plot(per_pos, drafter, os.path.join(out_dir, "acceptance.png"))
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write(f"# specjax demo\n\nSetup: {note}.\n\n| | plain | {drafter} |\n|---|---|---|\n"
                 f"| tokens/s (batch 1) | {plain.tokens_per_second:.1f} | {spec.tokens_per_second:.1f} |\n"
-                f"| τ (incl. bonus) | 1.00 | {tau:.2f} |\n\nSpeedup: **{speedup:.2f}x**. "
+                f"| τ (incl. bonus) | 1.00 | {tau:.2f} |\n\nSpeedup: **{speedup:.2f}x**; {verified} "
                 f"Acceptance by position: ![acceptance](acceptance.png)\n")
         for i, o in enumerate(spec.outputs):
             f.write(f"\n## Completion {i}\n\n```\n{o.text if o.text is not None else o.token_ids}\n```\n")
