@@ -57,7 +57,7 @@ def verification_note(drafter: str, policy: str | None, drafted: int, rounds: in
         return said + "."
     if policy and policy.startswith("confidence"):
         return (said + f": the {policy} scheduler found a plain step cheaper than any drafted round for "
-                f"'{drafter}''s confidences and this machine's measured costs, so this run decoded plainly "
+                f"the {drafter} drafter's confidences and this machine's measured costs, so this run decoded plainly "
                 "(better-trained drafters accept more and make drafting pay; docs/BENCHMARKS.md).")
     return said + ": no draft was proposed for these prompts."
 
