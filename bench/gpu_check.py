@@ -297,8 +297,10 @@ def _models(p: Preset):
     from specjax.drafters.dspark import BlockDrafterConfig
     from specjax.drafters.dspark import make_block_drafter
     from specjax.models.decoder import CausalLM
+    from specjax.models.norm_folding import fold_norm_weights
     cfg = TargetConfig(**p.target)
     target = CausalLM(cfg, rngs=nnx.Rngs(0), dtype=p.dtype, param_dtype=p.dtype)
+    fold_norm_weights(target)  # as checkpoints.load_target serves a target
     dcfg = BlockDrafterConfig.from_target(cfg, target_layer_ids=p.taps, mask_token_id=p.mask_token_id,
                                           num_draft_layers=p.draft_layers, block_size=p.gamma,
                                           markov_rank=p.markov_rank, confidence_head=True,

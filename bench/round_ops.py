@@ -314,10 +314,12 @@ def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0
     from specjax.decoding.verify import verify_chain
     from specjax.drafters.dspark import BlockDrafterConfig, make_block_drafter
     from specjax.models.decoder import CausalLM
+    from specjax.models.norm_folding import fold_norm_weights
     cfg = TargetConfig(**shape.target)
 
     def build():
         target = CausalLM(cfg, rngs=nnx.Rngs(0), dtype=shape.dtype, param_dtype=shape.dtype)
+        fold_norm_weights(target)  # as checkpoints.load_target serves a target
         dcfg = BlockDrafterConfig.from_target(cfg, target_layer_ids=shape.taps, mask_token_id=cfg.vocab_size - 1,
                                               num_draft_layers=shape.draft_layers, block_size=shape.gamma,
                                               markov_rank=shape.markov_rank, confidence_head=True,

@@ -6,11 +6,13 @@ from typing import Any
 __version__ = "0.1.0"
 
 
-def load_target(path: str, *, dtype: str = "float32", mesh: Any = None):
+def load_target(path: str, *, dtype: str = "float32", mesh: Any = None, fold_norms: bool = True):
     """Load a target -> (model, TargetConfig) from a Hugging Face Qwen3 / Llama / Qwen2 checkpoint
-    directory or a `.gguf` file (dequantized). `model(tokens, positions)` gives logits."""
+    directory or a `.gguf` file (dequantized). `model(tokens, positions)` gives logits. With
+    `fold_norms` each layer's norm weights are folded into the projections that read them (fewer
+    kernels per layer; exports divide them back out)."""
     from specjax.checkpoints import load_target as _load
-    return _load(path, dtype=dtype, mesh=mesh)
+    return _load(path, dtype=dtype, mesh=mesh, fold_norms=fold_norms)
 
 
 def __getattr__(name: str) -> Any:  # lazy: `import specjax` stays cheap and jax-free

@@ -118,16 +118,17 @@ def test_a_loader_that_swaps_k_and_v_fails_the_parity(ckpts, monkeypatch):
 
 def test_export_writes_the_separate_tensors_back(ckpts, tmp_path):
     """Checkpoints are unchanged on disk: export splits the fused kernels into the very tensors
-    that were loaded (names, shapes, values), and the copy loads to the same params."""
+    that were loaded (names, shapes, values), and the copy loads to the same params (unfolded
+    norms: a bit-exact copy; a folded target's export is checked in tests/test_norm_folding.py)."""
     src = ckpts["qwen2"]
-    model, cfg = checkpoints.load_target(src)
+    model, cfg = checkpoints.load_target(src, fold_norms=False)
     out = checkpoints.export_target(model, cfg, tmp_path / "copy")
     with checkpoints.SafetensorsDir(src) as a, checkpoints.SafetensorsDir(out) as b:
         assert set(b) == set(a)
         for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.bias",
                      "model.layers.2.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
             np.testing.assert_array_equal(b[name], a[name])
-    back, _ = checkpoints.load_target(out)
+    back, _ = checkpoints.load_target(out, fold_norms=False)
     np.testing.assert_array_equal(np.asarray(back.model.layers[1].self_attn.qkv_proj.kernel[...]),
                                   np.asarray(model.model.layers[1].self_attn.qkv_proj.kernel[...]))
 
@@ -146,7 +147,7 @@ def _rope_per_call(x_bthd, positions_bt, **kw):
 def test_rope_tables_once_per_forward_equal_per_layer_rope(ckpts, family, monkeypatch):
     """The tables give the per-call rotation exactly; the forward builds them once for all layers,
     and each layer's q/k equal the unfused layer's per-layer RoPE."""
-    model, cfg = checkpoints.load_target(ckpts[family])
+    model, cfg = checkpoints.load_target(ckpts[family], fold_norms=False)  # layers as stored
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((2, 7, 3, cfg.head_dim)), jnp.float32)
     pos = jnp.asarray(rng.integers(0, 200, (2, 7)), jnp.int32)

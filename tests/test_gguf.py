@@ -99,7 +99,7 @@ def source(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_src")
     path = make_tiny_lm(root, "llama", vocab=VOCAB, hidden=64, heads=4, kv_heads=2, head_dim=16,
                         intermediate=128, seed=31)
-    model, cfg = checkpoints.load_target(path)
+    model, cfg = checkpoints.load_target(path, fold_norms=False)  # the tensors as stored
     return model, cfg, checkpoints.module_to_hf_tensors(model)
 
 
@@ -124,7 +124,8 @@ def test_qk_permutation_is_undone_exactly():
 def test_f32_round_trip_is_exact(source, tmp_path):
     model, cfg, tensors = source
     path = write_gguf(tmp_path / "tiny-f32.gguf", tensors, cfg)
-    got, gcfg = specjax.load_target(str(path))  # the top-level entry point takes .gguf files
+    # the top-level entry point takes .gguf files; norms unfolded: the tensors exactly as stored
+    got, gcfg = specjax.load_target(str(path), fold_norms=False)
     assert gcfg == TargetConfig(**{**cfg.__dict__, "max_position_embeddings": 256,
                                    "rope_theta": float(np.float32(cfg.rope_theta)),
                                    "rms_norm_eps": float(np.float32(cfg.rms_norm_eps))})
@@ -149,7 +150,7 @@ def test_unpermuted_file_is_detected_as_different(source, tmp_path):
 def test_q8_0_round_trip_within_quantization_error(source, tmp_path):
     model, cfg, tensors = source
     path = write_gguf(tmp_path / "tiny-q8.gguf", tensors, cfg, quant=Q8)
-    got, gcfg = checkpoints.load_target(path)
+    got, gcfg = checkpoints.load_target(path, fold_norms=False)
     assert not gcfg.tie_word_embeddings and got.lm_head is not None  # output.weight present
     back = checkpoints.module_to_hf_tensors(got)
     quantized = 0
@@ -172,11 +173,11 @@ def test_tied_qwen2_file_with_biases_loads(tmp_path):
     """Qwen2 GGUFs carry q/k/v biases and are not permuted; no output.weight means tied."""
     path = make_tiny_lm(tmp_path, "qwen2", vocab=VOCAB, hidden=64, heads=4, kv_heads=2,
                         head_dim=16, intermediate=128, tie=True, seed=33)
-    model, cfg = checkpoints.load_target(path)
+    model, cfg = checkpoints.load_target(path, fold_norms=False)  # tensors and logits exactly
     tensors = checkpoints.module_to_hf_tensors(model)
     assert "lm_head.weight" not in tensors and "model.layers.0.self_attn.q_proj.bias" in tensors
     got, gcfg = checkpoints.load_target(write_gguf(tmp_path / "qwen2.gguf", tensors, cfg,
-                                                   permute=False))
+                                                   permute=False), fold_norms=False)
     assert (gcfg.model_type, gcfg.attention_bias, gcfg.tie_word_embeddings) == ("qwen2", True, True)
     np.testing.assert_array_equal(_logits(got, _TOKENS), _logits(model, _TOKENS))
 
@@ -340,8 +341,9 @@ def test_smollm2_config_and_chat_template(smollm2):
 @pytest.mark.real_target
 @pytest.mark.xdist_group("smollm2-hf")
 def test_smollm2_weights_are_transformers_weights(smollm2, smollm2_hf):
-    """Dequantized and un-permuted, every tensor is bit-identical to what transformers loads."""
-    model = smollm2[1]
+    """Dequantized and un-permuted, every tensor is bit-identical to what transformers loads
+    (loaded with the norms unfolded: the tensors as the file gives them)."""
+    model, _ = checkpoints.load_target(smollm2[0], fold_norms=False)
     ref = {k: v.detach().numpy() for k, v in smollm2_hf.state_dict().items()}
     n = 0
     for name, arr in checkpoints.iter_hf_tensors(model):
@@ -387,7 +389,8 @@ def test_smollm2_exports_as_a_transformers_directory(smollm2, smollm2_hf, tmp_pa
     import transformers
     import torch
 
-    path, model, cfg, tok, tokens, valid = smollm2
+    path, _, cfg, tok, tokens, valid = smollm2
+    model, _ = checkpoints.load_target(path, fold_norms=False)  # a bit-exact export
     out = checkpoints.export_target(model, cfg, tmp_path / "smollm2-hf", tokenizer_dir=path)
     exported = transformers.AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float32, local_files_only=True).eval()

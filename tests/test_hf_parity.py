@@ -134,7 +134,7 @@ def test_incremental_equals_full(ckpts, name):
 @pytest.mark.parametrize("name", ["untied_gqa1", "tied_linear_rope"])
 def test_export_round_trip_loads_in_transformers(ckpts, name, tmp_path):
     src = ckpts[name]
-    model, cfg = checkpoints.load_target(src)
+    model, cfg = checkpoints.load_target(src, fold_norms=False)  # a bit-exact export
     tok_dir = make_tiny_tokenizer(tmp_path / "tok", vocab=VOCAB)
     out_dir = tmp_path / "export"
     checkpoints.export_target(model, cfg, out_dir, tokenizer_dir=tok_dir)
@@ -167,7 +167,7 @@ def test_bf16_checkpoint_loads(tmp_path):
         assert arr.dtype == jnp.dtype("bfloat16")
         raw = common._read_raw(reader.file_of(name), name)  # header-parsing fallback agrees
         np.testing.assert_array_equal(raw.astype(np.float32), arr.astype(np.float32))
-    model, cfg = checkpoints.load_target(path)
+    model, cfg = checkpoints.load_target(path, fold_norms=False)  # kernels as stored
     qkv = model.model.layers[0].self_attn.qkv_proj.kernel[...]
     assert qkv.dtype == jnp.float32
     np.testing.assert_array_equal(split_qkv(np.asarray(qkv))[0], arr.astype(np.float32).T)

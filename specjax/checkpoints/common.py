@@ -38,6 +38,7 @@ from flax import nnx
 from specjax.checkpoints.layouts import FUSIONS, Fusion, TensorPlan, plan
 from specjax.config import read_json
 from specjax.io import write_json_atomic
+from specjax.models.norm_folding import unfolded
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -387,8 +388,9 @@ def load_params_into(module: nnx.Module,
 
 def iter_hf_tensors(module: nnx.Module, *, key_map: KeyMap | None = None,
                     dtype=None) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (HF name, host array in HF layout) per param, one at a time; `dtype` casts."""
-    for e in param_entries(module, key_map):
+    """Yield (HF name, host array in HF layout) per param, one at a time; `dtype` casts. Norm
+    weights folded into projections (`models.norm_folding`) are divided back out."""
+    for e in param_entries(unfolded(module), key_map):
         if e.hf_name is None:
             continue
         value = e.variable.get_value()

@@ -26,6 +26,7 @@ from specjax.checkpoints.common import (DEFAULT_MAX_SHARD_BYTES, TARGET_KEY_MAP,
 from specjax.checkpoints.gguf import (GGUFFile, is_gguf, load_gguf_tokenizer, open_gguf_target,
                                       read_gguf_config)
 from specjax.config import ConfigError, TargetConfig, read_json
+from specjax.models.norm_folding import fold_norm_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -121,7 +122,7 @@ def abstract_target(cfg: TargetConfig, dtype, compute_dtype):
 
 
 def load_target(path: str | os.PathLike, *, dtype="float32", compute_dtype=None, mesh=None,
-                rules=None):
+                rules=None, fold_norms: bool = True):
     """Load a Qwen3 / Llama / Qwen2 target -> (CausalLM, TargetConfig) from a Hugging Face
     checkpoint directory or a `.gguf` file (dequantized to float32 on load).
 
@@ -129,27 +130,33 @@ def load_target(path: str | os.PathLike, *, dtype="float32", compute_dtype=None,
     `compute_dtype`, default `dtype`), each placed with its NamedSharding when `mesh` is given.
     Only safetensors and GGUF are read (never pickles). A `.gguf` loaded in float32 is also
     stored as a Hugging Face copy in the user cache (`gguf_cache_root`), which later loads read.
+    With `fold_norms` (the default) each layer's norm weights are then folded into the projections
+    that read them (`models.norm_folding`: fewer kernels per layer; exports divide them back out).
     """
     path = os.fspath(path)
     if is_gguf(path):
         cached = _cached_conversion(path) if os.path.isfile(path) else None
         if cached is not None:  # the float32 copy a previous load stored (see gguf_cache_root)
-            return load_target(cached, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, rules=rules)
+            return load_target(cached, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, rules=rules,
+                               fold_norms=fold_norms)
         cfg, tensors = open_gguf_target(path)
         model = abstract_target(cfg, dtype, compute_dtype or dtype)
         load_params_into(model, tensors, mesh=mesh, rules=rules, source=path)
         if jnp.dtype(dtype) == jnp.float32 and jax.process_count() == 1:
             _store_conversion(path, model, cfg)
+        if fold_norms:
+            fold_norm_weights(model)
         return model, cfg
     cfg = read_target_config(path)
     return load_target_weights(path, cfg, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh,
-                               rules=rules), cfg
+                               rules=rules, fold_norms=fold_norms), cfg
 
 
 def load_target_weights(path: str | os.PathLike, cfg: TargetConfig, *, dtype="float32",
-                        compute_dtype=None, mesh=None, rules=None):
+                        compute_dtype=None, mesh=None, rules=None, fold_norms: bool = False):
     """A CausalLM of config `cfg` filled from the safetensors in `path` (see
-    `load_target`; the config is given, e.g. parsed from a drafter's config.json)."""
+    `load_target`; the config is given, e.g. parsed from a drafter's config.json). Norm weights
+    are folded only when asked: a model that trains (the standalone drafter) keeps the plain form."""
     path = os.fspath(path)
     model = abstract_target(cfg, dtype, compute_dtype or dtype)
     with SafetensorsDir(path) as reader:
@@ -161,6 +168,8 @@ def load_target_weights(path: str | os.PathLike, cfg: TargetConfig, *, dtype="fl
             allow.append("lm_head.weight")  # tied: HF ignores a stored copy as well
         load_params_into(model, reader, key_map=key_map, mesh=mesh, rules=rules,
                          source=path, allow_extra=allow)
+    if fold_norms:
+        fold_norm_weights(model)
     return model
 
 
@@ -170,7 +179,9 @@ def export_target(model, config: TargetConfig, out_dir: str | os.PathLike, *,
     """Write `config.json` + safetensors (+ the tokenizer of `tokenizer_dir`: a tokenizer
     directory, whose files are copied, or a `.gguf` file, whose tokenizer and chat template are
     saved) so that transformers' `AutoModelForCausalLM.from_pretrained(out_dir)` loads the model
-    as its family's `{Qwen3,Llama,Qwen2}ForCausalLM`. Returns out_dir."""
+    as its family's `{Qwen3,Llama,Qwen2}ForCausalLM`. Returns out_dir. Norm weights folded at load
+    are divided back out of the kernels (equal to the stored tensors to float32 rounding; a target
+    loaded with `fold_norms=False` is written bit for bit)."""
     out_dir = os.fspath(out_dir)
     expected = {e.path: tuple(e.variable.get_value().shape)
                 for e in param_entries(abstract_target(config, "float32", "float32"))}

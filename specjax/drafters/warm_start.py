@@ -26,6 +26,7 @@ import numpy as np
 
 from specjax.config import ConfigError
 from specjax.models.layers import split_gate_up, split_qkv
+from specjax.models.norm_folding import unfolded_kernel
 
 
 def _np(x: Any) -> np.ndarray:
@@ -86,7 +87,7 @@ def copy_layer_from_target(drafter: Any, target_model: Any, layer_id: int) -> No
         _set(layer.input_layernorm.weight, _np(src.input_layernorm.weight))
         _set(layer.post_attention_layernorm.weight, _np(src.post_attention_layernorm.weight))
         src_attn = src.self_attn
-        q_k_v = split_qkv(_np(src_attn.qkv_proj.kernel))
+        q_k_v = split_qkv(unfolded_kernel(src.input_layernorm, src_attn.qkv_proj.kernel[...]))
         biases = (split_qkv(_np(src_attn.qkv_proj.bias)) if src_attn.qkv_proj.bias is not None
                   else (None,) * 3)
         for name, kernel, bias in zip(("q_proj", "k_proj", "v_proj"), q_k_v, biases):
@@ -99,7 +100,8 @@ def copy_layer_from_target(drafter: Any, target_model: Any, layer_id: int) -> No
             if dst_n is None:
                 continue
             _set(dst_n.weight, _np(src_n.weight) if src_n is not None else head_rms(w_ln, kernel, hd))
-        gate, up = split_gate_up(_np(src.mlp.gate_up_proj.kernel))
+        gate, up = split_gate_up(unfolded_kernel(src.post_attention_layernorm,
+                                                 src.mlp.gate_up_proj.kernel[...]))
         down = _np(src.mlp.down_proj.kernel)
         width = layer.mlp.gate_proj.kernel[...].shape[1]
         if width > gate.shape[1]:

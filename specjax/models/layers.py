@@ -69,8 +69,11 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.dtype = _dtype(dtype)
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(logical_axis,))
+        self.folded = False  # weight multiplied into the next projection's kernel (`norm_folding`)
 
     def __call__(self, x: Array) -> Array:
+        if self.folded:
+            raise RuntimeError("this norm's weight is folded into the next projection: use factored()")
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (xf * self.weight[...].astype(jnp.float32)).astype(self.dtype)
@@ -79,9 +82,12 @@ class RMSNorm(nnx.Module):
         """The norm in two factors: x * weight (in the compute dtype) and the per-row factor
         rsqrt(mean(x^2) + eps) [..., 1] (float32), norm(x) = factor * (x * weight). A projection of
         the first scaled by the factor after (`FusedLinear(row_scale=)`) leaves the scaling to the
-        matmul's neighbours: one kernel fewer per norm on a GPU."""
+        matmul's neighbours: one kernel fewer per norm on a GPU. A folded norm's first factor is x
+        itself (its weight is in the projection's kernel, `norm_folding`)."""
         xf = x.astype(jnp.float32)
         factor = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.folded:
+            return x.astype(self.dtype), factor
         return (xf * self.weight[...].astype(jnp.float32)).astype(self.dtype), factor
 
 
