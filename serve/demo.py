@@ -34,7 +34,7 @@ class DemoRun:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def acceptance(self) -> tuple[float, list[float]]:
-        drafts = sum(o.metrics["num_drafts"] for o in self.outputs)
+        drafts = self.rounds()[0]
         acc = sum(o.metrics["num_accepted_tokens"] for o in self.outputs)
         per_pos = np.zeros(max((len(o.metrics["num_accepted_tokens_per_pos"]) for o in self.outputs), default=0))
         for o in self.outputs:
@@ -57,8 +57,8 @@ def verification_note(drafter: str, policy: str | None, drafted: int, rounds: in
         return said + "."
     if policy and policy.startswith("confidence"):
         return (said + f": the {policy} scheduler found a plain step cheaper than any drafted round for "
-                f"the {drafter} drafter's confidences and this machine's measured costs, so this run decoded plainly "
-                "(better-trained drafters accept more and make drafting pay; docs/BENCHMARKS.md).")
+                f"the {drafter} drafter's confidences and this machine's measured costs, so this run decoded "
+                "plainly (better-trained drafters accept more and make drafting pay; docs/BENCHMARKS.md).")
     return said + ": no draft was proposed for these prompts."
 
 
@@ -145,7 +145,8 @@ def run_demo(out_dir: str = "demo_output", *, drafter: str = "dspark", num_promp
     report = {"setup": note, "drafter": drafter, "temperature": temperature, "max_tokens": max_tokens,
               "prompts": len(prompts), "tau": tau, "acceptance_by_position": per_pos,
               "tokens_per_second": {"plain": plain.tokens_per_second, drafter: spec.tokens_per_second},
-              "speedup": speedup, "verification": verified, "greedy_outputs_identical": all(same) if temperature == 0 else None}
+              "speedup": speedup, "verification": verified,
+              "greedy_outputs_identical": all(same) if temperature == 0 else None}
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     _plot(per_pos, drafter, os.path.join(out_dir, "acceptance.png"))

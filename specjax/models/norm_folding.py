@@ -89,7 +89,5 @@ def unfolded(model: nnx.Module) -> nnx.Module:
 def unfolded_kernel(norm: RMSNorm, kernel: Array) -> np.ndarray:
     """A projection kernel [in, ...] as stored (float32 host array), whether or not `norm` is folded
     into it."""
-    k = np.asarray(jax.device_get(kernel), np.float32)
-    if not norm.folded:
-        return k
-    return k / np.asarray(jax.device_get(norm.weight[...]), np.float32).reshape((-1,) + (1,) * (k.ndim - 1))
+    k = jnp.asarray(kernel, jnp.float32)
+    return np.asarray(_rows_scaled(k, norm.weight[...], inverse=True) if norm.folded else k)
