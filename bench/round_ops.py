@@ -21,8 +21,7 @@ and the benchmark reads the optimised HLO: the
 top-level ops of the entry computation (parameters, constants, tuples, get-tuple-element and bitcasts
 not counted) per decoder layer, the number of `conditional` and `while` ops anywhere in the program,
 XLA's `bytes accessed` of one call (`compiled.cost_analysis()`) and the part of it the round touches
-(`bytes_breakdown`), against the bytes of the weights the program reads (target, plus drafter for
-draft/verify/fused) and of the whole KV cache.
+(`bytes_breakdown`), against the bytes of the weights and KV caches the program reads (`inputs_read`).
 """
 from __future__ import annotations
 
@@ -234,15 +233,34 @@ def bytes_breakdown(hlo_text: str) -> dict[str, int]:
     (counted at the whole table, they read their rows; also where they pick from an elementwise
     expression of the input, `_partial_reads`), and custom calls' outputs that alias an operand (a
     kernel writing into a buffer in place, `_aliased_output_bytes`). Slices, e.g. of the key/value
-    halves of the cache, count at the part they read, as XLA's own count takes them. xla = touched +
-    convert + whole_buffer."""
+    halves of the cache, count at the part they read, as XLA's own count takes them. A `while` loop
+    counts its body's ops once per iteration (its known trip count; XLA's own count takes one
+    iteration). xla = touched + convert + whole_buffer."""
     comps, entry = _computations(hlo_text)
+    return _computation_bytes(comps, entry)
+
+
+def _trip_count(line: str) -> int:
+    """A `while` op's known trip count (1 when XLA did not record one)."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+    return 1 if m is None else int(m.group(1))
+
+
+def _computation_bytes(comps: dict[str, list[tuple[str, int, str, list[str], str]]], comp: str) -> dict[str, int]:
+    """`bytes_breakdown` of one computation (the entry, or a loop's body)."""
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}  # outputs of dtype-only ops -> bytes of what they convert
     out = {"xla": 0, "touched": 0, "convert": 0, "whole_buffer": 0}
-    for name, nbytes, op, operands, line in comps.get(entry, []):
+    for name, nbytes, op, operands, line in comps.get(comp, []):
         sizes[name] = nbytes
         if op in _FREE_OPS:
+            continue
+        if op == "while":  # each iteration's body, and its condition
+            n = _trip_count(line)
+            for part in ("body", "condition"):
+                called = re.search(part + r"=%([\w.\-]+)", line)
+                for k, b in (_computation_bytes(comps, called.group(1)).items() if called else ()):
+                    out[k] += n * b
             continue
         in_bytes = [sizes.get(o, 0) for o in operands]
         called = re.search(r"calls=%([\w.\-]+)", line)
@@ -275,9 +293,41 @@ def bytes_breakdown(hlo_text: str) -> dict[str, int]:
     return out
 
 
+# the round programs' arguments by the name JAX gives their entry parameters: weights and KV caches
+_INPUT_GROUPS = {"t_params": "weights", "d_params": "weights", "cache_kv": "kv", "dstate_kv": "kv"}
+
+
+def inputs_read(hlo_text: str) -> dict[str, int]:
+    """Bytes of the weights and of the KV caches a compiled round program reads ({"weights", "kv"}):
+    its entry parameters named after the target's and drafter's parameters (`t_params`, `d_params`)
+    and caches (`cache_kv`, `dstate_kv`) that some op reads; a cache that the program only updates in
+    place (the drafter's context cache in a verify round: its new rows) is not read."""
+    comps, entry = _computations(hlo_text)
+    body = comps.get(entry, [])
+    users: dict[str, list[tuple[str, int, str]]] = {}
+    for name, _, op, operands, line in body:
+        for i, o in enumerate(operands):
+            users.setdefault(o, []).append((op, i, line))
+
+    def only_updated(param: str, nbytes: int) -> bool:  # every use writes into it in place (operand 0)
+        def in_place(op: str, i: int, line: str) -> bool:
+            called = re.search(r"calls=%([\w.\-]+)", line)
+            kind = (_fusion_kind(comps[called.group(1)], [nbytes])[0] if op == "fusion" and called
+                    else op if op in _IN_PLACE_ROOTS else "other")
+            return i == 0 and kind in _IN_PLACE_ROOTS
+        return all(in_place(*u) for u in users[param])
+    out = {"weights": 0, "kv": 0}
+    for name, nbytes, op, _, _ in body:
+        group = next((g for prefix, g in _INPUT_GROUPS.items() if re.match(prefix + r"[_.]", name)), None)
+        if op == "parameter" and group and users.get(name) and not (group == "kv" and only_updated(name, nbytes)):
+            out[group] += nbytes
+    return out
+
+
 def compiled_report(lowered: Any, compiler_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Compile a jax `Lowered` (with XLA `compiler_options`) and report its HLO counts, the platform
-    compiled for, XLA's bytes accessed and compile seconds."""
+    compiled for, XLA's bytes accessed, what it touches, the weights and KV caches it reads
+    (`inputs_read`) and compile seconds."""
     import jax
     t0 = time.perf_counter()
     compiled = lowered.compile(compiler_options=compiler_options)
@@ -290,15 +340,11 @@ def compiled_report(lowered: Any, compiler_options: dict[str, Any] | None = None
     # a compile-only (deviceless) executable has no cost analysis: XLA's count redone from the HLO
     accessed = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else float(split["xla"])
     platforms = sorted({d.platform for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set})
+    read = inputs_read(text)
     return {**hlo_counts(text), "platform": ",".join(platforms), "bytes_accessed": accessed,
+            "weight_bytes": read["weights"], "kv_cache_bytes": read["kv"],
             "touched_bytes": split["touched"], "convert_bytes": split["convert"],
             "whole_buffer_bytes": split["whole_buffer"], "compile_s": round(seconds, 2)}
-
-
-def _nbytes(tree: Any) -> int:
-    import jax
-    import numpy as np
-    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
 def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0, max_logprobs: int = 0,
@@ -354,18 +400,15 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
     runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs, mesh, attention)
     options = dict(compiler_options or {})
     layers = shape.target["num_hidden_layers"]
-    t_bytes, d_bytes = _nbytes(runner.t_params), _nbytes(runner.d_params)
-    kv_bytes = _nbytes(runner.cache)
     rows = []
     for family in families:
-        weights = d_bytes if family == "draft" else t_bytes + (0 if family == "lite" else d_bytes)
         combos = [(v, False) for v in variants]
         if max_logprobs > 0 and "logprobs" in FAMILIES[family].bucket:
             combos.append((variants[-1], True))
         for variant, lp in combos:
             key = bucket_key(runner, family, slots, variant, lp)
             row = {"family": family, "variant": variant + (" +logprobs" if lp else ""), "bucket": list(key),
-                   "slots": slots, "draft_vocab": draft_vocab, "weight_bytes": weights, "kv_cache_bytes": kv_bytes}
+                   "slots": slots, "draft_vocab": draft_vocab}
             try:
                 rep = compiled_report(runner.lower(family, key), options)
             except jax.errors.JaxRuntimeError as e:
@@ -385,8 +428,9 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
                     continue
             rows.append({**row, **rep,
                          "ops_per_layer": round(rep["top_level_ops"] / layers, 1),
-                         "bytes_over_weights": round(rep["bytes_accessed"] / weights, 3),
-                         "touched_over_weights_kv": round(rep["touched_bytes"] / (weights + kv_bytes), 3)})
+                         "bytes_over_weights": round(rep["bytes_accessed"] / rep["weight_bytes"], 3),
+                         "touched_over_weights_kv": round(rep["touched_bytes"] / (rep["weight_bytes"]
+                                                                                  + rep["kv_cache_bytes"]), 3)})
     return rows
 
 
@@ -408,8 +452,12 @@ def _markdown(res: dict[str, Any]) -> str:
              "consumers are counted at the stored bytes, as a GPU's dot reads them), and with in-place cache "
              "writes and gathers (also of elementwise expressions of an input) counted at the rows they touch "
              "instead of the whole buffer XLA counts. "
-             "`touched/(W+KV)` = touched / (the weights the program reads + the KV cache). The KV column is "
-             "the whole cache (every slot at max_len, the attention bucket these programs are built for). Goals (issue #36): "
+             "`touched/(W+KV)` = touched / (the weights the program reads + the KV caches it reads, "
+             "`bench.round_ops.inputs_read`): the target's cache in lite and verify, the drafter's context cache "
+             "in draft, both in fused (verify writes the drafter's new rows, it does not read its cache), each "
+             "whole (every slot at max_len, the attention bucket these programs are built for); the weights are "
+             "the parameters the program takes (verify: the target's and the drafter's context projections). "
+             "A `while` loop's ops count once per iteration. Goals (issue #36): "
              "<= 12 ops per layer, 0 conditionals and 0 loops in a greedy or unfiltered round, bytes accessed "
              "<= 1.3x (weights + live KV) at 128 slots.", ""]
     if res.get("target", "host") != "host":
@@ -426,7 +474,7 @@ def _markdown(res: dict[str, Any]) -> str:
         lines += [f"## {name} ({rows[0]['layers']} layers, {rows[0]['dtype']})", ""]
         lines.append(md_table(
             ["program", "sampling", "slots", "draft vocab", "top-level ops", "ops/layer", "cond", "while", "PRNG while",
-             "bytes accessed (MB)", "touched (MB)", "CPU converts (MB)", "weights (MB)", "KV cache (MB)",
+             "bytes accessed (MB)", "touched (MB)", "CPU converts (MB)", "weights read (MB)", "KV read (MB)",
              "touched/(W+KV)", "compile (s)"],
             [_table_row(r) for r in rows], align="ll" + "r" * 14))
         failed = [r for r in rows if "error" in r]
@@ -443,8 +491,7 @@ def _markdown(res: dict[str, Any]) -> str:
 def _table_row(r: dict[str, Any]) -> list[Any]:
     head = [r["family"] + ("*" if r.get("compiler_options") else ""), r["variant"], r["slots"], r.get("draft_vocab", 0)]
     if "error" in r:  # the compiler failed on this program
-        return head + ["compile failed"] + ["-"] * 7 + [f"{r['weight_bytes'] / 1e6:.1f}", f"{r['kv_cache_bytes'] / 1e6:.1f}",
-                                                        "-", "-"]
+        return head + ["compile failed"] + ["-"] * 11
     return head + [r["top_level_ops"], r["ops_per_layer"], r["conditionals"], r["whiles"], r["prng_whiles"],
                    f"{r['bytes_accessed'] / 1e6:.1f}", f"{r['touched_bytes'] / 1e6:.1f}", f"{r['convert_bytes'] / 1e6:.1f}",
                    f"{r['weight_bytes'] / 1e6:.1f}", f"{r['kv_cache_bytes'] / 1e6:.1f}", r["touched_over_weights_kv"],

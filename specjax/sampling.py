@@ -301,12 +301,8 @@ def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
     vocabulary (a `lax.cond`, the only branch) when a row's kept set may reach past them.
     Returns float32 probabilities of the same shape, each row summing to one.
     """
-    x = jnp.asarray(logits, jnp.float32)
-    if x.ndim < 2:
-        raise ValueError(f"logits must be [B, ..., V], got shape {x.shape}")
+    x = _finite_logits(logits)
     v = x.shape[-1]
-    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
-    x = jnp.minimum(x, _F32_MAX)  # +inf -> largest float: keeps exp() finite
     vocab_ids = jnp.arange(v, dtype=jnp.int32)
     if sa.greedy:
         return (vocab_ids == first_argmax(x)[..., None]).astype(jnp.float32)
@@ -347,6 +343,15 @@ def _max_argmax_two_reductions(x: Array) -> tuple[Array, Array]:
     return top, jnp.min(jnp.where(x == top, ids, x.shape[-1]), axis=-1)
 
 
+def _finite_logits(logits: Array) -> Array:
+    """Logits [B, ..., V] as float32, NaN read as -inf and +inf as the largest float (exp() stays
+    finite)."""
+    x = jnp.asarray(logits, jnp.float32)
+    if x.ndim < 2:
+        raise ValueError(f"logits must be [B, ..., V], got shape {x.shape}")
+    return jnp.minimum(jnp.where(jnp.isnan(x), -jnp.inf, x), _F32_MAX)
+
+
 def first_argmax(x: Array) -> Array:
     """int32 index of the largest entry along the last axis (the lowest on ties), for NaN-free x, as
     `jnp.argmax`. On CPU from two plain reductions (a max, then a min over the indices holding it),
@@ -361,6 +366,23 @@ def draft_probs(logits: Array, sa: SamplingArrays, dtype: Any) -> Array:
     halves what travels from draft to verify). Draws come from the rounded q (`sample` needs no
     normalised row) and the verifier renormalises it, so verification stays exact."""
     return probs_from_logits(logits, sa).astype(dtype)
+
+
+def draft_draw(key: Array, logits_bn: Array, sa: SamplingArrays, dtype: Any) -> tuple[Array, Array | None]:
+    """A drafter's draw from its logits [B, N]: (index [B] int32, q [B, N]), q the rounded
+    probabilities it was drawn from (`draft_probs`). In a greedy round (`sa.greedy`) q is None: it is
+    the one-hot of the index (`one_hot_q`), which the greedy verifier does not read, so a drafting
+    loop need not carry it."""
+    if sa.greedy:
+        return first_argmax(_finite_logits(logits_bn)), None
+    q = draft_probs(logits_bn, sa, dtype)
+    return sample(key, q), q
+
+
+def one_hot_q(index: Array, n: int, dtype: Any) -> Array:
+    """The q of greedy draws `index` [...] over n columns: one-hot [..., n] in `dtype`, equal to
+    `draft_probs` of a greedy round."""
+    return (jnp.arange(n, dtype=jnp.int32) == index[..., None]).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("greedy",))
@@ -442,6 +464,7 @@ def round_key(base_key_b: Array, counter_b: Array | int) -> Array:
     return fold(base_key_b, counter_b)
 
 
-__all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "covering_variant", "probs_from_logits", "draft_probs", "sample",
+__all__ = ["SamplingArrays", "VARIANTS", "sampling_variant", "covering_variant", "probs_from_logits", "draft_probs", "draft_draw",
+           "one_hot_q", "sample",
            "first_argmax", "softmax_stats",
            "request_key", "round_key", "keys_for_batch", "validate_sampling"]

@@ -525,6 +525,46 @@ def test_round_ops_bytes_breakdown_counts_what_a_program_touches():
         assert mm["convert"] >= 3 * w_bytes
 
 
+def test_round_ops_counts_the_weights_and_caches_a_program_reads():
+    """`inputs_read` takes the weights and KV caches by their argument names: a cache the program
+    only writes into in place is not read, one it also reads is (control); a weight it does not use
+    is not an input at all."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.round_ops import inputs_read
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+
+    def program(reads_dstate: bool):
+        def f(t_params, d_params, cache_kv, dstate_kv, i):
+            y = cache_kv[0] @ t_params["w"] + (dstate_kv[1] @ d_params["u"] if reads_dstate else 0.0)
+            return y, jax.lax.dynamic_update_slice(dstate_kv, y[None, :1], (0, i, 0))
+        args = ({"w": f32(64, 64)}, {"u": f32(64, 64)}, f32(2, 64, 64), f32(2, 64, 64),
+                jax.ShapeDtypeStruct((), jnp.int32))
+        return jax.jit(f, donate_argnums=(3,)).lower(*args).compile().as_text()
+    w, kv = 64 * 64 * 4, 2 * 64 * 64 * 4
+    assert inputs_read(program(False)) == {"weights": w, "kv": kv}
+    assert inputs_read(program(True)) == {"weights": 2 * w, "kv": 2 * kv}
+
+
+def test_round_ops_counts_a_loop_once_per_iteration():
+    """A loop's body counts once per iteration (XLA's own count takes one): four matmuls with a
+    weight read four times against one (control)."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.round_ops import bytes_breakdown
+
+    def touched(n: int) -> int:
+        def f(w, x):
+            return jax.lax.fori_loop(0, n, lambda _, y: jnp.tanh(y @ w), x)
+        args = (jax.ShapeDtypeStruct((256, 256), jnp.float32), jax.ShapeDtypeStruct((8, 256), jnp.float32))
+        return bytes_breakdown(jax.jit(f).lower(*args).compile().as_text())["touched"]
+    w = 256 * 256 * 4
+    assert 4 * w <= touched(4) < 5 * w
+    assert touched(2) < 3 * w
+
+
 def test_round_ops_runs_the_runners_programs_on_a_tiny_shape(tmp_path):
     from bench import round_ops
     res = round_ops.run(["tiny"], [2], 64, "python -m bench.round_ops --presets tiny", families=("lite", "draft"),

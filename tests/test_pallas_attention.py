@@ -2,6 +2,7 @@
 interpreter on CPU: equal to `layers.attend` over the cache, in a forward and in the engine."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -18,6 +19,7 @@ except ImportError:  # tests/ itself on sys.path
 from specjax.decoding.engine import Engine, EngineConfig
 from specjax.decoding.requests import EngineRequest
 from specjax.models import cache as kvc
+from specjax.models.decoder import CausalLM
 from specjax.models.layers import attend, rope_tables, rotate
 from specjax.models.pallas_attention import cached_attention, check_head_dim
 
@@ -161,10 +163,48 @@ def test_head_sizes_the_kernel_cannot_lower_are_refused():
         check_head_dim(15, "cpu")
 
 
-def test_forward_with_the_kernel_equals_xla_attention():
+def test_kernel_scales_rows_of_the_projection():
+    """`row_sum_square_bt` with `row_norm` = (n, eps) multiplies each position's q, k and v by the
+    input norm's factor rsqrt(ss / n + eps) before the q/k norms and the cache write, as a projection
+    scaled by it would be (`FusedLinear(row_scale=)`); without it (control) both the output and the
+    written keys differ."""
+    qkv, kv, lengths, cos, sin = _case(3, jnp.float32, seed=4)
+    ss = jnp.asarray(np.random.default_rng(4).uniform(1.0, 40.0, (3, 3)), jnp.float32)
+    n, eps = 10, 1e-5
+    scale = jax.lax.rsqrt(ss / n + eps)
+    wq, wk = _weights(True, 1), _weights(True, 2)
+    ref, ref_kv = _reference(qkv * scale[:, :, None, None, None], kv, lengths, cos, sin, 64, wq, wk)
+    got, got_kv = cached_attention(qkv, kv, lengths, cos, sin, q_norm=wq, k_norm=wk, row_sum_square_bt=ss,
+                                   row_norm=(n, eps), block_k=16)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got_kv), np.asarray(ref_kv), atol=1e-5, rtol=0)
+    plain, plain_kv = cached_attention(qkv, kv, lengths, cos, sin, q_norm=wq, k_norm=wk, block_k=16)
+    assert np.abs(np.asarray(plain) - np.asarray(ref)).max() > 1e-3
+    assert np.abs(np.asarray(plain_kv) - np.asarray(ref_kv)).max() > 1e-3
+    with pytest.raises(ValueError, match=r"row_sum_square_bt must be \[B, T\]"):
+        cached_attention(qkv, kv, lengths, cos, sin, row_sum_square_bt=ss[:, :2], row_norm=(n, eps))
+
+
+@pytest.mark.parametrize("family", ["qwen3 folded", "qwen3", "qwen2"])
+def test_forward_with_the_kernel_equals_xla_attention(family):
     """A prefill then two cached steps (one through kv_len): logits and cache of attention='pallas'
-    equal attention='xla'; the kernel is in the program (pallas_call), and unknown names are refused."""
+    equal attention='xla' for a Qwen3 target with its norm weights folded into the kernels (the input
+    norm's row factor applied in the kernel) or not, and a Qwen2 one (q/k/v biases: the factor applied
+    before them, outside the kernel); the kernel is in the program (pallas_call), and unknown names
+    are refused."""
+    from specjax.models.norm_folding import fold_norm_weights
     model = tiny_target(37, seed=3)
+    if family == "qwen2":
+        cfg = dataclasses.replace(model.config, architecture="Qwen2ForCausalLM", model_type="qwen2", qk_norm=False,
+                                  attention_bias=True)
+        model = CausalLM(cfg, rngs=nnx.Rngs(3))
+    graph, state = nnx.split(model)
+    rng = np.random.default_rng(3)  # random norm weights and biases: their placement matters
+    state = jax.tree.map_with_path(lambda path, x: jnp.asarray(rng.uniform(0.5, 1.5, x.shape), x.dtype)
+                                   if x.ndim == 1 or "bias" in jax.tree_util.keystr(path) else x, state)
+    model = nnx.merge(graph, state)
+    if family.endswith("folded"):
+        fold_norm_weights(model)
     graph, state = nnx.split(model)
     rng = np.random.default_rng(2)
     tokens = jnp.asarray(rng.integers(0, 37, (2, 12)), jnp.int32)

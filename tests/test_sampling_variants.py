@@ -197,6 +197,60 @@ def test_greedy_draws_need_no_random_bits():
     assert not np.array_equal(sample(keys, soft), sample(keys, soft, greedy=True))
 
 
+def test_greedy_verifier_reads_no_q_and_greedy_drafts_keep_none():
+    """A greedy round's q is the one-hot of its draws: `draft_draw` returns none (the index is the
+    greedy draw of `draft_probs`, also on NaN and +inf logits, and `one_hot_q` equals its q) and
+    `verify_chain(greedy=True)` decides the same with q replaced by NaN. Control: the sampling
+    verifier does read q (NaN changes its decisions)."""
+    from specjax.decoding.verify import verify_chain
+    rng = np.random.default_rng(7)
+    b, g, v = 64, 4, 40
+    z = rng.normal(size=(b, v)).astype(np.float32)
+    z[0, 3], z[1, :] = np.inf, np.nan
+    z[2, 5] = np.nan
+    keys = jax.random.split(jax.random.key(0), b)
+    greedy = _sa(np.zeros(b), np.zeros(b, int), np.ones(b), "greedy")
+    d, q = sampling.draft_draw(keys, jnp.asarray(z), greedy, jnp.bfloat16)
+    want_q = sampling.draft_probs(jnp.asarray(z), greedy, jnp.bfloat16)
+    assert q is None
+    np.testing.assert_array_equal(d, sample(keys, want_q, greedy=True))
+    np.testing.assert_array_equal(sampling.one_hot_q(d, v, jnp.bfloat16), want_q)
+    plain = _sa(np.ones(b), np.zeros(b, int), np.ones(b), "plain")
+    d_plain, q_plain = sampling.draft_draw(keys, jnp.asarray(z), plain, jnp.bfloat16)
+    np.testing.assert_array_equal(q_plain, sampling.draft_probs(jnp.asarray(z), plain, jnp.bfloat16))
+    np.testing.assert_array_equal(d_plain, sample(keys, q_plain))
+
+    target = rng.integers(0, v, (b, g + 1))
+    draft = np.where(rng.random((b, g)) < 0.7, target[:, :g], rng.integers(0, v, (b, g)))
+    p = jax.nn.one_hot(target, v, dtype=jnp.float32)
+    q_one = jax.nn.one_hot(draft, v, dtype=jnp.float32)
+    q_nan = jnp.full((b, g, v), jnp.nan, jnp.float32)
+    rest = (jnp.asarray(draft, jnp.int32), jnp.asarray(rng.integers(0, g + 1, b), jnp.int32),
+            jnp.array([-1], jnp.int32))
+    one, nan = verify_chain(keys, p, q_one, *rest, greedy=True), verify_chain(keys, p, q_nan, *rest, greedy=True)
+    for field in ("num_accepted", "next_token", "tokens"):
+        np.testing.assert_array_equal(getattr(nan, field), getattr(one, field), err_msg=field)
+    assert int(one.num_accepted.sum()) > 0
+    sampled = verify_chain(keys, p, q_nan, *rest)
+    assert not np.array_equal(sampled.num_accepted, one.num_accepted)
+
+
+@pytest.mark.parametrize("variant", ["greedy", "plain"])
+def test_greedy_drafting_loop_carries_no_vocabulary_buffer(variant):
+    """The fused round's drafting loop keeps q ([slots, gamma, V]) only when it samples: a greedy
+    round's loop carries nothing vocabulary-wide but the drafter's per-step inputs (the block's
+    logits and the Markov head's tables), a plain round's one more such buffer (control)."""
+    from bench import round_ops
+    shape = round_ops.presets()["tiny"]
+    runner = round_ops.abstract_runner(shape, 2, 32)
+    text = runner.lower("fused", round_ops.bucket_key(runner, "fused", 2, variant)).compile().as_text()
+    loops = [line for line in text.splitlines() if " while(" in line and 'op_name="jit(fused)/while"' in line]
+    assert len(loops) == 1, loops  # the drafting loop (on CPU the PRNG's loops are apart)
+    carried = loops[0].split(" while(")[0]
+    per_row = f"[2,{shape.gamma},{shape.target['vocab_size']}]"
+    assert carried.count(per_row) == (1 if variant == "greedy" else 2), carried
+
+
 def test_first_argmax_is_argmax_with_ties_and_infinities():
     """The argmax returns jnp.argmax's index (the lowest on ties) on rows with ties,
     -inf entries, an all -inf row and +inf; a row's last maximum instead would fail (control)."""

@@ -168,6 +168,17 @@ def _cut_at_stops(draft_bg: Array, stop_e: Array, n_b: Array) -> tuple[Array, Ar
     return jnp.where(stopped_b, first_stop_b.astype(jnp.int32) + 1, n_b), stopped_b
 
 
+def _residual_or_bonus(p_n: Array, q_bgn: Array, totals_bg: Array | None, q_ids_n: Array | None, n_b: Array,
+                       ell_b: Array) -> Array:
+    """The next token's distribution [B, V] after n_b accepted drafts: the residual of p_n and q at
+    the first rejection (q's row n_b, renormalised when rounded), else p_n (`next_token_dist`)."""
+    at_n = jnp.minimum(n_b, q_bgn.shape[1] - 1)[:, None]
+    q_n = jnp.take_along_axis(q_bgn, at_n[..., None], axis=1)[:, 0]
+    q_n = _q_row(_normalised(q_n, None if totals_bg is None else jnp.take_along_axis(totals_bg, at_n, 1)),
+                 q_ids_n, p_n.shape[-1])
+    return next_token_dist(p_n, q_n, n_b < ell_b)
+
+
 @functools.partial(jax.jit, static_argnames=("greedy",))
 def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_b: Array,
                  stop_ids: Array, q_ids_n: Array | None = None, *, greedy: bool = False) -> VerifyResult:
@@ -183,7 +194,8 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
       ell_b: [B] int32 in 0..G (values outside are clipped): how many drafts each row verifies.
       stop_ids: [E] int32 stop tokens (E may be 0; -1 entries are padding).
       q_ids_n: [N] int32 distinct target ids of q's columns, or None.
-      greedy: (static) p and q one-hot (all rows at temperature 0): decided without random bits.
+      greedy: (static) p and q one-hot (all rows at temperature 0), q at the draft tokens: decided
+        without random bits and without reading q (a greedy drafter need not build it).
     """
     key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_e, q_ids_n = _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b,
                                                                             stop_ids, q_ids_n)
@@ -198,27 +210,23 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
     def uniforms(k: Array) -> Array:
         return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(k, i)))(pos_g)
 
-    u_bg = jnp.zeros((b, g), jnp.float32) if greedy else jax.vmap(uniforms)(key_u_b)
     d_bg = jnp.clip(draft_bg, 0, v - 1)
     p_x = jnp.take_along_axis(p_bgv[:, :g], d_bg[..., None], axis=-1)[..., 0]
-    totals_bg = None if greedy else _q_totals(q_bgn)  # a greedy round's q is one-hot: exact in any dtype
-    q_x = _normalised(_q_at(q_bgn, d_bg, q_ids_n), totals_bg)
     live_bg = pos_g[None, :] < ell_b[:, None]
-    acc_bg = live_bg & (u_bg * q_x < p_x)
+    totals_bg = None
+    if greedy:  # one-hot p and q (q at the draft): a draft is accepted iff it is p's token
+        acc_bg = live_bg & (p_x > 0)
+    else:
+        totals_bg, u_bg = _q_totals(q_bgn), jax.vmap(uniforms)(key_u_b)
+        acc_bg = live_bg & (u_bg * _normalised(_q_at(q_bgn, d_bg, q_ids_n), totals_bg) < p_x)
     n_b = jnp.sum(jnp.cumprod(acc_bg.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
     n_b, stopped_b = _cut_at_stops(draft_bg, stop_e, n_b)
 
-    # Next token: residual at the first rejection, else bonus from p_ell.
+    # Next token: residual at the first rejection, else bonus from p_ell; the residual of a rejected
+    # one-hot q under a one-hot p elsewhere (greedy) is p itself
     p_n = jnp.take_along_axis(p_bgv, n_b[:, None, None], axis=1)[:, 0]
-    if g > 0:
-        at_n = jnp.minimum(n_b, g - 1)[:, None]
-        q_n = jnp.take_along_axis(q_bgn, at_n[..., None], axis=1)[:, 0]
-        q_n = _q_row(_normalised(q_n, None if totals_bg is None else jnp.take_along_axis(totals_bg, at_n, 1)),
-                     q_ids_n, v)
-    else:
-        q_n = jnp.zeros_like(p_n)
-    dist_bv = next_token_dist(p_n, q_n, n_b < ell_b)
+    dist_bv = p_n if greedy or g == 0 else _residual_or_bonus(p_n, q_bgn, totals_bg, q_ids_n, n_b, ell_b)
     next_b = jnp.where(stopped_b, -1, sample(key_next_b, dist_bv, greedy))
 
     j = jnp.arange(g1)[None, :]

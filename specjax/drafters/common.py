@@ -16,8 +16,7 @@ the pending-feature pair cache (the block layout of training is `specjax.drafter
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +26,11 @@ from specjax.checkpoints.common import KeyMap
 from specjax.config import ConfigError, TargetConfig, check_layer_dims, check_positive, coerce_floats
 from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate, DraftBlock
+from specjax.drafters.drafting import draft_loop, loop_q, step_outputs
 from specjax.models import cache as kvc
 from specjax.models.layers import RMSNorm, gqa_attention
 from specjax.models.unfused import Attention
-from specjax.sampling import SamplingArrays, draft_probs, round_key, sample
+from specjax.sampling import SamplingArrays, draft_draw, round_key
 
 Array = jax.Array
 _INIT_STD = 0.02
@@ -317,29 +317,13 @@ def attend_context_and_block(q_bthd: Array, k_ctx_bkshd: Array, v_ctx_bkshd: Arr
     e_ctx, e_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)  # masked keys: exp(low - top) = 0
     total = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_blk, axis=-1, keepdims=True)
     norm = jnp.where(top > low, 1.0 / total, 0.0)  # a row with no visible key (top = low): zeros
-    p_ctx = (e_ctx * norm).astype(v_ctx_bkshd.dtype)
-    p_blk = (e_blk * norm).astype(v_blk_bthd.dtype)
-    out = (jnp.einsum("bkgts,bksd->bkgtd", p_ctx, v_ctx_bkshd, preferred_element_type=jnp.float32)
-           + jnp.einsum("bkgts,bskd->bkgtd", p_blk, v_blk_bthd, preferred_element_type=jnp.float32))
+    # normalised after the value products (as `layers.attend`): the context's weights are rounded
+    # to the cache's dtype in the pass that sums them, not in one more pass over the scores
+    out = (jnp.einsum("bkgts,bksd->bkgtd", e_ctx.astype(v_ctx_bkshd.dtype), v_ctx_bkshd,
+                      preferred_element_type=jnp.float32)
+           + jnp.einsum("bkgts,bskd->bkgtd", e_blk.astype(v_blk_bthd.dtype), v_blk_bthd,
+                        preferred_element_type=jnp.float32)) * norm
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, hd).astype(q_bthd.dtype)
-
-
-def draft_loop(step: Callable[[Array, Any], tuple[Any, Array, Array, Array]], carry0: Any, gamma: int
-               ) -> tuple[Any, Array, Array, Array]:
-    """Run a drafter's `gamma` sequential steps, `step(k, carry) -> (carry, token_b, q_bn, z_bn)`,
-    writing each step's token, q and logits into [B, gamma, ...] buffers in place (no per-step
-    stack to transpose after the loop). Returns the last carry, tokens [B, gamma] (int32), q
-    [B, gamma, N] and z [B, gamma, N], in the dtypes the step gives them."""
-    _, tok, q, z = jax.eval_shape(step, jnp.int32(0), carry0)
-
-    def body(k: Array, c: tuple[Any, Array, Array, Array]) -> tuple[Any, Array, Array, Array]:
-        carry, tok_bg, q_bgn, z_bgn = c
-        carry, tok_b, q_bn, z_bn = step(k, carry)
-        put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=k, axis=1)
-        return carry, put(tok_bg, tok_b.astype(jnp.int32)), put(q_bgn, q_bn), put(z_bgn, z_bn)
-    buffers = tuple(jnp.zeros((x.shape[0], gamma, *x.shape[1:]), dtype) for x, dtype in
-                    ((tok, jnp.int32), (q, q.dtype), (z, z.dtype)))
-    return jax.lax.fori_loop(0, gamma, body, (carry0, *buffers))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -453,6 +437,10 @@ class PairCacheDrafter(nnx.Module):
                             kv_len: int | None = None) -> tuple[DraftBlock, Array]:
         """`propose`, also returning the draft logits [B, gamma, V] (float32) each q came from
         (-inf outside a draft vocabulary)."""
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, with_logits=True)
+
+    def _draft(self, state: PairCacheState, anchor_b: Array, position_b: Array, sampling: SamplingArrays,
+               key_b: Array, kv_len: int | None, *, with_logits: bool) -> tuple[DraftBlock, Array | None]:
         b = anchor_b.shape[0]
         vocab = self.draft_vocab
         g = self.gamma
@@ -476,19 +464,20 @@ class PairCacheDrafter(nnx.Module):
             a = attend_context_and_block(q, k_ctx, v_ctx, mask_ctx, dk, dv_, mask_blk)
             out = self._finish(res, a)  # [B, 1, H]
             z = self._logits(out)[:, 0]  # [B, N] float32
-            q_bn = draft_probs(z, sampling, self.dtype)
-            nxt = dv.target_ids(vocab, sample(round_key(key_b, k), q_bn, sampling.greedy))
-            return (out[:, 0].astype(feat_bh.dtype), nxt, dk, dv_), nxt, q_bn, z
+            d, q_bn = draft_draw(round_key(key_b, k), z, sampling, self.dtype)
+            nxt = dv.target_ids(vocab, d)
+            return (out[:, 0].astype(feat_bh.dtype), nxt, dk, dv_), nxt, step_outputs(q_bn, z, with_logits)
 
         carry0 = (state.pending[:b], anchor_b.astype(jnp.int32), buf, buf)
-        _, tokens, q_bgn, z_bgn = draft_loop(step, carry0, g)
+        _, tokens, outs = draft_loop(step, carry0, g)
+        q_bgn = loop_q(outs, dv.draft_index(vocab, tokens), self.config.out_vocab_size, self.dtype)
         block = DraftBlock(tokens=tokens, q=dv.full_probs(vocab, q_bgn), confidence=None,
                            q_draft=None if vocab is None else q_bgn)
-        return block, dv.full_logits(vocab, z_bgn)
+        return block, (dv.full_logits(vocab, outs["z"]) if with_logits else None)
 
     def propose(self, state: PairCacheState, anchor_b: Array, position_b: Array,
                 sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:
         """Propose gamma tokens for rows [0:B] (anchor at position_b), sampled from the q returned;
         committed pairs are read from rows [0:kv_len) when given."""
-        return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b, kv_len)[0]
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, with_logits=False)[0]
 

@@ -39,12 +39,12 @@ from specjax.config import ConfigError, TargetConfig
 from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.drafters.block_layout import block_attention_mask, block_positions
-from specjax.drafters.common import (Calibration, FrozenEmbed, FrozenLMHead, TapDims, draft_loop,
-                                     copy_frozen_from_target)
+from specjax.drafters.common import Calibration, FrozenEmbed, FrozenLMHead, TapDims, copy_frozen_from_target
+from specjax.drafters.drafting import draft_loop, loop_q, step_outputs
 from specjax.drafters.dspark_layers import ConfidenceHead, DraftDecoderLayer, MarkovHead, RNNHead
 from specjax.models import cache as kvc
 from specjax.models.layers import Linear, RMSNorm
-from specjax.sampling import SamplingArrays, draft_probs, round_key, sample
+from specjax.sampling import SamplingArrays, draft_draw, round_key
 
 Array = jax.Array
 MARKOV_HEAD_TYPES = ("vanilla", "rnn")
@@ -294,6 +294,17 @@ class DSparkDrafter(nnx.Module):
                             kv_len: int | None = None) -> tuple[DraftBlock, Array]:
         """`propose`, also returning the draft logits z [B, K, V] (float32) the q came from
         (-inf outside a draft vocabulary)."""
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, with_logits=True)
+
+    def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
+                sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:
+        """Propose gamma tokens per row [0:B]: the anchor at position_b sees cached context
+        j < lengths[b] (read from rows [0:kv_len) when given); tokens are sampled left to right
+        from q = draft_probs(z_k) (probs_from_logits in the drafter's dtype)."""
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, with_logits=False)[0]
+
+    def _draft(self, state: kvc.KVCache, anchor_b: Array, position_b: Array, sampling: SamplingArrays,
+               key_b: Array, kv_len: int | None, *, with_logits: bool) -> tuple[DraftBlock, Array | None]:
         b = anchor_b.shape[0]
         vocab = self.draft_vocab
         h = self.block_hidden(state, anchor_b, position_b, kv_len)  # [B, K, H]
@@ -301,18 +312,18 @@ class DSparkDrafter(nnx.Module):
         head = self.markov_head
         carry0 = (head.init_carry((b,), h.dtype) if head is not None else None, dv.draft_index(vocab, anchor_b))
 
-        def step(k: Array, carry: tuple) -> tuple[tuple, Array, Array, Array]:
+        def step(k: Array, carry: tuple) -> tuple[tuple, Array, dict[str, Array]]:
             head_carry, prev_b = carry  # prev_b: draft index of the previous token
             z = jax.lax.dynamic_index_in_dim(u, k, axis=1, keepdims=False).astype(jnp.float32)
             if head is not None:
                 head_carry, bias = head.step(head_carry, jax.lax.dynamic_index_in_dim(h, k, axis=1, keepdims=False),
                                              prev_b)
                 z = z + bias
-            q = draft_probs(z, sampling, self.dtype)
-            d = sample(round_key(key_b, k), q, sampling.greedy)  # a draft index
-            return (head_carry, d), d, q, z
+            d, q = draft_draw(round_key(key_b, k), z, sampling, self.dtype)  # d: a draft index
+            return (head_carry, d), d, step_outputs(q, z, with_logits)
 
-        _, d_bk, q_bkn, z_bkn = draft_loop(step, carry0, self.gamma)
+        _, d_bk, outs = draft_loop(step, carry0, self.gamma)
+        q_bkn = loop_q(outs, d_bk, u.shape[-1], self.dtype)
         tokens = dv.target_ids(vocab, d_bk)
         conf = None
         if self.confidence_head is not None:
@@ -322,14 +333,7 @@ class DSparkDrafter(nnx.Module):
             conf = jax.nn.sigmoid(c_logit / temps[None, :])
         block = DraftBlock(tokens=tokens, q=dv.full_probs(vocab, q_bkn), confidence=conf,
                            q_draft=None if vocab is None else q_bkn)
-        return block, dv.full_logits(vocab, z_bkn)
-
-    def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
-                sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:
-        """Propose gamma tokens per row [0:B]: the anchor at position_b sees cached context
-        j < lengths[b] (read from rows [0:kv_len) when given); tokens are sampled left to right
-        from q = draft_probs(z_k) (probs_from_logits in the drafter's dtype)."""
-        return self.propose_with_logits(state, anchor_b, position_b, sampling, key_b, kv_len)[0]
+        return block, (dv.full_logits(vocab, outs["z"]) if with_logits else None)
 
 
 def make_block_drafter(target_model, target_config: TargetConfig, cfg: BlockDrafterConfig,

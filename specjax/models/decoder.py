@@ -86,19 +86,24 @@ class Attention(nnx.Module):
         k = rotate(self._norm(self.k_norm, qkv[:, :, :, g]), cos[:, :, :, 0], sin[:, :, :, 0])
         return q, k, qkv[:, :, :, g + 1]
 
-    def __call__(self, x_bth: Array, li: LayerInputs, kv_2skmd: Array | None,
-                 row_scale: Array | None = None) -> tuple[Array, Array | None]:
+    def __call__(self, x_bth: Array, li: LayerInputs, kv_2skmd: Array | None, input_norm: RMSNorm,
+                 row_ss: Array) -> tuple[Array, Array | None]:
         """Attention output [B, T, H] and the layer's key/value buffer with this call's keys and
-        values written (one scatter, or in place by the kernel; None without a cache)."""
+        values written (one scatter, or in place by the kernel; None without a cache). The rows of
+        x's projection are scaled by `input_norm`'s factor of their sums of squares `row_ss`
+        [B, T, 1] (`RMSNorm.factored(sum_square=True)`), by the kernel itself where it can."""
         b, t, _ = x_bth.shape
         if li.kernel:  # the kernel norms and rotates queries and keys and writes the cache itself
             weight = lambda norm: None if norm is None else norm.weight[...]  # noqa: E731
+            in_kernel = self.qkv_proj.bias is None  # a bias is added after the rows' scaling
             out, new_kv = cached_attention(
-                self.qkv_proj(x_bth, row_scale), kv_2skmd, li.lengths, li.cos[:, :, 0, 0], li.sin[:, :, 0, 0],
-                q_norm=weight(self.q_norm), k_norm=weight(self.k_norm),
-                eps=0.0 if self.q_norm is None else self.q_norm.eps, kv_len=li.kv_len)
+                self.qkv_proj(x_bth, None if in_kernel else input_norm.norm_factor(row_ss)), kv_2skmd, li.lengths,
+                li.cos[:, :, 0, 0], li.sin[:, :, 0, 0], q_norm=weight(self.q_norm), k_norm=weight(self.k_norm),
+                eps=0.0 if self.q_norm is None else self.q_norm.eps,
+                row_sum_square_bt=row_ss[..., 0] if in_kernel else None,
+                row_norm=(input_norm.weight.shape[0], input_norm.eps), kv_len=li.kv_len)
             return self.o_proj(out.reshape(b, t, -1)), new_kv
-        q, k, v = self.project(x_bth, li.cos, li.sin, row_scale)
+        q, k, v = self.project(x_bth, li.cos, li.sin, input_norm.norm_factor(row_ss))
         if kv_2skmd is None:
             new_kv = None
             k_all, v_all = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -117,8 +122,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: Array, li: LayerInputs, kv_cache: Array | None = None):
         # each norm's per-row factor scales its projection's output (RMSNorm.factored)
-        xw, factor = self.input_layernorm.factored(x)
-        a, new_kv = self.self_attn(xw, li, kv_cache, row_scale=factor)
+        xw, ss = self.input_layernorm.factored(x, sum_square=True)
+        a, new_kv = self.self_attn(xw, li, kv_cache, self.input_layernorm, ss)
         x = x + a
         return x + self.mlp(*self.post_attention_layernorm.factored(x)), new_kv
 

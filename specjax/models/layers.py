@@ -78,14 +78,21 @@ class RMSNorm(nnx.Module):
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (xf * self.weight[...].astype(jnp.float32)).astype(self.dtype)
 
-    def factored(self, x: Array) -> tuple[Array, Array]:
+    def norm_factor(self, sum_square: Array) -> Array:
+        """rsqrt(mean(x^2) + eps) of rows given by their sum of squares."""
+        return jax.lax.rsqrt(sum_square / self.weight.shape[0] + self.eps)
+
+    def factored(self, x: Array, sum_square: bool = False) -> tuple[Array, Array]:
         """The norm in two factors: x * weight (in the compute dtype) and the per-row factor
         rsqrt(mean(x^2) + eps) [..., 1] (float32), norm(x) = factor * (x * weight). A projection of
         the first scaled by the factor after (`FusedLinear(row_scale=)`) leaves the scaling to the
         matmul's neighbours: one kernel fewer per norm on a GPU. A folded norm's first factor is x
-        itself (its weight is in the projection's kernel, `norm_folding`)."""
+        itself (its weight is in the projection's kernel, `norm_folding`). `sum_square`: the second
+        is sum(x^2) [..., 1] instead (float32), for a consumer that takes the factor itself (the
+        attention kernel: `norm_factor` of it, computed where it is applied)."""
         xf = x.astype(jnp.float32)
-        factor = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        ss = jnp.sum(xf * xf, axis=-1, keepdims=True)
+        factor = ss if sum_square else self.norm_factor(ss)
         if self.folded:
             return x.astype(self.dtype), factor
         return (xf * self.weight[...].astype(jnp.float32)).astype(self.dtype), factor

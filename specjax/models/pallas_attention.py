@@ -2,14 +2,15 @@
 
 `cached_attention(qkv, kv, lengths, cos, sin)` is what `decoder.Attention` computes from its fused
 q/k/v projection in a cached forward whose rows are cache slots [0:B]: in one kernel per (row, kv
-head), the queries' and new keys' RMSNorm (Qwen3's q_norm and k_norm) and RoPE, the new keys and
-values written into the layer's key/value buffer [2, slots, kv_heads, max_len, hd] in place (the
-kernel's output aliases it: no scatter), and attention of each query over the row's cache rows
-[0:length) and the new keys up to its own. It reads the projection where it was written and the
-buffer where it is stored (no slice, copy or transpose), only the key blocks that hold the row's
-live rows, with a running (online) softmax that starts from the new keys (every query sees the
-first, so the maximum is finite and masked keys weigh exp(finfo.min - max) = 0), and writes its
-output in the layout the output projection reads. Softmax in float32 as in `layers.attend`.
+head), the input norm's per-row factor (from the rows' sums of squares; the norm's weight is folded
+into the projection's kernel), the queries' and new keys' RMSNorm (Qwen3's q_norm and k_norm) and
+RoPE, the new keys and values written into the layer's key/value buffer [2, slots, kv_heads,
+max_len, hd] in place (the kernel's output aliases it: no scatter), and attention of each query over
+the row's cache rows [0:length) and the new keys up to its own. It reads the projection where it was
+written and the buffer where it is stored (no slice, copy or transpose), only the key blocks that
+hold the row's live rows, with a running (online) softmax that starts from the new keys (every query
+sees the first, so the maximum is finite and masked keys weigh exp(finfo.min - max) = 0), and writes
+its output in the layout the output projection reads. Softmax in float32 as in `layers.attend`.
 Triton's blocks are powers of two and its loads and stores are not bounds-checked: where a block
 overhangs its array, the kernel masks it (`_load`, and the output store); the new keys and values
 are stored a row at a time, those past max_len dropped.
@@ -82,30 +83,47 @@ def _norm_rotate(x1: Array, x2: Array, w_ref, eps: float | None, cos: Array, sin
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
-def _kernel(len_ref, cos_ref, sin_ref, cosk_ref, sink_ref, wq_ref, wk_ref, q_ref, k_ref, v_ref, kv_ref, o_ref,
-            kv_out_ref, *, t: int, g: int, block_k: int, blocks: int, eps_q: float | None,
-            eps_k: float | None) -> None:
-    # one (row, kv head): the row's cache length (a scalar), RoPE tables [tp | tk, hd/2] of the
-    # queries and the new keys, the projection's q heads [tp, gp, hd] (t x g real), its new keys and
-    # values [tk, hd] (t real; pre-norm, unrotated), the cache's keys and values [2, kv_len, hd] to
-    # read, and the same buffer [2, max_len, hd] (aliased) to write the new ones into
+def _new_rows(cos_ref, sin_ref, cosk_ref, sink_ref, sq_ref, sk_ref, wq_ref, wk_ref, q_ref, k_ref, v_ref, *,
+              t: int, g: int, dtype: jnp.dtype, eps_q: float | None, eps_k: float | None,
+              row_norm: tuple[int, float] | None) -> tuple[Array, ...]:
+    """A (row, kv head)'s queries (halves [tp * gp, hd/2] with the softmax scale) and new keys
+    (halves [tk, hd/2]) and values [tk, hd], in `dtype`: each position scaled by its input norm's
+    factor (`row_norm`), then queries and keys normed and rotated (keys rounded as the cache stores
+    them)."""
     tp, gp, hd = q_ref.shape
-    tk = k_ref.shape[0]
     r, half = tp * gp, hd // 2
-    dtype = kv_ref.dtype
-    length = len_ref[...]
+
+    def row_factor(ss_ref) -> Array:  # the input norm's factor rsqrt(ss / n + eps) of each position (1 without)
+        return jnp.ones(ss_ref.shape, jnp.float32) if row_norm is None else jax.lax.rsqrt(
+            _load(ss_ref, (t,)).astype(jnp.float32) / row_norm[0] + row_norm[1])
 
     def per_query(table_ref) -> Array:  # [tp, half] -> [r, half]: a query position's table for its gp heads
         return jnp.broadcast_to(_load(table_ref, (t,))[:, None, :], (tp, gp, half)).reshape(r, half)
-    # queries normed (Qwen3's q_norm) and rotated, with the softmax scale
-    scale = hd ** -0.5
-    a1, a2 = (x * scale for x in _norm_rotate(*_halves(q_ref, (t, g), r, half), wq_ref, eps_q,
-                                              per_query(cos_ref), per_query(sin_ref)))
-    a1, a2 = a1.astype(dtype), a2.astype(dtype)
-    # the new keys normed and rotated, rounded to the cache's dtype as the cache stores them
-    k1, k2 = (x.astype(dtype) for x in _norm_rotate(*_halves(k_ref, (t,), tk, half), wk_ref, eps_k,
-                                                     _load(cosk_ref, (t,)), _load(sink_ref, (t,))))
-    v = _load(v_ref, (t,)).astype(dtype)
+    sq = jnp.broadcast_to(row_factor(sq_ref)[:, None], (tp, gp)).reshape(r, 1)
+    a1, a2 = (x * hd ** -0.5 for x in _norm_rotate(*(x * sq for x in _halves(q_ref, (t, g), r, half)), wq_ref,
+                                                   eps_q, per_query(cos_ref), per_query(sin_ref)))
+    sk = row_factor(sk_ref)[:, None]
+    k1, k2 = _norm_rotate(*(x * sk for x in _halves(k_ref, (t,), k_ref.shape[0], half)), wk_ref, eps_k,
+                          _load(cosk_ref, (t,)), _load(sink_ref, (t,)))
+    v = _load(v_ref, (t,)).astype(jnp.float32) * sk
+    return tuple(x.astype(dtype) for x in (a1, a2, k1, k2, v))
+
+
+def _kernel(len_ref, cos_ref, sin_ref, cosk_ref, sink_ref, sq_ref, sk_ref, wq_ref, wk_ref, q_ref, k_ref, v_ref,
+            kv_ref, o_ref, kv_out_ref, *, t: int, g: int, block_k: int, blocks: int, eps_q: float | None,
+            eps_k: float | None, row_norm: tuple[int, float] | None) -> None:
+    # one (row, kv head): the row's cache length (a scalar), RoPE tables [tp | tk, hd/2] and sums of
+    # squares [tp | tk] of the projection's input rows (`row_norm`) for the queries and the new keys,
+    # the projection's q heads [tp, gp, hd] (t x g real), its new keys and values [tk, hd] (t real;
+    # pre-norm, unrotated), the cache's keys and values [2, kv_len, hd] to read, and the same buffer
+    # [2, max_len, hd] (aliased) to write the new ones into
+    tp, gp, hd = q_ref.shape
+    r, half = tp * gp, hd // 2
+    dtype = kv_ref.dtype
+    length = len_ref[...]
+    a1, a2, k1, k2, v = _new_rows(cos_ref, sin_ref, cosk_ref, sink_ref, sq_ref, sk_ref, wq_ref, wk_ref, q_ref, k_ref,
+                                  v_ref, t=t, g=g, dtype=dtype, eps_q=eps_q, eps_k=eps_k, row_norm=row_norm)
+    tk = k1.shape[0]
     low = jnp.finfo(jnp.float32).min
     dims = (((1,), (1,)), ((), ()))
 
@@ -161,21 +179,10 @@ def _write_new_rows(kv_out_ref, length: Array, t: int, k1: Array, k2: Array, v: 
         pl.when(length + i < max_len)(write)
 
 
-def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, lengths_b: Array, cos_bth: Array, sin_bth: Array, *,
-                     q_norm: Array | None = None, k_norm: Array | None = None, eps: float = 1e-6,
-                     kv_len: int | None = None, block_k: int = DEFAULT_BLOCK_K) -> tuple[Array, Array]:
-    """One cached attention call of a fused q/k/v projection [B, T, nkv, g + 2, hd] (rows = cache
-    slots [0:B]; j < g are q heads, then the key and the value, as `layers.fuse_qkv` lays them out)
-    whose row b writes its T keys and values at cache rows lengths[b] + t of the key/value buffer
-    [2, slots, nkv, max_len, hd] (writes past max_len dropped), query t seeing the row's cache rows
-    [0:lengths[b]) (read within [0:kv_len)) and new keys 0..t. Queries and keys are normed (RMSNorm
-    with weights `q_norm`, `k_norm` [hd] and `eps`, when given) and rotated (rotate-half RoPE, tables
-    cos/sin [B, T, hd/2]) in the kernel. Returns the output [B, T, nkv, g, hd] in the projection's
-    dtype and the buffer with the new keys and values (in place: the kernel's output aliases it):
-    `Attention` with `cache.write_kv`, `layers.attend` and `cache.cached_mask`, to rounding. On a
-    GPU (Triton) hd/2 must be >= 16 (a matmul's inner size)."""
-    b, t, nkv, j, hd = qkv_btkjd.shape
-    g = j - 2
+def _checked(qkv_btkjd: Array, kv_2skmd: Array, cos_bth: Array, sin_bth: Array, ss_bt: Array | None,
+             kv_len: int | None, block_k: int) -> tuple[int, int]:
+    """(kv_len, block_k) of a `cached_attention` call, its shapes checked."""
+    b, t, _, _, hd = qkv_btkjd.shape
     max_len = kv_2skmd.shape[3]
     kv_len = max_len if kv_len is None else kv_len
     if not 0 < kv_len <= max_len:
@@ -186,6 +193,31 @@ def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, lengths_b: Array, cos_bt
                          f"a multiple of {MIN_KEY_BLOCK}, got {kv_len}")
     if hd % 2 or cos_bth.shape != (b, t, hd // 2) or sin_bth.shape != cos_bth.shape:
         raise ValueError(f"RoPE tables must be [B, T, hd/2] = {(b, t, hd // 2)}, got {cos_bth.shape}, {sin_bth.shape}")
+    if ss_bt is not None and ss_bt.shape != (b, t):
+        raise ValueError(f"row_sum_square_bt must be [B, T] = {(b, t)}, got {ss_bt.shape}")
+    return kv_len, block_k
+
+
+def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, lengths_b: Array, cos_bth: Array, sin_bth: Array, *,
+                     q_norm: Array | None = None, k_norm: Array | None = None, eps: float = 1e-6,
+                     row_sum_square_bt: Array | None = None, row_norm: tuple[int, float] = (1, 0.0),
+                     kv_len: int | None = None, block_k: int = DEFAULT_BLOCK_K) -> tuple[Array, Array]:
+    """One cached attention call of a fused q/k/v projection [B, T, nkv, g + 2, hd] (rows = cache
+    slots [0:B]; j < g are q heads, then the key and the value, as `layers.fuse_qkv` lays them out)
+    whose row b writes its T keys and values at cache rows lengths[b] + t of the key/value buffer
+    [2, slots, nkv, max_len, hd] (writes past max_len dropped), query t seeing the row's cache rows
+    [0:lengths[b]) (read within [0:kv_len)) and new keys 0..t. In the kernel, each position's q, k
+    and v are first multiplied by its input norm's factor rsqrt(ss / n + eps) when given its input
+    row's sum of squares ss (`row_sum_square_bt` [B, T], `row_norm` = (n, eps): `RMSNorm.factored`),
+    then queries and keys normed (RMSNorm with weights `q_norm`, `k_norm` [hd] and `eps`, when given)
+    and rotated (rotate-half RoPE, tables cos/sin [B, T, hd/2]). Returns the output [B, T, nkv, g, hd]
+    in the projection's dtype and the buffer with the new keys and values (in place: the kernel's
+    output aliases it): `Attention` with `cache.write_kv`, `layers.attend` and `cache.cached_mask`,
+    to rounding. On a GPU (Triton) hd/2 must be >= 16 (a matmul's inner size)."""
+    b, t, nkv, j, hd = qkv_btkjd.shape
+    g = j - 2
+    kv_len, block_k = _checked(qkv_btkjd, kv_2skmd, cos_bth, sin_bth, row_sum_square_bt, kv_len, block_k)
+    max_len = kv_2skmd.shape[3]
     # a kv head's block of queries: [tp, gp] positions x heads, powers of two (Triton's blocks) with
     # >= 16 rows (Triton's matmul); of new keys and values: tk >= 16 positions. Entries past the
     # t x g queries or t keys are masked: zeros in, never stored
@@ -195,8 +227,11 @@ def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, lengths_b: Array, cos_bt
     ones = jnp.ones((hd,), qkv_btkjd.dtype)
     kernel = functools.partial(_kernel, t=t, g=g, block_k=block_k, blocks=kv_len // block_k,
                                eps_q=None if q_norm is None else float(eps),
-                               eps_k=None if k_norm is None else float(eps))
+                               eps_k=None if k_norm is None else float(eps),
+                               row_norm=None if row_sum_square_bt is None else (int(row_norm[0]), float(row_norm[1])))
     tables = [pl.BlockSpec((None, n, hd // 2), lambda i, h: (i, 0, 0)) for n in (tp, tp, tk, tk)]
+    factors = [pl.BlockSpec((None, n), lambda i, h: (i, 0)) for n in (tp, tk)]
+    ss_bt = jnp.ones((b, t), jnp.float32) if row_sum_square_bt is None else row_sum_square_bt
     heads = pl.BlockSpec((None, tp, None, gp, hd), lambda i, h: (i, 0, h, 0, 0))
     cache = [pl.BlockSpec((2, None, None, n, hd), lambda i, h: (0, i, h, 0, 0)) for n in (kv_len, max_len)]
 
@@ -209,14 +244,15 @@ def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, lengths_b: Array, cos_bt
             out_shape=(jax.ShapeDtypeStruct((b, t, nkv, g, hd), qkv_btkjd.dtype),
                        jax.ShapeDtypeStruct(kv_2skmd.shape, kv_2skmd.dtype)),
             grid=(b, nkv),
-            in_specs=[pl.BlockSpec((None,), lambda i, h: (i,)), *tables, pl.BlockSpec((hd,), lambda i, h: (0,)),
-                      pl.BlockSpec((hd,), lambda i, h: (0,)), heads, new(g), new(g + 1), cache[0]],
+            in_specs=[pl.BlockSpec((None,), lambda i, h: (i,)), *tables, *factors,
+                      pl.BlockSpec((hd,), lambda i, h: (0,)), pl.BlockSpec((hd,), lambda i, h: (0,)), heads, new(g),
+                      new(g + 1), cache[0]],
             out_specs=(heads, cache[1]),
-            input_output_aliases={10: 1},  # the key/value buffer is written in place
+            input_output_aliases={12: 1},  # the key/value buffer is written in place
             interpret=interpret, name="specjax_cached_attention",
             compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
         )(lengths_b.astype(jnp.int32), *(x.astype(jnp.float32) for x in (cos_bth, sin_bth, cos_bth, sin_bth)),
-          ones if q_norm is None else q_norm, ones if k_norm is None else k_norm, qkv_btkjd, qkv_btkjd, qkv_btkjd,
-          kv_2skmd)
+          ss_bt, ss_bt, ones if q_norm is None else q_norm, ones if k_norm is None else k_norm, qkv_btkjd, qkv_btkjd,
+          qkv_btkjd, kv_2skmd)
     # the platform the program is lowered for picks: Triton on CUDA, the interpreter elsewhere
     return jax.lax.platform_dependent(cuda=lambda: call(False), default=lambda: call(True))
