@@ -252,3 +252,86 @@ def test_engine_with_the_kernel_decodes_as_with_xla_attention():
     with pytest.raises(ValueError, match=r"blocks of 16 rows: attention buckets \[100\] \(max_len 100\)"):
         EngineConfig(max_len=100, attention="pallas")  # the default bucket, 100, is not a multiple of 16
     EngineConfig(max_len=100, attention="pallas", attention_buckets=(64, 96))  # chosen buckets that block
+
+
+@pytest.mark.parametrize("kv_len,block_k", [(64, 16), (32, 32)])
+def test_context_block_kernel_equals_the_drafters_attention(kv_len, block_k):
+    """A block drafter's attention (queries over the row's context rows and the whole block) in the
+    kernel equals `attend_context_and_block` with a whole-block mask, over several key blocks or one;
+    it reads only the blocks holding live rows (NaN past them changes nothing). Controls: a length
+    one further on, or NaN in a live row, change the output."""
+    from specjax.drafters.common import attend_context_and_block
+    from specjax.models.pallas_attention import context_block_attention
+    rng = np.random.default_rng(11)
+    b, t, nkv, g, hd, max_len = 3, 5, 2, 3, 16, 64
+    q = jnp.asarray(rng.normal(size=(b, t, nkv * g, hd)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(2, b, nkv, max_len, hd)), jnp.float32)
+    k_blk, v_blk = (jnp.asarray(rng.normal(size=(b, t, nkv, hd)), jnp.float32) for _ in range(2))
+    lengths = jnp.asarray([5, 0, kv_len], jnp.int32)  # a short row, an empty one, one filling its bucket
+
+    def reference(kv, lengths):
+        mask = jnp.broadcast_to(jnp.arange(kv_len)[None, None, :] < lengths[:, None, None], (b, t, kv_len))
+        return attend_context_and_block(q, kv[0, :, :, :kv_len], kv[1, :, :, :kv_len], mask, k_blk, v_blk,
+                                        jnp.ones((b, t, t), bool))
+
+    def kernel(kv, lengths):
+        return jax.jit(lambda kv, n: context_block_attention(q, kv, n, k_blk, v_blk, kv_len=kv_len,
+                                                             block_k=block_k))(kv, lengths)
+    want = reference(kv, lengths)
+    got = kernel(kv, lengths)
+    assert got.shape == want.shape == (b, t, nkv * g, hd)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    stale = kv.at[:, 0, :, block_k:].set(jnp.nan).at[:, 1].set(jnp.nan)  # blocks past rows 0 and 1's lengths
+    np.testing.assert_allclose(np.asarray(kernel(stale, lengths)[:2]), np.asarray(want[:2]), atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(kernel(kv, jnp.minimum(lengths + 1, kv_len))[:2]) - np.asarray(want[:2])).max() > 1e-3
+    assert np.isnan(np.asarray(kernel(kv.at[:, 0, :, 4].set(jnp.nan), lengths)[0])).any()
+    with pytest.raises(ValueError, match=r"block keys and values must be \[B, T, nkv, hd\]"):
+        context_block_attention(q, kv, lengths, k_blk[:, :2], v_blk[:, :2])
+
+
+def test_block_drafter_with_the_kernel_proposes_and_decodes_as_with_xla():
+    """A DSpark drafter's block with attention='pallas' (its context attention in the kernel) equals
+    XLA's within rounding (same tokens, q within 1e-5); through the engine (fixed verification) its
+    greedy output equals plain decoding's with drafts verified, and its draft program holds the
+    kernel (the engine passed the drafter its attention) where XLA's does not (control)."""
+    from specjax.drafters.base import ContextUpdate
+    from specjax.drafters.dspark import BlockDrafterConfig, make_block_drafter
+    from specjax.sampling import SamplingArrays
+    vocab = 16
+    model = tiny_target(vocab, seed=5, init_scale=2.0)
+    cfg = model.config
+    drafter = make_block_drafter(model, cfg, BlockDrafterConfig.from_target(
+        cfg, target_layer_ids=(0, 1), mask_token_id=vocab - 1, num_draft_layers=2, block_size=3, markov_rank=8,
+        confidence_head=True), nnx.Rngs(4))
+    toks = jnp.asarray(np.random.default_rng(2).integers(0, vocab, (2, 12)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+    n_valid = jnp.array([12, 9], jnp.int32)
+    out = model.forward(toks, pos, valid_b=n_valid, tap_layers=drafter.tap_layers)
+    state = drafter.commit(drafter.init_state(2, 32), ContextUpdate(toks, pos, jnp.concatenate(out.taps, -1),
+                                                                    out.hidden, n_valid))
+    sa, keys = SamplingArrays.broadcast(2, 1.0), jax.random.split(jax.random.key(0), 2)
+    blocks = {a: drafter.propose(state, toks[:, 0], n_valid, sa, keys, kv_len=16, attention=a) for a in ("xla", "pallas")}
+    np.testing.assert_array_equal(blocks["pallas"].tokens, blocks["xla"].tokens)
+    np.testing.assert_allclose(blocks["pallas"].q, blocks["xla"].q, atol=1e-5, rtol=0)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [7, 8, 9, 7, 8, 9, 7]]
+
+    def outputs(attention: str, d=None):
+        cfg = EngineConfig(max_slots=2, max_len=32, policy="fixed" if d else "plain", slots_buckets=(2,),
+                           prefill_buckets=(8,), max_prefill=8, prefill_batch_buckets=(2,),
+                           sampling_variants=("greedy",), attention=attention)
+        eng = Engine(model, d, cfg, progress=False)
+        eng.warmup()
+        reqs = [EngineRequest(str(i), p, max_tokens=8, temperature=0.0) for i, p in enumerate(prompts)]
+        eng.run(reqs, progress=False)
+        return [r.output_ids for r in reqs], sum(r.metrics.num_draft_tokens for r in reqs), eng
+    plain, _, _ = outputs("xla")
+    spec, drafted, eng = outputs("pallas", drafter)
+    assert spec == plain and drafted > 0
+    assert "specjax_context_block_attention" in _draft_program_text(eng)
+    assert "specjax_context_block_attention" not in _draft_program_text(outputs("xla", drafter)[2])
+
+
+def _draft_program_text(eng) -> str:
+    """The optimised HLO of every program the engine compiled (the kernel, interpreted on CPU, keeps
+    its name in the ops' metadata)."""
+    return "\n".join(exe.as_text() for family in eng.runner.exes.values() for exe in family._compiled.values())

@@ -29,7 +29,8 @@ class EngineConfig:
     # bucket): a round runs the narrowest one its rows allow, a request no variant here covers is refused
     sampling_variants: tuple[str, ...] = VARIANTS
     top_k_cap: int = DEFAULT_TOP_K_CAP  # largest top_k a request may ask for (the lax.top_k of filtering)
-    attention: str = "xla"  # the target's attention over the cache in rounds: "xla" ops or the "pallas" kernel
+    attention: str = "xla"  # attention over the caches in rounds: "xla" ops or "pallas" kernels (the
+    # target's, and a drafter's that lists it in `attention_implementations`)
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,

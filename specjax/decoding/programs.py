@@ -81,7 +81,7 @@ class Context:
     verifier: Callable[..., VerifyResult]
     max_logprobs: int = 0  # top alternatives computed per emitted token (0: no log-probabilities)
     top_k_cap: int = DEFAULT_TOP_K_CAP  # the filtered variant's lax.top_k size
-    attention: str = "xla"  # the target's cached attention: XLA's ops or the Pallas kernel (CausalLM.forward)
+    attention: str = "xla"  # cached attention (the target's, and a drafter's that has it): XLA's ops or Pallas kernels
     cache_shardings: Any = None  # state shardings under a mesh (None without one)
     dstate_shardings: Any = None
     replicated: Any = None
@@ -268,7 +268,7 @@ def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, ell_b,
     conf = jnp.zeros((sb, max(ctx.gamma, 1)), jnp.float32)
     draft_bg, q_bgn = None, None
     if tokens > 1:
-        block = ctx.drafter(d_params).propose(dstate, anchors[:sb], cache.lengths[:sb], sa, kd, kv_len=attn)
+        block = _block(ctx, d_params, dstate, anchors[:sb], cache.lengths[:sb], sa, kd, attn)
         draft_bg, q_bgn = block.tokens, _carried_q(block)
         if block.confidence is not None:
             conf = ctx.gamma_columns(block.confidence)
@@ -288,12 +288,20 @@ def _q_ids(ctx: Context, d_params) -> Array | None:
     return None if vocab is None else vocab.d2t[...]
 
 
+def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: int) -> DraftBlock:
+    """The drafter's block for rows [0:B], its context read from rows [0:attn), with the engine's
+    attention implementation when the drafter has it (`attention_implementations`)."""
+    drafter = ctx.drafter(d_params)
+    kw = {"attention": ctx.attention} if ctx.attention in getattr(drafter, "attention_implementations", ()) else {}
+    return drafter.propose(dstate, anchor_b, lengths_b, sa, kd, kv_len=attn, **kw)
+
+
 def _propose(ctx: Context, d_params, dstate, anchors, cache_lengths, sa, kd, sb: int,
              attn: int) -> tuple[Array, Array, Array]:
     """A block for rows [0:sb]: (tokens [sb, G], carried q [sb, G, N], gamma confidences [sb, gamma];
     all ones from a drafter without a confidence head). The drafter reads its context from rows
     [0:attn) (the attention bucket covers every row's committed length)."""
-    block = ctx.drafter(d_params).propose(dstate, anchors[:sb], cache_lengths[:sb], sa, kd, kv_len=attn)
+    block = _block(ctx, d_params, dstate, anchors[:sb], cache_lengths[:sb], sa, kd, attn)
     conf = block.confidence if block.confidence is not None else jnp.ones(block.tokens.shape, jnp.float32)
     return block.tokens, _carried_q(block), ctx.gamma_columns(conf)
 

@@ -21,7 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.drafters.common import attend_context_and_block
+from specjax.models import cache as kvc
 from specjax.models.layers import Embed, Linear, gqa_attention
+from specjax.models.pallas_attention import context_block_attention
 from specjax.models.unfused import DecoderLayer
 
 Array = jax.Array
@@ -50,16 +52,23 @@ class DraftDecoderLayer(DecoderLayer):
         v = jnp.concatenate([v_ctx, v_blk.astype(v_ctx.dtype)], axis=1)
         return self._mlp(x_bth, gqa_attention(q, k, v, mask_bt_s_plus_t))
 
-    def cached_block(self, x_bth: Array, positions_bt: Array, k_ctx: Array, v_ctx: Array,
-                     mask_ctx_bts: Array) -> Array:
-        """One block per row attends to cached context K/V and to its whole block."""
+    def cached_block(self, x_bth: Array, positions_bt: Array, kv_2skmd: Array, lengths_b: Array,
+                     kv_len: int | None = None, attention: str = "xla") -> Array:
+        """One block per row [0:B] attends to its whole block and to its cached context, rows
+        [0:lengths[b]) of the layer's key/value buffer [2, slots, nkv, max_len, hd] (read within
+        [0:kv_len)): with XLA's ops ("xla") or in one Pallas kernel ("pallas",
+        `pallas_attention.context_block_attention`)."""
         b, t, _ = x_bth.shape
         xn = self.input_layernorm(x_bth)
         q = self.self_attn.queries(xn, positions_bt)
         k_blk, v_blk = self.self_attn.keys_values(xn, positions_bt)
-        full = jnp.ones((b, t, t), bool)
-        attn = attend_context_and_block(q, k_ctx, v_ctx, mask_ctx_bts, k_blk.astype(k_ctx.dtype),
-                                        v_blk.astype(v_ctx.dtype), full)
+        if attention == "pallas":
+            return self._mlp(x_bth, context_block_attention(q, kv_2skmd, lengths_b, k_blk, v_blk, kv_len=kv_len))
+        k_ctx, v_ctx = kvc.read_kv(kv_2skmd, b, kv_len=kv_len)
+        mask_ctx = jnp.broadcast_to(jnp.arange(k_ctx.shape[2])[None, None, :] < lengths_b[:, None, None],
+                                    (b, t, k_ctx.shape[2]))
+        attn = attend_context_and_block(q, k_ctx, v_ctx, mask_ctx, k_blk.astype(k_ctx.dtype),
+                                        v_blk.astype(v_ctx.dtype), jnp.ones((b, t, t), bool))
         return self._mlp(x_bth, attn)
 
 

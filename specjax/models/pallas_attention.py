@@ -117,13 +117,22 @@ def _kernel(len_ref, cos_ref, sin_ref, cosk_ref, sink_ref, sq_ref, sk_ref, wq_re
     # the projection's q heads [tp, gp, hd] (t x g real), its new keys and values [tk, hd] (t real;
     # pre-norm, unrotated), the cache's keys and values [2, kv_len, hd] to read, and the same buffer
     # [2, max_len, hd] (aliased) to write the new ones into
-    tp, gp, hd = q_ref.shape
-    r, half = tp * gp, hd // 2
-    dtype = kv_ref.dtype
     length = len_ref[...]
     a1, a2, k1, k2, v = _new_rows(cos_ref, sin_ref, cosk_ref, sink_ref, sq_ref, sk_ref, wq_ref, wk_ref, q_ref, k_ref,
-                                  v_ref, t=t, g=g, dtype=dtype, eps_q=eps_q, eps_k=eps_k, row_norm=row_norm)
-    tk = k1.shape[0]
+                                  v_ref, t=t, g=g, dtype=kv_ref.dtype, eps_q=eps_q, eps_k=eps_k, row_norm=row_norm)
+    _attend_and_store(a1, a2, k1, k2, v, kv_ref, o_ref, length, t=t, g=g, causal=True, block_k=block_k,
+                      blocks=blocks)
+    _write_new_rows(kv_out_ref, length, t, k1, k2, v)
+
+
+def _attend_and_store(a1: Array, a2: Array, k1: Array, k2: Array, v: Array, kv_ref, o_ref, length: Array, *, t: int,
+                      g: int, causal: bool, block_k: int, blocks: int) -> None:
+    """Store in o_ref [tp, gp, hd] the attention of queries (halves [tp * gp, hd/2], scaled) over the
+    new keys (halves [tk, hd/2]) and values [tk, hd] (query position i sees new keys j <= i when
+    `causal`, else the t real ones) and over cache rows j < length of kv_ref [2, kv_len, hd], read a
+    key block at a time with a running softmax (only the blocks that hold live rows)."""
+    tp, gp, hd = o_ref.shape
+    r, half, tk = tp * gp, hd // 2, k1.shape[0]
     low = jnp.finfo(jnp.float32).min
     dims = (((1,), (1,)), ((), ()))
 
@@ -132,10 +141,12 @@ def _kernel(len_ref, cos_ref, sin_ref, cosk_ref, sink_ref, sq_ref, sk_ref, wq_re
                 + jax.lax.dot_general(a2, c2, dims, preferred_element_type=jnp.float32))
 
     def values(p: Array, v_nd: Array) -> Array:
-        return jax.lax.dot_general(p.astype(dtype), v_nd, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    # the new keys first: query position i sees new keys j <= i (key 0 at least: a finite maximum)
+        return jax.lax.dot_general(p.astype(v.dtype), v_nd, (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    # the new keys first: every query sees new key 0 at least (a finite maximum)
+    key = jax.lax.broadcasted_iota(jnp.int32, (r, tk), 1)
     q_pos = jax.lax.broadcasted_iota(jnp.int32, (tp, gp), 0).reshape(r)
-    s = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (r, tk), 1) <= q_pos[:, None], scores(k1, k2), low)
+    s = jnp.where(key <= q_pos[:, None] if causal else key < t, scores(k1, k2), low)
     m = jnp.max(s, axis=1)
     p = jnp.exp(s - m[:, None])
     init = (m, jnp.sum(p, axis=1), values(p, v))
@@ -151,7 +162,6 @@ def _kernel(len_ref, cos_ref, sin_ref, cosk_ref, sink_ref, sq_ref, sk_ref, wq_re
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
         return m_new, total * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + values(p, kv_ref[1, rows, :])
-    # only the blocks holding the row's live keys are read
     _, total, acc = jax.lax.fori_loop(0, jnp.minimum((length + block_k - 1) // block_k, blocks), block, init)
     out = (acc / total[:, None]).reshape(tp, gp, hd).astype(o_ref.dtype)
     mask = _inside(o_ref.shape, (t, g))  # rows past the real queries are never stored
@@ -159,7 +169,6 @@ def _kernel(len_ref, cos_ref, sin_ref, cosk_ref, sink_ref, sq_ref, sk_ref, wq_re
         o_ref[...] = out
     else:
         pl_triton.store(o_ref, out, mask=mask)
-    _write_new_rows(kv_out_ref, length, t, k1, k2, v)
 
 
 def _write_new_rows(kv_out_ref, length: Array, t: int, k1: Array, k2: Array, v: Array) -> None:
@@ -179,18 +188,24 @@ def _write_new_rows(kv_out_ref, length: Array, t: int, k1: Array, k2: Array, v: 
         pl.when(length + i < max_len)(write)
 
 
+def _key_blocks(max_len: int, kv_len: int | None, block_k: int) -> tuple[int, int]:
+    """(kv_len, block_k): the cache rows read (max_len by default) and the key block, the largest
+    power of two dividing kv_len up to `block_k` (>= MIN_KEY_BLOCK, else refused)."""
+    kv_len = max_len if kv_len is None else kv_len
+    if not 0 < kv_len <= max_len:
+        raise ValueError(f"kv_len {kv_len} outside [1, cache max_len {max_len}]")
+    block_k = min(block_k, kv_len & -kv_len)
+    if block_k < MIN_KEY_BLOCK:
+        raise ValueError(f"attention 'pallas' needs an attention length (kv_len or the cache's max_len) that is "
+                         f"a multiple of {MIN_KEY_BLOCK}, got {kv_len}")
+    return kv_len, block_k
+
+
 def _checked(qkv_btkjd: Array, kv_2skmd: Array, cos_bth: Array, sin_bth: Array, ss_bt: Array | None,
              kv_len: int | None, block_k: int) -> tuple[int, int]:
     """(kv_len, block_k) of a `cached_attention` call, its shapes checked."""
     b, t, _, _, hd = qkv_btkjd.shape
-    max_len = kv_2skmd.shape[3]
-    kv_len = max_len if kv_len is None else kv_len
-    if not 0 < kv_len <= max_len:
-        raise ValueError(f"kv_len {kv_len} outside [1, cache max_len {max_len}]")
-    block_k = min(block_k, kv_len & -kv_len)  # the largest power of two dividing kv_len, capped
-    if block_k < MIN_KEY_BLOCK:
-        raise ValueError(f"attention 'pallas' needs an attention length (kv_len or the cache's max_len) that is "
-                         f"a multiple of {MIN_KEY_BLOCK}, got {kv_len}")
+    kv_len, block_k = _key_blocks(kv_2skmd.shape[3], kv_len, block_k)
     if hd % 2 or cos_bth.shape != (b, t, hd // 2) or sin_bth.shape != cos_bth.shape:
         raise ValueError(f"RoPE tables must be [B, T, hd/2] = {(b, t, hd // 2)}, got {cos_bth.shape}, {sin_bth.shape}")
     if ss_bt is not None and ss_bt.shape != (b, t):
@@ -256,3 +271,50 @@ def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, lengths_b: Array, cos_bt
           qkv_btkjd, kv_2skmd)
     # the platform the program is lowered for picks: Triton on CUDA, the interpreter elsewhere
     return jax.lax.platform_dependent(cuda=lambda: call(False), default=lambda: call(True))
+
+
+def _block_kernel(len_ref, q_ref, k_ref, v_ref, kv_ref, o_ref, *, t: int, g: int, block_k: int, blocks: int) -> None:
+    # one (row, kv head): the row's context length (a scalar), the block's q heads [tp, gp, hd] (t x g
+    # real; normed and rotated), its keys and values [tk, hd] (t real) and the context cache's keys
+    # and values [2, kv_len, hd]
+    tp, gp, hd = q_ref.shape
+    dtype = kv_ref.dtype
+    a1, a2 = ((x * hd ** -0.5).astype(dtype) for x in _halves(q_ref, (t, g), tp * gp, hd // 2))
+    k1, k2 = (x.astype(dtype) for x in _halves(k_ref, (t,), k_ref.shape[0], hd // 2))
+    _attend_and_store(a1, a2, k1, k2, _load(v_ref, (t,)).astype(dtype), kv_ref, o_ref, len_ref[...], t=t, g=g,
+                      causal=False, block_k=block_k, blocks=blocks)
+
+
+def context_block_attention(q_bthd: Array, kv_2skmd: Array, lengths_b: Array, k_blk_bthd: Array,
+                            v_blk_bthd: Array, *, kv_len: int | None = None,
+                            block_k: int = DEFAULT_BLOCK_K) -> Array:
+    """A block drafter's attention in one kernel per (row, kv head): row b's T queries q [B, T, nh,
+    hd] (normed and rotated) over its context, cache rows [0:lengths[b]) of the key/value buffer
+    [2, slots, nkv, max_len, hd] (read within [0:kv_len)), and over all T of the block's own keys
+    and values [B, T, nkv, hd]; softmax in float32. `drafters.common.attend_context_and_block` with
+    a whole-block mask, to rounding, without the scores in memory. Returns [B, T, nh, hd] in q's
+    dtype."""
+    b, t, nh, hd = q_bthd.shape
+    nkv = kv_2skmd.shape[2]
+    g = nh // nkv
+    kv_len, block_k = _key_blocks(kv_2skmd.shape[3], kv_len, block_k)
+    if k_blk_bthd.shape != (b, t, nkv, hd) or v_blk_bthd.shape != k_blk_bthd.shape or nh % nkv:
+        raise ValueError(f"block keys and values must be [B, T, nkv, hd] = {(b, t, nkv, hd)} and heads a multiple "
+                         f"of {nkv}, got {k_blk_bthd.shape}, {v_blk_bthd.shape} and {nh} heads")
+    tp = pl.next_power_of_2(t)  # blocks as in `cached_attention`
+    gp = max(pl.next_power_of_2(g), MIN_QUERY_ROWS // tp)
+    tk = max(tp, MIN_KEY_BLOCK)
+    kernel = functools.partial(_block_kernel, t=t, g=g, block_k=block_k, blocks=kv_len // block_k)
+    heads = pl.BlockSpec((None, tp, None, gp, hd), lambda i, h: (i, 0, h, 0, 0))
+    own = pl.BlockSpec((None, tk, None, hd), lambda i, h: (i, 0, h, 0))
+
+    def call(interpret: bool) -> Array:
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((b, t, nkv, g, hd), q_bthd.dtype), grid=(b, nkv),
+            in_specs=[pl.BlockSpec((None,), lambda i, h: (i,)), heads, own, own,
+                      pl.BlockSpec((2, None, None, kv_len, hd), lambda i, h: (0, i, h, 0, 0))],
+            out_specs=heads, interpret=interpret, name="specjax_context_block_attention",
+            compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
+        )(lengths_b.astype(jnp.int32), q_bthd.reshape(b, t, nkv, g, hd), k_blk_bthd.astype(kv_2skmd.dtype),
+          v_blk_bthd.astype(kv_2skmd.dtype), kv_2skmd)
+    return jax.lax.platform_dependent(cuda=lambda: call(False), default=lambda: call(True)).reshape(b, t, nh, hd)
