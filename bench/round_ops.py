@@ -300,26 +300,33 @@ _INPUT_GROUPS = {"t_params": "weights", "d_params": "weights", "cache_kv": "kv",
 def inputs_read(hlo_text: str) -> dict[str, int]:
     """Bytes of the weights and of the KV caches a compiled round program reads ({"weights", "kv"}):
     its entry parameters named after the target's and drafter's parameters (`t_params`, `d_params`)
-    and caches (`cache_kv`, `dstate_kv`) that some op reads; a cache that the program only updates in
-    place (the drafter's context cache in a verify round: its new rows) is not read."""
+    and caches (`cache_kv`, `dstate_kv`) that some op reads, directly or after in-place updates of
+    them (a cache written then attended over is read); a cache the program only updates in place
+    and returns (the drafter's context cache in a verify round: its new rows) is not read."""
     comps, entry = _computations(hlo_text)
     body = comps.get(entry, [])
-    users: dict[str, list[tuple[str, int, str]]] = {}
+    users: dict[str, list[tuple[str, str, int, str]]] = {}
     for name, _, op, operands, line in body:
         for i, o in enumerate(operands):
-            users.setdefault(o, []).append((op, i, line))
+            users.setdefault(o, []).append((name, op, i, line))
 
-    def only_updated(param: str, nbytes: int) -> bool:  # every use writes into it in place (operand 0)
-        def in_place(op: str, i: int, line: str) -> bool:
+    def read(value: str, nbytes: int) -> bool:  # some op reads the buffer `value` or an update of it
+        for user, op, i, line in users.get(value, []):
             called = re.search(r"calls=%([\w.\-]+)", line)
             kind = (_fusion_kind(comps[called.group(1)], [nbytes])[0] if op == "fusion" and called
                     else op if op in _IN_PLACE_ROOTS else "other")
-            return i == 0 and kind in _IN_PLACE_ROOTS
-        return all(in_place(*u) for u in users[param])
+            if op == "tuple" and line.lstrip().startswith("ROOT"):  # returned (another tuple feeds a loop)
+                continue
+            if op in ("get-tuple-element", "bitcast") or (i == 0 and kind in _IN_PLACE_ROOTS):
+                if read(user, nbytes):
+                    return True
+                continue
+            return True
+        return False
     out = {"weights": 0, "kv": 0}
     for name, nbytes, op, _, _ in body:
         group = next((g for prefix, g in _INPUT_GROUPS.items() if re.match(prefix + r"[_.]", name)), None)
-        if op == "parameter" and group and users.get(name) and not (group == "kv" and only_updated(name, nbytes)):
+        if op == "parameter" and group and read(name, nbytes):
             out[group] += nbytes
     return out
 

@@ -527,24 +527,28 @@ def test_round_ops_bytes_breakdown_counts_what_a_program_touches():
 
 def test_round_ops_counts_the_weights_and_caches_a_program_reads():
     """`inputs_read` takes the weights and KV caches by their argument names: a cache the program
-    only writes into in place is not read, one it also reads is (control); a weight it does not use
-    is not an input at all."""
+    only writes into in place (and returns) is not read; one it also reads (control), or reads after
+    writing into it, is; a weight it does not use is not an input at all."""
     import jax
     import jax.numpy as jnp
 
     from bench.round_ops import inputs_read
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
 
-    def program(reads_dstate: bool):
+    def program(reads_dstate: bool, after_write: bool = False):
         def f(t_params, d_params, cache_kv, dstate_kv, i):
-            y = cache_kv[0] @ t_params["w"] + (dstate_kv[1] @ d_params["u"] if reads_dstate else 0.0)
-            return y, jax.lax.dynamic_update_slice(dstate_kv, y[None, :1], (0, i, 0))
+            y = cache_kv[0] @ t_params["w"]
+            new = jax.lax.dynamic_update_slice(dstate_kv, y[None, :1], (0, i, 0))
+            if reads_dstate:
+                y = y + (new if after_write else dstate_kv)[1] @ d_params["u"]
+            return y, new
         args = ({"w": f32(64, 64)}, {"u": f32(64, 64)}, f32(2, 64, 64), f32(2, 64, 64),
                 jax.ShapeDtypeStruct((), jnp.int32))
         return jax.jit(f, donate_argnums=(3,)).lower(*args).compile().as_text()
     w, kv = 64 * 64 * 4, 2 * 64 * 64 * 4
     assert inputs_read(program(False)) == {"weights": w, "kv": kv}
     assert inputs_read(program(True)) == {"weights": 2 * w, "kv": 2 * kv}
+    assert inputs_read(program(True, after_write=True)) == {"weights": 2 * w, "kv": 2 * kv}
 
 
 def test_round_ops_counts_a_loop_once_per_iteration():
