@@ -213,6 +213,16 @@ def _fusion_kind(body: list[tuple[str, int, str, list[str], str]], operand_bytes
     return "other", _partial_reads(body, params), slices
 
 
+def _op_kind(comps: dict[str, list[tuple[str, int, str, list[str], str]]], op: str, line: str,
+             operand_bytes: list[int]) -> tuple[str, dict[int, int], dict[int, int]]:
+    """`_fusion_kind` of a top-level op: of its fused computation for a fusion; an unfused in-place
+    op (scatter, dynamic-update-slice) is its own kind; anything else "other"."""
+    called = re.search(r"calls=%([\w.\-]+)", line)
+    if op == "fusion" and called:
+        return _fusion_kind(comps[called.group(1)], operand_bytes)
+    return (op if op in _IN_PLACE_ROOTS else "other"), {}, {}
+
+
 def _aliased_output_bytes(line: str, operand_bytes: list[int]) -> int:
     """Bytes of a custom call's outputs that alias an operand (`output_to_operand_aliasing`): a
     kernel that updates a buffer in place, e.g. the attention kernel writing its new keys and values
@@ -263,9 +273,7 @@ def _computation_bytes(comps: dict[str, list[tuple[str, int, str, list[str], str
                     out[k] += n * b
             continue
         in_bytes = [sizes.get(o, 0) for o in operands]
-        called = re.search(r"calls=%([\w.\-]+)", line)
-        kind, reads, sliced = (_fusion_kind(comps[called.group(1)], in_bytes) if op == "fusion" and called
-                               else ("other", {}, {}))
+        kind, reads, sliced = _op_kind(comps, op, line, in_bytes)
         in_bytes = [min(b, sliced[i]) if i in sliced else b for i, b in enumerate(in_bytes)]
         in_place = sum(in_bytes[1:]) + max(in_bytes[1:], default=0)  # update and indices in, update out
         raw = in_place if kind == "dynamic-update-slice" else nbytes + sum(in_bytes)  # as XLA counts them
@@ -312,9 +320,7 @@ def inputs_read(hlo_text: str) -> dict[str, int]:
 
     def read(value: str, nbytes: int) -> bool:  # some op reads the buffer `value` or an update of it
         for user, op, i, line in users.get(value, []):
-            called = re.search(r"calls=%([\w.\-]+)", line)
-            kind = (_fusion_kind(comps[called.group(1)], [nbytes])[0] if op == "fusion" and called
-                    else op if op in _IN_PLACE_ROOTS else "other")
+            kind = _op_kind(comps, op, line, [nbytes])[0]
             if op == "tuple" and line.lstrip().startswith("ROOT"):  # returned (another tuple feeds a loop)
                 continue
             if op in ("get-tuple-element", "bitcast") or (i == 0 and kind in _IN_PLACE_ROOTS):

@@ -201,6 +201,14 @@ def _key_blocks(max_len: int, kv_len: int | None, block_k: int) -> tuple[int, in
     return kv_len, block_k
 
 
+def _blocks(t: int, g: int) -> tuple[int, int, int]:
+    """(tp, gp, tk): a kv head's block of queries, [tp, gp] positions x heads, powers of two
+    (Triton's blocks) with >= 16 rows (Triton's matmul), and of new keys and values, tk >= 16
+    positions. Entries past the t x g queries or t keys are masked: zeros in, never stored."""
+    tp = pl.next_power_of_2(t)
+    return tp, max(pl.next_power_of_2(g), MIN_QUERY_ROWS // tp), max(tp, MIN_KEY_BLOCK)
+
+
 def _checked(qkv_btkjd: Array, kv_2skmd: Array, cos_bth: Array, sin_bth: Array, ss_bt: Array | None,
              kv_len: int | None, block_k: int) -> tuple[int, int]:
     """(kv_len, block_k) of a `cached_attention` call, its shapes checked."""
@@ -233,12 +241,7 @@ def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, lengths_b: Array, cos_bt
     g = j - 2
     kv_len, block_k = _checked(qkv_btkjd, kv_2skmd, cos_bth, sin_bth, row_sum_square_bt, kv_len, block_k)
     max_len = kv_2skmd.shape[3]
-    # a kv head's block of queries: [tp, gp] positions x heads, powers of two (Triton's blocks) with
-    # >= 16 rows (Triton's matmul); of new keys and values: tk >= 16 positions. Entries past the
-    # t x g queries or t keys are masked: zeros in, never stored
-    tp = pl.next_power_of_2(t)
-    gp = max(pl.next_power_of_2(g), MIN_QUERY_ROWS // tp)
-    tk = max(tp, MIN_KEY_BLOCK)
+    tp, gp, tk = _blocks(t, g)
     ones = jnp.ones((hd,), qkv_btkjd.dtype)
     kernel = functools.partial(_kernel, t=t, g=g, block_k=block_k, blocks=kv_len // block_k,
                                eps_q=None if q_norm is None else float(eps),
@@ -301,9 +304,7 @@ def context_block_attention(q_bthd: Array, kv_2skmd: Array, lengths_b: Array, k_
     if k_blk_bthd.shape != (b, t, nkv, hd) or v_blk_bthd.shape != k_blk_bthd.shape or nh % nkv:
         raise ValueError(f"block keys and values must be [B, T, nkv, hd] = {(b, t, nkv, hd)} and heads a multiple "
                          f"of {nkv}, got {k_blk_bthd.shape}, {v_blk_bthd.shape} and {nh} heads")
-    tp = pl.next_power_of_2(t)  # blocks as in `cached_attention`
-    gp = max(pl.next_power_of_2(g), MIN_QUERY_ROWS // tp)
-    tk = max(tp, MIN_KEY_BLOCK)
+    tp, gp, tk = _blocks(t, g)
     kernel = functools.partial(_block_kernel, t=t, g=g, block_k=block_k, blocks=kv_len // block_k)
     heads = pl.BlockSpec((None, tp, None, gp, hd), lambda i, h: (i, 0, h, 0, 0))
     own = pl.BlockSpec((None, tk, None, hd), lambda i, h: (i, 0, h, 0))
