@@ -68,6 +68,7 @@ class Preset:
     budget_s: float
     draft_vocab_size: int = 0  # > 0: the drafter drafts over that many target ids (ids 0..N-1 here)
     attention: str = "xla"  # the engine's attention over the cache (EngineConfig.attention)
+    mlp: str = "xla"  # the engine's gate/up products and SiLU gate (EngineConfig.mlp)
 
 
 PRESETS: dict[str, Preset] = {
@@ -91,11 +92,11 @@ PHASES = ("plain", "curve", "async", "fixed")  # after "build"; --phases picks a
 NOT_ASKED = "not asked for (--phases)"
 
 
-def result_name(draft_vocab_size: int, attention: str = "xla") -> str:
-    """The outputs' base name: one set per drafter vocabulary and attention, so a run with a draft
-    vocabulary or the Pallas attention keeps the default results."""
+def result_name(draft_vocab_size: int, attention: str = "xla", mlp: str = "xla") -> str:
+    """The outputs' base name: one set per drafter vocabulary, attention and MLP, so a run with a
+    draft vocabulary or a Pallas kernel keeps the default results."""
     return (NAME + (f"_draft_vocab{draft_vocab_size}" if draft_vocab_size else "")
-            + ("" if attention == "xla" else f"_{attention}"))
+            + ("" if attention == "xla" else f"_{attention}") + ("" if mlp == "xla" else f"_mlp_{mlp}"))
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -278,7 +279,7 @@ def writer(out_dir: str, docs: str) -> Callable[[dict[str, Any]], None]:
     def write(res: dict[str, Any]) -> None:
         from bench import run_all
         from bench.common import write_results
-        name = result_name(res["drafter"].get("draft_vocab_size", 0), res.get("attention", "xla"))
+        name = result_name(res["drafter"].get("draft_vocab_size", 0), res.get("attention", "xla"), res.get("mlp", "xla"))
         plot = None if res.get("dry_run") else (lambda p: _plot(res, p))
         if plot is None and os.path.exists(os.path.join(out_dir, f"{name}.png")):
             os.remove(os.path.join(out_dir, f"{name}.png"))  # a picture of an older run would mislead
@@ -322,7 +323,7 @@ def _engine(target, drafter, policy: str, p: Preset, tokens: tuple[int, ...], pr
     cfg = EngineConfig(max_slots=p.slots[-1], max_len=max_len,
                        gamma=None if drafter is None else p.gamma, policy=policy, slots_buckets=p.slots,
                        tokens_buckets=tokens, prefill_buckets=(p.prompt_len,), max_prefill=p.prompt_len,
-                       prefill_batch_buckets=(min(8, p.slots[-1]),), attention=p.attention)
+                       prefill_batch_buckets=(min(8, p.slots[-1]),), attention=p.attention, mlp=p.mlp)
     # a fixed identity: hashing 4B random weights on the host would only cost time
     return Engine(target, drafter, cfg, progress=progress, cost_table=cost_table,
                   target_id=f"random-{p.target['num_hidden_layers']}-layers")
@@ -432,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", choices=["xla", "pallas"], default="xla",
                     help="the engine's attention over the cache (pallas: the kernel of specjax.models."
                          "pallas_attention); outputs of pallas are named gpu_check_pallas")
+    ap.add_argument("--mlp", choices=["xla", "pallas"], default="xla",
+                    help="the engine's gate/up products and SiLU gate (pallas: the kernel of specjax.models."
+                         "pallas_mlp); outputs are then named ..._mlp_pallas")
     ap.add_argument("--phases", help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
     ap.add_argument("--out-dir", help="default bench/results (--tiny: runs/gpu_check_tiny)")
     ap.add_argument("--docs", help="Markdown page whose GPU section to rewrite; '' skips it "
@@ -458,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--draft-vocab must be in 1..{p.target['vocab_size'] - 1} (the target vocabulary "
                      f"is {p.target['vocab_size']}), got {args.draft_vocab}")
         over["draft_vocab_size"] = args.draft_vocab
-    over["attention"] = args.attention
+    over["attention"], over["mlp"] = args.attention, args.mlp
     phases = PHASES
     if args.phases:
         phases = tuple(x.strip() for x in args.phases.split(","))
@@ -478,13 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     shown += [f"--{k} {','.join(map(str, over[k]))}" for k in ("slots", "tokens", "concurrency") if k in over]
     shown += [f"--draft-vocab {p.draft_vocab_size}"] if p.draft_vocab_size else []
     shown += [f"--attention {p.attention}"] if p.attention != "xla" else []
+    shown += [f"--mlp {p.mlp}"] if p.mlp != "xla" else []
     shown += [f"--phases {','.join(phases)}"] if phases != PHASES else []
     shown += [f"--budget {p.budget_s:g}"] if "budget_s" in over else []
     result: dict[str, Any] = {
         "benchmark": NAME, "preset": name, "command": " ".join(shown), "dry_run": args.dry_run,
         "target": p.target, "dtype": p.dtype, "slots": list(p.slots), "tokens": list(p.tokens),
         "concurrency": list(p.concurrency), "prompt_len": p.prompt_len, "max_tokens": p.max_tokens,
-        "budget_s": p.budget_s, "attention": p.attention, "compile_threads": args.compile_threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "budget_s": p.budget_s, "attention": p.attention, "mlp": p.mlp, "compile_threads": args.compile_threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "drafter": {"layers": p.draft_layers, "gamma": p.gamma, "markov_rank": p.markov_rank, "taps": list(p.taps),
                     "draft_vocab_size": p.draft_vocab_size},
         "phases": {}, "cost_curve": [], "plain_round_seconds": {}, "throughput": []}
@@ -519,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     timer.cancel()
     rec.finish(None)
-    print(f"wrote {out_dir}/{result_name(p.draft_vocab_size, p.attention)}.json, .md, .png" + (f" and the section of {docs}" if docs else ""))
+    print(f"wrote {out_dir}/{result_name(p.draft_vocab_size, p.attention, p.mlp)}.json, .md, .png" + (f" and the section of {docs}" if docs else ""))
     return 0 if result["complete"] else EXIT_STOPPED
 
 

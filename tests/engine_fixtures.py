@@ -163,3 +163,23 @@ def drafter_pvalue(model, drafter, prompt: list[int], exact: dict[tuple[int, ...
     assert max(ells) == g, f"no round verified a full block of {g} drafts"
     return chi_square_pvalue(samples, exact)
 
+
+def greedy_outputs(model, drafter=None, **config) -> tuple[list[list[int]], int, Engine]:
+    """Greedy outputs of three prompts through a small engine (plain decoding, or fixed verification
+    of `drafter`; `config`: more EngineConfig fields, e.g. attention="pallas"), the number of drafted
+    tokens, and the engine."""
+    cfg = EngineConfig(max_slots=2, max_len=32, policy="fixed" if drafter else "plain", slots_buckets=(2,),
+                       prefill_buckets=(8,), max_prefill=8, prefill_batch_buckets=(2,),
+                       sampling_variants=("greedy",), **config)
+    eng = Engine(model, drafter, cfg, progress=False)
+    eng.warmup()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [7, 8, 9, 7, 8, 9, 7]]
+    reqs = [EngineRequest(str(i), p, max_tokens=8, temperature=0.0) for i, p in enumerate(prompts)]
+    eng.run(reqs, progress=False)
+    return [r.output_ids for r in reqs], sum(r.metrics.num_draft_tokens for r in reqs), eng
+
+
+def compiled_text(eng) -> str:
+    """The optimised HLO of every program the engine compiled (a Pallas kernel, interpreted on CPU,
+    keeps its name in the ops' metadata)."""
+    return "\n".join(exe.as_text() for family in eng.runner.exes.values() for exe in family._compiled.values())

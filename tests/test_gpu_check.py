@@ -140,15 +140,17 @@ def test_draft_vocab_and_phases_refusals(tmp_path, args, match):
     assert proc.returncode == 2 and match in proc.stderr
 
 
-def test_pallas_attention_run_writes_its_own_outputs(tmp_path):
-    """--attention pallas runs the engine with the Pallas attention kernel (interpreted on CPU) and
-    names its outputs apart; the default results stay."""
+def test_pallas_kernels_run_writes_its_own_outputs(tmp_path):
+    """--attention pallas --mlp pallas runs the engine with the Pallas attention and MLP kernels
+    (interpreted on CPU) and names its outputs apart; the default results stay."""
     out = tmp_path / "out"
-    proc = _run(tmp_path, "--tiny", "--quiet", "--attention", "pallas", "--phases", "plain", "--out-dir", str(out))
+    proc = _run(tmp_path, "--tiny", "--quiet", "--attention", "pallas", "--mlp", "pallas", "--phases", "plain",
+                "--out-dir", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert not (out / "gpu_check.json").exists()
-    res = json.loads((out / "gpu_check_pallas.json").read_text())
-    assert res["complete"] and res["attention"] == "pallas" and res["phases"]["plain"]["status"] == "done"
+    res = json.loads((out / "gpu_check_pallas_mlp_pallas.json").read_text())
+    assert res["complete"] and (res["attention"], res["mlp"]) == ("pallas", "pallas")
+    assert res["phases"]["plain"]["status"] == "done"
     assert {r["engine"] for r in res["throughput"]} == {"plain"}
-    assert "Command: `python -m bench.gpu_check --tiny --attention pallas --phases plain`" in (
-        out / "gpu_check_pallas.md").read_text()
+    assert "Command: `python -m bench.gpu_check --tiny --attention pallas --mlp pallas --phases plain`" in (
+        out / "gpu_check_pallas_mlp_pallas.md").read_text()

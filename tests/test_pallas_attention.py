@@ -12,12 +12,11 @@ import pytest
 from flax import nnx
 
 try:
-    from tests.engine_fixtures import BigramDrafter, tiny_target
+    from tests.engine_fixtures import BigramDrafter, compiled_text, greedy_outputs, tiny_target
 except ImportError:  # tests/ itself on sys.path
-    from engine_fixtures import BigramDrafter, tiny_target
+    from engine_fixtures import BigramDrafter, compiled_text, greedy_outputs, tiny_target
 
-from specjax.decoding.engine import Engine, EngineConfig
-from specjax.decoding.requests import EngineRequest
+from specjax.decoding.engine import EngineConfig
 from specjax.models import cache as kvc
 from specjax.models.decoder import CausalLM
 from specjax.models.layers import attend, rope_tables, rotate
@@ -228,27 +227,13 @@ def test_forward_with_the_kernel_equals_xla_attention(family):
         model.forward(tokens[:, :2], positions[:, :2], prefill.cache, attention="flash")
 
 
-def _greedy_outputs(model, attention: str, drafter=None) -> tuple[list[list[int]], int, Engine]:
-    """Greedy outputs of three prompts through an engine (plain decoding, or fixed verification of
-    `drafter`), the number of drafted tokens, and the engine."""
-    cfg = EngineConfig(max_slots=2, max_len=32, policy="fixed" if drafter else "plain", slots_buckets=(2,),
-                       prefill_buckets=(8,), max_prefill=8, prefill_batch_buckets=(2,),
-                       sampling_variants=("greedy",), attention=attention)
-    eng = Engine(model, drafter, cfg, progress=False)
-    eng.warmup()
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [7, 8, 9, 7, 8, 9, 7]]
-    reqs = [EngineRequest(str(i), p, max_tokens=8, temperature=0.0) for i, p in enumerate(prompts)]
-    eng.run(reqs, progress=False)
-    return [r.output_ids for r in reqs], sum(r.metrics.num_draft_tokens for r in reqs), eng
-
-
 def test_engine_with_the_kernel_decodes_as_with_xla_attention():
     """Greedy outputs of plain decoding and of a drafter whose drafts were verified are the same with
     EngineConfig(attention='pallas'); a bad name is refused at construction."""
     model = tiny_target(16, seed=5, init_scale=2.0)
-    plain, _, _ = _greedy_outputs(model, "xla")
-    assert _greedy_outputs(model, "pallas")[0] == plain
-    spec, drafted, _ = _greedy_outputs(model, "pallas", BigramDrafter(16, 3))
+    plain, _, _ = greedy_outputs(model)
+    assert greedy_outputs(model, attention="pallas")[0] == plain
+    spec, drafted, _ = greedy_outputs(model, BigramDrafter(16, 3), attention="pallas")
     assert spec == plain and drafted > 0
     with pytest.raises(ValueError, match="attention must be one of"):
         EngineConfig(attention="flash")
@@ -316,15 +301,9 @@ def test_block_drafter_with_the_kernel_proposes_and_decodes_as_with_xla():
     blocks = {a: drafter.propose(state, toks[:, 0], n_valid, sa, keys, kv_len=16, attention=a) for a in ("xla", "pallas")}
     np.testing.assert_array_equal(blocks["pallas"].tokens, blocks["xla"].tokens)
     np.testing.assert_allclose(blocks["pallas"].q, blocks["xla"].q, atol=1e-5, rtol=0)
-    plain, _, _ = _greedy_outputs(model, "xla")
-    spec, drafted, eng = _greedy_outputs(model, "pallas", drafter)
+    plain, _, _ = greedy_outputs(model)
+    spec, drafted, eng = greedy_outputs(model, drafter, attention="pallas")
     assert spec == plain and drafted > 0
-    assert "specjax_context_block_attention" in _draft_program_text(eng)
+    assert "specjax_context_block_attention" in compiled_text(eng)
     xla_block = jax.make_jaxpr(lambda st: drafter.propose(st, toks[:, 0], n_valid, sa, keys, kv_len=16))(state)
     assert "specjax_context_block_attention" not in str(xla_block)  # control: XLA's ops by default
-
-
-def _draft_program_text(eng) -> str:
-    """The optimised HLO of every program the engine compiled (the kernel, interpreted on CPU, keeps
-    its name in the ops' metadata)."""
-    return "\n".join(exe.as_text() for family in eng.runner.exes.values() for exe in family._compiled.values())

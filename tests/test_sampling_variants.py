@@ -233,6 +233,22 @@ def test_greedy_verifier_reads_no_q_and_greedy_drafts_keep_none():
     assert int(one.num_accepted.sum()) > 0
     sampled = verify_chain(keys, p, q_nan, *rest)
     assert not np.array_equal(sampled.num_accepted, one.num_accepted)
+    none = verify_chain(keys, p, jnp.zeros((b, g, 0), jnp.bfloat16), *rest, greedy=True)  # q without columns
+    np.testing.assert_array_equal(none.tokens, one.tokens)
+    with pytest.raises(ValueError, match=r"q_bgn must be \[B, G, N\]"):
+        verify_chain(keys, p, jnp.zeros((b, g, 0), jnp.bfloat16), *rest)  # a sampling verifier needs q
+
+
+@pytest.mark.parametrize("variant", ["greedy", "plain"])
+def test_greedy_rounds_carry_q_without_columns(variant):
+    """The split draft program returns q [slots, gamma, 0] in a greedy round (nothing vocabulary-wide
+    travels to verify, and the one-hot is never built) and [slots, gamma, V] in a sampling round."""
+    from bench import round_ops
+    shape = round_ops.presets()["tiny"]
+    runner = round_ops.abstract_runner(shape, 2, 32)
+    draft = runner.lower("draft", round_ops.bucket_key(runner, "draft", 2, variant))
+    _, q, _ = draft.out_info
+    assert q.shape == (2, shape.gamma, 0 if variant == "greedy" else shape.target["vocab_size"])
 
 
 @pytest.mark.parametrize("variant", ["greedy", "plain"])

@@ -68,7 +68,7 @@ class Engine:
         self.runner = Runner(target, drafter, slots=slots, max_len=max_len, gamma=self.gamma,
                              stop_ids=self.eos_token_ids, verifier=verifier, cache_dtype=config.cache_dtype,
                              mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap,
-                             attention=config.attention)
+                             attention=config.attention, mlp=config.mlp)
         self.lengths = np.zeros((slots,), np.int64)  # committed cache rows per slot
         self.slot_req: list[EngineRequest | None] = [None] * slots
         self.queue: list[EngineRequest] = []

@@ -5,6 +5,7 @@ import dataclasses
 
 from specjax.decoding.buckets import attention_buckets
 from specjax.models.pallas_attention import ATTENTION_IMPLEMENTATIONS, MIN_KEY_BLOCK
+from specjax.models.pallas_mlp import MLP_IMPLEMENTATIONS
 from specjax.sampling import DEFAULT_TOP_K_CAP, VARIANTS
 
 
@@ -31,6 +32,8 @@ class EngineConfig:
     top_k_cap: int = DEFAULT_TOP_K_CAP  # largest top_k a request may ask for (the lax.top_k of filtering)
     attention: str = "xla"  # attention over the caches in rounds: "xla" ops or "pallas" kernels (the
     # target's, and a drafter's that lists it in `attention_implementations`)
+    mlp: str = "xla"  # MLPs' gate/up products and SiLU gate: "xla" ops or a "pallas" kernel (the target's in
+    # every call, and a drafter's that lists it in `mlp_implementations`)
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,
@@ -53,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"top_k_cap must be a positive int, got {self.top_k_cap!r}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attention!r}")
+        if self.mlp not in MLP_IMPLEMENTATIONS:
+            raise ValueError(f"mlp must be one of {MLP_IMPLEMENTATIONS}, got {self.mlp!r}")
         if self.attention == "pallas":
             blocked = [a for a in self.attention_buckets or attention_buckets(self.max_len) if a % MIN_KEY_BLOCK]
             if blocked:

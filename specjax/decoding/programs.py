@@ -82,6 +82,7 @@ class Context:
     max_logprobs: int = 0  # top alternatives computed per emitted token (0: no log-probabilities)
     top_k_cap: int = DEFAULT_TOP_K_CAP  # the filtered variant's lax.top_k size
     attention: str = "xla"  # cached attention (the target's, and a drafter's that has it): XLA's ops or Pallas kernels
+    mlp: str = "xla"  # gate/up products and SiLU gate (the target's, and a drafter's that has it): XLA's ops or the kernel
     cache_shardings: Any = None  # state shardings under a mesh (None without one)
     dstate_shardings: Any = None
     replicated: Any = None
@@ -213,7 +214,7 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     positions = start_b[:, None] + jnp.arange(tb, dtype=jnp.int32)[None, :]
     ell_b = jnp.where(active_b, jnp.minimum(ell_b, tb - 1), 0)
     out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=ctx.tap_layers if maintain else (),
-                         logits="all", kv_len=attn, attention=ctx.attention)
+                         logits="all", kv_len=attn, attention=ctx.attention, mlp=ctx.mlp)
     p = probs_from_logits(out.logits, sa)  # [sb, tb, V]
     q_ids = None if tb == 1 else _q_ids(ctx, d_params)
     if tb == 1:  # plain decoding: no drafts; the chain rule reduces to sampling from the target
@@ -290,20 +291,24 @@ def _q_ids(ctx: Context, d_params) -> Array | None:
 
 def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: int) -> DraftBlock:
     """The drafter's block for rows [0:B], its context read from rows [0:attn), with the engine's
-    attention implementation when the drafter has it (`attention_implementations`)."""
+    attention and MLP implementations when the drafter has them (`attention_implementations`,
+    `mlp_implementations`)."""
     drafter = ctx.drafter(d_params)
-    kw = {"attention": ctx.attention} if ctx.attention in getattr(drafter, "attention_implementations", ()) else {}
+    kw = {name: choice for name, choice in (("attention", ctx.attention), ("mlp", ctx.mlp))
+          if choice in getattr(drafter, f"{name}_implementations", ())}
     return drafter.propose(dstate, anchor_b, lengths_b, sa, kd, kv_len=attn, **kw)
 
 
 def _propose(ctx: Context, d_params, dstate, anchors, cache_lengths, sa, kd, sb: int,
-             attn: int) -> tuple[Array, Array, Array]:
+             attn: int, variant: str) -> tuple[Array, Array, Array]:
     """A block for rows [0:sb]: (tokens [sb, G], carried q [sb, G, N], gamma confidences [sb, gamma];
     all ones from a drafter without a confidence head). The drafter reads its context from rows
-    [0:attn) (the attention bucket covers every row's committed length)."""
+    [0:attn) (the attention bucket covers every row's committed length). A greedy round carries q
+    without columns, [sb, G, 0]: the greedy verifier does not read it (nor is it built)."""
     block = _block(ctx, d_params, dstate, anchors[:sb], cache_lengths[:sb], sa, kd, attn)
     conf = block.confidence if block.confidence is not None else jnp.ones(block.tokens.shape, jnp.float32)
-    return block.tokens, _carried_q(block), ctx.gamma_columns(conf)
+    q = _carried_q(block)
+    return block.tokens, q[:, :, :0] if variant == "greedy" else q, ctx.gamma_columns(conf)
 
 
 def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, rows, ell_b, *, attn: int, variant: str):
@@ -311,7 +316,7 @@ def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, rows, ell_b, *
     (N = V without one), gamma confidences [sb, gamma]); context read from rows [0:attn)."""
     sb = ell_b.shape[0]
     _, _, sa, kd, _ = _unpack(ctx, rows, ell_b, cache_lengths[:sb], variant)
-    return _propose(ctx, d_params, dstate, anchors, cache_lengths, sa, kd, sb, attn)
+    return _propose(ctx, d_params, dstate, anchors, cache_lengths, sa, kd, sb, attn, variant)
 
 
 def verify(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell_b, stop_ids, *,
@@ -331,7 +336,7 @@ def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, e
     lengths (column "ell") and the gamma confidences."""
     sb = ell_b.shape[0]
     ell_b, active_b, sa, kd, kv = _unpack(ctx, rows, ell_b, cache.lengths[:sb], variant)
-    draft_bg, q_bgn, conf = _propose(ctx, d_params, dstate, anchors, cache.lengths, sa, kd, sb, attn)
+    draft_bg, q_bgn, conf = _propose(ctx, d_params, dstate, anchors, cache.lengths, sa, kd, sb, attn, variant)
     filled = topk_prefix_fill(conf, k_total_1[0], active_b & (ell_b > 0), tokens - 1)  # capped rows take none
     ell = jnp.where(active_b, jnp.minimum(filled, ell_b), 0)
     return _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell, active_b, sa,
@@ -350,7 +355,7 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
     cache = cache.with_lengths(cache.lengths.at[slot_p].set(start_p, mode="drop"))
     positions = start_p[:, None] + jnp.arange(plen, dtype=jnp.int32)[None, :]
     out = target.forward(tokens_bt, positions, cache, n_valid_p, rows_b=slot_p, tap_layers=ctx.tap_layers,
-                         logits="last", kv_len=attn)
+                         logits="last", kv_len=attn, mlp=ctx.mlp)
     cache = out.cache
     if ctx.d_graph is not None:
         drafter = ctx.drafter(d_params)
@@ -384,7 +389,7 @@ def score(ctx: Context, t_params, tokens_bt, ints_4b, floats_2b):
     Returns a 1-tuple (the runner's output layout)."""
     target = nnx.merge(ctx.t_graph, t_params)
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-    out = target.forward(tokens_bt, positions, None, ints_4b[0], logits="all")
+    out = target.forward(tokens_bt, positions, None, ints_4b[0], logits="all", mlp=ctx.mlp)
     sa = _filtered_sampling(ctx, ints_4b, floats_2b)
     nxt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros_like(tokens_bt[:, :1])], axis=1)
     return (_logprobs(ctx, out.logits, sa, nxt),)

@@ -24,6 +24,7 @@ from specjax import sharding as shd
 from specjax.decoding import programs
 from specjax.models import cache as kvc
 from specjax.models.pallas_attention import check_head_dim
+from specjax.models.pallas_mlp import check_sizes as check_mlp_sizes
 from specjax.sampling import DEFAULT_TOP_K_CAP
 
 
@@ -81,7 +82,8 @@ def bucket_key(family: str, **fields: Any) -> tuple[Any, ...]:
 # resident state: "row_state" is the slots' row state (programs.RowState), replaced by the families that return it
 STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "row_state", "cache_lengths", "stop_ids")
 # per-call inputs: (shape, dtype) from the bucket sizes (+ "gamma" columns, "q_cols": the columns of
-# the q a draft carries to verify, the drafter's draft vocabulary or the target's; "q_dtype": its dtype)
+# the q a draft carries to verify, the drafter's draft vocabulary or the target's, none in a greedy
+# round; "q_dtype": its dtype)
 INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "ell_b": lambda d: ((d["rows"],), jnp.int32),
     "limits_2b": lambda d: ((2, d["rows"]), jnp.int32),
@@ -151,7 +153,7 @@ class Runner:
     def __init__(self, target: Any, drafter: Any, *, slots: int, max_len: int, gamma: int,
                  stop_ids: Sequence[int], verifier: Callable[..., Any], cache_dtype: str | None = None,
                  mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, top_k_cap: int = DEFAULT_TOP_K_CAP,
-                 attention: str = "xla", allocate: bool = True):
+                 attention: str = "xla", mlp: str = "xla", allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
         # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops
         self.mesh, self.gamma, self.max_len = mesh, gamma, max_len
@@ -189,8 +191,10 @@ class Runner:
         if attention == "pallas":
             for platform in {d.platform for d in (mesh.devices.flat if mesh is not None else jax.devices())}:
                 check_head_dim(target.config.head_dim, platform)
+        if mlp == "pallas":
+            check_mlp_sizes(target.config.hidden_size, target.config.intermediate_size)
         ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
-                               top_k_cap, attention, **shardings)
+                               top_k_cap, attention, mlp, **shardings)
         self.exes = {f.name: Executables(f.name, functools.partial(f.fn, ctx),
                                          donate_argnums=tuple(f.args.index(a) for a in f.donate),
                                          static_argnames=f.static)
@@ -253,7 +257,8 @@ class Runner:
         """Lower one bucket key from the family's argument layout (abstract state, INPUTS shapes);
         None when that key is compiled already."""
         fam = FAMILIES[family]
-        dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), q_cols=self.q_cols, q_dtype=self.q_dtype)
+        dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), q_dtype=self.q_dtype)
+        dims["q_cols"] = 0 if dims.get("variant") == "greedy" else self.q_cols  # greedy q: no columns (`draft`)
         sharding = None if self.mesh is None else shd.replicated(self.mesh)
 
         def arg(name: str) -> Any:

@@ -98,10 +98,10 @@ def chain_round_probs(p_gv: Array, q_gv: Array, draft_g: Array, ell: Array | int
     return accept_g, next_nv
 
 
-def _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_ids, q_ids_n) -> tuple[Array, ...]:
+def _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_ids, q_ids_n, greedy: bool) -> tuple[Array, ...]:
     """`verify_chain`'s inputs as typed keys, float32 p (q as carried: `_q_totals`), int32 drafts,
     lengths clipped to 0..G, flat stop ids and int32 column ids (None: q is over the whole
-    vocabulary); a shape that does not fit raises ValueError."""
+    vocabulary); a shape that does not fit raises ValueError (greedy: q may have no columns)."""
     key_b = _as_typed_key(key_b)
     p_bgv = jnp.asarray(p_bgv, jnp.float32)
     q_bgn = jnp.asarray(q_bgn)
@@ -118,8 +118,9 @@ def _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_ids, q_ids_n) -> 
         if jnp.ndim(q_ids_n) != 1 or not 1 <= n <= v:
             raise ValueError(f"q_ids_n must be [N] target ids with 1 <= N <= V = {v}, got shape {jnp.shape(q_ids_n)}")
         q_ids_n = jnp.asarray(q_ids_n, jnp.int32)
-    if q_bgn.shape != (b, g, n):
-        raise ValueError(f"q_bgn must be [B, G, N] = {(b, g, n)}, got {q_bgn.shape}")
+    if q_bgn.shape != (b, g, n) and not (greedy and q_bgn.shape == (b, g, 0)):
+        raise ValueError(f"q_bgn must be [B, G, N] = {(b, g, n)}" + (" (or [B, G, 0]: greedy)" if greedy else "")
+                         + f", got {q_bgn.shape}")
     if draft_bg.shape != (b, g):
         raise ValueError(f"draft_bg must be [B, G] = {(b, g)}, got {draft_bg.shape}")
     if key_b.shape != (b,):
@@ -187,7 +188,7 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
     Args:
       key_b: [B] typed PRNG keys (one per row, e.g. `sampling.round_key`).
       p_bgv: [B, G+1, V] target probs (already through `probs_from_logits`).
-      q_bgn: [B, G, N] draft probs the draft tokens were drawn from, over the target tokens
+      q_bgn: [B, G, N] draft probs the draft tokens were drawn from (greedy: may be [B, G, 0]), over the target tokens
         `q_ids_n` (N = V and None: the whole vocabulary in order); float32, or rounded to a lower
         precision (`sampling.draft_probs`; renormalised here, as the draws were).
       draft_bg: [B, G] int32 draft tokens.
@@ -198,7 +199,7 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
         without random bits and without reading q (a greedy drafter need not build it).
     """
     key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_e, q_ids_n = _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b,
-                                                                            stop_ids, q_ids_n)
+                                                                            stop_ids, q_ids_n, greedy)
     b, g1, v = p_bgv.shape
     g = g1 - 1
 

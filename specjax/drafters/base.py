@@ -17,7 +17,8 @@ inside its jitted round, so every method must be traceable with static shapes:
   `draft_vocab`) also returns q's columns of it (`DraftBlock.q_draft`): that is what the engine
   carries from draft to verify. A drafter whose `propose` also takes `attention=` (static: how it
   attends over its context, e.g. "pallas" for a kernel) lists the names it takes in the attribute
-  `attention_implementations`; the engine passes its `EngineConfig.attention` when listed.
+  `attention_implementations`; the engine passes its `EngineConfig.attention` when listed (likewise
+  `mlp=`, `mlp_implementations` and `EngineConfig.mlp`: how it computes its MLPs).
 * `commit(state, update)` -> state: append committed positions (write, then mask: never copy), for
   rows [0:B] where B = update.tokens.shape[0].
 

@@ -45,6 +45,7 @@ from specjax.drafters.dspark_layers import ConfidenceHead, DraftDecoderLayer, Ma
 from specjax.models import cache as kvc
 from specjax.models.layers import Linear, RMSNorm
 from specjax.models.pallas_attention import ATTENTION_IMPLEMENTATIONS
+from specjax.models.pallas_mlp import MLP_IMPLEMENTATIONS
 from specjax.sampling import SamplingArrays, draft_draw, round_key
 
 Array = jax.Array
@@ -102,12 +103,13 @@ class DSparkDrafter(nnx.Module):
     `confidence_head`. With markov_rank 0 and no confidence head it is the DFlash drafter.
 
     Protocol attributes: `gamma` (= block_size), `tap_layers` (= target_layer_ids),
-    `needs_hidden` (False), `attention_implementations`. State: a `specjax.models.cache.KVCache`
+    `needs_hidden` (False), `attention_implementations`, `mlp_implementations`. State: a `specjax.models.cache.KVCache`
     with one entry per draft layer holding the normed, rotated context keys/values [2, slots, nkv,
     max_len, hd] and `lengths[slots]`.
     """
 
     attention_implementations = ATTENTION_IMPLEMENTATIONS  # its context attention: XLA's ops or the kernel
+    mlp_implementations = MLP_IMPLEMENTATIONS  # its layers' gate/up products and SiLU gate: XLA's ops or the kernel
 
     def __init__(self, cfg: BlockDrafterConfig, *, rngs: nnx.Rngs | None = None, dtype="float32",
                  param_dtype="float32"):
@@ -276,10 +278,10 @@ class DSparkDrafter(nnx.Module):
         return kvc.KVCache(kv=kvs, lengths=state.lengths.at[:b].add(n))
 
     def block_hidden(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
-                     kv_len: int | None = None, attention: str = "xla") -> Array:
+                     kv_len: int | None = None, attention: str = "xla", mlp: str = "xla") -> Array:
         """Backbone hidden [B, K, H] of one block per row over its cached context (rows [0:kv_len)
-        of it when given: `Drafter.propose`), its attention with XLA's ops or the Pallas kernel
-        (`attention`, `DraftDecoderLayer.cached_block`)."""
+        of it when given: `Drafter.propose`), its attention and MLP with XLA's ops or the Pallas
+        kernels (`attention`, `mlp`: `DraftDecoderLayer.cached_block`)."""
         b = anchor_b.shape[0]
         kk = self.gamma
         ids = jnp.concatenate([anchor_b.astype(jnp.int32)[:, None],
@@ -287,30 +289,30 @@ class DSparkDrafter(nnx.Module):
         x = self.embed_tokens(ids)
         pos = position_b.astype(jnp.int32)[:, None] + jnp.arange(kk, dtype=jnp.int32)[None, :]
         for i, layer in enumerate(self.layers):
-            x = layer.cached_block(x, pos, state.kv[i], state.lengths[:b], kv_len, attention)
+            x = layer.cached_block(x, pos, state.kv[i], state.lengths[:b], kv_len, attention, mlp)
         return self.norm(x)
 
     def propose_with_logits(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
                             sampling: SamplingArrays, key_b: Array, kv_len: int | None = None,
-                            attention: str = "xla") -> tuple[DraftBlock, Array]:
+                            attention: str = "xla", mlp: str = "xla") -> tuple[DraftBlock, Array]:
         """`propose`, also returning the draft logits z [B, K, V] (float32) the q came from
         (-inf outside a draft vocabulary)."""
-        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, attention, with_logits=True)
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, attention, mlp, with_logits=True)
 
     def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array, sampling: SamplingArrays,
-                key_b: Array, kv_len: int | None = None, attention: str = "xla") -> DraftBlock:
+                key_b: Array, kv_len: int | None = None, attention: str = "xla", mlp: str = "xla") -> DraftBlock:
         """Propose gamma tokens per row [0:B]: the anchor at position_b sees cached context
         j < lengths[b] (read from rows [0:kv_len) when given; its attention in XLA's ops or, with
-        `attention` "pallas", one kernel per layer); tokens are sampled left to right from
-        q = draft_probs(z_k) (probs_from_logits in the drafter's dtype)."""
-        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, attention, with_logits=False)[0]
+        `attention` "pallas", one kernel per layer; likewise its MLP's gate with `mlp`); tokens are
+        sampled left to right from q = draft_probs(z_k) (probs_from_logits in the drafter's dtype)."""
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, attention, mlp, with_logits=False)[0]
 
     def _draft(self, state: kvc.KVCache, anchor_b: Array, position_b: Array, sampling: SamplingArrays,
-               key_b: Array, kv_len: int | None, attention: str, *,
+               key_b: Array, kv_len: int | None, attention: str, mlp: str, *,
                with_logits: bool) -> tuple[DraftBlock, Array | None]:
         b = anchor_b.shape[0]
         vocab = self.draft_vocab
-        h = self.block_hidden(state, anchor_b, position_b, kv_len, attention)  # [B, K, H]
+        h = self.block_hidden(state, anchor_b, position_b, kv_len, attention, mlp)  # [B, K, H]
         u = self.lm_logits(h, self.dtype)  # [B, K, N] in the compute dtype, float32 a step at a time
         head = self.markov_head
         carry0 = (head.init_carry((b,), h.dtype) if head is not None else None, dv.draft_index(vocab, anchor_b))

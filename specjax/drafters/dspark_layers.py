@@ -37,9 +37,9 @@ class DraftDecoderLayer(DecoderLayer):
         """Normed, rotated context keys and values [B, S, nkv, hd] (same k/v projections)."""
         return self.self_attn.keys_values(ctx_bsh, positions_bs)
 
-    def _mlp(self, x: Array, attn_bthd: Array) -> Array:
+    def _mlp(self, x: Array, attn_bthd: Array, mlp: str = "xla") -> Array:
         x = x + self.self_attn.output(attn_bthd)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), kernel=mlp == "pallas")
 
     def train_block(self, x_bth: Array, positions_bt: Array, ctx_bsh: Array, ctx_positions_bs: Array,
                     mask_bt_s_plus_t: Array) -> Array:
@@ -53,23 +53,24 @@ class DraftDecoderLayer(DecoderLayer):
         return self._mlp(x_bth, gqa_attention(q, k, v, mask_bt_s_plus_t))
 
     def cached_block(self, x_bth: Array, positions_bt: Array, kv_2skmd: Array, lengths_b: Array,
-                     kv_len: int | None = None, attention: str = "xla") -> Array:
+                     kv_len: int | None = None, attention: str = "xla", mlp: str = "xla") -> Array:
         """One block per row [0:B] attends to its whole block and to its cached context, rows
         [0:lengths[b]) of the layer's key/value buffer [2, slots, nkv, max_len, hd] (read within
         [0:kv_len)): with XLA's ops ("xla") or in one Pallas kernel ("pallas",
-        `pallas_attention.context_block_attention`)."""
+        `pallas_attention.context_block_attention`); its MLP's gate and up products and SiLU gate
+        with XLA's ops or in one kernel (`mlp` "pallas", `pallas_mlp.gated_projection`)."""
         b, t, _ = x_bth.shape
         xn = self.input_layernorm(x_bth)
         q = self.self_attn.queries(xn, positions_bt)
         k_blk, v_blk = self.self_attn.keys_values(xn, positions_bt)
         if attention == "pallas":
-            return self._mlp(x_bth, context_block_attention(q, kv_2skmd, lengths_b, k_blk, v_blk, kv_len=kv_len))
+            return self._mlp(x_bth, context_block_attention(q, kv_2skmd, lengths_b, k_blk, v_blk, kv_len=kv_len), mlp)
         k_ctx, v_ctx = kvc.read_kv(kv_2skmd, b, kv_len=kv_len)
         mask_ctx = jnp.broadcast_to(jnp.arange(k_ctx.shape[2])[None, None, :] < lengths_b[:, None, None],
                                     (b, t, k_ctx.shape[2]))
         attn = attend_context_and_block(q, k_ctx, v_ctx, mask_ctx, k_blk.astype(k_ctx.dtype),
                                         v_blk.astype(v_ctx.dtype), jnp.ones((b, t, t), bool))
-        return self._mlp(x_bth, attn)
+        return self._mlp(x_bth, attn, mlp)
 
 
 

@@ -27,6 +27,7 @@ from flax import nnx
 from specjax.config import TargetConfig
 from specjax.models import cache as kvc
 from specjax.models.pallas_attention import ATTENTION_IMPLEMENTATIONS, cached_attention
+from specjax.models.pallas_mlp import MLP_IMPLEMENTATIONS
 from specjax.models.layers import (Embed, FusedLinear, FusedSwiGLU, Linear, RMSNorm, attend, fuse_qkv,
                                    init_decoder_layer, init_kernel, rope_tables, rotate)
 
@@ -50,6 +51,7 @@ class LayerInputs(NamedTuple):
     rows: Array | None  # [B] cache slots of the rows (None: slots [0:B])
     kv_len: int | None  # attention reads cache rows [0:kv_len] (None: all)
     kernel: bool = False  # attention and the cache write by the Pallas kernel (`pallas_attention`)
+    mlp_kernel: bool = False  # the MLP's gate/up product and SiLU gate by the Pallas kernel (`pallas_mlp`)
 
 
 class Attention(nnx.Module):
@@ -125,7 +127,7 @@ class DecoderLayer(nnx.Module):
         xw, ss = self.input_layernorm.factored(x, sum_square=True)
         a, new_kv = self.self_attn(xw, li, kv_cache, self.input_layernorm, ss)
         x = x + a
-        return x + self.mlp(*self.post_attention_layernorm.factored(x)), new_kv
+        return x + self.mlp(*self.post_attention_layernorm.factored(x), kernel=li.mlp_kernel), new_kv
 
 
 class DecoderStack(nnx.Module):
@@ -160,7 +162,7 @@ class CausalLM(nnx.Module):
     def forward(self, tokens_bt: Array, positions_bt: Array, cache: kvc.KVCache | None = None,
                 valid_b: Array | None = None, *, rows_b: Array | None = None,
                 tap_layers: Sequence[int] = (), logits: str = "all", kv_len: int | None = None,
-                attention: str = "xla") -> ForwardOut:
+                attention: str = "xla", mlp: str = "xla") -> ForwardOut:
         """Run the decoder. `valid_b` [B] is each row's count of real tokens (default T).
 
         With a cache, token t of row b is written at cache row lengths[b] + t and sees cache rows
@@ -171,6 +173,7 @@ class CausalLM(nnx.Module):
         lengths + T <= kv_len for every row whose outputs it uses). `logits` is "all", "last" (at
         the last valid token of each row) or "none". `attention` "pallas" attends over the cache of
         rows [0:B] in one kernel per layer (`pallas_attention`; other calls use XLA's ops, "xla").
+        `mlp` "pallas" computes each MLP's gate/up product and SiLU gate in one kernel (`pallas_mlp`).
         """
         cfg = self.config
         b, t = tokens_bt.shape
@@ -181,7 +184,9 @@ class CausalLM(nnx.Module):
                 raise ValueError(f"tap layer id {lid} out of range [-1, {cfg.num_hidden_layers})")
         if attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {attention!r}")
-        li = self._layer_inputs(positions_bt, valid_b, cache, rows_b, kv_len)
+        if mlp not in MLP_IMPLEMENTATIONS:
+            raise ValueError(f"mlp must be one of {MLP_IMPLEMENTATIONS}, got {mlp!r}")
+        li = self._layer_inputs(positions_bt, valid_b, cache, rows_b, kv_len)._replace(mlp_kernel=mlp == "pallas")
         if attention == "pallas" and cache is not None and rows_b is None:
             li = li._replace(kernel=True)
         x = self.model.embed_tokens(tokens_bt)

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.models.pallas_mlp import gated_projection
+
 Array = jax.Array
 _INIT_STD = 0.02
 
@@ -107,8 +109,17 @@ class SwiGLU(nnx.Module):
         self.up_proj = Linear(hidden, inner, logical_axes=("embed", "mlp"), **kw)
         self.down_proj = Linear(inner, hidden, logical_axes=("mlp", "embed"), **kw)
 
-    def __call__(self, x: Array) -> Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: Array, kernel: bool = False) -> Array:
+        """x [..., H] -> [..., H]; `kernel`: the gate and up products and the SiLU gate in one Pallas
+        kernel (`pallas_mlp.gated_projection`)."""
+        if not kernel:
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_proj.bias is not None or self.up_proj.bias is not None:
+            raise ValueError("mlp 'pallas' takes gate and up projections without a bias")
+        lead, h = x.shape[:-1], x.shape[-1]
+        gated = gated_projection(x.astype(self.gate_proj.dtype).reshape(-1, h),
+                                 (self.gate_proj.kernel[...], self.up_proj.kernel[...]))
+        return self.down_proj(gated.reshape(*lead, -1))
 
 
 class FusedLinear(nnx.Module):
@@ -177,9 +188,19 @@ class FusedSwiGLU(nnx.Module):
         self.down_proj = Linear(inner, hidden, logical_axes=("mlp", "embed"), rngs=rngs, dtype=dtype,
                                 param_dtype=param_dtype)
 
-    def __call__(self, x: Array, row_scale: Array | None = None) -> Array:
-        y = self.gate_up_proj(x, row_scale)
-        return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :])
+    def __call__(self, x: Array, row_scale: Array | None = None, kernel: bool = False) -> Array:
+        """x [..., H] -> [..., H]; `row_scale` [..., 1] as `FusedLinear`'s. `kernel`: the gate/up
+        product and the SiLU gate in one Pallas kernel (`pallas_mlp.gated_projection`)."""
+        if not kernel:
+            y = self.gate_up_proj(x, row_scale)
+            return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :])
+        if self.gate_up_proj.bias is not None:
+            raise ValueError("mlp 'pallas' takes a gate/up projection without a bias")
+        lead, h = x.shape[:-1], x.shape[-1]
+        scale = None if row_scale is None else row_scale.reshape(-1)
+        gated = gated_projection(x.astype(self.gate_up_proj.dtype).reshape(-1, h), self.gate_up_proj.kernel[...],
+                                 scale)
+        return self.down_proj(gated.reshape(*lead, -1))
 
 
 def init_decoder_layer(layer: nnx.Module, cfg: Any, attention: type, mlp: type, *, rngs: nnx.Rngs,
