@@ -188,9 +188,10 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
     Args:
       key_b: [B] typed PRNG keys (one per row, e.g. `sampling.round_key`).
       p_bgv: [B, G+1, V] target probs (already through `probs_from_logits`).
-      q_bgn: [B, G, N] draft probs the draft tokens were drawn from (greedy: may be [B, G, 0]), over the target tokens
+      q_bgn: [B, G, N] draft probs the draft tokens were drawn from, over the target tokens
         `q_ids_n` (N = V and None: the whole vocabulary in order); float32, or rounded to a lower
-        precision (`sampling.draft_probs`; renormalised here, as the draws were).
+        precision (`sampling.draft_probs`; renormalised here, as the draws were). Greedy: may be
+        [B, G, 0] (not read).
       draft_bg: [B, G] int32 draft tokens.
       ell_b: [B] int32 in 0..G (values outside are clipped): how many drafts each row verifies.
       stop_ids: [E] int32 stop tokens (E may be 0; -1 entries are padding).

@@ -103,9 +103,9 @@ class DSparkDrafter(nnx.Module):
     `confidence_head`. With markov_rank 0 and no confidence head it is the DFlash drafter.
 
     Protocol attributes: `gamma` (= block_size), `tap_layers` (= target_layer_ids),
-    `needs_hidden` (False), `attention_implementations`, `mlp_implementations`. State: a `specjax.models.cache.KVCache`
-    with one entry per draft layer holding the normed, rotated context keys/values [2, slots, nkv,
-    max_len, hd] and `lengths[slots]`.
+    `needs_hidden` (False), `attention_implementations`, `mlp_implementations`. State: a
+    `specjax.models.cache.KVCache` with one entry per draft layer holding the normed, rotated
+    context keys/values [2, slots, nkv, max_len, hd] and `lengths[slots]`.
     """
 
     attention_implementations = ATTENTION_IMPLEMENTATIONS  # its context attention: XLA's ops or the kernel
