@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -183,3 +184,31 @@ def compiled_text(eng) -> str:
     """The optimised HLO of every program the engine compiled (a Pallas kernel, interpreted on CPU,
     keeps its name in the ops' metadata)."""
     return "\n".join(exe.as_text() for family in eng.runner.exes.values() for exe in family._compiled.values())
+
+
+def block_drafter_blocks(**propose_kw) -> tuple[CausalLM, nnx.Module, dict[str, DraftBlock],
+                                              Callable[..., DraftBlock]]:
+    """A tiny target (vocab 16), a DSpark drafter on it (2 layers, block 3, Markov head, confidence
+    head) whose context holds two rows' prompts, the drafter's blocks for both rows with XLA's ops
+    and with the Pallas kernel ({"xla": ..., "pallas": ...} from `propose(**propose_kw)` with the
+    one key whose value is None, e.g. attention=None, set to each), and `propose(**kw)`, the
+    drafter's proposal for those rows."""
+    from specjax.drafters.dspark import BlockDrafterConfig, make_block_drafter
+    vocab = 16
+    model = tiny_target(vocab, seed=5, init_scale=2.0)
+    cfg = model.config
+    drafter = make_block_drafter(model, cfg, BlockDrafterConfig.from_target(
+        cfg, target_layer_ids=(0, 1), mask_token_id=vocab - 1, num_draft_layers=2, block_size=3, markov_rank=8,
+        confidence_head=True), nnx.Rngs(4))
+    toks = jnp.asarray(np.random.default_rng(2).integers(0, vocab, (2, 12)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+    n_valid = jnp.array([12, 9], jnp.int32)
+    out = model.forward(toks, pos, valid_b=n_valid, tap_layers=drafter.tap_layers)
+    state = drafter.commit(drafter.init_state(2, 32), ContextUpdate(toks, pos, jnp.concatenate(out.taps, -1),
+                                                                    out.hidden, n_valid))
+    sa, keys = SamplingArrays.broadcast(2, 1.0), jax.random.split(jax.random.key(0), 2)
+
+    def propose(**kw) -> DraftBlock:
+        return drafter.propose(state, toks[:, 0], n_valid, sa, keys, **kw)
+    choice = next(k for k, v in propose_kw.items() if v is None)
+    return model, drafter, {impl: propose(**{**propose_kw, choice: impl}) for impl in ("xla", "pallas")}, propose

@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 try:
-    from tests.engine_fixtures import BigramDrafter, compiled_text, greedy_outputs, tiny_target
+    from tests.engine_fixtures import BigramDrafter, block_drafter_blocks, compiled_text, greedy_outputs, tiny_target
 except ImportError:  # tests/ itself on sys.path
-    from engine_fixtures import BigramDrafter, compiled_text, greedy_outputs, tiny_target
+    from engine_fixtures import BigramDrafter, block_drafter_blocks, compiled_text, greedy_outputs, tiny_target
 
 from specjax.decoding.engine import EngineConfig
 from specjax.models import cache as kvc
@@ -282,28 +282,12 @@ def test_block_drafter_with_the_kernel_proposes_and_decodes_as_with_xla():
     XLA's within rounding (same tokens, q within 1e-5); through the engine (fixed verification) its
     greedy output equals plain decoding's with drafts verified, and its programs hold the kernel (the
     engine passed the drafter its attention), where the drafter's default block does not (control)."""
-    from specjax.drafters.base import ContextUpdate
-    from specjax.drafters.dspark import BlockDrafterConfig, make_block_drafter
-    from specjax.sampling import SamplingArrays
-    vocab = 16
-    model = tiny_target(vocab, seed=5, init_scale=2.0)
-    cfg = model.config
-    drafter = make_block_drafter(model, cfg, BlockDrafterConfig.from_target(
-        cfg, target_layer_ids=(0, 1), mask_token_id=vocab - 1, num_draft_layers=2, block_size=3, markov_rank=8,
-        confidence_head=True), nnx.Rngs(4))
-    toks = jnp.asarray(np.random.default_rng(2).integers(0, vocab, (2, 12)), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
-    n_valid = jnp.array([12, 9], jnp.int32)
-    out = model.forward(toks, pos, valid_b=n_valid, tap_layers=drafter.tap_layers)
-    state = drafter.commit(drafter.init_state(2, 32), ContextUpdate(toks, pos, jnp.concatenate(out.taps, -1),
-                                                                    out.hidden, n_valid))
-    sa, keys = SamplingArrays.broadcast(2, 1.0), jax.random.split(jax.random.key(0), 2)
-    blocks = {a: drafter.propose(state, toks[:, 0], n_valid, sa, keys, kv_len=16, attention=a) for a in ("xla", "pallas")}
+    model, drafter, blocks, propose = block_drafter_blocks(attention=None, kv_len=16)
     np.testing.assert_array_equal(blocks["pallas"].tokens, blocks["xla"].tokens)
     np.testing.assert_allclose(blocks["pallas"].q, blocks["xla"].q, atol=1e-5, rtol=0)
     plain, _, _ = greedy_outputs(model)
     spec, drafted, eng = greedy_outputs(model, drafter, attention="pallas")
     assert spec == plain and drafted > 0
     assert "specjax_context_block_attention" in compiled_text(eng)
-    xla_block = jax.make_jaxpr(lambda st: drafter.propose(st, toks[:, 0], n_valid, sa, keys, kv_len=16))(state)
+    xla_block = jax.make_jaxpr(lambda: propose(kv_len=16))()
     assert "specjax_context_block_attention" not in str(xla_block)  # control: XLA's ops by default

@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 try:
-    from tests.engine_fixtures import compiled_text, greedy_outputs, tiny_target
+    from tests.engine_fixtures import block_drafter_blocks, compiled_text, greedy_outputs, tiny_target
 except ImportError:  # tests/ itself on sys.path
-    from engine_fixtures import compiled_text, greedy_outputs, tiny_target
+    from engine_fixtures import block_drafter_blocks, compiled_text, greedy_outputs, tiny_target
 
 from specjax.decoding.engine import EngineConfig
 from specjax.decoding.runner import bucket_key
@@ -100,23 +100,7 @@ def test_engine_and_block_drafter_with_the_kernel_decode_as_with_xla():
     drafts verified; the engine's programs hold the kernel (the drafter's own draft program too:
     the engine passed it its mlp), the default engine's none (control). A bad name is refused at
     construction."""
-    from specjax.drafters.base import ContextUpdate
-    from specjax.drafters.dspark import BlockDrafterConfig, make_block_drafter
-    from specjax.sampling import SamplingArrays
-    vocab = 16
-    model = tiny_target(vocab, seed=5, init_scale=2.0)
-    cfg = model.config
-    drafter = make_block_drafter(model, cfg, BlockDrafterConfig.from_target(
-        cfg, target_layer_ids=(0, 1), mask_token_id=vocab - 1, num_draft_layers=2, block_size=3, markov_rank=8,
-        confidence_head=True), nnx.Rngs(4))
-    toks = jnp.asarray(np.random.default_rng(2).integers(0, vocab, (2, 12)), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
-    n_valid = jnp.array([12, 9], jnp.int32)
-    out = model.forward(toks, pos, valid_b=n_valid, tap_layers=drafter.tap_layers)
-    state = drafter.commit(drafter.init_state(2, 32), ContextUpdate(toks, pos, jnp.concatenate(out.taps, -1),
-                                                                    out.hidden, n_valid))
-    sa, keys = SamplingArrays.broadcast(2, 1.0), jax.random.split(jax.random.key(0), 2)
-    blocks = {m: drafter.propose(state, toks[:, 0], n_valid, sa, keys, mlp=m) for m in ("xla", "pallas")}
+    model, drafter, blocks, _ = block_drafter_blocks(mlp=None)
     np.testing.assert_array_equal(blocks["pallas"].tokens, blocks["xla"].tokens)
     np.testing.assert_allclose(blocks["pallas"].q, blocks["xla"].q, atol=1e-5, rtol=0)
     plain, _, default = greedy_outputs(model)
