@@ -64,8 +64,9 @@ def _engine(target, drafter, policy: str, max_slots: int, max_len: int, gamma: i
 
 
 def closed_loop(engine, prompts: list[list[int]], concurrency: int, n_requests: int, max_tokens: int,
-                temperature: float = 1.0) -> dict:
-    """Keep `concurrency` requests in flight until `n_requests` are done."""
+                temperature: float = 1.0, keep_outputs: bool = False) -> dict:
+    """Keep `concurrency` requests in flight until `n_requests` are done (`keep_outputs`: also
+    each request's output ids, under "outputs" by request id)."""
     from specjax.decoding.engine import EngineRequest
     ells: list[int] = []
     kinds: dict[str, int] = {}
@@ -94,7 +95,8 @@ def closed_loop(engine, prompts: list[list[int]], concurrency: int, n_requests: 
     return {"concurrency": concurrency, "requests": n_requests, "tokens": tokens, "seconds": wall,
             "aggregate_tokens_per_s": tokens / wall, "per_user_tokens_per_s": float(np.mean(per_user)),
             "mean_verification_length": float(np.mean(ells)) if ells else 0.0,
-            "tau": float(np.mean(tau)) if tau else 1.0, "rounds_by_kind": kinds}
+            "tau": float(np.mean(tau)) if tau else 1.0, "rounds_by_kind": kinds,
+            **({"outputs": {r.request_id: list(r.output_ids) for r in done}} if keep_outputs else {})}
 
 
 def median_run(runs: list[dict]) -> dict:

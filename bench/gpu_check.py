@@ -203,6 +203,15 @@ def _markdown(res: dict[str, Any]) -> str:
         rows.append([e] + cells)
     lines += [md_table(["engine"] + [f"C={c}" for c in cs], rows, align="l" + "r" * len(cs)), ""]
     lines += _reading(res, curve, plain_s, tput)
+    agree = greedy_agreement(res)
+    if agree:
+        lines += ["## Greedy outputs", "",
+                  "Each prompt once at temperature 0 (untimed), each drafting engine's outputs against the "
+                  "plain engine's in the same run (same kernels): speculative decoding is lossless, so they "
+                  "must match, up to near-ties that a different rounding order breaks the other way.", ""]
+        lines += [md_table(["engine", "requests equal to plain", "first differing token (earliest)"],
+                           [[e, f"{a['equal']} of {a['requests']}", "-" if a["first_difference"] is None
+                             else a["first_difference"]] for e, a in agree.items()], align="lrr"), ""]
     if res.get("phases"):
         lines += ["## Phases", ""]
         rows = [[k, v.get("status", "?"), f"{v.get('seconds', 0):.0f}",
@@ -210,6 +219,24 @@ def _markdown(res: dict[str, Any]) -> str:
                 for k, v in res["phases"].items()]
         lines += [md_table(["phase", "status", "seconds", "of which compiling", "note"], rows, align="llrrl"), ""]
     return "\n".join(lines)
+
+
+def greedy_agreement(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per drafting engine of the run: how many of its greedy outputs equal the plain engine's, and
+    the earliest token at which one differs (None: all equal). Empty without the plain engine's."""
+    outs = res.get("greedy_outputs", {})
+    plain = outs.get("plain")
+    if plain is None:
+        return {}
+    agree = {}
+    for engine in ENGINES[1:]:
+        if engine not in outs:
+            continue
+        diffs = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                 for a, b in zip(outs[engine], plain) if a != b]
+        agree[engine] = {"equal": len(plain) - len(diffs), "requests": len(plain),
+                         "first_difference": min(diffs) if diffs else None}
+    return agree
 
 
 def _reading(res: dict[str, Any], curve: dict, plain_s: dict, tput: dict) -> list[str]:
@@ -331,6 +358,12 @@ def _engine(target, drafter, policy: str, p: Preset, tokens: tuple[int, ...], pr
 
 def _throughput(rec: Recorder, engine, name: str, p: Preset, prompts) -> None:
     from bench.frontier import closed_loop
+    # greedy outputs of every prompt once (untimed), against the plain engine's: a drafting engine's
+    # must equal them (lossless) whatever kernels the run uses, up to ties the rounding breaks apart
+    greedy = closed_loop(engine, prompts, min(len(prompts), p.concurrency[-1]), len(prompts), p.max_tokens,
+                         temperature=0.0, keep_outputs=True)["outputs"]
+    in_order = [greedy[k] for k in sorted(greedy, key=int)]
+    rec.update(lambda res: res.setdefault("greedy_outputs", {}).update({name: in_order}))
     for c in p.concurrency:  # untimed, one wave: first calls of every bucket it uses stay out
         closed_loop(engine, prompts, c, c, p.max_tokens)
     for c in p.concurrency:

@@ -52,9 +52,15 @@ def test_tiny_run_measures_every_phase_and_writes_outputs(tmp_path):
         assert r["requests"] == 2 * c and r["tokens"] == 2 * c * p.max_tokens, (engine, c)
         assert r["tokens_per_s"] > 0
     assert got[("plain", 1)]["tau"] == 1.0 and got[("dspark-fixed", 1)]["tau"] > 1.0
+    # every engine's greedy outputs of the prompts, the drafting engines' equal to plain's (lossless)
+    assert set(res["greedy_outputs"]) == set(gpu_check.ENGINES)
+    assert all(len(o) == 16 and all(len(x) == p.max_tokens for x in o) for o in res["greedy_outputs"].values())
+    assert gpu_check.greedy_agreement(res) == {e: {"equal": 16, "requests": 16, "first_difference": None}
+                                              for e in gpu_check.ENGINES[1:]}
     assert (out / "gpu_check.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "gpu_check.md").read_text()
     assert "Command: `python -m bench.gpu_check --tiny`" in md and "complete" in md
+    assert "| dspark-fixed | 16 of 16 | - |" in md
     text = docs.read_text()
     assert "kept as it is" in text and "## GPU check: tiny-shaped target" in text
     assert "[gpu_check](#gpu-check-tiny-shaped-target-random-weights)" in text
@@ -154,3 +160,15 @@ def test_pallas_kernels_run_writes_its_own_outputs(tmp_path):
     assert {r["engine"] for r in res["throughput"]} == {"plain"}
     assert "Command: `python -m bench.gpu_check --tiny --attention pallas --mlp pallas --phases plain`" in (
         out / "gpu_check_pallas_mlp_pallas.md").read_text()
+
+
+def test_greedy_agreement_counts_outputs_that_differ_from_plain():
+    """A drafting engine's output that differs from plain's at token 3 counts as unequal with its
+    first difference; an engine not run is left out, and without plain's outputs nothing is compared."""
+    plain = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    res = {"greedy_outputs": {"plain": plain, "dspark-fixed": [[1, 2, 3, 0, 5], [6, 7, 8, 9, 10]],
+                              "dspark-confidence": [list(x) for x in plain]}}
+    assert gpu_check.greedy_agreement(res) == {
+        "dspark-confidence": {"equal": 2, "requests": 2, "first_difference": None},
+        "dspark-fixed": {"equal": 1, "requests": 2, "first_difference": 3}}
+    assert gpu_check.greedy_agreement({"greedy_outputs": {"dspark-fixed": plain}}) == {}
