@@ -277,6 +277,12 @@ def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, ell_b,
                           sa, kv, stop_ids, tokens, attn, logprobs, conf_bg=conf)
 
 
+def carried_q_columns(variant: str | None, n: int) -> int:
+    """Columns of the q a draft carries to verify in a round of `variant`: n (the drafter's draft
+    vocabulary or the target's), none in a greedy round (the greedy verifier reads no q)."""
+    return 0 if variant == "greedy" else n
+
+
 def _carried_q(block: DraftBlock) -> Array:
     """The q a block carries to verification: over the drafter's draft vocabulary when it has one
     ([B, G, N], columns `_q_ids`), else over the whole vocabulary ([B, G, V])."""
@@ -304,11 +310,11 @@ def _propose(ctx: Context, d_params, dstate, anchors, cache_lengths, sa, kd, sb:
     """A block for rows [0:sb]: (tokens [sb, G], carried q [sb, G, N], gamma confidences [sb, gamma];
     all ones from a drafter without a confidence head). The drafter reads its context from rows
     [0:attn) (the attention bucket covers every row's committed length). A greedy round carries q
-    without columns, [sb, G, 0]: the greedy verifier does not read it (nor is it built)."""
+    without columns (`carried_q_columns`), so it is never built."""
     block = _block(ctx, d_params, dstate, anchors[:sb], cache_lengths[:sb], sa, kd, attn)
     conf = block.confidence if block.confidence is not None else jnp.ones(block.tokens.shape, jnp.float32)
     q = _carried_q(block)
-    return block.tokens, q[:, :, :0] if variant == "greedy" else q, ctx.gamma_columns(conf)
+    return block.tokens, q[:, :, :carried_q_columns(variant, q.shape[-1])], ctx.gamma_columns(conf)
 
 
 def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, rows, ell_b, *, attn: int, variant: str):

@@ -258,7 +258,7 @@ class Runner:
         None when that key is compiled already."""
         fam = FAMILIES[family]
         dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), q_dtype=self.q_dtype)
-        dims["q_cols"] = 0 if dims.get("variant") == "greedy" else self.q_cols  # greedy q: no columns (`draft`)
+        dims["q_cols"] = programs.carried_q_columns(dims.get("variant"), self.q_cols)
         sharding = None if self.mesh is None else shd.replicated(self.mesh)
 
         def arg(name: str) -> Any:

@@ -100,6 +100,13 @@ class RMSNorm(nnx.Module):
         return (xf * self.weight[...].astype(jnp.float32)).astype(self.dtype), factor
 
 
+def _gated_then_down(x: Array, gate_up: Any, row_scale: Array | None, dtype: Any, down_proj: "Linear") -> Array:
+    """down_proj of `pallas_mlp.gated_projection` of x [..., H] (rows flattened for the kernel)."""
+    lead, h = x.shape[:-1], x.shape[-1]
+    scale = None if row_scale is None else row_scale.reshape(-1)
+    return down_proj(gated_projection(x.astype(dtype).reshape(-1, h), gate_up, scale).reshape(*lead, -1))
+
+
 class SwiGLU(nnx.Module):
     """Qwen3 MLP: down(silu(gate(x)) * up(x))."""
 
@@ -116,10 +123,8 @@ class SwiGLU(nnx.Module):
             return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
         if self.gate_proj.bias is not None or self.up_proj.bias is not None:
             raise ValueError("mlp 'pallas' takes gate and up projections without a bias")
-        lead, h = x.shape[:-1], x.shape[-1]
-        gated = gated_projection(x.astype(self.gate_proj.dtype).reshape(-1, h),
-                                 (self.gate_proj.kernel[...], self.up_proj.kernel[...]))
-        return self.down_proj(gated.reshape(*lead, -1))
+        return _gated_then_down(x, (self.gate_proj.kernel[...], self.up_proj.kernel[...]), None, self.gate_proj.dtype,
+                                self.down_proj)
 
 
 class FusedLinear(nnx.Module):
@@ -196,11 +201,7 @@ class FusedSwiGLU(nnx.Module):
             return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :])
         if self.gate_up_proj.bias is not None:
             raise ValueError("mlp 'pallas' takes a gate/up projection without a bias")
-        lead, h = x.shape[:-1], x.shape[-1]
-        scale = None if row_scale is None else row_scale.reshape(-1)
-        gated = gated_projection(x.astype(self.gate_up_proj.dtype).reshape(-1, h), self.gate_up_proj.kernel[...],
-                                 scale)
-        return self.down_proj(gated.reshape(*lead, -1))
+        return _gated_then_down(x, self.gate_up_proj.kernel[...], row_scale, self.gate_up_proj.dtype, self.down_proj)
 
 
 def init_decoder_layer(layer: nnx.Module, cfg: Any, attention: type, mlp: type, *, rngs: nnx.Rngs,

@@ -29,11 +29,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from specjax.models.pallas_triton import TRITON_MIN_DOT, on_platform, power_of_two_block
+
 Array = jax.Array
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "pallas")  # CausalLM.forward(attention=...), EngineConfig.attention
-MIN_QUERY_ROWS = 16  # Triton's dot needs >= 16 rows: a kv head's block of queries has at least 16
-MIN_KEY_BLOCK = 16  # and >= 16 keys per block
+MIN_QUERY_ROWS = TRITON_MIN_DOT  # a kv head's block of queries has at least 16 rows (Triton's dot)
+MIN_KEY_BLOCK = TRITON_MIN_DOT  # and >= 16 keys per block
 DEFAULT_BLOCK_K = 128
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -194,7 +196,7 @@ def _key_blocks(max_len: int, kv_len: int | None, block_k: int) -> tuple[int, in
     kv_len = max_len if kv_len is None else kv_len
     if not 0 < kv_len <= max_len:
         raise ValueError(f"kv_len {kv_len} outside [1, cache max_len {max_len}]")
-    block_k = min(block_k, kv_len & -kv_len)
+    block_k = power_of_two_block(kv_len, block_k)
     if block_k < MIN_KEY_BLOCK:
         raise ValueError(f"attention 'pallas' needs an attention length (kv_len or the cache's max_len) that is "
                          f"a multiple of {MIN_KEY_BLOCK}, got {kv_len}")
@@ -272,8 +274,7 @@ def cached_attention(qkv_btkjd: Array, kv_2skmd: Array, lengths_b: Array, cos_bt
         )(lengths_b.astype(jnp.int32), *(x.astype(jnp.float32) for x in (cos_bth, sin_bth, cos_bth, sin_bth)),
           ss_bt, ss_bt, ones if q_norm is None else q_norm, ones if k_norm is None else k_norm, qkv_btkjd, qkv_btkjd,
           qkv_btkjd, kv_2skmd)
-    # the platform the program is lowered for picks: Triton on CUDA, the interpreter elsewhere
-    return jax.lax.platform_dependent(cuda=lambda: call(False), default=lambda: call(True))
+    return on_platform(call)
 
 
 def _block_kernel(len_ref, q_ref, k_ref, v_ref, kv_ref, o_ref, *, t: int, g: int, block_k: int, blocks: int) -> None:
@@ -318,4 +319,4 @@ def context_block_attention(q_bthd: Array, kv_2skmd: Array, lengths_b: Array, k_
             compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
         )(lengths_b.astype(jnp.int32), q_bthd.reshape(b, t, nkv, g, hd), k_blk_bthd.astype(kv_2skmd.dtype),
           v_blk_bthd.astype(kv_2skmd.dtype), kv_2skmd)
-    return jax.lax.platform_dependent(cuda=lambda: call(False), default=lambda: call(True)).reshape(b, t, nh, hd)
+    return on_platform(call).reshape(b, t, nh, hd)

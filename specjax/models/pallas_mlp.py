@@ -26,18 +26,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from specjax.models.pallas_triton import TRITON_MIN_DOT, on_platform, power_of_two_block
+
 Array = jax.Array
 
 MLP_IMPLEMENTATIONS = ("xla", "pallas")  # CausalLM.forward(mlp=...), EngineConfig.mlp
-MIN_BLOCK = 16  # Triton's matmul: every side of a block product >= 16
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64  # the largest blocks used (smaller where M, F or H ask)
 
 
 def _power_block(n: int, cap: int, what: str) -> int:
-    """The largest power of two dividing n up to `cap` (>= MIN_BLOCK, else refused naming `what`)."""
-    block = min(cap, n & -n)
-    if block < MIN_BLOCK:
-        raise ValueError(f"mlp 'pallas' needs {what} to be a multiple of {MIN_BLOCK}, got {n}")
+    """The largest power of two dividing n up to `cap` (>= Triton's 16, else refused naming `what`)."""
+    block = power_of_two_block(n, cap)
+    if block < TRITON_MIN_DOT:
+        raise ValueError(f"mlp 'pallas' needs {what} to be a multiple of {TRITON_MIN_DOT}, got {n}")
     return block
 
 
@@ -88,7 +89,7 @@ def gated_projection(x_mh: Array, gate_up: Array | tuple[Array, Array], row_scal
     if row_scale_m is not None and row_scale_m.shape != (m,):
         raise ValueError(f"row_scale_m must be [M] = {(m,)}, got {row_scale_m.shape}")
     bk, bn = _power_block(h, block_k, "the hidden size"), _power_block(f, block_n, "the MLP size")
-    bm = max(MIN_BLOCK, min(block_m, pl.next_power_of_2(m)))
+    bm = max(TRITON_MIN_DOT, min(block_m, pl.next_power_of_2(m)))
     kernel = functools.partial(_kernel, m=m, block_k=bk, steps=h // bk)
     if fused:  # one operand: the kernel reads each column block's gate and up halves from it
         halves, weights = [pl.BlockSpec((h, 2, bn), lambda i, j: (0, 0, j))], (gate_up,)
@@ -104,5 +105,4 @@ def gated_projection(x_mh: Array, gate_up: Array | tuple[Array, Array], row_scal
             name="specjax_gated_projection",
             compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=3),
         )(scale, x_mh, *weights)
-    # the platform the program is lowered for picks: Triton on CUDA, the interpreter elsewhere
-    return jax.lax.platform_dependent(cuda=lambda: call(False), default=lambda: call(True))
+    return on_platform(call)
