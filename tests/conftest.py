@@ -41,3 +41,18 @@ jax.config.update("jax_compilation_cache_dir", run_dir("specjax-jit-cache-"))
 jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_traces_around_patches(request):
+    """Engines of equal contexts share traced programs (decoding.runner._jitted): a test that may
+    swap a function the programs call (monkeypatch) traces afresh, and leaves no patched trace."""
+    patching = "monkeypatch" in request.fixturenames
+    if patching:
+        jax.clear_caches()
+    yield
+    if patching:
+        jax.clear_caches()

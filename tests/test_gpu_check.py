@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check
+from conftest import run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 OTHER_SECTION = "## Scheduler latency\n\nCommand: `python -m bench.scheduler` â€” results: " \
@@ -22,7 +23,8 @@ OTHER_SECTION = "## Scheduler latency\n\nCommand: `python -m bench.scheduler` â€
 
 
 def _run(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, SPECJAX_COMPILATION_CACHE=str(tmp_path / "jit"), PYTHONPATH=str(ROOT))
+    # the run's compilation cache: these runs share their plain engine's and target's programs
+    env = dict(os.environ, SPECJAX_COMPILATION_CACHE=run_dir("specjax-jit-cache-"), PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -206,9 +206,6 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.queue) or self.num_active > 0 or self._pending is not None or bool(self._unread)
 
-    def _free_slot(self) -> int:
-        return next((i for i, r in enumerate(self.slot_req) if r is None), -1)
-
     def _seed_key(self, req: EngineRequest) -> np.ndarray:
         """A request's base key (`seed_key_data`); unseeded: the engine's seed and a counter (never small)."""
         if req.seed is not None:
@@ -219,11 +216,12 @@ class Engine:
     def _admit_waiting(self) -> None:
         """Move queued requests into free slots and prefill them (up to `prefill_batches[-1]` prompts per
         call, long prompts chunked). First tokens stay on the device; the host reads them in `_collect`."""
-        while self.queue and self._free_slot() >= 0:
+        free = [i for i, r in enumerate(self.slot_req) if r is None][::-1]  # lowest slot last: popped first
+        while self.queue and free:
             batch: list[EngineRequest] = []
-            while self.queue and len(batch) < self.prefill_batches[-1] and self._free_slot() >= 0:
+            while self.queue and len(batch) < self.prefill_batches[-1] and free:
                 req = self.queue.pop(0)
-                req.slot = self._free_slot()
+                req.slot = free.pop()
                 self.slot_req[req.slot] = req
                 self._key_data[req.slot] = self._seed_key(req)
                 self.planner.admit(req.slot)

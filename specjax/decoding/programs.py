@@ -70,7 +70,9 @@ class RowState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Context:
-    """What the programs close over: static for the life of an engine."""
+    """What the programs close over: static for the life of an engine. Compared and hashed by value
+    (module graphs, verifier function, shardings...): engines with equal contexts and shapes share
+    one trace, lowering and executable per bucket (it is the programs' static argument, runner)."""
 
     t_graph: Any
     d_graph: Any  # None without a drafter
@@ -86,6 +88,20 @@ class Context:
     cache_shardings: Any = None  # state shardings under a mesh (None without one)
     dstate_shardings: Any = None
     replicated: Any = None
+
+    def _value(self) -> tuple[Any, ...]:
+        """Every field as (tree structure, leaves): hashable also where a field is a dict of shardings."""
+        out = []
+        for f in dataclasses.fields(self):
+            leaves, treedef = jax.tree.flatten(getattr(self, f.name))
+            out.append((treedef, tuple(leaves)))
+        return tuple(out)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Context) and self._value() == other._value()
+
+    def __hash__(self) -> int:
+        return hash(self._value())
 
     def drafter(self, d_params: Any) -> Any:
         return nnx.merge(self.d_graph, d_params)

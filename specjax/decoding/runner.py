@@ -102,19 +102,29 @@ class UnwarmedBucketError(RuntimeError):
     """An executable was called with a bucket key that was not compiled at warm-up."""
 
 
-class Executables:
-    """One family's jitted function, compiled ahead for each bucket key; never compiles on a call."""
+@functools.cache
+def _jitted(f: Family) -> Any:
+    """A family's function jitted once per process with the context as its static first argument:
+    runners whose contexts compare equal (programs.Context) lower and compile a bucket once (JAX's
+    caches hold the trace, lowering and executable), e.g. the engines of a test module or a benchmark.
+    What a program calls is looked up when it is traced: code that swaps such a function (a test's
+    negative control) calls jax.clear_caches() before and after."""
+    return jax.jit(f.fn, static_argnums=(0,), static_argnames=f.static,
+                   donate_argnums=tuple(1 + f.args.index(a) for a in f.donate))
 
-    def __init__(self, name: str, fn: Callable[..., Any], *, donate_argnums: tuple[int, ...] = (),
-                 static_argnames: tuple[str, ...] = ()):
-        self.name = name
-        self._jitted = jax.jit(fn, donate_argnums=donate_argnums, static_argnames=static_argnames)
+
+class Executables:
+    """One family's programs for one runner's context, compiled ahead for each bucket key; never
+    compiles on a call."""
+
+    def __init__(self, name: str, ctx: programs.Context):
+        self.name, self._ctx = name, ctx
         self._compiled: dict[Hashable, Any] = {}
-        self.compile_seconds: dict[Hashable, float] = {}
+        self.compile_seconds: dict[Hashable, float] = {}  # ~0 where another runner compiled it already
 
     def lower(self, key: Hashable, *abstract_args: Any, **static: int) -> Any:
         """Trace and lower the function for `key` (None when `key` is compiled already)."""
-        return None if key in self._compiled else self._jitted.lower(*abstract_args, **static)
+        return None if key in self._compiled else _jitted(FAMILIES[self.name]).lower(self._ctx, *abstract_args, **static)
 
     def install(self, key: Hashable, lowered: Any) -> None:
         """Compile a `lower` result for `key`. XLA compiles without holding the GIL, so several
@@ -136,9 +146,6 @@ class Executables:
                 f"{self.name}: bucket {key!r} was not compiled at warm-up (warmed: {sorted(self._compiled, key=str)})")
         return exe(*args)
 
-    def jit_cache_size(self) -> int:
-        """Number of traces the underlying jit holds (must not grow while serving)."""
-        return self._jitted._cache_size()
 
 
 def abstract(tree: Any) -> Any:
@@ -195,10 +202,7 @@ class Runner:
             check_mlp_sizes(target.config.hidden_size, target.config.intermediate_size)
         ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
                                top_k_cap, attention, mlp, **shardings)
-        self.exes = {f.name: Executables(f.name, functools.partial(f.fn, ctx),
-                                         donate_argnums=tuple(f.args.index(a) for a in f.donate),
-                                         static_argnames=f.static)
-                     for f in FAMILIES.values()}
+        self.exes = {name: Executables(name, ctx) for name in FAMILIES}
 
     @property
     def cache_lengths(self) -> jax.Array:
@@ -269,7 +273,8 @@ class Runner:
         return self.exes[family].lower(key, *map(arg, fam.args), **{f: dims[f] for f in fam.static})
 
     def compile_counts(self) -> dict[str, int]:
-        return {name: e.jit_cache_size() for name, e in self.exes.items()}
+        """Executables per family: set at warm-up, never grown by a call."""
+        return {name: len(e.keys) for name, e in self.exes.items()}
 
     def put(self, x: Any) -> Any:
         """A per-call host input; device arrays pass through. On one device the numpy array itself:
