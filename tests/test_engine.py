@@ -55,6 +55,26 @@ def test_greedy_speculative_equals_plain_and_reference(model):
     assert sum(r.metrics.num_draft_tokens for r in reqs) > 0
 
 
+def test_engines_of_equal_contexts_share_their_compiled_programs(model):
+    """A second engine of the same model, drafter configuration and shapes runs the executables the
+    first compiled (one trace, lowering and compilation per bucket in a process); an engine whose
+    context differs (here only its verifier function) compiles its own (control)."""
+    import functools
+
+    from specjax.decoding.verify import verify_chain
+
+    def runtime(eng):
+        return {(f, k): e.compiled(k).runtime_executable() for f, e in eng.runner.exes.items() for k in e.keys}
+    a, b = (small_engine(model, NGramDrafter(V, gamma=3), slots=2, max_len=24, prefill=8, tokens_buckets=(1, 4))
+            for _ in range(2))
+    c = small_engine(model, NGramDrafter(V, gamma=3), slots=2, max_len=24, prefill=8, tokens_buckets=(1, 4),
+                     verifier=functools.partial(verify_chain))
+    ra, rb, rc = runtime(a), runtime(b), runtime(c)
+    assert len(ra) >= 4 and ra.keys() == rb.keys() == rc.keys()
+    assert all(rb[k] is ra[k] for k in ra)
+    assert not any(rc[k] is ra[k] for k in ra)
+
+
 def test_greedy_ngram_equals_reference(llm, model):
     ps = [p for p in prompts() if len(p) < 16]
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=10))

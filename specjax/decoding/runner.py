@@ -139,6 +139,10 @@ class Executables:
     def keys(self) -> list[Hashable]:
         return list(self._compiled)
 
+    def compiled(self, key: Hashable) -> Any:
+        """The compiled program (jax.stages.Compiled) of a warmed bucket key."""
+        return self._compiled[key]
+
     def __call__(self, key: Hashable, *args: Any) -> Any:
         exe = self._compiled.get(key)
         if exe is None:
