@@ -84,13 +84,17 @@ class LLM:
         or a drafter module.
     max_logprobs: the most top log-probabilities a request (`SamplingParams.logprobs`) may ask for;
         0 computes none (an `engine_config` carries its own).
+    sampling_variants: the round programs compiled (sampling.VARIANTS; default all three): a job
+        whose requests all sample one way compiles that one (`sampling.sampling_variant`); a
+        request no compiled variant covers is refused naming the setting.
     """
 
     def __init__(self, target: Any = None, drafter: Any = None, *, tokenizer: str | None = None,
                  max_num_seqs: int = 8, max_model_len: int = 1024, num_speculative_tokens: int | None = None,
                  policy: str | None = None, dtype: str = "float32", mesh: Any = None, seed: int = 0,
                  max_prefill: int = 256, engine_config: EngineConfig | None = None, progress: bool = False,
-                 cost_table: Any = None, threshold: float | None = None, max_logprobs: int = 0):
+                 cost_table: Any = None, threshold: float | None = None, max_logprobs: int = 0,
+                 sampling_variants: Sequence[str] | None = None):
         from specjax import checkpoints
         self.tokenizer = None
         target_dir = None
@@ -116,7 +120,8 @@ class LLM:
             engine_config = EngineConfig(
                 max_slots=max_num_seqs, max_len=max_model_len, gamma=num_speculative_tokens,
                 policy=policy or ("plain" if self.drafter is None else "fixed"), seed=seed,
-                max_prefill=max_prefill, threshold=threshold, max_logprobs=max_logprobs)
+                max_prefill=max_prefill, threshold=threshold, max_logprobs=max_logprobs,
+                **({} if sampling_variants is None else {"sampling_variants": tuple(sampling_variants)}))
         if isinstance(cost_table, (str, os.PathLike)):
             from specjax.scheduling import CostTable
             cost_table = CostTable.from_json(cost_table)

@@ -74,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from specjax import checkpoints
     from specjax.api import LLM, SamplingParams
+    from specjax.sampling import sampling_variant
     from specjax.config import ConfigError
     from specjax.jobs import Shard
     from specjax.training.regenerate import data_max_len, default_dtype, regenerate
@@ -96,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm = LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer,
                   max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                   max_prefill=min(args.max_prefill, max_len), dtype=args.dtype or default_dtype(), seed=args.seed,
-                  progress=not args.quiet)
+                  progress=not args.quiet, sampling_variants=(sampling_variant(sp.temperature, sp.top_k, sp.top_p),))
         summary = regenerate(llm, args.prompts, args.out, errors_path=args.errors, sampling=sp,
                              enable_thinking=args.thinking, seed=args.seed, window=args.window,
                              limit=args.limit, shard=shard, progress=not args.quiet,

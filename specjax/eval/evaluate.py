@@ -209,13 +209,16 @@ def _load_target(target_dir: str, tokenizer_dir: str | None, dtype: str) -> tupl
 def _fixed_engine_config(engine_config: Any, datasets: Sequence[Dataset], tcfg: Any, settings: EvalSettings,
                          max_num_seqs: int, max_model_len: int | None, max_prefill: int, why: str) -> Any:
     """The given engine config, else one sized for the longest prompt + max_new_tokens (at most
-    the target's max_position_embeddings); its policy must be "fixed" (`why` says why)."""
+    the target's max_position_embeddings) whose rounds compile the one sampling variant every request
+    uses; its policy must be "fixed" (`why` says why)."""
     if engine_config is None:
         from specjax.decoding.engine import EngineConfig
+        from specjax.sampling import sampling_variant
         longest = max(len(p) for d in datasets for p in d.prompts)
         mlen = max_model_len or min(tcfg.max_position_embeddings, longest + settings.max_new_tokens + 1)
+        variant = sampling_variant(settings.temperature, settings.top_k, settings.top_p)
         engine_config = EngineConfig(max_slots=max_num_seqs, max_len=mlen, policy="fixed", seed=settings.seed,
-                                     max_prefill=min(max_prefill, mlen))
+                                     max_prefill=min(max_prefill, mlen), sampling_variants=(variant,))
     if engine_config.policy != "fixed":
         raise ValueError(f"{why}: policy must be 'fixed', got {engine_config.policy!r}")
     return engine_config
