@@ -330,3 +330,23 @@ def test_recorded_paths_are_relative_even_outside_the_checkout(tmp_path, monkeyp
     outside = tmp_path / "shared" / "eval" / "gsm8k.jsonl"
     assert _display_path(outside) == "../shared/eval/gsm8k.jsonl"
     assert _display_path(tmp_path / "work" / "x.jsonl") == "x.jsonl"
+
+
+@pytest.mark.parametrize("settings, variant", [(dict(temperature=0.0), "greedy"), (dict(temperature=1.0), "plain"),
+                                               (dict(temperature=1.0, top_p=0.9), "filtered"),
+                                               (dict(temperature=0.0, top_k=5), "filtered")])
+def test_default_engine_compiles_the_one_sampling_variant_of_the_settings(settings, variant):
+    """Every request of an evaluation samples one way: its default engine compiles that round
+    variant only (a given engine config is kept as it is)."""
+    from types import SimpleNamespace
+
+    from specjax.decoding.engine import EngineConfig
+    from specjax.eval import evaluate as ev
+    from specjax.eval.datasets import Dataset
+
+    ds = [Dataset(name="d", path="d.jsonl", kind="chat", domain="chat", prompts=[[1, 2, 3]], total_rows=1)]
+    tcfg = SimpleNamespace(max_position_embeddings=64)
+    cfg = ev._fixed_engine_config(None, ds, tcfg, ev.EvalSettings(max_new_tokens=4, **settings), 2, None, 16, "t")
+    assert cfg.sampling_variants == (variant,) and cfg.policy == "fixed" and cfg.max_len == 8
+    given = EngineConfig(policy="fixed", max_len=32)
+    assert ev._fixed_engine_config(given, ds, tcfg, ev.EvalSettings(**settings), 2, None, 16, "t") is given
