@@ -23,10 +23,19 @@ MIN_ROUNDS_PER_LENGTH = 1000  # each verified length 1..GAMMA occurs at least th
 
 
 def per_row(policy, table=DRAFTING_ROW):
-    """A host policy that schedules every row as if alone under a one-request cost table."""
+    """A host policy that schedules every row as if alone under a one-request cost table (a row's
+    schedule depends on its confidences only: each distinct row is scheduled once)."""
+    seen: dict[bytes, np.ndarray] = {}
+
+    def one(row_1g: np.ndarray) -> np.ndarray:
+        key = row_1g.tobytes()
+        if key not in seen:
+            seen[key] = prefix_schedule(row_1g, table, policy, gamma=GAMMA)
+        return seen[key]
+
     def fn(conf_rg):
-        return np.concatenate([prefix_schedule(conf_rg[r:r + 1], table, policy, gamma=GAMMA)
-                               for r in range(conf_rg.shape[0])])
+        conf_rg = np.asarray(conf_rg)
+        return np.concatenate([one(conf_rg[r:r + 1]) for r in range(conf_rg.shape[0])])
     return fn
 
 
