@@ -37,7 +37,10 @@ os.environ.setdefault("SPECJAX_GGUF_CACHE", run_dir("specjax-gguf-cache-"))
 import jax  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", run_dir("specjax-jit-cache-"))
-# a size limit turns on JAX's file lock around cache reads and writes (workers share the directory)
+# a size limit turns on JAX's file lock around cache reads and writes (workers share the directory);
+# set in the environment too, so subprocesses sharing the directory (bench.gpu_check's) use the
+# same mode (one without the limit writes entries without the access times the others read)
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
 jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
