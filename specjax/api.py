@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
-from specjax.sampling import validate_sampling
+from specjax.sampling import VARIANTS, validate_sampling
 from specjax.serving.detokenize import StopStringChecker
 
 
@@ -121,7 +121,7 @@ class LLM:
                 max_slots=max_num_seqs, max_len=max_model_len, gamma=num_speculative_tokens,
                 policy=policy or ("plain" if self.drafter is None else "fixed"), seed=seed,
                 max_prefill=max_prefill, threshold=threshold, max_logprobs=max_logprobs,
-                **({} if sampling_variants is None else {"sampling_variants": tuple(sampling_variants)}))
+                sampling_variants=VARIANTS if sampling_variants is None else tuple(sampling_variants))
         if isinstance(cost_table, (str, os.PathLike)):
             from specjax.scheduling import CostTable
             cost_table = CostTable.from_json(cost_table)

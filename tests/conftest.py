@@ -16,6 +16,11 @@ def with_host_device_count(xla_flags: str | None, n: int = 8) -> str:
 os.environ["XLA_FLAGS"] = with_host_device_count(os.environ.get("XLA_FLAGS"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# a size limit on the compilation cache (below) turns on JAX's file lock around its reads and writes
+# (the workers share the directory); in the environment, so that subprocesses sharing the directory
+# (bench.gpu_check's) use the same mode: one without it writes entries without the access times
+# the others read
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 _run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
@@ -37,11 +42,6 @@ os.environ.setdefault("SPECJAX_GGUF_CACHE", run_dir("specjax-gguf-cache-"))
 import jax  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", run_dir("specjax-jit-cache-"))
-# a size limit turns on JAX's file lock around cache reads and writes (workers share the directory);
-# set in the environment too, so subprocesses sharing the directory (bench.gpu_check's) use the
-# same mode (one without the limit writes entries without the access times the others read)
-os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
-jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
