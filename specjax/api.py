@@ -33,22 +33,31 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p)
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)) \
-                or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
-        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
-        stop = self.stop
-        if isinstance(stop, str):
-            object.__setattr__(self, "stop", (stop,))
-        elif stop is not None:
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("seed", self.seed, minimum=0, optional=True)
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0, optional=True)
+        _check_int("logprobs", self.logprobs, minimum=0, optional=True)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is not None:
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+                raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
+                                 f"got {self.stop!r}")
             object.__setattr__(self, "stop", tuple(stop))
-        if any(not s for s in (self.stop or ())):
-            raise ValueError("stop strings must be non-empty")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        for i, t in enumerate(ids):
+            _check_int(f"stop_token_ids[{i}]", t, minimum=0)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+
+def _check_int(field: str, value: Any, *, minimum: int, optional: bool = False) -> None:
+    """ValueError naming `field` unless `value` is an int (not a bool) >= minimum (or None if optional)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{field} must be {what}{' or None' if optional else ''}, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -140,22 +149,28 @@ class LLM:
             from specjax.drafters.ngram import NGramDrafter
             return NGramDrafter(self.config.vocab_size, gamma=gamma or 4)
         if isinstance(drafter, (str, os.PathLike)):
+            from specjax import default_target
             from specjax.drafters import registry
+            if not os.path.isdir(drafter):
+                names = ", ".join(("ngram",) + tuple(default_target.DRAFTER_NAMES))
+                raise ValueError(f"drafter {os.fspath(drafter)!r} is not a drafter directory nor a name "
+                                 f"({names}; the shipped names are drafters of the default target, "
+                                 f"target=None)")
             return registry.load_drafter(os.fspath(drafter), target=self.model)
         return drafter
 
-    def _encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def _encode(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this target has no tokenizer files: pass prompts as lists of token ids")
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty (no token ids)")
-        return None, ids
-
+            return prompt, encode_text(self.tokenizer, prompt)
+        if not isinstance(prompt, (list, tuple, np.ndarray)):
+            raise ValueError(f"prompts[{index}] must be a string or a list of token ids, "
+                             f"got {type(prompt).__name__}")
+        if not len(prompt):
+            raise ValueError(f"prompts[{index}] is empty (no token ids)")
+        for j, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"prompts[{index}][{j}] must be an int token id, got {t!r}")
+        return None, [int(t) for t in prompt]
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
@@ -169,7 +184,7 @@ class LLM:
             sps = list(sampling_params)
             if len(sps) != len(prompts):
                 raise ValueError(f"got {len(sps)} sampling_params for {len(prompts)} prompts")
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         reqs = [self.make_request(ids, sp) for (_, ids), sp in zip(encoded, sps)]
         self.engine.run(reqs)
         outs = []
@@ -211,7 +226,8 @@ def encode_text(tokenizer: Any, prompt: str) -> list[int]:
     if tokenizer is None:
         raise ValueError("this target has no tokenizer files: pass prompts as lists of token ids")
     if not isinstance(prompt, str) or not prompt:
-        raise ValueError("prompt must be a non-empty string")
+        raise ValueError("prompt is empty" if isinstance(prompt, str) else
+                         f"prompt must be a non-empty string, got {type(prompt).__name__}")
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
@@ -249,5 +265,5 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
         stop_check = StopStringChecker(tokenizer, sp.stop)
     return EngineRequest(request_id=request_id, prompt_ids=ids, max_tokens=sp.max_tokens,
                          temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
-                         stop_token_ids=tuple(sp.stop_token_ids), stop_check=stop_check,
+                         stop_token_ids=sp.stop_token_ids, stop_check=stop_check,
                          max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs)

@@ -131,19 +131,40 @@ def llm(model):
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens")])
+    (dict(top_k=-1), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
+    (dict(max_tokens=2.0), "max_tokens"), (dict(seed=True), "seed"), (dict(seed=-1), "seed"),
+    (dict(num_speculative_tokens=2.5), "num_speculative_tokens"), (dict(logprobs="5"), "logprobs"),
+    (dict(logprobs=True), "logprobs"), (dict(stop=123), "stop"), (dict(stop=["a", 3]), "stop"),
+    (dict(stop=[""]), "stop"), (dict(stop_token_ids="ab"), "stop_token_ids"),
+    (dict(stop_token_ids=[2, -3]), r"stop_token_ids\[1\]"), (dict(stop_token_ids=[1.0]), r"stop_token_ids\[0\]")])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
 
 
+def test_good_sampling_params_are_normalised():
+    sp = SamplingParams(stop="x", stop_token_ids=[np.int64(3), 4], seed=np.int32(1))
+    assert sp.stop == ("x",) and sp.stop_token_ids == (3, 4) and type(sp.stop_token_ids[0]) is int
+
+
 def test_bad_prompts(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"prompts\[0\] must be a string or a list"):
+        llm.generate([1.5], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"prompts\[1\]\[1\] must be an int"):
+        llm.generate([[1], [2, 3.0]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, -1]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="max_len 32"):
         llm.generate([list(range(40))], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["text needs a tokenizer"], SamplingParams(max_tokens=2))
+
+
+def test_unknown_drafter_name_lists_the_choices(model):
+    with pytest.raises(ValueError, match="'dsparkk' is not a drafter directory nor a name.*ngram, dspark"):
+        LLM(target=(model, model.config), drafter="dsparkk")
 
 
 def test_full_cache_finishes_with_length_and_others_unaffected(llm, model):
