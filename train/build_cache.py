@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.build_cache",
                                 description=__doc__.split("\n")[0],
                                 epilog="negative layer ids need the --layers=-1,3 form")
-    p.add_argument("--target", required=True, help="Hugging Face Qwen3 checkpoint directory")
+    p.add_argument("--target", required=True, help="target: a Hugging Face directory (Qwen3, Llama, Qwen2)"
+                   " or a .gguf file")
     p.add_argument("--data", required=True, action="append", help="JSONL file (repeatable)")
     p.add_argument("--out", required=True, help="cache directory")
     p.add_argument("--layers", type=_layers, default=None,

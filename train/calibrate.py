@@ -24,7 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specjax.eval.datasets import EVAL_SEED
 
     p = argparse.ArgumentParser(prog="python -m train.calibrate", description=__doc__.split("\n")[0])
-    p.add_argument("--target", default=None, help="Qwen3 checkpoint directory (default: the embedded target)")
+    p.add_argument("--target", default=None, help="target: a Hugging Face directory (Qwen3, Llama, Qwen2)"
+                   " or a .gguf file (default: the embedded target)")
     p.add_argument("--drafter", required=True, help="DSpark drafter directory (calibration is written into it)")
     p.add_argument("--prompts", required=True, action="append",
                    help="held-out prompts JSONL ({turns}/{conversations}/{prompt} rows); repeatable or comma-separated")

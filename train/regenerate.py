@@ -40,7 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specjax.training.regenerate import QWEN3_DEFAULTS as D
 
     p = argparse.ArgumentParser(prog="python -m train.regenerate", description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True, help="Hugging Face Qwen3 checkpoint directory")
+    p.add_argument("--target", required=True, help="target: a Hugging Face directory (Qwen3, Llama, Qwen2)"
+                   " or a .gguf file")
     p.add_argument("--prompts", required=True, help="prompts JSONL")
     p.add_argument("--out", required=True, help="output JSONL (appended to when resuming)")
     p.add_argument("--errors", default=None, help="errors JSONL (default <out stem>.errors.jsonl)")

@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     from specjax.eval.datasets import DEFAULT_MAX_NEW_TOKENS, EVAL_SEED
 
     p = argparse.ArgumentParser(prog="specjax-eval", description=__doc__.split("\n")[0])
-    p.add_argument("--target", default=None, help="Qwen3 checkpoint directory (default: the embedded target)")
+    p.add_argument("--target", default=None, help="target: a Hugging Face directory (Qwen3, Llama, Qwen2)"
+                   " or a .gguf file (default: the embedded target)")
     p.add_argument("--drafter", required=True, action="append",
                    help="'ngram', a drafter directory, or an embedded drafter name; comma-separated or repeated")
     p.add_argument("--data", required=True, action="append", help="dataset JSONL files; comma-separated or repeated")

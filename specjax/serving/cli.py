@@ -18,7 +18,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 def add_llm_args(p: argparse.ArgumentParser) -> None:
     """Target, drafter and engine shape options."""
     g = p.add_argument_group("model and engine")
-    g.add_argument("--target", default=None, help="Hugging Face Qwen3 checkpoint directory (default: embedded)")
+    g.add_argument("--target", default=None, help="target: a Hugging Face directory (Qwen3, Llama, Qwen2)"
+                   " or a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--engine-config", default=None,
                    help="EngineConfig YAML (configs/serve/*.yaml); replaces the engine shape options below")
     g.add_argument("--drafter", default=None, help='"ngram", a shipped drafter name, or a drafter directory')
