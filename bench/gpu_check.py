@@ -552,8 +552,9 @@ def main(argv: list[str] | None = None) -> int:
         run(rec, p, progress=not args.quiet, threads=args.compile_threads, phases=phases)
     except Exception as e:  # noqa: BLE001 - record what failed, keep what was measured, then re-raise
         timer.cancel()
-        rec.update(lambda r: r["phases"].get(rec.phase, {}).update(status=f"failed: {type(e).__name__}: {e}"))
-        rec.finish(f"phase '{rec.phase}' failed: {type(e).__name__}: {e}")
+        failure = f"{type(e).__name__}: {e}"
+        rec.update(lambda r: r["phases"].get(rec.phase, {}).update(status=f"failed: {failure}"))
+        rec.finish(f"phase '{rec.phase}' failed: {failure}")
         raise
     timer.cancel()
     rec.finish(None)

@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         samples = feat.read_jsonl_samples(cfg.data.train_jsonl, tok, max_length=cfg.data.max_length,
                                           min_loss_tokens=cfg.data.min_loss_tokens)[:args.samples]
         t0 = time.perf_counter()
-        report = cache_build.build_cache(tmp, target, samples, tap_layers=online.tap_layers,
-                                         identity=feat.target_identity(cfg.model.target, tcfg))
+        cache_build.build_cache(tmp, target, samples, tap_layers=online.tap_layers,
+                                identity=feat.target_identity(cfg.model.target, tcfg))
         build_s = time.perf_counter() - t0
         n_tokens = int(sum(len(s[0]) for s in samples))
         on_disk = feat.stored_tensor_bytes(tmp)

@@ -1,7 +1,6 @@
 """Offline batch jobs: good and bad rows, exactly-once output, resume after a torn line and after kill -9, shards."""
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal

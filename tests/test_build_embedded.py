@@ -163,7 +163,7 @@ def test_pipeline_end_to_end_resumes_and_exports_loadable_drafters(setup, capsys
     target, tcfg = checkpoints.load_target(s["target"])
     for name in ("dspark", "mtp1"):
         d = out / "drafters" / name
-        drafter = registry.load_drafter(d, target=target)
+        registry.load_drafter(d, target=target)
         info = json.loads((d / "training.json").read_text())
         assert info["final_step"] == 3 and str(s["root"]) not in json.dumps(info)
         if name == "dspark":  # the smoke scale's learning curve, at the run's end (3 steps)

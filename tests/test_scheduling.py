@@ -345,7 +345,6 @@ def test_confidence_async_capacity_from_old_fill_from_current():
 def test_public_policy_functions_agree_with_entry_point():
     rng = np.random.default_rng(0)
     c = rng.uniform(size=(5, 4))
-    old = rng.uniform(size=(5, 4))
     t = _grid_table()
     assert np.array_equal(pol.confidence(c, t), prefix_schedule(c, t, "confidence"))
     assert np.array_equal(pol.anticipating_global_search_LOSSY(c, t), prefix_schedule(c, t, LOSSY))
