@@ -339,3 +339,56 @@ def test_the_gpu_drafters_fit_the_shipped_budget_checked_before_training(tmp_pat
             with pytest.raises(BuildError, match=r"over the 30 MiB budget \(--budget-mb\): dspark 9\.\d MiB"):
                 b.run(["train"])
     assert calls == []  # refused before any program ran
+
+
+@pytest.mark.parametrize("budget_s", [300.0, None])
+def test_with_a_budget_a_failed_unit_is_recorded_and_the_others_go_on(setup, tmp_path, budget_s):
+    """One drafter's training fails (a child's exit status 1, as when it runs out of accelerator
+    memory): with a budget the build records the error, trains the next drafter and then fails
+    naming the unit; without one (control) it stops at the failure."""
+    import dataclasses
+
+    from specjax.training import build_plan as B
+    from specjax.training.build_outputs import BuildError
+    from train import build_stages as BS
+
+    s = B.BuildSettings(target=str(setup["target"]), out_dir=str(tmp_path / "out"),
+                        work_dir=str(tmp_path / "w"), config_dir=str(setup["configs"]),
+                        drafters=("dspark", "mtp1"), eval_dir=str(setup["eval"]),
+                        scale=B.SCALES["gpu"], budget_s=budget_s)
+    _seed_artifact(tmp_path / "a.jsonl.gz", [{"id": "p0", "turns": ["w10"]}])
+    s = dataclasses.replace(s, seed_answers=str(tmp_path / "a.jsonl.gz"))
+    ran = []
+
+    def runner(step):
+        name = pathlib.Path(step.args[step.args.index("--config") + 1]).stem
+        ran.append(name)
+        return 1 if name == "dspark" else 0
+
+    b = BS.program_build(s, runner=runner, log=lambda m: None)
+    with pytest.raises(BuildError, match=r"train/dspark" if budget_s else "exit status 1"):
+        b.run(["train"])
+    stages = json.loads(pathlib.Path(s.record_path).read_text())["stages"]
+    assert "exit status 1" in stages["train/dspark"]["last_error"]
+    if budget_s:
+        assert ran == ["dspark", "mtp1"] and "last_error" not in stages["train/mtp1"]
+    else:
+        assert ran == ["dspark"] and "train/mtp1" not in stages
+
+
+def test_the_pack_is_written_when_a_stage_failed(setup, tmp_path, monkeypatch, capsys):
+    from specjax.training.build_outputs import BuildError
+    from train import build_embedded
+
+    packed = []
+
+    class FailingBuild:
+        def run(self, stages):
+            raise BuildError("unit(s) train/eagle3 failed")
+
+    monkeypatch.setattr(build_embedded, "program_build", lambda *a, **k: FailingBuild())
+    monkeypatch.setattr(build_embedded, "pack", lambda settings, d: packed.append(d) or {"files": {}})
+    argv = _argv(setup, "--stages", "train", "--pack", str(tmp_path / "pack"), work=str(tmp_path / "w"),
+                 out=str(tmp_path / "o"))
+    assert build_embedded.main(argv) == 1
+    assert packed == [str(tmp_path / "pack")] and "train/eagle3 failed" in capsys.readouterr().err

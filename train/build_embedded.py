@@ -13,8 +13,10 @@ bfloat16, records DSpark's learning curve, calibrates and exports within 540 s o
 time, splitting them by a plan it prints first (`specjax.training.build_budget`); a stage that
 reaches its share stops and keeps its work, and the same command with more budget continues.
 `--pack DIR` writes what must leave the machine (`specjax.training.build_pack`: at most 8 files
-of 15 MiB); `--unpack DIR` (on the machine that keeps the repository) restores it into --out-dir
-and --work-dir. A GPU profile on a machine without an accelerator is refused unless --allow-cpu.
+of 15 MiB), also when a stage failed (with a budget a failed unit, e.g. one drafter out of
+accelerator memory, is recorded in BUILD.json and the others go on; the exit status is 1);
+`--unpack DIR` (on the machine that keeps the repository) restores it into --out-dir and
+--work-dir. A GPU profile on a machine without an accelerator is refused unless --allow-cpu.
 
 Stages (`specjax.training.build`, their programs launched by `train.build_stages`): prepare (ShareGPT prompts) -> regenerate (the target's own
 answers) -> cache (offline target features) -> vocab (draft vocabularies) -> train (each drafter)
@@ -153,10 +155,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"{got.get('answers_rows', 0)} answers -> {settings.out_dir}")
             return 0
         build = program_build(settings, run_in_process if args.in_process else run_child, log=_log)
-        build.run(args.stages)
-        if args.pack:
-            man = pack(settings, args.pack)
-            _log(f"packed {len(man['files']) + 1} files ({sum(f['bytes'] for f in man['files'].values()) / 2**20:.1f} MiB) -> {args.pack}")
+        try:
+            build.run(args.stages)
+        finally:  # what the stages did leaves the machine, also when one of them failed
+            if args.pack:
+                man = pack(settings, args.pack)
+                _log(f"packed {len(man['files']) + 1} files "
+                     f"({sum(f['bytes'] for f in man['files'].values()) / 2**20:.1f} MiB) -> {args.pack}")
     except (BuildError, ValueError, dt.EmbeddedTargetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

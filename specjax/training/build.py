@@ -38,7 +38,9 @@ between the units (stages; a stage of several drafters per drafter) is printed f
 (`specjax.training.build_budget`), each unit gets its share of the time left when it starts, and
 a unit that reaches its share stops and keeps its work instead of failing the build: regeneration
 keeps the rows written, training saves a checkpoint and exports the drafter it has (calibration
-and export then use that export), and the next run continues both.
+and export then use that export), and the next run continues both. A unit that fails (a program's
+error, e.g. one drafter out of accelerator memory) is recorded with its error and the other units
+go on, so that one run on a lent machine keeps all it can; the build then fails naming it.
 """
 from __future__ import annotations
 
@@ -117,6 +119,7 @@ class Build:
             todo = [(u[0], name) for _, name, u in units if name == "export" or not u[1]()]
             self.budget.check(todo)
             self.log(format_plan(self.budget, todo))
+        failed: list[str] = []
         for i, name, (key, done, work) in units:
             tag = f"[{i}/{len(chosen)}] {key}"
             self.unit_budget_s = None
@@ -130,7 +133,16 @@ class Build:
                 if name not in ALWAYS:  # the short stages run whole
                     self.unit_budget_s = share
                     tag += f" (share {share:.0f} s)"
-            self._run_unit(tag, key, done, work)
+            try:
+                self._run_unit(tag, key, done, work)
+            except BuildError as e:
+                if self.budget is None:
+                    raise
+                failed.append(key)
+                self.log(f"{tag}: failed ({e}); the other units go on")
+        if failed:
+            raise BuildError(f"unit(s) {', '.join(failed)} failed (BUILD.json: each stage's "
+                             f"last_error); the other units' work is kept and a rerun retries them")
 
     def _run_unit(self, tag: str, key: str, done: Callable[[], bool],
                   work: Callable[[], None]) -> None:
@@ -141,15 +153,18 @@ class Build:
                 self._note(key, 0.0, True, ran=False)
             return
         self.log(f"{tag}: running")
-        t0, before = time.perf_counter(), self._counts(key)
+        t0, before, error = time.perf_counter(), self._counts(key), None
         try:
             work()
             if not done() and self.budget is None:
                 raise BuildError(f"stage {key} ended without completing its output "
                                  "(interrupted?); rerun the build to resume it")
+        except BuildError as e:
+            error = str(e)
+            raise
         finally:
             seconds = time.perf_counter() - t0
-            self._note(key, seconds, done(), facts=self._facts(key, before, seconds))
+            self._note(key, seconds, done(), facts=self._facts(key, before, seconds), error=error)
         cut = "" if done() else " (stopped at its share: a rerun resumes it)"
         self.log(f"{tag}: done in {self.record['stages'][key]['last_run_s']:.0f} s{cut}")
 
@@ -166,9 +181,9 @@ class Build:
         return [(name, getattr(self, f"done_{name}"), getattr(self, name))]
 
     def _note(self, key: str, seconds: float, complete: bool, *, ran: bool = True,
-              facts: dict[str, Any] | None = None) -> None:
+              facts: dict[str, Any] | None = None, error: str | None = None) -> None:
         note_stage(self.record, self.s, key, seconds, complete, ran=ran, layers=self.layers,
-                   wants_text=self.wants_text, facts=facts)
+                   wants_text=self.wants_text, facts=facts, error=error)
 
     def _counts(self, key: str) -> int:
         """Rows regenerated so far (the regenerate unit's starting point)."""

@@ -61,10 +61,12 @@ def target_label(s: "BuildSettings") -> str:
 
 def note_stage(record: dict[str, Any], s: "BuildSettings", key: str, seconds: float,
                complete: bool, *, ran: bool, layers: tuple[int, ...] | None,
-               wants_text: bool, facts: dict[str, Any] | None = None) -> None:
+               wants_text: bool, facts: dict[str, Any] | None = None,
+               error: str | None = None) -> None:
     """Add a stage run (or, with ran=False, only its completeness) to `record` and write
     BUILD.json atomically; `facts` (what the run did: samples, tokens/s, steps) replace the
-    stage's `last_run` facts."""
+    stage's `last_run` facts; `error` is the run's failure (`last_error`, None after a run
+    that did not fail)."""
     st = record["stages"].setdefault(key, {"wall_s": 0.0, "runs": 0})
     if ran:
         st["wall_s"] = round(st["wall_s"] + seconds, 1)
@@ -72,6 +74,8 @@ def note_stage(record: dict[str, Any], s: "BuildSettings", key: str, seconds: fl
         st["last_run_s"] = round(seconds, 1)
         if facts:
             st["last_run"] = facts
+        if error is not None or "last_error" in st:
+            st["last_error"] = error
     st["complete"] = complete
     st["finished"] = now() if complete else None
     r = record
