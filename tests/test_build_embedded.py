@@ -89,6 +89,7 @@ def setup(tmp_path_factory):
     eval_dir = root / "eval"
     eval_dir.mkdir()
     (eval_dir / "set.jsonl").write_text(json.dumps({"turns": [EVAL_PROMPT]}) + "\n")
+    (eval_dir / "gsm8k.jsonl").write_text(json.dumps({"turns": [EVAL_PROMPT]}) + "\n")  # a Table 1 set
     return {"root": root, "target": _tiny_llama_target(root), "sharegpt": _sharegpt(root),
             "configs": _configs(root), "eval": eval_dir}
 
@@ -168,7 +169,7 @@ def test_pipeline_end_to_end_resumes_and_exports_loadable_drafters(setup, capsys
         assert info["final_step"] == 3 and str(s["root"]) not in json.dumps(info)
         if name == "dspark":  # the smoke scale's learning curve, at the run's end (3 steps)
             assert [p["step"] for p in info["learning_curve"]] == [3]
-            assert set(info["learning_curve"][0]["sets"]) == {"train", "heldout"}
+            assert set(info["learning_curve"][0]["sets"]) == {"train", "heldout", "table1"}
         else:
             assert "learning_curve" not in info
         data = info["train_config"]["data"]

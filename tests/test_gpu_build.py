@@ -392,3 +392,32 @@ def test_the_pack_is_written_when_a_stage_failed(setup, tmp_path, monkeypatch, c
                  out=str(tmp_path / "o"))
     assert build_embedded.main(argv) == 1
     assert packed == [str(tmp_path / "pack")] and "train/eagle3 failed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("curve_every", [200, 0])
+def test_a_curve_without_table1_sets_is_refused_before_any_stage(setup, tmp_path, curve_every):
+    """An evaluation directory without Table 1's sets (../shared not carried to the GPU machine)
+    is refused naming --eval-dir before anything runs; without a curve (control) it is not."""
+    import dataclasses
+
+    from specjax.training import build_plan as B
+    from specjax.training.build_outputs import BuildError
+    from train import build_stages as BS
+
+    bare = tmp_path / "eval"
+    bare.mkdir()
+    (bare / "set.jsonl").write_text(json.dumps({"turns": ["w1"]}) + "\n")
+    s = B.BuildSettings(target=str(setup["target"]), out_dir=str(tmp_path / "out"),
+                        work_dir=str(tmp_path / "w"), config_dir=str(setup["configs"]),
+                        drafters=("dspark",), eval_dir=str(bare),
+                        scale=dataclasses.replace(B.SCALES["gpu"], curve_every=curve_every))
+    ran = []
+    b = BS.program_build(s, runner=lambda st: ran.append(st) or 0, log=lambda m: None)
+    if curve_every:
+        with pytest.raises(BuildError, match=r"--eval-dir .*eval, which holds none of them"):
+            b.run(["train"])
+        assert ran == []
+    else:
+        with pytest.raises(BuildError, match="ended without completing"):  # the fake runner trains nothing
+            b.run(["train"])
+        assert [st.module for st in ran] == ["train.train_draft"]

@@ -54,8 +54,8 @@ from specjax.training.answers import answer_stats, answered, read_answers
 from specjax.training.build_budget import ALWAYS, Budget, UnitRef, format_plan
 from specjax.training.build_outputs import (PROGRESS_NAME, BuildError, build_vocab_files, check_budget,
                                             export_drafters, planned_bytes, with_shipped, write_split)
-from specjax.training.build_plan import (STAGES, BuildSettings, DrafterPlan, cache_layers, drafter_plan,
-                                         online_plan)
+from specjax.training.build_plan import (CURVE_EVAL_SETS, STAGES, BuildSettings, DrafterPlan, cache_layers,
+                                         drafter_plan, online_plan)
 from specjax.training.build_record import (count_rows, drafter_build, load_record,
                                            note_stage, provenance)
 
@@ -104,6 +104,18 @@ class Build:
         self.log("planned sizes: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in planned.items())
                  + f" (with the others shipped: {total / 2**20:.1f} of {self.s.budget_mb:g} MiB)")
 
+    def check_curve_sets(self) -> None:
+        """BuildError before any stage runs when a drafter records a learning curve but the
+        evaluation directory holds none of Table 1's sets (the curve would go without them, e.g.
+        on a machine the evaluation files were not carried to)."""
+        if not self.s.scale.curve_every or not any(p.name in self.s.curve_drafters for p in self.plans):
+            return
+        if not any(os.path.isfile(os.path.join(self.s.eval_dir, f"{n}.jsonl")) for n in CURVE_EVAL_SETS):
+            names = ", ".join(f"{n}.jsonl" for n in CURVE_EVAL_SETS)
+            raise BuildError(f"the learning curve reads Table 1's sets ({names}) from --eval-dir "
+                             f"{self.s.eval_dir}, which holds none of them; pass --eval-dir, or "
+                             f"--curve-every 0 for no curve")
+
     # running -------------------------------------------------------------------------------
     def run(self, stages: Sequence[str] = STAGES) -> None:
         """Run the chosen stages in the fixed order, recording each."""
@@ -113,6 +125,7 @@ class Build:
         chosen = [x for x in STAGES if x in stages]
         if "train" in chosen:
             self.check_sizes()
+            self.check_curve_sets()
         units = [(i, name, u) for i, name in enumerate(chosen, 1) for u in self._units(name)]
         todo: list[UnitRef] = []
         if self.budget is not None:
