@@ -178,7 +178,7 @@ class Build:
         finally:
             seconds = time.perf_counter() - t0
             self._note(key, seconds, done(), facts=self._facts(key, before, seconds), error=error)
-        cut = "" if done() else " (stopped at its share: a rerun resumes it)"
+        cut = "" if done() else " (not complete: a rerun resumes it)"
         self.log(f"{tag}: done in {self.record['stages'][key]['last_run_s']:.0f} s{cut}")
 
     def _units(self, name: str) -> list[Unit]:
