@@ -233,9 +233,35 @@ def test_a_child_past_its_share_is_stopped_and_the_stage_cut(tmp_path, monkeypat
     (tmp_path / "sleepy.py").write_text("import time\ndef main(a=None):\n    time.sleep(60)\n"
                                         "if __name__ == '__main__':\n    main()\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    assert BS.run_child(BS.Step("sleepy", [], timeout_s=1.0)) == BS.TIMED_OUT
-    assert BS.run_child(BS.Step("sleepy", [], timeout_s=None)._replace(module="json.tool",
-                                                                      args=["--help"])) == 0
+    assert BS.run_child(BS.Step("sleepy", [], timeout_s=1.0)) == (BS.TIMED_OUT, "")
+    assert BS.run_child(BS.Step("json.tool", ["--help"])) == (0, "")
+
+
+def test_a_failed_childs_last_error_lines_name_the_cause(tmp_path, monkeypatch, capfd):
+    """A child that fails (here as train_draft does when a drafter's step runs out of memory) is
+    a BuildError whose message, recorded as the unit's last_error, ends with the child's last
+    stderr lines; its whole stderr still reaches the console, progress bars included."""
+    from specjax.training.build_outputs import BuildError
+    from train import build_stages as BS
+
+    (tmp_path / "oom.py").write_text(
+        "import sys\nsys.stderr.write('train:  0%|  | 0/9\\rtrain: 11%|# | 1/9')\n"
+        "sys.stderr.write('\\nTraceback (most recent call last):\\n  File x\\n"
+        "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating 28439225304 bytes.\\n')\n"
+        "sys.exit(1)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    res = BS.run_child(BS.Step("oom", []))
+    assert res.status == 1 and res.error_tail.endswith("RESOURCE_EXHAUSTED: Out of memory allocating "
+                                                       "28439225304 bytes.")
+    assert "11%|# | 1/9\n" in capfd.readouterr().err
+    stages = BS.ProgramStages(lambda step: res)
+
+    class B:  # the parts of a Build that launching reads
+        budget, log = None, staticmethod(lambda m: None)
+
+    with pytest.raises(BuildError, match=r"exit status 1: .*File x \| jax.errors.JaxRuntimeError: "
+                                         r"RESOURCE_EXHAUSTED"):
+        stages._run(B, BS.Step("oom", []))
 
 
 def test_budget_plan_shares_and_floor():

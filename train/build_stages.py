@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from typing import Callable, NamedTuple, Sequence
 
 from specjax.training.build import Build
@@ -38,19 +39,48 @@ class Step(NamedTuple):
     timeout_s: float | None = None
 
 
-Runner = Callable[[Step], int]  # runs a step, returns its exit status
+class StepResult(NamedTuple):
+    """A step's exit status and, when it failed, the last lines its child wrote to stderr."""
+
+    status: int
+    error_tail: str = ""
 
 
-def run_child(step: Step) -> int:
+Runner = Callable[[Step], "StepResult | int"]  # runs a step; an int is an exit status alone
+TAIL_BYTES = 4096  # of a child's stderr, kept for the error of a failed step
+TAIL_LINES = 3
+
+
+def run_child(step: Step) -> StepResult:
+    """Run `step` as a child process (its stderr passed through as it comes, the end kept); kill it
+    after `step.timeout_s` (status TIMED_OUT)."""
+    proc = subprocess.Popen([sys.executable, "-m", step.module, *step.args], stderr=subprocess.PIPE)
+    tail = bytearray()
+
+    def pump() -> None:
+        for chunk in iter(lambda: proc.stderr.read1(65536), b""):
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.flush()
+            tail.extend(chunk)
+            del tail[:-TAIL_BYTES]
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     try:
-        return subprocess.run([sys.executable, "-m", step.module, *step.args],
-                              timeout=step.timeout_s).returncode
+        status = proc.wait(timeout=step.timeout_s)
     except subprocess.TimeoutExpired:
-        return TIMED_OUT
+        proc.kill()
+        proc.wait()
+        status = TIMED_OUT
+    reader.join(timeout=KILL_GRACE_S)  # a grandchild may hold the pipe open
+    if status in (0, TIMED_OUT):
+        return StepResult(status)
+    lines = [x.strip() for x in tail.decode("utf-8", "replace").replace("\r", "\n").split("\n")]
+    return StepResult(status, " | ".join([x for x in lines if x][-TAIL_LINES:]))
 
 
-def run_in_process(step: Step) -> int:
-    return int(importlib.import_module(step.module).main(step.args) or 0)
+def run_in_process(step: Step) -> StepResult:
+    return StepResult(int(importlib.import_module(step.module).main(step.args) or 0))
 
 
 class ProgramStages:
@@ -64,12 +94,14 @@ class ProgramStages:
         if share is not None:
             step = step._replace(timeout_s=share + KILL_GRACE_S)
         build.log("$ python -m " + " ".join([step.module, *step.args]))
-        rc = self.runner(step)
+        res = self.runner(step)
+        rc, tail = (res, "") if isinstance(res, int) else res
         if rc == TIMED_OUT and share is not None:
             build.log(f"python -m {step.module} ran past its share ({share:.0f} s) and was "
                       "stopped; a rerun resumes the stage")
         elif rc != 0:
-            raise BuildError(f"python -m {step.module} failed with exit status {rc}")
+            raise BuildError(f"python -m {step.module} failed with exit status {rc}"
+                             + (f": {tail}" if tail else ""))
 
     @staticmethod
     def _budget_args(build: Build) -> list[str]:
