@@ -447,3 +447,38 @@ def test_a_curve_without_table1_sets_is_refused_before_any_stage(setup, tmp_path
         with pytest.raises(BuildError, match="ended without completing"):  # the fake runner trains nothing
             b.run(["train"])
         assert [st.module for st in ran] == ["train.train_draft"]
+
+
+def test_the_parent_starts_no_accelerator_and_records_the_childrens_machine(tmp_path):
+    """With stages run as child processes the build's own process runs JAX on the CPU (a GPU's
+    memory, of which JAX takes 75% when it starts, and a TPU, one process at a time, stay for the
+    children) and BUILD.json records the machine a child sees, probed in a child."""
+    import subprocess
+
+    code = ("import json, os; os.environ.pop('JAX_PLATFORMS', None)\n"
+            "from train import build_embedded as BE\n"
+            "runner, machine = BE.children_setup()\n"
+            "import jax\n"
+            "print(json.dumps([jax.config.jax_platforms, machine(), machine() is machine()]))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    platforms, probed, cached = json.loads(out.stdout.strip().splitlines()[-1])
+    from specjax.training.build_record import machine
+
+    assert platforms == "cpu" and cached
+    assert probed == {**machine(), "platform": probed["platform"]}  # a child on this machine
+
+
+def test_build_json_records_the_launchers_machine(setup, tmp_path):
+    from specjax.training import build_plan as B
+    from train import build_stages as BS
+
+    s = B.BuildSettings(target=str(setup["target"]), out_dir=str(tmp_path / "out"),
+                        work_dir=str(tmp_path / "w"), config_dir=str(setup["configs"]),
+                        drafters=("mtp1",), eval_dir=str(setup["eval"]), scale=B.SCALES["gpu"],
+                        budget_s=100.0)
+    probed = {"jax_backend": "gpu", "device": "NVIDIA H200 (probed)"}
+    b = BS.program_build(s, runner=lambda st: 0, log=lambda m: None, machine=lambda: probed)
+    b.run(["train"])
+    assert json.loads(pathlib.Path(s.record_path).read_text())["machine"] == probed

@@ -31,17 +31,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import shlex
 import sys
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from specjax.training import build_plan as B
+from specjax.training import build_record
 from specjax.training.build_outputs import BuildError
 from specjax.training.answers import ANSWERS_NAME
 from specjax.training.build_pack import pack, unpack
-from train.build_stages import program_build, run_child, run_in_process
+from train.build_stages import Runner, probe_machine, program_build, run_child, run_in_process
 
 DEFAULT_WORK = os.path.join("runs", "embedded")
 DEFAULT_CONFIGS = os.path.join("configs", "embedded")
@@ -117,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv_list)
 
     t0 = time.monotonic()
+    runner, machine = (run_in_process, build_record.machine) if args.in_process else children_setup()
     try:
         scale = B.SCALES[args.scale]
         over = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in (
@@ -126,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         scale = dataclasses.replace(scale, **{k: v for k, v in over.items() if v is not None})
         gpu = args.scale == "gpu"
         if gpu and not args.unpack and not args.allow_cpu:
-            require_accelerator()
+            require_accelerator(machine())
         out_dir = args.out_dir or os.path.relpath(dt.asset_dir())
         seed = args.seed_answers
         if seed is None and gpu and os.path.isfile(os.path.join(out_dir, "regen", ANSWERS_NAME)):
@@ -154,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _log(f"unpacked {args.unpack}: drafters {got['drafters']}, "
                  f"{got.get('answers_rows', 0)} answers -> {settings.out_dir}")
             return 0
-        build = program_build(settings, run_in_process if args.in_process else run_child, log=_log)
+        build = program_build(settings, runner, log=_log, machine=machine)
         try:
             build.run(args.stages)
         finally:  # what the stages did leaves the machine, also when one of them failed
@@ -170,13 +173,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def require_accelerator() -> None:
-    """ValueError unless jax sees a GPU or TPU."""
+def children_setup() -> tuple[Runner, Callable[[], dict[str, Any]]]:
+    """(runner, machine) for stages run as child processes. This process, which plans, records
+    and exports, starts no accelerator (JAX on the CPU): a GPU's memory (JAX takes 75% of it when
+    it starts) and a TPU (one process at a time) stay for the children; the machine recorded is
+    the one a child sees, probed once. Call before JAX starts a backend."""
     import jax
 
-    if jax.default_backend() == "cpu":
+    jax.config.update("jax_platforms", "cpu")
+    return run_child, functools.cache(probe_machine)
+
+
+def require_accelerator(machine: dict[str, Any]) -> None:
+    """ValueError unless the stages' machine (`build_record.machine()`) has a GPU or TPU."""
+    if machine["jax_backend"] == "cpu":
         raise ValueError("--scale gpu needs an accelerator, but jax sees only the CPU "
-                         f"({jax.devices()}); pass --allow-cpu to run it on the CPU anyway")
+                         f"({machine['device']}); pass --allow-cpu to run it on the CPU anyway")
 
 
 if __name__ == "__main__":

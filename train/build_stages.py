@@ -18,11 +18,12 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from specjax.training.build import Build
 from specjax.training.build_outputs import BuildError
 from specjax.training.build_plan import CURVE_EVAL_SETS, BuildSettings, DrafterPlan
+from specjax.training import build_record
 from specjax.training.build_record import count_rows
 
 
@@ -52,8 +53,8 @@ TAIL_LINES = 3
 
 
 def run_child(step: Step) -> StepResult:
-    """Run `step` as a child process (its stderr passed through as it comes, the end kept); kill it
-    after `step.timeout_s` (status TIMED_OUT)."""
+    """Run `step` as a child process (its stderr passed through as it comes, the end kept); kill
+    it after `step.timeout_s` (status TIMED_OUT)."""
     proc = subprocess.Popen([sys.executable, "-m", step.module, *step.args], stderr=subprocess.PIPE)
     tail = bytearray()
 
@@ -83,11 +84,29 @@ def run_in_process(step: Step) -> StepResult:
     return StepResult(int(importlib.import_module(step.module).main(step.args) or 0))
 
 
+def probe_machine() -> dict[str, Any]:
+    """`build_record.machine()` as a child process sees it: the accelerator the stages run on,
+    for a parent that starts none itself."""
+    code = "import json; from specjax.training.build_record import machine; print(json.dumps(machine()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(f"probing the machine in a child process failed ({out.returncode}): {last}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 class ProgramStages:
     """Launches the build's program stages as `Step`s through `runner`."""
 
-    def __init__(self, runner: Runner):
+    def __init__(self, runner: Runner, machine: Callable[[], dict[str, Any]] = build_record.machine):
         self.runner = runner
+        self._probe = machine
+        self._machine: dict[str, Any] | None = None
+
+    def machine(self) -> dict[str, Any]:
+        if self._machine is None:
+            self._machine = self._probe()
+        return self._machine
 
     def _run(self, build: Build, step: Step) -> None:
         share = build.unit_budget_s if build.budget is not None else None
@@ -200,7 +219,7 @@ class ProgramStages:
             "--max-prefill", str(min(256, sc.prompt_max_tokens + 64)), "--quiet"]))
 
 
-def program_build(settings: BuildSettings, runner: Runner,
-                  log: Callable[[str], None] = print) -> Build:
-    """A `Build` whose program stages run through `runner`."""
-    return Build(settings, ProgramStages(runner), log=log)
+def program_build(settings: BuildSettings, runner: Runner, log: Callable[[str], None] = print,
+                  machine: Callable[[], dict[str, Any]] = build_record.machine) -> Build:
+    """A `Build` whose program stages run through `runner` on the machine `machine()` describes."""
+    return Build(settings, ProgramStages(runner, machine), log=log)

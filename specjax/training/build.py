@@ -73,6 +73,10 @@ class Launcher(Protocol):
 
     def calibrate(self, build: "Build", plan: DrafterPlan) -> None: ...
 
+    def machine(self) -> dict[str, Any]:
+        """The machine the stages run on (`build_record.machine()` as they see it)."""
+        ...
+
 
 Unit = tuple[str, Callable[[], bool], Callable[[], None]]  # (record key, done, work)
 
@@ -196,7 +200,8 @@ class Build:
     def _note(self, key: str, seconds: float, complete: bool, *, ran: bool = True,
               facts: dict[str, Any] | None = None, error: str | None = None) -> None:
         note_stage(self.record, self.s, key, seconds, complete, ran=ran, layers=self.layers,
-                   wants_text=self.wants_text, facts=facts, error=error)
+                   wants_text=self.wants_text, machine_info=self.launch.machine(), facts=facts,
+                   error=error)
 
     def _counts(self, key: str) -> int:
         """Rows regenerated so far (the regenerate unit's starting point)."""
@@ -450,7 +455,7 @@ class Build:
             self.log(f"export: no prepare stage here; {self.s.out_dir}/split.json stays as it is")
         builds = self.record.setdefault("drafter_builds", {})
         for p in plans:
-            builds[p.name] = drafter_build(self.s, self.train_progress(p))
+            builds[p.name] = drafter_build(self.s, self.train_progress(p), self.launch.machine())
         self.record["drafter_bytes"] = sizes
         self.record["drafter_bytes_total"] = sum(sizes.values())
         self._exported = True

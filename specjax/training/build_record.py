@@ -61,12 +61,12 @@ def target_label(s: "BuildSettings") -> str:
 
 def note_stage(record: dict[str, Any], s: "BuildSettings", key: str, seconds: float,
                complete: bool, *, ran: bool, layers: tuple[int, ...] | None,
-               wants_text: bool, facts: dict[str, Any] | None = None,
+               wants_text: bool, machine_info: dict[str, Any], facts: dict[str, Any] | None = None,
                error: str | None = None) -> None:
     """Add a stage run (or, with ran=False, only its completeness) to `record` and write
     BUILD.json atomically; `facts` (what the run did: samples, tokens/s, steps) replace the
     stage's `last_run` facts; `error` is the run's failure (`last_error`, None after a run
-    that did not fail)."""
+    that did not fail); `machine_info` is the machine that runs the stages (`machine()`)."""
     st = record["stages"].setdefault(key, {"wall_s": 0.0, "runs": 0})
     if ran:
         st["wall_s"] = round(st["wall_s"] + seconds, 1)
@@ -93,13 +93,13 @@ def note_stage(record: dict[str, Any], s: "BuildSettings", key: str, seconds: fl
                      "budget_mb": s.budget_mb, "seed": s.seed, "budget_s": s.budget_s,
                      "seed_answers": os.path.basename(s.seed_answers) if s.seed_answers else None}
     r["data"] = {**r.get("data", {}), **data_facts(s, wants_text)}
-    r["machine"] = machine()
+    r["machine"] = machine_info
     os.makedirs(s.out_dir, exist_ok=True)
     write_json_atomic(s.record_path, r)
 
 
 def machine() -> dict[str, Any]:
-    """The machine that runs the build: platform, CPUs and the accelerator jax uses."""
+    """This process's machine: platform, CPUs and the accelerator jax uses (JSON-able)."""
     import jax
 
     dev = jax.devices()[0]
@@ -109,10 +109,11 @@ def machine() -> dict[str, Any]:
             "jax": jax.__version__}
 
 
-def drafter_build(s: "BuildSettings", progress: dict[str, Any] | None) -> dict[str, Any]:
+def drafter_build(s: "BuildSettings", progress: dict[str, Any] | None,
+                  machine_info: dict[str, Any]) -> dict[str, Any]:
     """Who built a shipped drafter: the machine, the command and the steps trained."""
     progress = progress or {}
-    return {"machine": machine(), "command": s.command, "finished": now(),
+    return {"machine": machine_info, "command": s.command, "finished": now(),
             "steps": progress.get("step"), "total_steps": progress.get("total_steps")}
 
 
