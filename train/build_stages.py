@@ -73,6 +73,10 @@ def run_child(step: Step) -> StepResult:
         proc.kill()
         proc.wait()
         status = TIMED_OUT
+    except BaseException:  # an interrupt of this process: the child does not outlive it
+        proc.kill()
+        proc.wait()
+        raise
     reader.join(timeout=KILL_GRACE_S)  # a grandchild may hold the pipe open
     if status in (0, TIMED_OUT):
         return StepResult(status)
