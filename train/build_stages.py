@@ -58,12 +58,18 @@ def run_child(step: Step) -> StepResult:
     proc = subprocess.Popen([sys.executable, "-m", step.module, *step.args], stderr=subprocess.PIPE)
     tail = bytearray()
 
-    def pump() -> None:
+    def pump() -> None:  # drains the pipe to the end whatever this process's stderr accepts
         for chunk in iter(lambda: proc.stderr.read1(65536), b""):
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.flush()
             tail.extend(chunk)
             del tail[:-TAIL_BYTES]
+            try:
+                if hasattr(sys.stderr, "buffer"):
+                    sys.stderr.buffer.write(chunk)
+                else:  # a text-only stream (a notebook's)
+                    sys.stderr.write(chunk.decode("utf-8", "replace"))
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
