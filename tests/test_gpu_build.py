@@ -372,18 +372,16 @@ def test_with_a_budget_a_failed_unit_is_recorded_and_the_others_go_on(setup, tmp
     """One drafter's training fails (a child's exit status 1, as when it runs out of accelerator
     memory): with a budget the build records the error, trains the next drafter and then fails
     naming the unit; without one (control) it stops at the failure."""
-    import dataclasses
-
     from specjax.training import build_plan as B
     from specjax.training.build_outputs import BuildError
     from train import build_stages as BS
 
+    _seed_artifact(tmp_path / "a.jsonl.gz", [{"id": "p0", "turns": ["w10"]}])
     s = B.BuildSettings(target=str(setup["target"]), out_dir=str(tmp_path / "out"),
                         work_dir=str(tmp_path / "w"), config_dir=str(setup["configs"]),
                         drafters=("dspark", "mtp1"), eval_dir=str(setup["eval"]),
-                        scale=B.SCALES["gpu"], budget_s=budget_s)
-    _seed_artifact(tmp_path / "a.jsonl.gz", [{"id": "p0", "turns": ["w10"]}])
-    s = dataclasses.replace(s, seed_answers=str(tmp_path / "a.jsonl.gz"))
+                        scale=B.SCALES["gpu"], budget_s=budget_s,
+                        seed_answers=str(tmp_path / "a.jsonl.gz"))
     ran = []
 
     def runner(step):
