@@ -107,6 +107,32 @@ def test_a_run_records_its_curve_resumes_it_once_and_measures_the_trained_drafte
     run.trainer.close()
 
 
+def test_the_drafter_is_exported_before_the_last_curve_point(setup, monkeypatch):
+    """A run killed while measuring its last curve point (as the build kills a child at its share)
+    has already exported the drafter it trained."""
+    from specjax.eval import curve as C
+    from specjax.training.build_outputs import PROGRESS_NAME
+    from train import train_draft
+
+    real = C.curve_hook
+
+    def killed_at_the_end(*a, **k):
+        hook = real(*a, **k)
+
+        def measure(step, state, metrics=None, *, force=False):
+            if force:
+                raise RuntimeError("killed while measuring")
+            return hook(step, state, metrics, force=force)
+        return measure
+
+    monkeypatch.setattr(C, "curve_hook", killed_at_the_end)
+    cfg = _config(setup, "cut", prompts=2, max_tokens=4)
+    with pytest.raises(RuntimeError, match="killed while measuring"):
+        train_draft.main(["--config", str(cfg), "--steps", "2"])
+    progress = json.loads((setup["root"] / "cut" / "export" / PROGRESS_NAME).read_text())
+    assert progress["step"] == 2 and (setup["root"] / "cut" / "export" / "config.json").is_file()
+
+
 @pytest.mark.parametrize("curve, field", [
     ({"every": -1}, "'every'"), ({"sets": []}, "'sets'"), ({"prompts": 0}, "'prompts'"),
     ({"sets": [{"name": "a", "files": ["x"]}, {"name": "a", "files": ["y"]}]}, "repeat"),

@@ -173,7 +173,8 @@ def train(cfg: TrainConfig, run: Run, *, steps: int | None = None,
     this many optimizer steps in total (default: the schedule's). A preempted run saves a
     checkpoint and returns (rerun to resume). `deadline` (a `time.monotonic()` value): a run that
     reaches it saves a checkpoint and exports the drafter it has (a rerun continues it). `curve`:
-    the learning curve's callback (`curve_hook`), called every step and at the end."""
+    the learning curve's callback (`curve_hook`), called every step and at the end, after the
+    export."""
     trainer, data, dcfg = run[:3]
     if dist.is_primary():
         os.makedirs(cfg.checkpoint.directory, exist_ok=True)
@@ -189,8 +190,6 @@ def train(cfg: TrainConfig, run: Run, *, steps: int | None = None,
     start = (trainer.latest_checkpoint() or 0) if cfg.checkpoint.resume else 0
     try:
         result = trainer.fit(data, total_steps=steps, deadline=deadline, on_step=curve)
-        if curve is not None and result.status != "preempted":
-            curve(result.step, result.state, force=True)
     finally:
         trainer.close()
     if result.status == "preempted":
@@ -210,6 +209,10 @@ def train(cfg: TrainConfig, run: Run, *, steps: int | None = None,
                 "steps_per_s": round((result.step - start) / max(seconds, 1e-9), 3),
                 "sequences_per_s": round((result.step - start) * cfg.data.batch_size
                                          / max(seconds, 1e-9), 2)})
+    # the last curve point after the export: a run stopped at its time limit, then killed while
+    # measuring (the build kills a child at its share), keeps the drafter it trained
+    if curve is not None:
+        curve(result.step, result.state, force=True)
     if result.status == "time_limit":
         print(f"time limit: exported the drafter of step {result.step} of "
               f"{steps or trainer.total_steps}; rerun to continue", flush=True)
