@@ -287,8 +287,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # (system, mode, prompt set) -> one timed pass
             measures: dict[tuple[str, str, str], Callable[[], dict]] = {}
             for ps, prompts in prompt_sets.items():
-                measures[("specjax", "plain", ps)] = lambda p=prompts, llm=plain: specjax_pass(llm, p, args.new_tokens)
-                measures[("specjax", "ngram", ps)] = lambda p=prompts, llm=ngram: specjax_pass(llm, p, args.new_tokens)
+                measures[("specjax", "plain", ps)] = (
+                    lambda p=prompts, llm=plain: specjax_pass(llm, p, args.new_tokens))
+                measures[("specjax", "ngram", ps)] = (
+                    lambda p=prompts, llm=ngram: specjax_pass(llm, p, args.new_tokens))
             # transformers: the first max(batch, --hf-prompts) ordinary prompts (a multiple of batch)
             n_hf = min(args.prompts, -(-max(batch, args.hf_prompts) // batch) * batch)
             hf_prompts = prompt_sets["ordinary"][:n_hf]

@@ -165,9 +165,7 @@ class LLM:
         if not isinstance(prompt, (list, tuple, np.ndarray)):
             raise ValueError(f"prompts[{index}] must be a string or a list of token ids, "
                              f"got {type(prompt).__name__}")
-        if not len(prompt):
-            raise ValueError(f"prompts[{index}] is empty (no token ids)")
-        for j, t in enumerate(prompt):
+        for j, t in enumerate(prompt):  # an empty list is refused with the request (build_engine_request)
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
                 raise ValueError(f"prompts[{index}][{j}] must be an int token id, got {t!r}")
         return None, [int(t) for t in prompt]

@@ -127,8 +127,8 @@ def test_the_drafter_is_exported_before_the_last_curve_point(setup, monkeypatch)
 
     monkeypatch.setattr(C, "curve_hook", killed_at_the_end)
     texts = setup["root"] / "cut_texts.jsonl"  # given, so that no engine makes them
-    texts.write_text("".join(json.dumps({"set": name, "prompt_ids": [5, 6, 7], "answer_ids": [8, 9, 10, 11]}) + "\n"
-                             for name in ("train", "heldout")))
+    row = {"prompt_ids": [5, 6, 7], "answer_ids": [8, 9, 10, 11]}
+    texts.write_text("".join(json.dumps({"set": name, **row}) + "\n" for name in ("train", "heldout")))
     cfg = _config(setup, "cut", prompts=2, max_tokens=4, texts=str(texts))
     with pytest.raises(RuntimeError, match="killed while measuring"):
         train_draft.main(["--config", str(cfg), "--steps", "2"])

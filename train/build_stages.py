@@ -205,7 +205,7 @@ class ProgramStages:
         s, sc = build.s, build.s.scale
         if not sc.curve_every or p.name not in s.curve_drafters:
             return []
-        table1 = [f for f in (os.path.join(s.eval_dir, f"{n}.jsonl") for n in CURVE_EVAL_SETS) if os.path.isfile(f)]
+        table1 = build.curve_eval_files()
         answered = [f for f in s.answers_files if count_rows(f)]
         sets = ([{"name": "train", "files": answered}] if answered else []) + [
             {"name": "heldout", "files": [build.heldout_prompts]}]

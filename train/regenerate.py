@@ -98,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm = LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer,
                   max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                   max_prefill=min(args.max_prefill, max_len), dtype=args.dtype or default_dtype(), seed=args.seed,
-                  progress=not args.quiet, sampling_variants=(sampling_variant(sp.temperature, sp.top_k, sp.top_p),))
+                  progress=not args.quiet,
+                  sampling_variants=(sampling_variant(sp.temperature, sp.top_k, sp.top_p),))
         summary = regenerate(llm, args.prompts, args.out, errors_path=args.errors, sampling=sp,
                              enable_thinking=args.thinking, seed=args.seed, window=args.window,
                              limit=args.limit, shard=shard, progress=not args.quiet,

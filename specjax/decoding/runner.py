@@ -124,7 +124,9 @@ class Executables:
 
     def lower(self, key: Hashable, *abstract_args: Any, **static: int) -> Any:
         """Trace and lower the function for `key` (None when `key` is compiled already)."""
-        return None if key in self._compiled else _jitted(FAMILIES[self.name]).lower(self._ctx, *abstract_args, **static)
+        if key in self._compiled:
+            return None
+        return _jitted(FAMILIES[self.name]).lower(self._ctx, *abstract_args, **static)
 
     def install(self, key: Hashable, lowered: Any) -> None:
         """Compile a `lower` result for `key`. XLA compiles without holding the GIL, so several

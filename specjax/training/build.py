@@ -114,11 +114,16 @@ class Build:
         on a machine the evaluation files were not carried to)."""
         if not self.s.scale.curve_every or not any(p.name in self.s.curve_drafters for p in self.plans):
             return
-        if not any(os.path.isfile(os.path.join(self.s.eval_dir, f"{n}.jsonl")) for n in CURVE_EVAL_SETS):
+        if not self.curve_eval_files():
             names = ", ".join(f"{n}.jsonl" for n in CURVE_EVAL_SETS)
             raise BuildError(f"the learning curve reads Table 1's sets ({names}) from --eval-dir "
                              f"{self.s.eval_dir}, which holds none of them; pass --eval-dir, or "
                              f"--curve-every 0 for no curve")
+
+    def curve_eval_files(self) -> list[str]:
+        """The files of Table 1's sets (CURVE_EVAL_SETS) found in the evaluation directory."""
+        paths = (os.path.join(self.s.eval_dir, f"{n}.jsonl") for n in CURVE_EVAL_SETS)
+        return [f for f in paths if os.path.isfile(f)]
 
     # running -------------------------------------------------------------------------------
     def run(self, stages: Sequence[str] = STAGES) -> None:
