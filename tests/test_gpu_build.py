@@ -59,7 +59,25 @@ def _argv(s, *extra: str, work: str = "work", out: str = "out") -> list[str]:
             "--max-new-tokens", "8", "--prompt-max-tokens", "16", "--context-tokens", "64",
             "--steps", "200",
             "--calibrate-prompts", "2", "--calibrate-tokens", "4", "--heldout-fraction", "0.2",
+            "--curve-prompts", "2", "--curve-tokens", "8",
             "--regen-slots", "1", "--min-unit-s", "0.5", *extra]
+
+
+class _SteppingClock:
+    """`time` for the regeneration's deadline: monotonic() advances 0.1 s a reading; the rest is
+    the real module's."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._time, self._now = time, 0.0
+
+    def monotonic(self) -> float:
+        self._now += 0.1
+        return self._now
+
+    def __getattr__(self, name: str):
+        return getattr(self._time, name)
 
 
 def _seed_artifact(path: pathlib.Path, prompts: list[dict]) -> list[dict]:
@@ -76,12 +94,13 @@ def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys, mon
     """The build's clock is frozen, so every unit gets its planned share of the budget whatever
     this machine's load (the stages' own deadlines run on the real clock): run 1's shares are
     below the time to load and compile, so regeneration and both trainings stop at them."""
-    from specjax import checkpoints
+    from specjax import checkpoints, jobs
     from specjax.training import build_budget
     from specjax.drafters import registry
     from specjax.io import read_jsonl
     from specjax.training.build_pack import LIMITS
     from train import build_embedded
+    from train import regenerate as regenerate_program
 
     s, r = setup, setup["root"]
     work, out = r / "work", r / "out"
@@ -92,8 +111,12 @@ def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys, mon
     seed = _seed_artifact(r / "seed.jsonl.gz", prompts[:70])  # >= one batch of 64
     stages = ["--stages", "regenerate", "vocab", "train", "calibrate", "export"]
 
-    # run 1: 20 s of budget (15 s after the packing reserve); regeneration and training stop
+    # run 1: 20 s of budget (15 s after the packing reserve); regeneration and training stop.
+    # Regeneration reads a clock that advances 0.1 s a reading (its share, ~4 s, ends after a
+    # fixed number of engine steps, too few for its 10 prompts on any machine)
     monkeypatch.setattr(build_budget, "CLOCK", lambda: 0.0)
+    monkeypatch.setattr(regenerate_program, "time", _SteppingClock())
+    monkeypatch.setattr(jobs, "time", regenerate_program.time)
     capsys.readouterr()
     rc = build_embedded.main(_argv(s, *stages, "--budget-s", "20", "--seed-answers",
                                    str(r / "seed.jsonl.gz"), "--pack", str(r / "pack")))
@@ -139,11 +162,15 @@ def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys, mon
 
     # run 2, with more budget: regeneration resumes (appends) and finishes; then training
     # continues from run 1's checkpoints
+    import time
+
+    monkeypatch.setattr(regenerate_program, "time", time)  # the real clock again
+    monkeypatch.setattr(jobs, "time", time)
     capsys.readouterr()
     seeded = ["--seed-answers", str(r / "seed.jsonl.gz")]
     rc = build_embedded.main(_argv(s, "--stages", "regenerate", "--budget-s", "300", *seeded))
     assert rc == 0, capsys.readouterr().out[-3000:]
-    rc = build_embedded.main(_argv(s, "--stages", "vocab", "train", "export", "--budget-s", "30",
+    rc = build_embedded.main(_argv(s, "--stages", "vocab", "train", "export", "--budget-s", "12",
                                    *seeded))
     printed = capsys.readouterr().out
     assert rc == 0, printed[-3000:]
