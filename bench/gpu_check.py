@@ -88,6 +88,9 @@ PRESETS: dict[str, Preset] = {
         slots=(2,), tokens=(1, 4), concurrency=(1, 2), prompt_len=8, max_tokens=6, budget_s=300.0),
 }
 ENGINES = ("plain", "dspark-confidence", "dspark-confidence_async", "dspark-fixed")
+# the sampling variants the runs ask for (greedy outputs, then T=1 throughput): no top-k / top-p
+# program is compiled, and the cost table is measured on the T=1 rounds
+RUN_VARIANTS = ("greedy", "plain")
 PHASES = ("plain", "curve", "async", "fixed")  # after "build"; --phases picks a subset
 NOT_ASKED = "not asked for (--phases)"
 
@@ -350,7 +353,8 @@ def _engine(target, drafter, policy: str, p: Preset, tokens: tuple[int, ...], pr
     cfg = EngineConfig(max_slots=p.slots[-1], max_len=max_len,
                        gamma=None if drafter is None else p.gamma, policy=policy, slots_buckets=p.slots,
                        tokens_buckets=tokens, prefill_buckets=(p.prompt_len,), max_prefill=p.prompt_len,
-                       prefill_batch_buckets=(min(8, p.slots[-1]),), attention=p.attention, mlp=p.mlp)
+                       prefill_batch_buckets=(min(8, p.slots[-1]),), attention=p.attention, mlp=p.mlp,
+                       sampling_variants=RUN_VARIANTS)
     # a fixed identity: hashing 4B random weights on the host would only cost time
     return Engine(target, drafter, cfg, progress=progress, cost_table=cost_table,
                   target_id=f"random-{p.target['num_hidden_layers']}-layers")
