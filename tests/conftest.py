@@ -1,7 +1,6 @@
-"""Test session setup: 8 emulated CPU devices for the sharding tests (set before jax is imported),
-per-run caches shared by the xdist workers (a persistent compilation cache, so engines with
-identical shapes compile once per run, and the float32 copies of converted GGUF targets), and each
-worker's XLA thread pool sized to its share of the cores."""
+"""Test session setup: 8 emulated CPU devices for the sharding tests (set before jax is imported), and
+per-run caches shared by the xdist workers: a persistent compilation cache, so engines with
+identical shapes compile once per run, and the float32 copies of converted GGUF targets."""
 import os
 import tempfile
 
@@ -45,28 +44,6 @@ import jax  # noqa: E402
 jax.config.update("jax_compilation_cache_dir", run_dir("specjax-jit-cache-"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def start_backend_on_a_share_of_the_cores() -> None:
-    """Start XLA's CPU client (its intra-op thread pool is sized from the CPUs this process may use
-    at that moment) on this xdist worker's share of the cores, then give the process all of them
-    back: workers as many as the cores no longer each run a pool as wide as the machine (measured on
-    2 cores: ~13% less CPU time for the same tests). Subprocesses are unaffected."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    cpus = sorted(os.sched_getaffinity(0))
-    if workers < 2 or not worker.startswith("gw") or len(cpus) < 2:
-        return
-    per = max(1, len(cpus) // workers)
-    first = (int(worker[2:]) * per) % len(cpus)
-    os.sched_setaffinity(0, cpus[first:first + per])
-    try:
-        jax.devices()
-    finally:
-        os.sched_setaffinity(0, cpus)
-
-
-start_backend_on_a_share_of_the_cores()
 
 
 import pytest  # noqa: E402

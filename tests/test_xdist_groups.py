@@ -41,12 +41,3 @@ def test_loadgroup_keeps_a_group_on_one_worker(tmp_path):
 def test_worker_parser_reads_verbose_lines():
     out = "[gw0] [ 50%] PASSED a.py::t[0]@one \n[gw1] [100%] PASSED a.py::t[1] \n"
     assert workers_by_test(out) == {"a.py::t[0]@one": "gw0", "a.py::t[1]": "gw1"}
-
-
-def test_a_worker_keeps_its_parents_cores():
-    """conftest starts an xdist worker's XLA client on its share of the cores, then gives the
-    worker its parent's CPU set back: subprocesses a test starts (the build's children, the
-    multi-process tests) may use every core."""
-    import os
-
-    assert os.sched_getaffinity(0) == os.sched_getaffinity(os.getppid())
