@@ -29,7 +29,9 @@ still writes everything measured so far, marking what is missing; such a run exi
 Compiling the bucket executables of a 36-layer target is most of the time: --compile-threads of
 them compile at once (`Engine.warmup(threads=...)`; 1 compiles one at a time), and they land in
 the persistent compilation cache (`specjax.decoding.compile_cache`), so running the command again on the
-same machine skips most of it and finishes what a stopped run left out. The tiny preset uses
+same machine skips most of it and finishes what a stopped run left out. Every engine compiles the
+sampling variants the runs use (greedy and T=1; no top-k / top-p program), so the cost table is
+measured on the T=1 rounds that are timed. The tiny preset uses
 bfloat16 too, so the CPU test covers the dtype path of the GPU run.
 Writes gpu_check.json, gpu_check.md and gpu_check.png (with --draft-vocab N: gpu_check_draft_vocabN.*)
 into --out-dir and replaces the GPU section of
