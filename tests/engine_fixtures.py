@@ -156,8 +156,9 @@ def drafter_pvalue(model, drafter, prompt: list[int], exact: dict[tuple[int, ...
     round that verifies fewer drafts is padded), so one round program compiles instead of three
     (mixed widths are the subject of test_engine_lossless)."""
     g = drafter.gamma
+    # sampled rows only: the round programs of the "plain" variant (no greedy ones compiled)
     eng = small_engine(model, drafter, slots=256, max_len=16, prefill=8, gamma=g, tokens_buckets=(g + 1,),
-                       prefill_batch=256)
+                       prefill_batch=256, variants=("plain",))
     ells = []
     eng.on_round = lambda info: ells.extend(info["ell"])
     samples = sample_continuations(eng, prompt, n_samples, 3, temperature=temperature, extra=g, seed0=seed0)
