@@ -13,6 +13,7 @@ import os
 import pathlib
 import shutil
 import sys
+import time
 
 import pytest
 
@@ -68,16 +69,14 @@ class _SteppingClock:
     the real module's."""
 
     def __init__(self) -> None:
-        import time
-
-        self._time, self._now = time, 0.0
+        self._now = 0.0
 
     def monotonic(self) -> float:
         self._now += 0.1
         return self._now
 
     def __getattr__(self, name: str):
-        return getattr(self._time, name)
+        return getattr(time, name)
 
 
 def _seed_artifact(path: pathlib.Path, prompts: list[dict]) -> list[dict]:
@@ -92,8 +91,9 @@ def _seed_artifact(path: pathlib.Path, prompts: list[dict]) -> list[dict]:
 
 def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys, monkeypatch):
     """The build's clock is frozen, so every unit gets its planned share of the budget whatever
-    this machine's load (the stages' own deadlines run on the real clock): run 1's shares are
-    below the time to load and compile, so regeneration and both trainings stop at them."""
+    this machine's load (the trainings' own deadlines run on the real clock, regeneration's in run
+    1 on a stepping one): run 1's shares are below the time to load and compile, or to answer the
+    prompts, so regeneration and both trainings stop at them."""
     from specjax import checkpoints, jobs
     from specjax.training import build_budget
     from specjax.drafters import registry
@@ -162,8 +162,6 @@ def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys, mon
 
     # run 2, with more budget: regeneration resumes (appends) and finishes; then training
     # continues from run 1's checkpoints
-    import time
-
     monkeypatch.setattr(regenerate_program, "time", time)  # the real clock again
     monkeypatch.setattr(jobs, "time", time)
     capsys.readouterr()
