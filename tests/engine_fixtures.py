@@ -17,6 +17,12 @@ from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.models.decoder import CausalLM
 
 
+# XLA's default CPU fusion emitters, as compiler options: `make test` compiles the tiny-model tests
+# with the older emitters (the Makefile's TINY_XLA_FLAGS), which expand scatters into loops, so a
+# test that inspects a compiled program as XLA builds it by default compiles it with these
+DEFAULT_CPU_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+
+
 def tiny_target(vocab: int = 16, *, seed: int = 0, layers: int = 2, hidden: int = 32,
                 init_scale: float = 1.0) -> CausalLM:
     cfg = TargetConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=48, num_hidden_layers=layers,

@@ -13,6 +13,8 @@ from bench import common, run_all
 from bench.decode import agreement, encode_fixed, repetitive_texts
 from bench.drafters import overheads
 
+from engine_fixtures import DEFAULT_CPU_EMITTERS
+
 
 class FakeClock:
     """Stands in for bench.common's `time` module: perf_counter reads a clock that only `advance` moves."""
@@ -481,7 +483,7 @@ def test_round_ops_bytes_breakdown_counts_what_a_program_touches():
     from bench.round_ops import bytes_breakdown
 
     def split(fn, *args, **jit_kw):
-        compiled = jax.jit(fn, **jit_kw).lower(*args).compile()
+        compiled = jax.jit(fn, **jit_kw).lower(*args).compile(compiler_options=DEFAULT_CPU_EMITTERS)
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         out = bytes_breakdown(compiled.as_text())

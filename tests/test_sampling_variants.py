@@ -15,7 +15,7 @@ from scipy import stats
 
 from specjax import sampling
 from specjax.sampling import SamplingArrays, keys_for_batch, probs_from_logits, sample, sampling_variant
-from tests.engine_fixtures import BigramDrafter, tiny_target
+from tests.engine_fixtures import DEFAULT_CPU_EMITTERS, BigramDrafter, tiny_target
 
 
 def _ref(logits_v: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
@@ -162,7 +162,8 @@ def test_greedy_and_unfiltered_rounds_compile_without_branches_or_loops(variant,
     from bench import round_ops
     runner = round_ops.abstract_runner(round_ops.presets()["tiny"], 2, 32)
     for family in ("lite", "verify", "fused"):
-        rep = round_ops.compiled_report(runner.lower(family, round_ops.bucket_key(runner, family, 2, variant)))
+        lowered = runner.lower(family, round_ops.bucket_key(runner, family, 2, variant))
+        rep = round_ops.compiled_report(lowered, DEFAULT_CPU_EMITTERS)
         assert rep["conditionals"] == (conds if family != "fused" else 2 * conds), (family, rep)
         if variant != "filtered" and family != "fused":  # fused drafts in a scan: one loop
             assert rep["whiles"] == 0, (family, rep)  # the threefry PRNG's CPU loops are counted apart

@@ -367,7 +367,7 @@ def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path, tiny_target_dir):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=1 "
                          "--xla_backend_optimization_level=0 "
-                         "--xla_llvm_disable_expensive_passes=true")
+                         "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
     proc = subprocess.Popen([sys.executable, "-m", "train.train_draft", "--config", str(cfg_path)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
