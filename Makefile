@@ -30,12 +30,13 @@ demo: $(STAMP)
 
 # Two pytest-xdist workers. Tests on tiny random models compile at LLVM -O0 with XLA's older CPU
 # fusion emitters (TINY_XLA_FLAGS: their programs are small, and these emitters compile them about
-# three times faster; a test that inspects a program as XLA compiles it by default asks for the
-# default emitters in its own compile); those on the real SmolLM2 target run second, at -O1 with
-# the default emitters (it decodes as fast as at the default -O2 and compiles faster). The first part runs under --dist worksteal (each worker starts on a
-# contiguous half, so a module's fixtures are mostly built once); the real-target part under
-# --dist loadgroup, so that the tests of one shipped drafter, and those comparing with transformers,
-# each keep to one worker (xdist_group) that builds that engine or converts the file once.
+# three times faster; a test that inspects a program as XLA builds it by default asks for the
+# default emitters in its own compile). Those on the real SmolLM2 target run second, at -O1 with
+# the default emitters (it decodes as fast as at the default -O2 and compiles faster). The first
+# part runs under --dist worksteal (each worker starts on a contiguous half, so a module's fixtures
+# are mostly built once); the real-target part under --dist loadgroup, so that the tests of one
+# shipped drafter, and those comparing with transformers, each keep to one worker (xdist_group)
+# that builds that engine or converts the file once.
 TEST_ARGS := -q -n 2
 TINY_XLA_FLAGS := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false
 test: $(STAMP)
