@@ -21,6 +21,9 @@ from specjax.models.decoder import CausalLM
 # with the older emitters (the Makefile's TINY_XLA_FLAGS), which expand scatters into loops, so a
 # test that inspects a compiled program as XLA builds it by default compiles it with these
 DEFAULT_CPU_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+# XLA_FLAGS for a test's subprocess: one CPU device, cheap compilation (its numerics are not under test)
+SUBPROCESS_XLA_FLAGS = ("--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
+                        "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
 
 
 def tiny_target(vocab: int = 16, *, seed: int = 0, layers: int = 2, hidden: int = 32,

@@ -23,8 +23,10 @@ import pytest
 from specjax import distributed as dist
 
 try:
+    from tests.engine_fixtures import SUBPROCESS_XLA_FLAGS
     from tests.serving_fixtures import export_tiny_target, read_jsonl, write_jsonl
 except ImportError:  # tests/ itself on sys.path
+    from engine_fixtures import SUBPROCESS_XLA_FLAGS
     from serving_fixtures import export_tiny_target, read_jsonl, write_jsonl
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -40,8 +42,7 @@ def _env(cache_dir: pathlib.Path) -> dict[str, str]:
     """One CPU device per process; a compilation cache shared by the processes and reruns."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "TPU_"))}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
-                         "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false",
+               XLA_FLAGS=SUBPROCESS_XLA_FLAGS,
                JAX_COMPILATION_CACHE_DIR=str(cache_dir),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     for k in (dist.ENV_ADDRESS, dist.ENV_COUNT, dist.ENV_ID):

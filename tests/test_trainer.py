@@ -24,6 +24,8 @@ from specjax.training.data import EpochBatches
 from specjax.training.step import lr_schedule, make_optimizer
 from specjax.training.trainer import NonFiniteLossError, Trainer
 
+from engine_fixtures import SUBPROCESS_XLA_FLAGS
+
 V, H = 32, 16
 POISON = V - 1  # a batch containing this token makes the toy loss NaN
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -363,11 +365,7 @@ def test_dspark_objective_online_chunked_equals_offline_plain(tmp_path, tiny_tar
 
 def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path, tiny_target_dir):
     cfg_path = _tiny_run_yaml(tmp_path, tiny_target_dir)
-    # one device; cheap XLA compilation (the step's numerics are not under test here)
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1 "
-                         "--xla_backend_optimization_level=0 "
-                         "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     proc = subprocess.Popen([sys.executable, "-m", "train.train_draft", "--config", str(cfg_path)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
