@@ -376,7 +376,8 @@ def _throughput(rec: Recorder, engine, name: str, p: Preset, prompts) -> None:
         r = closed_loop(engine, prompts, c, 2 * c, p.max_tokens)
         row = {"engine": name, "concurrency": c, "requests": r["requests"], "tokens": r["tokens"],
                "seconds": round(r["seconds"], 3), "tokens_per_s": round(r["aggregate_tokens_per_s"], 2),
-               "per_user_tokens_per_s": round(r["per_user_tokens_per_s"], 2), "tau": round(r["tau"], 3),
+               "per_user_tokens_per_s": round(r["per_user_tokens_per_s"], 2),
+               "per_user_e2e_tokens_per_s": round(r["per_user_e2e_tokens_per_s"], 2), "tau": round(r["tau"], 3),
                "mean_verification_length": round(r["mean_verification_length"], 3)}
         rec.update(lambda res: res["throughput"].append(row))
         print(f"  {name:24s} C={c:4d}: {row['tokens_per_s']:10.1f} tok/s (tau {row['tau']:.2f}, "

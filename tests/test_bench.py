@@ -237,6 +237,22 @@ def test_goal_rows_report_each_frontier_goal():
     assert {r[0]: r[2] for r in goal_rows(res)}["best confidence never below plain"] == "no"
 
 
+def test_per_user_rate_is_the_decode_speed_without_the_time_to_the_first_token():
+    from types import SimpleNamespace as NS
+    from bench.frontier import per_user_decode_rate
+
+    def req(n, start, first, finish):
+        return NS(output_ids=[0] * n, metrics=NS(start_time=start, first_token_time=first, finish_time=finish))
+    # 9 tokens after the first in 0.5 s -> 18 tok/s, 4 in 1.0 s -> 4 tok/s; a long wait for the first
+    # token (queueing, prefill) does not count; a one-token request has no decode time and is skipped
+    done = [req(10, 0.0, 3.0, 3.5), req(5, 1.0, 1.5, 2.5), req(1, 0.0, 0.2, 0.2)]
+    assert per_user_decode_rate(done) == pytest.approx(11.0)
+    # control: counting from the arrival (the end-to-end rate) gives a different, lower figure
+    assert np.mean([len(r.output_ids) / (r.metrics.finish_time - r.metrics.start_time) for r in done[:2]]) < 5.0
+    with pytest.raises(ValueError, match="two or more tokens"):
+        per_user_decode_rate(done[2:])
+
+
 def test_median_run_keeps_the_median_run_and_lists_all():
     from bench.frontier import median_run
     r = median_run([_pt(4, 300.0, 90.0), _pt(4, 100.0, 30.0), _pt(4, 200.0, 60.0)])
