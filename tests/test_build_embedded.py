@@ -83,15 +83,21 @@ def _configs(root: pathlib.Path) -> pathlib.Path:
     return d
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("build")
+def build_inputs(root: pathlib.Path, sharegpt: pathlib.Path) -> dict:
+    """A build's inputs under `root`: the tiny target, `sharegpt`, the drafter configs and an
+    evaluation directory with one Table 1 set."""
     eval_dir = root / "eval"
     eval_dir.mkdir()
     (eval_dir / "set.jsonl").write_text(json.dumps({"turns": [EVAL_PROMPT]}) + "\n")
     (eval_dir / "gsm8k.jsonl").write_text(json.dumps({"turns": [EVAL_PROMPT]}) + "\n")  # a Table 1 set
-    return {"root": root, "target": _tiny_llama_target(root), "sharegpt": _sharegpt(root),
+    return {"root": root, "target": _tiny_llama_target(root), "sharegpt": sharegpt,
             "configs": _configs(root), "eval": eval_dir}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("build")
+    return build_inputs(root, _sharegpt(root))
 
 
 def _argv(s, *extra: str) -> list[str]:

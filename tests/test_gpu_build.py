@@ -21,7 +21,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from test_build_embedded import EVAL_PROMPT, WORDS, _configs, _tiny_llama_target  # noqa: E402
+from test_build_embedded import EVAL_PROMPT, WORDS, build_inputs  # noqa: E402
 
 
 def _sharegpt(root: pathlib.Path, n: int = 160) -> pathlib.Path:
@@ -43,12 +43,7 @@ def _sharegpt(root: pathlib.Path, n: int = 160) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpubuild")
-    eval_dir = root / "eval"
-    eval_dir.mkdir()
-    (eval_dir / "set.jsonl").write_text(json.dumps({"turns": [EVAL_PROMPT]}) + "\n")
-    (eval_dir / "gsm8k.jsonl").write_text(json.dumps({"turns": [EVAL_PROMPT]}) + "\n")  # a Table 1 set
-    return {"root": root, "target": _tiny_llama_target(root), "sharegpt": _sharegpt(root),
-            "configs": _configs(root), "eval": eval_dir}
+    return build_inputs(root, _sharegpt(root))
 
 
 def _argv(s, *extra: str, work: str = "work", out: str = "out") -> list[str]:
