@@ -251,6 +251,38 @@ def test_metrics_count_what_the_responses_report(srv):
     assert re.search(r'^specjax:scheduler_rounds_total\{kind="draft",model_name="tiny"\} [1-9]', text, re.M)
 
 
+def _latency_sums(url: str) -> dict[str, float]:
+    """_sum and _count of the three request-latency histograms, from the Prometheus text."""
+    text = http_request(url + "/metrics")[2].decode()
+    out = {}
+    for key, name in (("ttft", "vllm:time_to_first_token_seconds"), ("e2e", "vllm:e2e_request_latency_seconds"),
+                      ("tpot", "vllm:request_time_per_output_token_seconds")):
+        for part in ("sum", "count"):
+            m = re.search(rf'^{re.escape(name)}_{part}\{{model_name="tiny"\}} (\S+)$', text, re.M)
+            out[f"{key}_{part}"] = float(m.group(1))
+    return out
+
+
+def test_time_per_output_token_is_each_requests_decode_time_over_its_later_tokens(srv):
+    url = srv["url"]
+    before = _latency_sums(url)
+    n = _complete(url, max_tokens=6)[1]["usage"]["completion_tokens"]
+    after = _latency_sums(url)
+    d = {k: after[k] - before[k] for k in after}
+    assert n >= 2 and d["ttft_count"] == d["e2e_count"] == d["tpot_count"] == 1
+    # one request: its mean TPOT times its tokens after the first is its time from first token to finish
+    # (counting all n tokens, or from the arrival, would break this)
+    assert d["tpot_sum"] * (n - 1) == pytest.approx(d["e2e_sum"] - d["ttft_sum"], abs=1e-6)
+    assert 0 < d["tpot_sum"] < d["e2e_sum"]
+    # a one-token request has no decode time: its TTFT is observed, no TPOT
+    _complete(url, max_tokens=1)
+    last = _latency_sums(url)
+    assert last["ttft_count"] - after["ttft_count"] == 1 and last["tpot_count"] == after["tpot_count"]
+    snap = http_json(url + "/metrics.json")[1]["latency_mean_s"]
+    assert snap["tpot"] == pytest.approx(last["tpot_sum"] / last["tpot_count"])
+    assert snap["ttft"] == pytest.approx(last["ttft_sum"] / last["ttft_count"])
+
+
 def test_async_engine_reports_a_bad_request_to_it_alone_and_aborts(srv):
     eng = srv["app"].engine
     good = eng.submit(build_engine_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=5), request_id="g"))

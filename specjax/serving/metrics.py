@@ -16,6 +16,9 @@ vLLM-compatible (every series carries a `model_name` label, as in vLLM):
                                                        counter: drafts whose position k was accepted
                                                        (unconditional, vLLM's definition)
     vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds   histograms
+    vllm:request_time_per_output_token_seconds         histogram: each request's decode time over its
+                                                       tokens after the first (its mean TPOT; 1 / TPOT
+                                                       is the per-user speed a scheduler buys)
 specjax's own:
     specjax:verification_length                        histogram: ell per request per round
     specjax:scheduler_tokens_bucket                    histogram: tokens-per-slot bucket per round
@@ -46,6 +49,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 # the refusals of the HTTP server (`errors.rejection_reason`) and the engine ("invalid_request")
 REJECT_REASONS = ("invalid_request", "context_length_exceeded", "model_not_found", "not_found", "request_too_large",
                   "queue_full", "not_ready", "engine_not_running")
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
@@ -92,6 +96,9 @@ class ServingMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", lbl,
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Time per output token of each request: its decode time over its tokens after "
+                              "the first.", lbl, buckets=_TPOT_BUCKETS, registry=r)
         self.ell = Histogram("specjax:verification_length",
                              "Verified draft tokens (ell) per request per round.", lbl,
                              buckets=_int_buckets(max(self.gamma, 1)), registry=r)
@@ -105,7 +112,7 @@ class ServingMetrics:
         m = model_name
         # create the label children up front so every series is exposed (at 0) from the start
         for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.num_drafts,
-                       self.num_draft_tokens, self.num_accepted, self.ttft, self.e2e, self.ell,
+                       self.num_draft_tokens, self.num_accepted, self.ttft, self.e2e, self.tpot, self.ell,
                        self.tokens_bucket, self.slots_bucket, self.round_seconds):
             metric.labels(m)
         for k in range(self.gamma):
@@ -153,14 +160,14 @@ class ServingMetrics:
             self.generation_tokens.labels(self.model_name).inc(int(n))
 
     def request_finished(self, finish_reason: str, *, ttft_s: float | None = None,
-                         e2e_s: float | None = None) -> None:
-        """A request ended (`finish_reason` stop | length | abort)."""
+                         e2e_s: float | None = None, tpot_s: float | None = None) -> None:
+        """A request ended (`finish_reason` stop | length | abort); `tpot_s`: its mean time per
+        output token after the first (None for a request of fewer than two tokens)."""
         m = self.model_name
         self.request_success.labels(m, finish_reason or "unknown").inc()
-        if ttft_s is not None and ttft_s >= 0:
-            self.ttft.labels(m).observe(ttft_s)
-        if e2e_s is not None and e2e_s >= 0:
-            self.e2e.labels(m).observe(e2e_s)
+        for hist, value in ((self.ttft, ttft_s), (self.e2e, e2e_s), (self.tpot, tpot_s)):
+            if value is not None and value >= 0:
+                hist.labels(m).observe(value)
 
     def request_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
@@ -177,6 +184,11 @@ class ServingMetrics:
     def _value(self, name: str, **labels: str) -> float:
         v = self.registry.get_sample_value(name, {"model_name": self.model_name, **labels})
         return float(v) if v is not None else 0.0
+
+    def _mean(self, histogram: str) -> float | None:
+        """A histogram's mean observation (None before the first)."""
+        n = self._value(f"{histogram}_count")
+        return self._value(f"{histogram}_sum") / n if n else None
 
     def _label_values(self, sample_name: str, label: str) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -207,6 +219,9 @@ class ServingMetrics:
                 "rejected": {k: int(v) for k, v in
                              self._label_values("specjax:request_rejected_total", "reason").items()},
             },
+            "latency_mean_s": {key: self._mean(name) for key, name in (
+                ("ttft", "vllm:time_to_first_token_seconds"), ("tpot", "vllm:request_time_per_output_token_seconds"),
+                ("e2e", "vllm:e2e_request_latency_seconds"))},
             "tokens": {"prompt": int(self._value("vllm:prompt_tokens_total")),
                        "generation": int(self._value("vllm:generation_tokens_total"))},
             "spec_decode": {
