@@ -101,13 +101,12 @@ def closed_loop(engine, prompts: list[list[int]], concurrency: int, n_requests: 
 
 
 def per_user_decode_rate(done) -> float:
-    """Per-user tokens/s as serving reports it (1 / TPOT, vLLM's time per output token): each request's
-    tokens after its first over the time from its first token to its finish, averaged over requests.
+    """Per-user tokens/s as serving reports it: 1 / TPOT (`RequestMetrics.time_per_output_token`: the
+    tokens after the first over the time from the first token to the finish) averaged over requests.
     Queueing and prefill (the time to the first token) are left out; the end-to-end rate is reported
     beside it. Requests with a single token have no decode time and are skipped."""
-    rates = [(len(r.output_ids) - 1) / (r.metrics.finish_time - r.metrics.first_token_time) for r in done
-             if len(r.output_ids) > 1 and r.metrics.first_token_time is not None
-             and r.metrics.finish_time > r.metrics.first_token_time]
+    tpots = [r.metrics.time_per_output_token(len(r.output_ids)) for r in done]
+    rates = [1.0 / t for t in tpots if t]
     if not rates:
         raise ValueError("per-user decode rate: no finished request produced two or more tokens")
     return float(np.mean(rates))

@@ -240,9 +240,11 @@ def test_goal_rows_report_each_frontier_goal():
 def test_per_user_rate_is_the_decode_speed_without_the_time_to_the_first_token():
     from types import SimpleNamespace as NS
     from bench.frontier import per_user_decode_rate
+    from specjax.decoding.requests import RequestMetrics
 
     def req(n, start, first, finish):
-        return NS(output_ids=[0] * n, metrics=NS(start_time=start, first_token_time=first, finish_time=finish))
+        return NS(output_ids=[0] * n, metrics=RequestMetrics(start_time=start, first_token_time=first,
+                                                             finish_time=finish))
     # 9 tokens after the first in 0.5 s -> 18 tok/s, 4 in 1.0 s -> 4 tok/s; a long wait for the first
     # token (queueing, prefill) does not count (from the arrival: (10 / 3.5 + 5 / 1.5) / 2 = 3.1);
     # a one-token request has no decode time and is skipped

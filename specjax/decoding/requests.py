@@ -27,6 +27,14 @@ class RequestMetrics:
         """Accepted tokens per drafting round including the bonus token (vLLM's definition)."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
+    def time_per_output_token(self, n_tokens: int) -> float | None:
+        """Seconds per output token after the first, vLLM's per-request TPOT (1 / TPOT is the per-user
+        speed): the time from the first token to the finish over the `n_tokens` - 1 tokens after the
+        first. None before the finish or for a request of fewer than two tokens."""
+        if self.first_token_time is None or self.finish_time is None or n_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (n_tokens - 1)
+
     def as_dict(self) -> dict[str, Any]:
         return {"mean_acceptance_length": self.mean_acceptance_length, "num_drafts": self.num_drafts,
                 "num_draft_tokens": self.num_draft_tokens,

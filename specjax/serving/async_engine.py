@@ -370,10 +370,8 @@ class AsyncEngine:
             if self.metrics is not None:
                 ttft = None if m.first_token_time is None else m.first_token_time - m.start_time
                 e2e = None if m.finish_time is None else m.finish_time - m.start_time
-                n = len(req.output_ids)
-                tpot = (None if m.first_token_time is None or m.finish_time is None or n < 2
-                        else (m.finish_time - m.first_token_time) / (n - 1))
-                self.metrics.request_finished(reason, ttft_s=ttft, e2e_s=e2e, tpot_s=tpot)
+                self.metrics.request_finished(reason, ttft_s=ttft, e2e_s=e2e,
+                                              tpot_s=m.time_per_output_token(len(req.output_ids)))
             new = list(req.output_ids[stream._sent:])
             stream._sent = len(req.output_ids)
             stream._push(StreamEvent(new, finished=True, finish_reason=reason, output_ids=list(req.output_ids)))
