@@ -253,14 +253,13 @@ def test_metrics_count_what_the_responses_report(srv):
 
 def _latency_sums(url: str) -> dict[str, float]:
     """_sum and _count of the three request-latency histograms, from the Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
     text = http_request(url + "/metrics")[2].decode()
-    out = {}
-    for key, name in (("ttft", "vllm:time_to_first_token_seconds"), ("e2e", "vllm:e2e_request_latency_seconds"),
-                      ("tpot", "vllm:request_time_per_output_token_seconds")):
-        for part in ("sum", "count"):
-            m = re.search(rf'^{re.escape(name)}_{part}\{{model_name="tiny"\}} (\S+)$', text, re.M)
-            out[f"{key}_{part}"] = float(m.group(1))
-    return out
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.labels.get("model_name") == "tiny"}
+    return {f"{key}_{part}": samples[f"{name}_{part}"] for part in ("sum", "count") for key, name in (
+        ("ttft", "vllm:time_to_first_token_seconds"), ("e2e", "vllm:e2e_request_latency_seconds"),
+        ("tpot", "vllm:request_time_per_output_token_seconds"))}
 
 
 def test_time_per_output_token_is_each_requests_decode_time_over_its_later_tokens(srv):
