@@ -44,7 +44,7 @@ def srv():
         return made["server"]
 
     argv = ["--port", "0", "--served-model-name", "tiny", "--max-body-bytes", "4096", "--max-prompt-tokens", "64",
-            "--max-tokens-limit", "32"]
+            "--max-tokens-limit", "32", "--per-request-spec-decode-metrics", "summary"]
     buf = io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(serve_cli, "build_llm", lambda args, progress=False: llm)
@@ -249,6 +249,69 @@ def test_metrics_count_what_the_responses_report(srv):
     by_kind = after["rounds"]["by_kind"]  # every round counted once under the scheduler's decision
     assert sorted(by_kind) == ["draft", "lite", "upkeep"] and sum(by_kind.values()) == after["rounds"]["count"]
     assert re.search(r'^specjax:scheduler_rounds_total\{kind="draft",model_name="tiny"\} [1-9]', text, re.M)
+
+
+def _check_spec_decode_stats(st: dict, sm: dict, gamma: int) -> None:
+    """vLLM's `metrics.speculative_decoding` against the same request's `spec_metrics`, whose counts
+    come from other counters: the histograms must add up to them and to its per-position counts."""
+    assert st["num_spec_steps"] == sm["num_drafts"] > 0  # drafts were verified
+    assert st["num_accepted_draft_tokens"] == sm["num_accepted_tokens"]
+    assert st["num_draft_tokens"] == sm["num_draft_tokens"] and st["num_spec_tokens"] == gamma
+    assert st["mean_acceptance_length"] == pytest.approx(sm["mean_acceptance_length"])
+    assert st["draft_acceptance_rate"] == pytest.approx(sm["num_accepted_tokens"] / sm["num_draft_tokens"])
+    hist = st["acceptance_histogram"]
+    assert len(hist) == gamma + 1 and sum(hist) == sm["num_drafts"]
+    assert sum(j * h for j, h in enumerate(hist)) == sm["num_accepted_tokens"]
+    # accepted_per_pos[k] counts the rounds that accepted more than k drafts (padded to the engine's gamma)
+    per_pos = sm["accepted_per_pos"]
+    assert [sum(hist[k + 1:]) for k in range(gamma)] == per_pos[:gamma] and not any(per_pos[gamma:])
+    by_len = {int(k): v for k, v in st["acceptance_histogram_by_draft_length"].items()}
+    assert all(len(v) == k + 1 and 1 <= k <= gamma for k, v in by_len.items())
+    assert [sum(v[j] for v in by_len.values() if j < len(v)) for j in range(gamma + 1)] == hist
+    assert sum(k * sum(v) for k, v in by_len.items()) == sm["num_draft_tokens"]
+
+
+def test_per_request_spec_decode_metrics_add_up_to_the_rounds_verified(srv):
+    gamma = srv["llm"].engine.gamma
+    status, r = _complete(srv["url"], max_tokens=24)  # the fixture's server: --per-request-... summary
+    assert status == 200, r
+    st = r["metrics"]["speculative_decoding"]
+    _check_spec_decode_stats(st, r["spec_metrics"], gamma)
+    assert "per_step_drafted" not in st
+    bad = {**st, "acceptance_histogram": [0, *st["acceptance_histogram"][:-1]]}  # control: shifted by one
+    with pytest.raises(AssertionError):
+        _check_spec_decode_stats(bad, r["spec_metrics"], gamma)
+
+    status, r1 = _complete(srv["url"], max_tokens=24, num_speculative_tokens=1)  # the request's own cap
+    _check_spec_decode_stats(r1["metrics"]["speculative_decoding"], r1["spec_metrics"], 1)
+    status, r2 = _complete(srv["url"], max_tokens=8, n=2)
+    assert status == 200 and r2["metrics"] == {"speculative_decoding": None}  # vLLM: null for n > 1
+
+    status, _, data = http_request(srv["url"] + "/v1/completions", "POST", {
+        "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}})
+    chunks = sse_events(data)[:-1]
+    assert [c.get("metrics") for c in chunks[:-2]] == [None] * (len(chunks) - 2)  # only at the end
+    assert chunks[-2]["metrics"] == chunks[-1]["metrics"] == r["metrics"]  # greedy: the same rounds
+
+    with side_server(srv, spec_decode_metrics="detailed") as (url, _):
+        status, d = _complete(url, max_tokens=24)
+        st = d["metrics"]["speculative_decoding"]
+        _check_spec_decode_stats(st, d["spec_metrics"], gamma)
+        steps = list(zip(st["per_step_drafted"], st["per_step_accepted"]))
+        assert len(steps) == st["num_spec_steps"] and all(0 <= a <= k <= gamma for k, a in steps)
+        assert sum(a for _, a in steps) == st["num_accepted_draft_tokens"]
+        assert sum(k for k, _ in steps) == st["num_draft_tokens"]
+    with side_server(srv) as (url, _):  # off by default: the response is unchanged
+        status, off = _complete(url, max_tokens=24)
+        assert status == 200 and "metrics" not in off and off["spec_metrics"] == r["spec_metrics"]
+
+
+def test_spec_decode_metrics_level_is_checked_by_name():
+    with pytest.raises(SystemExit):
+        serve_cli.build_parser().parse_args(["--per-request-spec-decode-metrics", "full"])
+    with pytest.raises(ValueError, match="spec_decode_metrics must be one of none, summary, detailed, got 'full'"):
+        OpenAIApp(None, model_name="x", max_model_len=8, vocab_size=8, spec_decode_metrics="full")
 
 
 def _latency_sums(url: str) -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 Bounded and seeded (hypothesis `derandomize`, no example database): a few hundred generated requests,
 schema-valid and schema-violating, against a tiny random target with a chat tokenizer. Every answer
-must be no 5xx, have a documented status and content type, conform to the response schema, and, for
+must be no 5xx, have a documented status and content type, conform to the response schema (with the
+per-request `metrics.speculative_decoding` on, at its most detailed), and, for
 a 4xx, carry OpenAI's error body; afterwards no request is left running or waiting. A planted bug (a
 field the schema allows but the handler crashes on) is the negative control: the same run finds it."""
 from __future__ import annotations
@@ -59,7 +60,7 @@ class _PlantedBug(OpenAIApp):
 @contextlib.contextmanager
 def _server(app_cls: type[OpenAIApp]):
     llm = shared_tiny_llm()
-    api = app_cls.from_llm(llm, model_name="tiny", tokenizer=tiny_chat_tokenizer(),
+    api = app_cls.from_llm(llm, model_name="tiny", tokenizer=tiny_chat_tokenizer(), spec_decode_metrics="detailed",
                            limits=ServerLimits(max_tokens=8, max_body_bytes=1 << 16, request_timeout_s=60))
     server = ServerThread(api)
     try:

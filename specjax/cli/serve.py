@@ -16,6 +16,7 @@ import sys
 from specjax.serving.cli import add_llm_args, build_llm
 from specjax.serving.http_server import DEFAULT_HOST
 from specjax.serving.openai_api import DEFAULT_MAX_WAITING
+from specjax.serving.request_metrics import SPEC_DECODE_METRICS_LEVELS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait for a slot; beyond it: HTTP 503")
     p.add_argument("--shutdown-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let requests in flight finish")
+    p.add_argument("--per-request-spec-decode-metrics", choices=SPEC_DECODE_METRICS_LEVELS, default="none",
+                   help="add vLLM's per-request metrics.speculative_decoding to responses: summary (counts and "
+                        "acceptance histograms) or detailed (also every round's drafted / accepted counts)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     add_llm_args(p)
     return p
@@ -56,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def load() -> OpenAIApp:
-        return OpenAIApp.from_llm(build_llm(args, progress=True), model_name=name, limits=limits)
+        return OpenAIApp.from_llm(build_llm(args, progress=True), model_name=name, limits=limits,
+                                  spec_decode_metrics=args.per_request_spec_decode_metrics)
     host, port = sock.getsockname()[:2]
     print(f"specjax server: model '{name}' on http://{host}:{port} (warming up: /health answers 200 when ready)",
           flush=True)

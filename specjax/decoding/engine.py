@@ -252,7 +252,7 @@ class Engine:
                 ints[:, row] = n, r.slot, offsets[i], r.top_k
                 floats[:, row] = r.temperature, r.top_p
                 key_data[row] = self._key_data[r.slot]
-                limits[:, row] = r.max_tokens, self._draft_cap(r)
+                limits[:, row] = r.max_tokens, self.draft_cap(r)
             attn = self._attention_bucket(max(offsets[i] + n for i, n in zip(todo, chunk_lens)))
             outs = self.runner.run("prefill", (pb, plen, attn), tokens_bt=toks, ints_4b=ints, floats_2b=floats,
                                    keys_b2=key_data, limits_2b=limits)
@@ -262,7 +262,8 @@ class Engine:
                     firsts.append((batch[i], outs, row))
         return firsts
 
-    def _draft_cap(self, r: EngineRequest) -> int:
+    def draft_cap(self, r: EngineRequest) -> int:
+        """The most drafts a round may verify for `r`: gamma, or less if the request asks."""
         return self.gamma if r.max_draft_tokens is None else min(self.gamma, r.max_draft_tokens)
 
     def _append(self, req: EngineRequest, toks: Sequence[int]) -> None:
@@ -304,7 +305,7 @@ class Engine:
     def _row_caps(self, sb: int) -> np.ndarray:
         """Rows [0:sb]: each row's largest admissible ell as the host knows it (draft cap, room in the
         cache, tokens wanted; an unread first token counts): upper bounds the device caps again."""
-        return np.array([0 if r is None else max(min(self._draft_cap(r), self.cfg.max_len - 1 - int(self.lengths[i]),
+        return np.array([0 if r is None else max(min(self.draft_cap(r), self.cfg.max_len - 1 - int(self.lengths[i]),
                                                      r.max_tokens - max(len(r.output_ids), 1) - 1), 0)
                          for i, r in enumerate(self.slot_req[:sb])], np.int64)
 

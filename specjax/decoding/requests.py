@@ -18,6 +18,9 @@ class RequestMetrics:
     num_accepted_tokens: int = 0
     num_rounds: int = 0  # target passes after prefill (incl. ones without drafting)
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    # per drafting round, in order: drafts verified (ell > 0) and drafts accepted of them
+    per_step_drafted: list[int] = dataclasses.field(default_factory=list)
+    per_step_accepted: list[int] = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
     start_time: float = 0.0
     finish_time: float | None = None
@@ -50,6 +53,8 @@ class RequestMetrics:
         self.num_drafts += 1
         self.num_draft_tokens += ell
         self.num_accepted_tokens += accepted
+        self.per_step_drafted.append(ell)
+        self.per_step_accepted.append(accepted)
         if len(self.accepted_per_pos) < gamma:
             self.accepted_per_pos += [0] * (gamma - len(self.accepted_per_pos))
         for k in range(accepted):

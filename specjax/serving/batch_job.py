@@ -28,7 +28,8 @@ from typing import Any
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
 from specjax.io import JsonlLine
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
-from specjax.serving.metrics import ServingMetrics, request_spec_metrics
+from specjax.serving.metrics import ServingMetrics
+from specjax.serving.request_metrics import request_spec_metrics
 from specjax.serving.schema import SAMPLING_FIELDS, FieldError, parse_sampling
 
 ROW_FIELDS = frozenset(("id", "prompt", "messages", "metadata") + SAMPLING_FIELDS)

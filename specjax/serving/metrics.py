@@ -240,13 +240,3 @@ class ServingMetrics:
             },
         }
 
-
-def request_spec_metrics(metrics: Any) -> dict[str, Any]:
-    """Per-request speculative metrics block (from an engine `RequestMetrics` or its `as_dict()`)."""
-    d = metrics.as_dict() if hasattr(metrics, "as_dict") else dict(metrics)
-    return {"mean_acceptance_length": float(d.get("mean_acceptance_length", 1.0)),
-            "num_drafts": int(d.get("num_drafts", 0)),
-            "num_draft_tokens": int(d.get("num_draft_tokens", 0)),
-            "num_accepted_tokens": int(d.get("num_accepted_tokens", 0)),
-            "accepted_per_pos": [int(x) for x in d.get("num_accepted_tokens_per_pos", [])],
-            "num_rounds": int(d.get("num_rounds", 0))}

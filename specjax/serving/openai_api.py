@@ -5,7 +5,9 @@ a decoded body), checks its values (errors are `APIError`: OpenAI-style JSON who
 field), submits it to the continuous-batching `AsyncEngine`, and answers a response body or, for
 `"stream": true`, an async iterator of chunks. Every response carries OpenAI's `usage` and a
 `spec_metrics` block (mean_acceptance_length, num_drafts, num_draft_tokens, num_accepted_tokens,
-accepted_per_pos; added over the choices) for that request; choices also carry `token_ids`. Streamed
+accepted_per_pos; added over the choices) for that request; choices also carry `token_ids`. With
+`spec_decode_metrics` "summary" or "detailed", bodies (streamed: each choice's last chunk and the usage
+chunk) also carry vLLM's `metrics.speculative_decoding` (`specjax.serving.request_metrics`). Streamed
 text is detokenized incrementally (`specjax.serving.detokenize`), linear in the output's length.
 
 OpenAI's fields: message content as a string or text parts (joined by newlines); roles system, user,
@@ -32,14 +34,16 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
 from specjax.decoding.requests import EngineRequest, RequestMetrics
-from specjax.serving.metrics import ServingMetrics, request_spec_metrics
+from specjax.serving.metrics import ServingMetrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.errors import ENGINE_REJECTED, APIError
 from specjax.serving.streams import ChoiceStream, Waiter
+from specjax.serving.request_metrics import (check_spec_decode_metrics_level, combined_spec_metrics,
+                                             request_spec_metrics, response_metrics)
 from specjax.serving.schema import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, FieldError,
                                     parse_sampling)
 
@@ -80,19 +84,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def combined_spec_metrics(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One `spec_metrics` block for several choices: counts added, acceptance length recomputed."""
-    if len(blocks) == 1:
-        return blocks[0]
-    drafts, accepted = sum(b["num_drafts"] for b in blocks), sum(b["num_accepted_tokens"] for b in blocks)
-    width = max(len(b["accepted_per_pos"]) for b in blocks)
-    return {"mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0, "num_drafts": drafts,
-            "num_draft_tokens": sum(b["num_draft_tokens"] for b in blocks), "num_accepted_tokens": accepted,
-            "accepted_per_pos": [sum(b["accepted_per_pos"][k] for b in blocks if k < len(b["accepted_per_pos"]))
-                                 for k in range(width)],
-            "num_rounds": sum(b["num_rounds"] for b in blocks)}
-
-
 @dataclasses.dataclass
 class _Parsed:
     prompt_ids: list[int]
@@ -110,11 +101,16 @@ class OpenAIApp:
     """Request handling for the HTTP server, independent of sockets (see module docstring).
 
     engine: a started `AsyncEngine`; tokenizer: for string prompts, chat and stop strings (None:
-    token-id prompts only); max_model_len / vocab_size: the engine's context length and vocabulary.
+    token-id prompts only); max_model_len / vocab_size: the engine's context length and vocabulary;
+    spec_decode_metrics: "none" (default), "summary" or "detailed": responses then carry vLLM's
+    per-request `metrics.speculative_decoding` (`specjax.serving.request_metrics`; null for n > 1 and
+    without a drafter).
     """
 
     def __init__(self, engine: AsyncEngine, *, model_name: str, max_model_len: int, vocab_size: int,
-                 tokenizer: Any = None, limits: ServerLimits | None = None, metrics: ServingMetrics | None = None):
+                 tokenizer: Any = None, limits: ServerLimits | None = None, metrics: ServingMetrics | None = None,
+                 spec_decode_metrics: str = "none"):
+        self.spec_decode_metrics = check_spec_decode_metrics_level(spec_decode_metrics)
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = int(max_model_len)
@@ -130,8 +126,9 @@ class OpenAIApp:
 
     @classmethod
     def from_llm(cls, llm: Any, *, model_name: str = "specjax", limits: ServerLimits | None = None,
-                 tokenizer: Any = _FROM_LLM) -> "OpenAIApp":
+                 tokenizer: Any = _FROM_LLM, spec_decode_metrics: str = "none") -> "OpenAIApp":
         """Metrics + a started `AsyncEngine` over `llm.engine` + the app (tokenizer: the LLM's by default)."""
+        check_spec_decode_metrics_level(spec_decode_metrics)  # before the engine starts
         limits = limits or ServerLimits()
         eng = llm.engine
         metrics = ServingMetrics(model_name=model_name, gamma=eng.gamma, max_tokens_bucket=eng.buckets.tokens[-1],
@@ -139,7 +136,7 @@ class OpenAIApp:
         async_engine = AsyncEngine(eng, metrics=metrics, max_waiting=limits.max_waiting).start()
         return cls(async_engine, model_name=model_name, max_model_len=eng.cfg.max_len,
                    vocab_size=llm.config.vocab_size, tokenizer=llm.tokenizer if tokenizer is _FROM_LLM else tokenizer,
-                   limits=limits, metrics=metrics)
+                   limits=limits, metrics=metrics, spec_decode_metrics=spec_decode_metrics)
 
     # ------------------------------------------------------------------ parsing
     def _parse_common(self, req: CompletionRequest | ChatCompletionRequest) -> _Parsed:
@@ -403,9 +400,14 @@ class OpenAIApp:
         choices, n_out = await self._choices(parsed, streams, rid, chat)
         spec = combined_spec_metrics([request_spec_metrics(s.request.metrics) for s in streams]
                                      or [request_spec_metrics(RequestMetrics())])
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": self._usage(parsed, n_out),
-                "spec_metrics": spec}, None, abort
+                "spec_metrics": spec}
+        return self._with_metrics(body, streams), None, abort
+
+    def _with_metrics(self, body: dict[str, Any], streams: list[RequestStream]) -> dict[str, Any]:
+        m = response_metrics(self.spec_decode_metrics, [s.request for s in streams], self.engine.engine)
+        return body if m is None else {**body, "metrics": m}
 
     async def _choices(self, parsed: _Parsed, streams: list[RequestStream], rid: str, chat: bool
                        ) -> tuple[list[dict[str, Any]], int]:
@@ -456,6 +458,7 @@ class OpenAIApp:
                     if ev.finished:
                         out["usage"] = self._usage(parsed, len(ev.output_ids or []))
                         out["spec_metrics"] = request_spec_metrics(streams[i].request.metrics)
+                        out = self._with_metrics(out, streams)
                         finals.append(out)
                     else:
                         pending[asyncio.ensure_future(waiters[i].next())] = i
@@ -477,9 +480,10 @@ class OpenAIApp:
                 fut.cancel()
         if parsed.include_usage:
             n_out = sum(f["usage"]["completion_tokens"] for f in finals)
-            yield {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                   "usage": self._usage(parsed, n_out),
-                   "spec_metrics": combined_spec_metrics([f["spec_metrics"] for f in finals])}
+            yield self._with_metrics({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                      "choices": [], "usage": self._usage(parsed, n_out),
+                                      "spec_metrics": combined_spec_metrics([f["spec_metrics"] for f in finals])},
+                                     streams)
 
 
     # ------------------------------------------------------------------ other endpoints

@@ -291,6 +291,27 @@ class SpecMetrics(pydantic.BaseModel):
     num_rounds: int
 
 
+class SpeculativeDecodingStats(pydantic.BaseModel):
+    """vLLM's per-request block (`--per-request-spec-decode-metrics`); fields in `serving.request_metrics`."""
+
+    mean_acceptance_length: float
+    draft_acceptance_rate: float
+    acceptance_histogram: list[int]
+    acceptance_histogram_by_draft_length: dict[str, list[int]]
+    num_spec_steps: int
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    num_spec_tokens: int
+    per_step_drafted: list[int] | None = pydantic.Field(None, description="detailed only")
+    per_step_accepted: list[int] | None = pydantic.Field(None, description="detailed only")
+
+
+class ResponseMetrics(pydantic.BaseModel):
+    """Present when the server reports per-request metrics; `speculative_decoding` null for n > 1."""
+
+    speculative_decoding: SpeculativeDecodingStats | None
+
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -323,6 +344,7 @@ class ChatCompletionResponse(pydantic.BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     spec_metrics: SpecMetrics
+    metrics: ResponseMetrics | None = None
 
 
 class CompletionResponse(pydantic.BaseModel):
@@ -333,6 +355,7 @@ class CompletionResponse(pydantic.BaseModel):
     choices: list[CompletionChoice]
     usage: Usage
     spec_metrics: SpecMetrics
+    metrics: ResponseMetrics | None = None
 
 
 class ErrorDetail(pydantic.BaseModel):
