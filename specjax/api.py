@@ -192,7 +192,7 @@ class LLM:
                 out_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
             outs.append(Output(request_id=req.request_id, prompt=text, prompt_token_ids=ids,
                                token_ids=list(req.output_ids), text=out_text,
-                               finish_reason=req.finish_reason or "length", metrics=req.metrics.as_dict(),
+                               finish_reason=req.finish_reason or "length", metrics=self._metrics(req),
                                logprobs=list(req.output_logprobs) if req.logprobs is not None else None))
         return outs
 
@@ -205,6 +205,13 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [encode_chat(self.tokenizer, conv, enable_thinking=enable_thinking) for conv in convs]
         return self.generate(prompts, sampling_params)
+
+    def _metrics(self, req: EngineRequest) -> dict[str, Any]:
+        """An output's metrics: the counts (`RequestMetrics.as_dict`) and, with a drafter, vLLM's
+        `speculative_decoding` block with every round's counts (None without a drafter)."""
+        eng = self.engine
+        spec = req.metrics.speculative_decoding(eng.draft_cap(req), detailed=True) if eng.gamma > 0 else None
+        return {**req.metrics.as_dict(), "speculative_decoding": spec}
 
     # ---------------------------------------------------------------- building blocks (servers, batch jobs)
     def make_request(self, prompt_ids: Sequence[int], sampling_params: SamplingParams, *,

@@ -1,4 +1,6 @@
 """Engine behaviour: greedy equality, no recompiles, sharded serving, bad input, full caches."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 from specjax.api import LLM, SamplingParams
 from specjax.decoding.runner import UnwarmedBucketError
 from specjax.decoding.engine import EngineRequest
+from specjax.decoding.requests import RequestMetrics
 from specjax.drafters.ngram import NGramDrafter
 from specjax.sampling import VARIANTS
 
@@ -192,6 +195,17 @@ def test_metrics_follow_vllm_definitions(llm):
     assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
     assert sum(m["num_accepted_tokens_per_pos"]) == m["num_accepted_tokens"]
     assert all(a >= b for a, b in zip(m["num_accepted_tokens_per_pos"], m["num_accepted_tokens_per_pos"][1:]))
+    sd = m["speculative_decoding"]  # vLLM's per-request block, from every round's (drafted, accepted)
+    steps = list(zip(sd["per_step_drafted"], sd["per_step_accepted"]))
+    assert len(steps) == sd["num_spec_steps"] == m["num_drafts"] and sd["num_spec_tokens"] == 3
+    assert sum(a for _, a in steps) == m["num_accepted_tokens"] and sum(k for k, _ in steps) == m["num_draft_tokens"]
+    hist = sd["acceptance_histogram"]
+    assert hist == [sum(a == j for _, a in steps) for j in range(4)]
+    assert [sum(hist[k + 1:]) for k in range(3)] == m["num_accepted_tokens_per_pos"]  # another counter's view
+    assert sd["acceptance_histogram_by_draft_length"] == {
+        str(k): [sum(1 for d, a in steps if d == k and a == j) for j in range(k + 1)] for k in sorted({d for d, _ in steps})}
+    with pytest.raises(ValueError, match="more than num_spec_tokens 2"):  # a cap the rounds exceeded
+        dataclasses.replace(RequestMetrics(), per_step_drafted=[3], per_step_accepted=[1]).speculative_decoding(2)
 
 
 def test_block_drafter_verified_below_its_block_reports_gamma_confidences():

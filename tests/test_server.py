@@ -12,6 +12,7 @@ import json
 import re
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
@@ -28,6 +29,7 @@ from specjax.serving import http_server
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError
 from specjax.serving.http_server import ServerThread
 from specjax.serving.openai_api import OpenAIApp, ServerLimits
+from specjax.serving.request_metrics import response_metrics
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7]
 
@@ -305,6 +307,12 @@ def test_per_request_spec_decode_metrics_add_up_to_the_rounds_verified(srv):
     with side_server(srv) as (url, _):  # off by default: the response is unchanged
         status, off = _complete(url, max_tokens=24)
         assert status == 200 and "metrics" not in off and off["spec_metrics"] == r["spec_metrics"]
+
+
+def test_spec_decode_metrics_are_null_without_a_drafter_and_absent_when_off():
+    req = build_engine_request([1, 2], SamplingParams(max_tokens=2), request_id="r")
+    assert response_metrics("summary", [req], types.SimpleNamespace(gamma=0)) == {"speculative_decoding": None}
+    assert response_metrics("none", [req], types.SimpleNamespace(gamma=4)) is None
 
 
 def test_spec_decode_metrics_level_is_checked_by_name():

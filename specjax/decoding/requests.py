@@ -45,6 +45,31 @@ class RequestMetrics:
                 "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
                 "num_rounds": self.num_rounds}
 
+    def speculative_decoding(self, num_spec_tokens: int, *, detailed: bool = False) -> dict[str, Any]:
+        """vLLM's per-request `speculative_decoding` block for a request whose rounds verified at most
+        `num_spec_tokens` drafts each: the counts, `draft_acceptance_rate`, `acceptance_histogram`
+        [num_spec_tokens + 1] (index j: drafting rounds that accepted exactly j drafts, the bonus token
+        not counted), `acceptance_histogram_by_draft_length` {"k": [k + 1]} (the same for the rounds
+        that verified k drafts); `detailed` adds `per_step_drafted` / `per_step_accepted`."""
+        drafted, accepted = self.per_step_drafted, self.per_step_accepted
+        if max(drafted, default=0) > num_spec_tokens:
+            raise ValueError(f"a round verified {max(drafted)} drafts, more than num_spec_tokens {num_spec_tokens}")
+        hist = [0] * (num_spec_tokens + 1)
+        by_length: dict[int, list[int]] = {}
+        for k, j in zip(drafted, accepted):
+            hist[j] += 1
+            by_length.setdefault(k, [0] * (k + 1))[j] += 1
+        out: dict[str, Any] = {
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            "acceptance_histogram": hist,
+            "acceptance_histogram_by_draft_length": {str(k): by_length[k] for k in sorted(by_length)},
+            "num_spec_steps": self.num_drafts, "num_accepted_draft_tokens": self.num_accepted_tokens,
+            "num_draft_tokens": self.num_draft_tokens, "num_spec_tokens": int(num_spec_tokens)}
+        if detailed:
+            out["per_step_drafted"], out["per_step_accepted"] = list(drafted), list(accepted)
+        return out
+
     def record_round(self, ell: int, accepted: int, gamma: int) -> None:
         """One round of this request that verified `ell` drafts and accepted `accepted` of them."""
         self.num_rounds += 1

@@ -4,8 +4,8 @@
 vLLM's definitions (`mean_acceptance_length` = 1 + accepted / drafts, the bonus token included).
 
 `metrics.speculative_decoding` (the server's opt-in `--per-request-spec-decode-metrics summary |
-detailed`, vLLM's field names): the same counts plus their shape, which a scheduler that chooses each
-request's verification length makes worth seeing:
+detailed`, vLLM's field names; `RequestMetrics.speculative_decoding`): the same counts plus their
+shape, which a scheduler that chooses each request's verification length makes worth seeing:
     acceptance_histogram                  [num_spec_tokens + 1]: index j = drafting rounds that accepted
                                           exactly j draft tokens (the bonus token not counted)
     acceptance_histogram_by_draft_length  {"k": [k + 1]}: the same, for the rounds that verified k drafts
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from specjax.decoding.requests import EngineRequest, RequestMetrics
+from specjax.decoding.requests import EngineRequest
 
 SPEC_DECODE_METRICS_LEVELS = ("none", "summary", "detailed")
 
@@ -55,34 +55,6 @@ def combined_spec_metrics(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "num_rounds": sum(b["num_rounds"] for b in blocks)}
 
 
-def speculative_decoding_stats(metrics: RequestMetrics, num_spec_tokens: int, *, detailed: bool = False
-                               ) -> dict[str, Any]:
-    """vLLM's per-request `speculative_decoding` block (module docstring) of one request whose rounds
-    verified at most `num_spec_tokens` drafts each."""
-    drafted, accepted = metrics.per_step_drafted, metrics.per_step_accepted
-    if max(drafted, default=0) > num_spec_tokens:
-        raise ValueError(f"a round verified {max(drafted)} drafts, more than num_spec_tokens {num_spec_tokens}")
-    hist = [0] * (num_spec_tokens + 1)
-    by_length: dict[int, list[int]] = {}
-    for k, j in zip(drafted, accepted):
-        hist[j] += 1
-        by_length.setdefault(k, [0] * (k + 1))[j] += 1
-    out: dict[str, Any] = {
-        "mean_acceptance_length": metrics.mean_acceptance_length,
-        "draft_acceptance_rate": metrics.num_accepted_tokens / metrics.num_draft_tokens
-        if metrics.num_draft_tokens else 0.0,
-        "acceptance_histogram": hist,
-        "acceptance_histogram_by_draft_length": {str(k): by_length[k] for k in sorted(by_length)},
-        "num_spec_steps": metrics.num_drafts,
-        "num_accepted_draft_tokens": metrics.num_accepted_tokens,
-        "num_draft_tokens": metrics.num_draft_tokens,
-        "num_spec_tokens": int(num_spec_tokens)}
-    if detailed:
-        out["per_step_drafted"] = list(drafted)
-        out["per_step_accepted"] = list(accepted)
-    return out
-
-
 def response_metrics(level: str, requests: Sequence[EngineRequest], engine: Any) -> dict[str, Any] | None:
     """A response's `metrics` object at `level` (None at "none": the response carries none):
     `speculative_decoding` of its one request, or null for several choices (n > 1), none generated,
@@ -92,5 +64,5 @@ def response_metrics(level: str, requests: Sequence[EngineRequest], engine: Any)
     stats = None
     if len(requests) == 1 and engine.gamma > 0:
         r = requests[0]
-        stats = speculative_decoding_stats(r.metrics, engine.draft_cap(r), detailed=level == "detailed")
+        stats = r.metrics.speculative_decoding(engine.draft_cap(r), detailed=level == "detailed")
     return {"speculative_decoding": stats}
