@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from specjax.decoding import buckets as bk
+from specjax.decoding import buckets as bk, map_budget
 from specjax.decoding.requests import EngineRequest, Launched, check_request, seed_key_data, token_logprobs
 from specjax.decoding.engine_config import EngineConfig
 from specjax.decoding.profiling import target_identity
@@ -27,7 +27,7 @@ from specjax.decoding.programs import unpack_round
 from specjax.decoding.runner import Runner, bucket_key
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.models.decoder import CausalLM
-from specjax.sampling import covering_variant
+from specjax.sampling import VARIANTS, covering_variant
 from specjax.scheduling.names import COST_AWARE_POLICIES
 from specjax.scheduling.planner import RoundPlanner
 
@@ -65,6 +65,7 @@ class Engine:
         self.prefill_batches = tuple(config.prefill_batch_buckets or sorted({1, min(8, slots)}))
         if self.buckets.slots[-1] != slots:
             raise ValueError(f"largest slots bucket {self.buckets.slots[-1]} must equal max_slots {slots}")
+        self.coarsened: list[str] = []  # defaults made coarser at warm-up to fit XLA:CPU's mappings
         self.runner = Runner(target, drafter, slots=slots, max_len=max_len, gamma=self.gamma,
                              stop_ids=self.eos_token_ids, verifier=verifier, cache_dtype=config.cache_dtype,
                              mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap,
@@ -83,6 +84,25 @@ class Engine:
         self._pending: Launched | None = None  # dispatched last step, not read yet
         self._unread: list[tuple[EngineRequest, Any, int]] = []  # admitted; first token not read yet
         self.on_round: Callable[[dict[str, Any]], None] | None = None
+
+    def _fit_map_budget(self, maps_by_family: dict[str, float]) -> list[str]:
+        """Defaults whose programs, at the memory mappings measured per family, would pass the
+        process's limit (`map_budget`) get coarser, each only while still at its default: one attention bucket
+        (the largest), then the sampling variants without "plain" (the "filtered" variant is exact
+        for those rows too). Returns the warnings given."""
+        b, cfg = self.buckets, self.cfg
+        steps = []
+        if cfg.attention_buckets is None and len(b.attention) > 1:
+            steps.append(("attention buckets", b.attention, b.attention[-1:],
+                          lambda: setattr(self, "buckets", dataclasses.replace(self.buckets,
+                                                                               attention=b.attention[-1:]))))
+        if tuple(cfg.sampling_variants) == VARIANTS:
+            fewer = tuple(v for v in VARIANTS if v != "plain")
+            steps.append(("sampling variants", VARIANTS, fewer,
+                          lambda: setattr(self, "cfg", dataclasses.replace(self.cfg, sampling_variants=fewer))))
+        worst = max(maps_by_family.values())
+        return map_budget.coarsen_to_fit(
+            lambda: [maps_by_family.get(f, worst) for f, _ in self.warm_keys()], steps)
 
     # ------------------------------------------------------------------ cost model
     @property
@@ -161,8 +181,14 @@ class Engine:
     def warmup(self, threads: int | None = None) -> float:
         """Compile every bucket ahead (see `Runner.warm`), then measure what a cost-aware policy
         needs: the cost table (unless one was given) and, for the async policy, the plain step.
-        Returns the compile seconds."""
-        seconds = self.runner.warm(self.warm_keys(), threads=threads, progress=self.progress)
+        Returns the compile seconds. On XLA:CPU one program of each family compiles first: the
+        memory mappings they take decide whether the defaults must get coarser (`_fit_map_budget`)."""
+        t0 = time.perf_counter()
+        by_family = self.runner.maps_by_family(self.warm_keys())
+        if by_family is not None:
+            self.coarsened = self._fit_map_budget(by_family)
+        seconds = time.perf_counter() - t0 + self.runner.warm(self.warm_keys(), threads=threads,
+                                                                progress=self.progress, maps_by_family=by_family)
         if self.needs_cost_table:
             from specjax.decoding.profiling import measure_cost_table, measure_plain_seconds
             if self.cost_table is None:

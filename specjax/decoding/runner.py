@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import sharding as shd
-from specjax.decoding import programs
+from specjax.decoding import map_budget, programs
 from specjax.models import cache as kvc
 from specjax.models.pallas_attention import check_head_dim
 from specjax.models.pallas_mlp import check_sizes as check_mlp_sizes
@@ -201,9 +201,9 @@ class Runner:
         self.stop_ids = self._resident(stops) if allocate else self._abstract(stops)
         tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
         needs_hidden = bool(getattr(drafter, "needs_hidden", False))
+        self.platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         if attention == "pallas":
-            for platform in {d.platform for d in (mesh.devices.flat if mesh is not None else jax.devices())}:
-                check_head_dim(target.config.head_dim, platform)
+            check_head_dim(target.config.head_dim, self.platform)
         if mlp == "pallas":
             check_mlp_sizes(target.config.hidden_size, target.config.intermediate_size)
         ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
@@ -231,12 +231,14 @@ class Runner:
         return rest[0] if len(rest) == 1 else tuple(rest)
 
     def warm(self, keys: Sequence[tuple[str, tuple[Any, ...]]], *, threads: int | None = None,
-             progress: bool = True) -> float:
+             progress: bool = True, maps_by_family: dict[str, float] | None = None) -> float:
         """Compile every (family, bucket key) ahead. Returns seconds spent.
 
         Tracing runs in order on this thread; with `threads` > 1 that many threads then compile the
         lowered executables at once (XLA compiles without the GIL). Default: one per CPU core, at
-        most 4 (a 30-layer target's bucket takes seconds to compile on a small CPU)."""
+        most 4 (a 30-layer target's bucket takes seconds to compile on a small CPU). On XLA:CPU a
+        warm-up that would pass the process's memory mappings stops with `map_budget.ProgramBudgetError`
+        (before compiling when `maps_by_family`, from `maps_by_family()`, projects it)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm.auto import tqdm
@@ -250,18 +252,44 @@ class Runner:
         jobs = [(self.exes[family], key, self.lower(family, key))
                 for family, key in tqdm(keys, desc="tracing buckets", disable=not progress, leave=False)]
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
+        todo = [(job[0].name, job[2]) for job in jobs if job[2] is not None]
+        expected = None if not maps_by_family else sum(maps_by_family.get(f, max(maps_by_family.values()))
+                                                       for f, _ in todo)
+        guard = map_budget.WarmupGuard(len(todo), self.platform, expected)
 
         def install(job: tuple[Executables, tuple[Any, ...], Any]) -> None:
             job[0].install(job[1], job[2])
+            if job[2] is not None:
+                guard.installed()  # stops before XLA:CPU runs out of memory mappings
             bar.update(1)
         if threads == 1:
             for job in jobs:
                 install(job)
         else:
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(install, jobs))  # list(): re-raises the first failure
+            pool = ThreadPoolExecutor(threads)
+            try:
+                for future in [pool.submit(install, job) for job in jobs]:
+                    future.result()  # re-raises the first failure
+            finally:  # after a failure no queued program starts compiling
+                pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
         return time.perf_counter() - t0
+
+    def maps_by_family(self, keys: Sequence[tuple[str, tuple[Any, ...]]]) -> dict[str, float] | None:
+        """On XLA:CPU where the process's mapping limit is known (`map_budget`): compile the last key
+        of each family in `keys` alone and return the memory mappings each took; else None."""
+        if self.platform != "cpu" or map_budget.map_limit() is None:
+            return None
+        last = {family: key for family, key in keys}
+        out: dict[str, float] = {}
+        for family, key in last.items():
+            lowered = self.lower(family, key)
+            before = map_budget.mapped_regions()
+            self.exes[family].install(key, lowered)
+            after = map_budget.mapped_regions()
+            if lowered is not None and before is not None and after is not None:
+                out[family] = float(max(after - before, 1))
+        return out or None
 
     def lower(self, family: str, key: tuple[Any, ...]) -> Any:
         """Lower one bucket key from the family's argument layout (abstract state, INPUTS shapes);
