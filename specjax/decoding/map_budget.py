@@ -18,7 +18,7 @@ import threading
 import warnings
 from typing import Callable, Sequence
 
-HEADROOM = 0.85  # share of the limit compiled programs may take: the rest is the process's own
+HEADROOM = 0.90  # share of the limit compiled programs may take: the rest is the process's own
 ABORT_AT = 0.93  # a warm-up projected or found past this share stops (compilations in flight need the rest)
 _LIMIT_FILE = "/proc/sys/vm/max_map_count"
 _MAPS_FILE = "/proc/self/maps"
