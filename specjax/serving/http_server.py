@@ -158,10 +158,17 @@ _ERRORS = {status: {"model": ErrorResponse, "description": what} for status, wha
     (504, "the request did not finish in time"))}
 
 
+# one Server-Sent Event (OpenAPI 3.1 reads a text/event-stream schema per event, as 3.2's itemSchema)
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string", "contentMediaType": "application/json",
+                                      "description": "a JSON chunk, or [DONE] after the last"},
+                             "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def _completion_responses(model: type) -> dict[int | str, Any]:
     return {200: {"model": model, "description": "the answer; with `stream: true` Server-Sent Events of chunks "
                                                  "ending with `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **_ERRORS}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}, **_ERRORS}
 
 
 def create_app(served: OpenAIApp | ServedApp) -> FastAPI:
