@@ -107,3 +107,16 @@ def test_the_runner_measures_each_familys_mappings_on_this_machine():
     assert sum(eng.compile_counts().values()) == 3  # those programs stay compiled; warm-up skips them
     eng.warmup()
     assert sum(eng.compile_counts().values()) == len(keys) and eng.coarsened == []
+
+
+def test_an_engine_that_fits_at_the_bound_measures_nothing(monkeypatch):
+    """Engines whose programs fit even at MAPS_BOUND each skip the serial measurement (their warm-up
+    compiles every program in parallel); the test above shows the measurement runs when they might not."""
+    _machine(monkeypatch, limit=10 ** 6)
+
+    def refuse(self, keys):
+        raise AssertionError("measured an engine that fits anyway")
+    monkeypatch.setattr(Runner, "maps_by_family", refuse)
+    eng = _engine(tiny_target(V, seed=3))
+    eng.warmup()
+    assert eng.coarsened == [] and sum(eng.compile_counts().values()) == len(eng.warm_keys())

@@ -181,10 +181,13 @@ class Engine:
     def warmup(self, threads: int | None = None) -> float:
         """Compile every bucket ahead (see `Runner.warm`), then measure what a cost-aware policy
         needs: the cost table (unless one was given) and, for the async policy, the plain step.
-        Returns the compile seconds. On XLA:CPU one program of each family compiles first: the
-        memory mappings they take decide whether the defaults must get coarser (`_fit_map_budget`)."""
+        Returns the compile seconds. On XLA:CPU, when the programs might pass the process's memory
+        mappings, one program of each family compiles first: the mappings they take decide whether
+        the defaults must get coarser (`_fit_map_budget`)."""
         t0 = time.perf_counter()
-        by_family = self.runner.maps_by_family(self.warm_keys())
+        keys = self.warm_keys()
+        fits_anyway = map_budget.fits([map_budget.MAPS_BOUND] * len(keys))  # most engines: nothing to measure
+        by_family = None if fits_anyway else self.runner.maps_by_family(keys)
         if by_family is not None:
             self.coarsened = self._fit_map_budget(by_family)
         seconds = time.perf_counter() - t0 + self.runner.warm(self.warm_keys(), threads=threads,

@@ -6,9 +6,9 @@ Linux caps a process's mappings (`vm.max_map_count`, 65,530 by default); past it
 "LLVM compilation error: Cannot allocate memory" and the process dies. Accelerator backends load
 their kernels on the device and have no such limit. So on XLA:CPU:
 
-- `fits(programs_maps)`: whether programs of these mappings fit under `HEADROOM` of the limit (the
-  engine measures one program per family at warm-up and picks coarser default buckets when the
-  rest would not fit);
+- `fits(programs_maps)`: whether programs of these mappings fit under `HEADROOM` of the limit (an
+  engine whose programs might not fit at `MAPS_BOUND` each measures one program per family at
+  warm-up and picks coarser default buckets when the rest would not fit);
 - `WarmupGuard`: stops a warm-up projected, or found while compiling, to pass the limit with an error
   naming it and what to change, before XLA crashes.
 """
@@ -19,6 +19,7 @@ import warnings
 from typing import Callable, Sequence
 
 HEADROOM = 0.90  # share of the limit compiled programs may take: the rest is the process's own
+MAPS_BOUND = 2500  # no program measured so far took more (SmolLM2 + DSpark drafting round: 765)
 ABORT_AT = 0.93  # a warm-up projected or found past this share stops (compilations in flight need the rest)
 _LIMIT_FILE = "/proc/sys/vm/max_map_count"
 _MAPS_FILE = "/proc/self/maps"
