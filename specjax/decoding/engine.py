@@ -87,9 +87,10 @@ class Engine:
 
     def _fit_map_budget(self, maps_by_family: dict[str, float]) -> list[str]:
         """Defaults whose programs, at the memory mappings measured per family, would pass the
-        process's limit (`map_budget`) get coarser, each only while still at its default: one attention bucket
-        (the largest), then the sampling variants without "plain" (the "filtered" variant is exact
-        for those rows too). Returns the warnings given."""
+        process's limit (`map_budget`) get coarser, each only while still at its default: one
+        attention bucket (the largest), then the sampling variants without "plain" (the "filtered"
+        variant is exact for those rows too; variants equal to the default set count as default).
+        Returns the warnings given."""
         b, cfg = self.buckets, self.cfg
         steps = []
         if cfg.attention_buckets is None and len(b.attention) > 1:

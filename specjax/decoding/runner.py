@@ -249,13 +249,13 @@ class Runner:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         compile_cache.enable()  # a second start loads the executables from disk
         t0 = time.perf_counter()
+        todo = [f for f, key in keys if key not in self.exes[f].keys]
+        expected = None if not maps_by_family else sum(maps_by_family.get(f, max(maps_by_family.values()))
+                                                       for f in todo)
+        guard = map_budget.WarmupGuard(len(todo), self.platform, expected)  # before tracing: may stop at once
         jobs = [(self.exes[family], key, self.lower(family, key))
                 for family, key in tqdm(keys, desc="tracing buckets", disable=not progress, leave=False)]
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
-        todo = [(job[0].name, job[2]) for job in jobs if job[2] is not None]
-        expected = None if not maps_by_family else sum(maps_by_family.get(f, max(maps_by_family.values()))
-                                                       for f, _ in todo)
-        guard = map_budget.WarmupGuard(len(todo), self.platform, expected)
 
         def install(job: tuple[Executables, tuple[Any, ...], Any]) -> None:
             job[0].install(job[1], job[2])
