@@ -121,3 +121,20 @@ def test_an_engine_that_fits_at_the_bound_measures_nothing(monkeypatch):
     eng = _engine(tiny_target(V, seed=3))
     eng.warmup()
     assert eng.coarsened == [] and sum(eng.compile_counts().values()) == len(eng.warm_keys())
+
+
+def test_the_serving_programs_set_what_the_budget_would_coarsen(monkeypatch):
+    """--attention-buckets and --sampling-variants reach the engine (set, they are never coarsened);
+    a variant name outside sampling.VARIANTS is refused at parsing, naming the choices."""
+    from specjax import api
+    from specjax.cli.serve import build_parser
+    from specjax.serving.cli import build_llm
+    seen = {}
+    monkeypatch.setattr(api, "LLM", lambda **kw: seen.update(kw))
+    build_llm(build_parser().parse_args(["--attention-buckets", "1024", "--sampling-variants", "greedy,filtered"]))
+    cfg = seen["engine_config"]
+    assert cfg.attention_buckets == (1024,) and cfg.sampling_variants == ("greedy", "filtered")
+    build_llm(build_parser().parse_args([]))
+    assert seen["engine_config"] is None  # nothing set: the engine's defaults
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--sampling-variants", "greedy,nucleus"])

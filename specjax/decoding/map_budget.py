@@ -23,8 +23,9 @@ MAPS_BOUND = 2500  # no program measured so far took more (SmolLM2 + DSpark draf
 ABORT_AT = 0.93  # a warm-up projected or found past this share stops (compilations in flight need the rest)
 _LIMIT_FILE = "/proc/sys/vm/max_map_count"
 _MAPS_FILE = "/proc/self/maps"
-ADVICE = ("compile fewer programs (fewer slots buckets or a smaller max_num_seqs, fewer tokens or attention "
-          "buckets, max_logprobs 0, fewer sampling_variants) or raise the limit: "
+ADVICE = ("compile fewer programs (EngineConfig's slots / tokens / attention buckets, max_logprobs 0 or fewer "
+          "sampling_variants; the serving programs' --slots-buckets or --max-num-seqs, --tokens-buckets, "
+          "--attention-buckets, --max-logprobs, --sampling-variants) or raise the limit: "
           "sudo sysctl -w vm.max_map_count=262144")
 
 
@@ -102,7 +103,8 @@ def coarsen_to_fit(estimate: Callable[[], Sequence[float]],
         apply()
         line = (f"XLA:CPU: {len(programs)} compiled programs would take about {int(sum(programs)):,} of the "
                 f"{map_limit():,} memory mappings this process may hold (vm.max_map_count); compiling "
-                f"{what} {after} instead of the default {before} (set it explicitly to choose)")
+                f"{what} {after} instead of the default {before} (set it explicitly to choose: "
+                f"--{what.replace(' ', '-')} in the serving programs)")
         warnings.warn(line, stacklevel=3)
         done.append(line)
     return done

@@ -15,6 +15,15 @@ def _int_list(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _variant_list(text: str) -> tuple[str, ...]:
+    from specjax.sampling import VARIANTS
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in VARIANTS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected names from {','.join(VARIANTS)}, got {text!r}")
+    return names
+
+
 def add_llm_args(p: argparse.ArgumentParser) -> None:
     """Target, drafter and engine shape options."""
     g = p.add_argument_group("model and engine")
@@ -37,6 +46,10 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slots-buckets", type=_int_list, default=None, help="e.g. 1,2,4,8 (last = max-num-seqs)")
     g.add_argument("--tokens-buckets", type=_int_list, default=None, help="tokens per slot buckets, e.g. 1,2,4,5")
     g.add_argument("--prefill-buckets", type=_int_list, default=None, help="prefill length buckets, e.g. 16,32")
+    g.add_argument("--attention-buckets", type=_int_list, default=None,
+                   help="cache rows a call attends to, e.g. 512,1024 (default: powers of two up to max-model-len)")
+    g.add_argument("--sampling-variants", type=_variant_list, default=None,
+                   help="round programs compiled per sampling kind, from greedy,plain,filtered (default: all)")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most top log-probabilities a request may ask for (0: none computed, a little faster)")
 
@@ -50,13 +63,16 @@ def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
     if args.engine_config:
         from specjax.config import load_yaml
         engine_config = load_yaml(EngineConfig, args.engine_config)
-    elif args.slots_buckets or args.tokens_buckets or args.prefill_buckets:
+    elif (args.slots_buckets or args.tokens_buckets or args.prefill_buckets or args.attention_buckets
+          or args.sampling_variants):
         policy = args.policy or ("plain" if args.drafter is None else "fixed")
         engine_config = EngineConfig(
             max_slots=args.max_num_seqs, max_len=args.max_model_len, gamma=args.num_speculative_tokens,
             policy=policy, max_prefill=args.max_prefill, seed=args.seed, threshold=args.threshold,
             slots_buckets=args.slots_buckets,
-            tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets, max_logprobs=args.max_logprobs)
+            tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets, max_logprobs=args.max_logprobs,
+            attention_buckets=args.attention_buckets,
+            **({"sampling_variants": args.sampling_variants} if args.sampling_variants else {}))
     return LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                policy=args.policy, dtype=args.dtype, seed=args.seed, max_prefill=args.max_prefill,
