@@ -209,9 +209,7 @@ class LLM:
     def _metrics(self, req: EngineRequest) -> dict[str, Any]:
         """An output's metrics: the counts (`RequestMetrics.as_dict`) and, with a drafter, vLLM's
         `speculative_decoding` block with every round's counts (None without a drafter)."""
-        eng = self.engine
-        spec = req.metrics.speculative_decoding(eng.draft_cap(req), detailed=True) if eng.gamma > 0 else None
-        return {**req.metrics.as_dict(), "speculative_decoding": spec}
+        return {**req.metrics.as_dict(), "speculative_decoding": self.engine.speculative_decoding(req, detailed=True)}
 
     # ---------------------------------------------------------------- building blocks (servers, batch jobs)
     def make_request(self, prompt_ids: Sequence[int], sampling_params: SamplingParams, *,

@@ -25,6 +25,7 @@ except ImportError:  # tests/ itself on sys.path
 
 from specjax.cli import serve as serve_cli
 from specjax.api import SamplingParams, build_engine_request
+from specjax.decoding.engine import Engine
 from specjax.serving import http_server
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError
 from specjax.serving.http_server import ServerThread
@@ -311,7 +312,9 @@ def test_per_request_spec_decode_metrics_add_up_to_the_rounds_verified(srv):
 
 def test_spec_decode_metrics_are_null_without_a_drafter_and_absent_when_off():
     req = build_engine_request([1, 2], SamplingParams(max_tokens=2), request_id="r")
-    assert response_metrics("summary", [req], types.SimpleNamespace(gamma=0)) == {"speculative_decoding": None}
+    plain = types.SimpleNamespace(gamma=0)  # an engine without a drafter, as far as the block goes
+    plain.speculative_decoding = types.MethodType(Engine.speculative_decoding, plain)
+    assert response_metrics("summary", [req], plain) == {"speculative_decoding": None}
     assert response_metrics("none", [req], types.SimpleNamespace(gamma=4)) is None
 
 

@@ -282,7 +282,7 @@ class Engine:
                 ints[:, row] = n, r.slot, offsets[i], r.top_k
                 floats[:, row] = r.temperature, r.top_p
                 key_data[row] = self._key_data[r.slot]
-                limits[:, row] = r.max_tokens, self.draft_cap(r)
+                limits[:, row] = r.max_tokens, self._draft_cap(r)
             attn = self._attention_bucket(max(offsets[i] + n for i, n in zip(todo, chunk_lens)))
             outs = self.runner.run("prefill", (pb, plen, attn), tokens_bt=toks, ints_4b=ints, floats_2b=floats,
                                    keys_b2=key_data, limits_2b=limits)
@@ -292,9 +292,13 @@ class Engine:
                     firsts.append((batch[i], outs, row))
         return firsts
 
-    def draft_cap(self, r: EngineRequest) -> int:
-        """The most drafts a round may verify for `r`: gamma, or less if the request asks."""
+    def _draft_cap(self, r: EngineRequest) -> int:
         return self.gamma if r.max_draft_tokens is None else min(self.gamma, r.max_draft_tokens)
+
+    def speculative_decoding(self, r: EngineRequest, *, detailed: bool = False) -> dict[str, Any] | None:
+        """vLLM's per-request block of `r` (`RequestMetrics.speculative_decoding`, its rounds capped at
+        gamma or the request's own cap); None without a drafter."""
+        return r.metrics.speculative_decoding(self._draft_cap(r), detailed=detailed) if self.gamma > 0 else None
 
     def _append(self, req: EngineRequest, toks: Sequence[int]) -> None:
         """Append emitted tokens and apply stop conditions (eos, stop ids, max_tokens, stop strings, length)."""
@@ -335,7 +339,7 @@ class Engine:
     def _row_caps(self, sb: int) -> np.ndarray:
         """Rows [0:sb]: each row's largest admissible ell as the host knows it (draft cap, room in the
         cache, tokens wanted; an unread first token counts): upper bounds the device caps again."""
-        return np.array([0 if r is None else max(min(self.draft_cap(r), self.cfg.max_len - 1 - int(self.lengths[i]),
+        return np.array([0 if r is None else max(min(self._draft_cap(r), self.cfg.max_len - 1 - int(self.lengths[i]),
                                                      r.max_tokens - max(len(r.output_ids), 1) - 1), 0)
                          for i, r in enumerate(self.slot_req[:sb])], np.int64)
 

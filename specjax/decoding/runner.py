@@ -249,7 +249,8 @@ class Runner:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         compile_cache.enable()  # a second start loads the executables from disk
         t0 = time.perf_counter()
-        todo = [f for f, key in keys if key not in self.exes[f].keys]
+        compiled = {f: set(e.keys) for f, e in self.exes.items()}
+        todo = [f for f, key in keys if key not in compiled[f]]
         expected = None if not maps_by_family else sum(maps_by_family.get(f, max(maps_by_family.values()))
                                                        for f in todo)
         guard = map_budget.WarmupGuard(len(todo), self.platform, expected)  # before tracing: may stop at once

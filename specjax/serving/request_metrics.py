@@ -61,8 +61,6 @@ def response_metrics(level: str, requests: Sequence[EngineRequest], engine: Any)
     or an `engine` (a `decoding.engine.Engine`) without a drafter."""
     if level == "none":
         return None
-    stats = None
-    if len(requests) == 1 and engine.gamma > 0:
-        r = requests[0]
-        stats = r.metrics.speculative_decoding(engine.draft_cap(r), detailed=level == "detailed")
-    return {"speculative_decoding": stats}
+    if len(requests) != 1:
+        return {"speculative_decoding": None}
+    return {"speculative_decoding": engine.speculative_decoding(requests[0], detailed=level == "detailed")}
