@@ -30,6 +30,7 @@ class SamplingParams:
     seed: int | None = None
     num_speculative_tokens: int | None = None  # per-request cap on verified draft tokens
     logprobs: int | None = None  # log-probabilities of the output tokens with this many top alternatives
+    ignore_eos: bool = False  # vLLM's: generate past the target's eos ids (stop_token_ids still end it)
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p)
@@ -37,6 +38,8 @@ class SamplingParams:
         _check_int("seed", self.seed, minimum=0, optional=True)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0, optional=True)
         _check_int("logprobs", self.logprobs, minimum=0, optional=True)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if stop is not None:
             if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
@@ -268,5 +271,5 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
         stop_check = StopStringChecker(tokenizer, sp.stop)
     return EngineRequest(request_id=request_id, prompt_ids=ids, max_tokens=sp.max_tokens,
                          temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
-                         stop_token_ids=sp.stop_token_ids, stop_check=stop_check,
+                         stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, stop_check=stop_check,
                          max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs)

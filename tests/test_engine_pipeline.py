@@ -143,8 +143,8 @@ def test_negative_control_reused_slot_keeps_its_round_counter(model, stops, monk
         *state, new_rows, outs = programs.prefill(ctx, t_params, d_params, cache, dstate, anchors, rows, *args,
                                                   attn=attn)
         slot_p = args[1][1]
-        counts = new_rows.ints_5s[1].at[slot_p].set(rows.ints_5s[1][slot_p], mode="drop")
-        return (*state, new_rows._replace(ints_5s=new_rows.ints_5s.at[1].set(counts)), outs)
+        counts = new_rows.ints_6s[1].at[slot_p].set(rows.ints_6s[1][slot_p], mode="drop")
+        return (*state, new_rows._replace(ints_6s=new_rows.ints_6s.at[1].set(counts)), outs)
     eos, _ = stops
     monkeypatch.setitem(runner.FAMILIES, "prefill",
                         dataclasses.replace(runner.FAMILIES["prefill"], fn=prefill_keeping_counters))

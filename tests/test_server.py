@@ -181,6 +181,12 @@ def test_chat_with_a_tokenizer_template(srv):
     (b'{"prompt": [5, 6], "logprobs": 21}', "logprobs", "[0, 20]"),
     (b'{"prompt": [5, 6], "echo": true, "stream": true}', "echo", "not served with 'stream'"),
     (b'{"prompt": [5, 6], "best_of": 2}', "best_of", "not supported"),
+    (b'{"prompt": [5, 6], "min_p": 0.05}', "min_p", "not supported"),
+    (b'{"prompt": [5, 6], "min_tokens": 4}', "min_tokens", "not supported"),
+    (b'{"prompt": [5, 6], "repetition_penalty": 1.1}', "repetition_penalty", "not supported"),
+    (b'{"prompt": [5, 6], "response_format": {"type": "json_object"}}', "response_format", "not supported"),
+    (b'{"prompt": [5, 6], "presence_penalty": true}', "presence_penalty", "not supported"),
+    (b'{"prompt": [5, 6], "ignore_eos": 1}', "ignore_eos", "true or false"),
     (b'{"prompt": [5, 6], "stop_token_ids": [64]}', "stop_token_ids", "vocabulary"),
     (b'{"prompt": [5, 1.5]}', "prompt", "valid integer"),
     (b'{"prompt": "\\ud800x"}', "prompt", "lone surrogate"),
@@ -192,6 +198,19 @@ def test_bad_requests_get_400_naming_the_field(srv, raw, param, fragment):
     err = json.loads(data)["error"]
     assert status == 400 and err["param"] == param and fragment in err["message"], err
     assert err["type"] == "invalid_request_error"
+
+
+def test_served_vllm_fields_and_off_values_of_unserved_ones_are_answered(srv):
+    """ignore_eos (served) and the "off" values of refused fields (min_p 0, response_format text, a
+    float 0 penalty) pass; the flag reaches the engine's request (the engine tests its effect)."""
+    seen = []
+    submit = srv["app"].engine.submit
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(srv["app"].engine, "submit", lambda req, *a, **kw: (seen.append(req), submit(req, *a, **kw))[1])
+        status, r = _complete(srv["url"], ignore_eos=True, min_p=0, presence_penalty=0.0,
+                              response_format={"type": "text"}, max_tokens=4)
+    assert status == 200 and len(r["choices"][0]["token_ids"]) == 4, r
+    assert [q.ignore_eos for q in seen] == [True]
 
 
 def test_oversize_body_is_413_and_unknown_model_404_then_still_serving(srv):

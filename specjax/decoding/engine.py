@@ -275,17 +275,17 @@ class Engine:
             ints[1] = self.cfg.max_slots  # padding rows point past the last slot: dropped
             floats = np.ones((2, pb), np.float32)  # temperature, top_p
             key_data = np.zeros((pb, 2), np.uint32)
-            limits = np.zeros((2, pb), np.int32)  # max_tokens, draft cap
+            limits = np.zeros((3, pb), np.int32)  # max_tokens, draft cap, eos_stops
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 r = batch[i]
                 toks[row, :n] = r.prompt_ids[offsets[i]:offsets[i] + n]
                 ints[:, row] = n, r.slot, offsets[i], r.top_k
                 floats[:, row] = r.temperature, r.top_p
                 key_data[row] = self._key_data[r.slot]
-                limits[:, row] = r.max_tokens, self._draft_cap(r)
+                limits[:, row] = r.max_tokens, self._draft_cap(r), not r.ignore_eos
             attn = self._attention_bucket(max(offsets[i] + n for i, n in zip(todo, chunk_lens)))
             outs = self.runner.run("prefill", (pb, plen, attn), tokens_bt=toks, ints_4b=ints, floats_2b=floats,
-                                   keys_b2=key_data, limits_2b=limits)
+                                   keys_b2=key_data, limits_3b=limits)
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 offsets[i] += n
                 if offsets[i] == len(batch[i].prompt_ids):
@@ -302,7 +302,7 @@ class Engine:
 
     def _append(self, req: EngineRequest, toks: Sequence[int]) -> None:
         """Append emitted tokens and apply stop conditions (eos, stop ids, max_tokens, stop strings, length)."""
-        stops = set(self.eos_token_ids) | set(req.stop_token_ids)
+        stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
         for t in toks:
             req.output_ids.append(int(t))
             if int(t) in stops:

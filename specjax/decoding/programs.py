@@ -20,17 +20,18 @@ A round, for the rows [0:sb] of the slots:
 `fused` is draft and verify in one call (lengths known before drafting); `fused_fill` is draft,
 the device-side choice of lengths from the fresh confidences and verify in one call (the async
 policy); `lite` is a plain decoding step that taps nothing and leaves the drafter's context behind.
-Each slot's row state (`RowState`: active, round counter, tokens still wanted, draft cap, sampling
-parameters, key) is resident on the device: prefill writes it at admission, `release` clears a
-row's active flag when the host ends a request the device cannot see end (a stop string, a
-request's own stop ids), and every round advances it (counter; tokens wanted; active off after a
-global stop id, the last wanted token, or a full cache), so the host can dispatch a round before
-reading the previous one. A round's per-call input is the host's plan ell_b [sb] (plus fused_fill's
-k_total_1 and verify's draft), an upper bound the device caps by each row's draft cap, room in the
-cache and tokens still wanted; its outputs come back as one int32 array (`ROUND_COLUMNS`, then the
-tokens, then the confidences' float32 bits), plus the log-probabilities when `logprobs`. Prefill
-takes ints_4b = (n_valid, slot, start, top_k), floats_2b = (temperature, top_p), the rows' raw key
-data keys_b2 and limits_2b = (max_tokens, draft cap).
+Each slot's row state (`RowState`: active, round counter, tokens still wanted, draft cap, whether
+eos ends it, sampling parameters, key) is resident on the device: prefill writes it at admission,
+`release` clears a row's active flag when the host ends a request the device cannot see end (a stop
+string, a request's own stop ids), and every round advances it (counter; tokens wanted; active off
+after a global stop id unless the row ignores them (ignore_eos), the last wanted token, or a full
+cache), so the host can dispatch a round before reading the previous one. A round's per-call input
+is the host's plan ell_b [sb] (plus fused_fill's k_total_1 and verify's draft), an upper bound the
+device caps by each row's draft cap, room in the cache and tokens still wanted; its outputs come
+back as one int32 array (`ROUND_COLUMNS`, then the tokens, then the confidences' float32 bits), plus
+the log-probabilities when `logprobs`. Prefill takes ints_4b = (n_valid, slot, start, top_k),
+floats_2b = (temperature, top_p), the rows' raw key data keys_b2 and limits_3b = (max_tokens, draft
+cap, eos_stops).
 """
 from __future__ import annotations
 
@@ -52,13 +53,14 @@ Array = jax.Array
 # the leading columns of a round's packed int32 outputs [sb, C]; tokens [tb] follow, then (drafting
 # families) the float32 bits of the gamma confidences. "live": the row is still active afterwards.
 ROUND_COLUMNS = ("num_emitted", "num_accepted", "stopped", "ell", "live")
-ROW_INTS = ("active", "count", "top_k", "remaining", "draft_cap")  # RowState.ints_5s rows
+# RowState.ints_6s rows; eos_stops: 1 if the engine's stop ids (eos) end the row, 0 (ignore_eos) if not
+ROW_INTS = ("active", "count", "top_k", "remaining", "draft_cap", "eos_stops")
 
 
 class RowState(NamedTuple):
     """Per-slot row state resident on the device (see the module docstring)."""
 
-    ints_5s: Array  # int32 [5, slots]: ROW_INTS (count = rounds run; remaining = tokens still wanted)
+    ints_6s: Array  # int32 [6, slots]: ROW_INTS (count = rounds run; remaining = tokens still wanted)
     floats_2s: Array  # float32 [2, slots]: temperature, top_p
     keys_s2: Array  # uint32 [slots, 2]: raw threefry key data of each row's base key
 
@@ -157,7 +159,7 @@ def _unpack(ctx: Context, rows: RowState, ell_b: Array, lengths_b: Array, varian
     keys). ell is the host's plan capped by each row's draft cap, room in the cache (`lengths_b`)
     and tokens still wanted, 0 for inactive rows: the caps hold however stale the host's view."""
     sb = ell_b.shape[0]
-    ints = rows.ints_5s[:, :sb]
+    ints = rows.ints_6s[:, :sb]
     active = ints[0] > 0
     cap = jnp.minimum(jnp.minimum(ints[4], ctx.max_len - 1 - lengths_b), ints[3] - 1)
     ell = jnp.where(active, jnp.clip(jnp.minimum(ell_b, cap), 0), 0)
@@ -166,23 +168,28 @@ def _unpack(ctx: Context, rows: RowState, ell_b: Array, lengths_b: Array, varian
     return ell, active, sa, round_key(keys, 0), round_key(keys, 1)
 
 
-def _is_stop(tokens: Array, stop_ids: Array) -> Array:
-    return jnp.any((tokens[..., None] == stop_ids) & (stop_ids >= 0), axis=-1)
+def _is_stop(tokens_b: Array, stop_be: Array) -> Array:
+    return jnp.any((tokens_b[:, None] == stop_be) & (stop_be >= 0), axis=-1)
+
+
+def _row_stops(stop_ids_e: Array, eos_stops_b: Array) -> Array:
+    """Each row's stop ids [b, E]: the engine's, or none (-1 padding) for a row with eos_stops 0."""
+    return jnp.where(eos_stops_b[:, None] > 0, stop_ids_e[None, :], -1)
 
 
 def _advance(ctx: Context, rows: RowState, res: VerifyResult, active_b: Array, new_len_b: Array,
-             stop_ids: Array) -> tuple[RowState, Array, Array]:
+             stop_be: Array) -> tuple[RowState, Array, Array]:
     """The row state after a round: counter + 1 and tokens wanted - emitted for active rows, which
-    stay active unless they emitted a global stop id, want no more tokens, or their cache is full.
+    stay active unless they emitted one of their stop ids, want no more tokens, or their cache is full.
     Returns (rows, emitted [sb], live [sb])."""
     sb = active_b.shape[0]
     emitted = jnp.where(active_b, res.num_emitted, 0)
-    remaining = rows.ints_5s[3, :sb] - emitted
-    ended = res.stopped_on_draft | _is_stop(res.next_token, stop_ids)
+    remaining = rows.ints_6s[3, :sb] - emitted
+    ended = res.stopped_on_draft | _is_stop(res.next_token, stop_be)
     live = active_b & ~ended & (remaining > 0) & (new_len_b + 1 <= ctx.max_len)
-    ints = (rows.ints_5s.at[0, :sb].set(live.astype(jnp.int32)).at[1, :sb].add(active_b.astype(jnp.int32))
+    ints = (rows.ints_6s.at[0, :sb].set(live.astype(jnp.int32)).at[1, :sb].add(active_b.astype(jnp.int32))
             .at[3, :sb].set(remaining))
-    return ctx.replicate(rows._replace(ints_5s=ints)), emitted, live
+    return ctx.replicate(rows._replace(ints_6s=ints)), emitted, live
 
 
 def _pack(emitted, res: VerifyResult, ell_b, live_b, conf_bg: Array | None = None) -> Array:
@@ -205,8 +212,8 @@ def unpack_round(packed_bc: np.ndarray, tb: int) -> tuple[dict[str, np.ndarray],
 
 def release(ctx: Context, rows: RowState, free_s: Array) -> tuple[RowState]:
     """Clear the active flag of the rows with free_s > 0 (requests the host ended). A 1-tuple."""
-    return (ctx.replicate(rows._replace(ints_5s=rows.ints_5s.at[0].set(
-        jnp.where(free_s > 0, 0, rows.ints_5s[0])))),)
+    return (ctx.replicate(rows._replace(ints_6s=rows.ints_6s.at[0].set(
+        jnp.where(free_s > 0, 0, rows.ints_6s[0])))),)
 
 
 def _taps_update(ctx: Context, out: Any, tokens: Array, positions: Array, n_valid: Array) -> ContextUpdate:
@@ -236,7 +243,8 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     if tb == 1:  # plain decoding: no drafts; the chain rule reduces to sampling from the target
         q_bgn = jnp.zeros((sb, 0, p.shape[-1]), jnp.float32)
         draft_bg = jnp.zeros((sb, 0), jnp.int32)
-    res = ctx.verifier(keys_b, p, q_bgn[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_ids, q_ids,
+    stop_be = _row_stops(stop_ids, rows.ints_6s[5, :sb])
+    res = ctx.verifier(keys_b, p, q_bgn[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_be, q_ids,
                        greedy=sa.greedy)
     n_commit = jnp.where(active_b, res.num_accepted + 1, 0)
     cache = out.cache.with_lengths(cache.lengths.at[:sb].set(start_b + n_commit))
@@ -244,7 +252,7 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
         dstate = ctx.drafter(d_params).commit(dstate, _taps_update(ctx, out, toks, positions, n_commit))
     new_anchor = jnp.where(active_b & (res.next_token >= 0), res.next_token, anchor_b)
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors.at[:sb].set(new_anchor))
-    rows, emitted, live = _advance(ctx, rows, res, active_b, start_b + n_commit, stop_ids)
+    rows, emitted, live = _advance(ctx, rows, res, active_b, start_b + n_commit, stop_be)
     outs = {"packed": _pack(emitted, res, ell_b, live, conf_bg)}
     if logprobs:
         outs.update(_logprobs(ctx, out.logits, sa, res.tokens))
@@ -366,10 +374,11 @@ def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, e
 
 
 def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, tokens_bt, ints_4b, floats_2b, keys_b2,
-            limits_2b, stop_ids, *, attn: int):
+            limits_3b, stop_ids, *, attn: int):
     """Prefill P prompt chunks into slots (an id >= slots marks a padding row); samples each first token
     and writes each row's state (active unless the first token ends the request, counter 0, tokens
-    still wanted, draft cap, sampling parameters, key). Outputs: the first tokens [P, 1], "live" [P]."""
+    still wanted, draft cap, whether eos ends it, sampling parameters, key). Outputs: the first
+    tokens [P, 1], "live" [P]."""
     target = nnx.merge(ctx.t_graph, t_params)
     pb, plen = tokens_bt.shape
     n_valid_p, slot_p, start_p = ints_4b[0], ints_4b[1], ints_4b[2]
@@ -396,9 +405,10 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
     tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p)
     anchors = anchors.at[slot_p].set(tok, mode="drop")
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors)
-    live = (limits_2b[0] > 1) & ~_is_stop(tok, stop_ids)
-    ints = jnp.stack([live.astype(jnp.int32), jnp.zeros_like(tok), ints_4b[3], limits_2b[0] - 1, limits_2b[1]])
-    rows = ctx.replicate(RowState(rows.ints_5s.at[:, slot_p].set(ints, mode="drop"),
+    live = (limits_3b[0] > 1) & ~_is_stop(tok, _row_stops(stop_ids, limits_3b[2]))
+    ints = jnp.stack([live.astype(jnp.int32), jnp.zeros_like(tok), ints_4b[3], limits_3b[0] - 1, limits_3b[1],
+                      limits_3b[2]])
+    rows = ctx.replicate(RowState(rows.ints_6s.at[:, slot_p].set(ints, mode="drop"),
                                   rows.floats_2s.at[:, slot_p].set(floats_2b, mode="drop"),
                                   rows.keys_s2.at[slot_p].set(keys_b2, mode="drop")))
     return cache, dstate, anchors, rows, {"tokens": tok[:, None], "live": live,

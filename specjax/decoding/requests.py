@@ -98,6 +98,7 @@ class EngineRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # the engine's eos ids do not end this request (its stop_token_ids still do)
     stop_check: Callable[[list[int]], int | None] | None = None  # -> tokens to keep, if a stop hit
     max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none

@@ -100,7 +100,7 @@ def chain_round_probs(p_gv: Array, q_gv: Array, draft_g: Array, ell: Array | int
 
 def _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_ids, q_ids_n, greedy: bool) -> tuple[Array, ...]:
     """`verify_chain`'s inputs as typed keys, float32 p (q as carried: `_q_totals`), int32 drafts,
-    lengths clipped to 0..G, flat stop ids and int32 column ids (None: q is over the whole
+    lengths clipped to 0..G, stop ids per row [B, E] and int32 column ids (None: q is over the whole
     vocabulary); a shape that does not fit raises ValueError (greedy: q may have no columns)."""
     key_b = _as_typed_key(key_b)
     p_bgv = jnp.asarray(p_bgv, jnp.float32)
@@ -108,7 +108,7 @@ def _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_ids, q_ids_n, gre
     if not jnp.issubdtype(q_bgn.dtype, jnp.floating):
         q_bgn = q_bgn.astype(jnp.float32)
     draft_bg = jnp.asarray(draft_bg, jnp.int32)
-    stop_e = jnp.asarray(stop_ids, jnp.int32).reshape(-1)
+    stop_be = jnp.asarray(stop_ids, jnp.int32)
     if p_bgv.ndim != 3:
         raise ValueError(f"p_bgv must be [B, G+1, V], got shape {p_bgv.shape}")
     b, g1, v = p_bgv.shape
@@ -125,8 +125,12 @@ def _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_ids, q_ids_n, gre
         raise ValueError(f"draft_bg must be [B, G] = {(b, g)}, got {draft_bg.shape}")
     if key_b.shape != (b,):
         raise ValueError(f"key_b must be [B] = ({b},) typed keys, got shape {key_b.shape}")
+    if stop_be.ndim <= 1:
+        stop_be = jnp.broadcast_to(stop_be.reshape(-1), (b, stop_be.size))
+    elif stop_be.ndim != 2 or stop_be.shape[0] != b:
+        raise ValueError(f"stop_ids must be [E] or [B, E] with B = {b}, got shape {stop_be.shape}")
     ell_b = jnp.clip(jnp.broadcast_to(jnp.asarray(ell_b, jnp.int32), (b,)), 0, g)
-    return key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_e, q_ids_n
+    return key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_be, q_ids_n
 
 
 def _q_totals(q_bgn: Array) -> Array | None:
@@ -159,10 +163,11 @@ def _q_row(q_bn: Array, q_ids_n: Array | None, v: int) -> Array:
     return jnp.zeros((q_bn.shape[0], v), jnp.float32).at[:, q_ids_n].set(q_bn)
 
 
-def _cut_at_stops(draft_bg: Array, stop_e: Array, n_b: Array) -> tuple[Array, Array]:
-    """Accepted counts [B] cut right after the first stop token inside the accepted prefix, and
-    whether a row stopped there."""
-    is_stop_bg = jnp.any((draft_bg[..., None] == stop_e) & (stop_e >= 0), axis=-1)
+def _cut_at_stops(draft_bg: Array, stop_be: Array, n_b: Array) -> tuple[Array, Array]:
+    """Accepted counts [B] cut right after the first of its row's stop tokens inside the accepted
+    prefix, and whether a row stopped there."""
+    stop_b1e = stop_be[:, None, :]
+    is_stop_bg = jnp.any((draft_bg[..., None] == stop_b1e) & (stop_b1e >= 0), axis=-1)
     stop_bg = is_stop_bg & (jnp.arange(draft_bg.shape[1])[None, :] < n_b[:, None])
     stopped_b = jnp.any(stop_bg, axis=-1)
     first_stop_b = jnp.sum(jnp.cumprod((~stop_bg).astype(jnp.int32), axis=-1), axis=-1)
@@ -194,13 +199,14 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
         [B, G, 0] (not read).
       draft_bg: [B, G] int32 draft tokens.
       ell_b: [B] int32 in 0..G (values outside are clipped): how many drafts each row verifies.
-      stop_ids: [E] int32 stop tokens (E may be 0; -1 entries are padding).
+      stop_ids: [E] int32 stop tokens of every row, or [B, E] each row's own (E may be 0; -1 entries
+        are padding).
       q_ids_n: [N] int32 distinct target ids of q's columns, or None.
       greedy: (static) p and q one-hot (all rows at temperature 0), q at the draft tokens: decided
         without random bits and without reading q (a greedy drafter need not build it).
     """
-    key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_e, q_ids_n = _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b,
-                                                                            stop_ids, q_ids_n, greedy)
+    key_b, p_bgv, q_bgn, draft_bg, ell_b, stop_be, q_ids_n = _checked_inputs(key_b, p_bgv, q_bgn, draft_bg, ell_b,
+                                                                             stop_ids, q_ids_n, greedy)
     b, g1, v = p_bgv.shape
     g = g1 - 1
 
@@ -223,7 +229,7 @@ def verify_chain(key_b: Array, p_bgv: Array, q_bgn: Array, draft_bg: Array, ell_
         acc_bg = live_bg & (u_bg * _normalised(_q_at(q_bgn, d_bg, q_ids_n), totals_bg) < p_x)
     n_b = jnp.sum(jnp.cumprod(acc_bg.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
-    n_b, stopped_b = _cut_at_stops(draft_bg, stop_e, n_b)
+    n_b, stopped_b = _cut_at_stops(draft_bg, stop_be, n_b)
 
     # Next token: residual at the first rejection, else bonus from p_ell; the residual of a rejected
     # one-hot q under a one-hot p elsewhere (greedy) is p itself

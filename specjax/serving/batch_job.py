@@ -3,7 +3,7 @@
 Input rows (one JSON object a line):
     {"id": "a1", "prompt": "text" | [token ids], ...}   or   {"id": 7, "messages": [{"role": ..., "content": ...}]}
     optional: temperature, top_k, top_p, max_tokens, stop, stop_token_ids, seed,
-    num_speculative_tokens (sampling; defaults from the job), metadata (copied to the output).
+    num_speculative_tokens, ignore_eos (sampling; defaults from the job), metadata (copied to the output).
 Output rows (in completion order, not input order):
     {"id", "token_ids", "text", "finish_reason", "prompt_tokens", "completion_tokens", "metrics", ["metadata"]}
 Error rows (`<output stem>.errors.jsonl` unless given):

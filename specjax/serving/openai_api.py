@@ -22,7 +22,8 @@ before each choice's text and, with `logprobs`, the prompt tokens' entries befor
 engine's cache-free `score` program under the same distribution); `max_tokens` 0 is allowed only
 with `echo` (the prompt alone). Echo with logprobs needs the prompt to fit the engine's largest
 prefill bucket (no chunking: 400 naming the limit); echo is not streamed. Not served (400 naming
-the field): `best_of`, `suffix`, penalties, `logit_bias`, tools.
+the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, penalties, `logit_bias`, `min_p`, `min_tokens`,
+tools, `response_format` and guided decoding. vLLM's `ignore_eos` is served.
 
 Status codes: 400 bad or unsupported fields, prompts or max_tokens over the limits; 404 unknown
 model; 503 when the engine's waiting queue is full or the engine is not running; 504 when a request
@@ -44,7 +45,7 @@ from specjax.serving.errors import ENGINE_REJECTED, APIError
 from specjax.serving.streams import ChoiceStream, Waiter
 from specjax.serving.request_metrics import (check_spec_decode_metrics_level, combined_spec_metrics,
                                              request_spec_metrics, response_metrics)
-from specjax.serving.schema import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, FieldError,
+from specjax.serving.schema import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, FieldError, check_served,
                                     parse_sampling)
 
 _FROM_LLM = object()  # sentinel: use the LLM's own tokenizer
@@ -74,9 +75,6 @@ class ServerLimits:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
-_UNSUPPORTED = {"best_of": 1, "suffix": None,
-                "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
-                "tool_choice": None, "functions": None, "use_beam_search": False}
 _LOGPROB_FLOOR = -9999.0  # what -inf is sent as (JSON has no infinities; vLLM's value)
 
 
@@ -146,10 +144,10 @@ class OpenAIApp:
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model '{model}' does not exist (served: '{self.model_name}')", param="model",
                            code="model_not_found")
-        for name, default in _UNSUPPORTED.items():
-            v = body.get(name, default)
-            if v is not None and v != default:
-                raise APIError(400, f"'{name}' is not supported by this server", param=name)
+        try:
+            check_served(body)
+        except FieldError as e:
+            raise APIError(400, str(e), param=e.field) from None
         n = body.get("n")
         n = 1 if n is None else n
         if not 1 <= n <= self.max_n:

@@ -10,6 +10,7 @@ take the value from `defaults`. vLLM's `top_k: -1` means off (0).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Literal, Mapping
 
@@ -20,7 +21,17 @@ from specjax.api import SamplingParams
 # what the engine's per-row float32 / int32 arrays hold: larger values are refused, naming the field
 _ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tokens": (1 << 31) - 1}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_tokens", "stop", "stop_token_ids", "seed",
-                   "num_speculative_tokens")
+                   "num_speculative_tokens", "ignore_eos")
+
+# OpenAI and vLLM request fields that change what is generated and that this server does not serve:
+# the values that mean "off" pass, anything else is refused naming the field (never ignored)
+UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "logit_bias": (None, {}),
+    "min_p": (None, 0), "min_tokens": (None, 0), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "logits_processors": (None, []), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "prompt_logprobs": (None, 0)}
 
 
 class FieldError(ValueError):
@@ -60,6 +71,7 @@ class SamplingFields(pydantic.BaseModel):
     stop_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
     num_speculative_tokens: int | None = None
+    ignore_eos: bool | None = None
 
     @pydantic.field_validator("temperature", "top_p", mode="before")
     @classmethod
@@ -71,6 +83,13 @@ class SamplingFields(pydantic.BaseModel):
     def _integers(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         v = _integer(info.field_name, v)
         return 0 if info.field_name == "top_k" and v == -1 else v
+
+    @pydantic.field_validator("ignore_eos", mode="before")
+    @classmethod
+    def _flag(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"'{info.field_name}' must be true or false, got {v!r}")
+        return v
 
     @pydantic.field_validator("max_tokens", mode="before")
     @classmethod
@@ -98,6 +117,18 @@ class SamplingFields(pydantic.BaseModel):
     def given(self) -> dict[str, Any]:
         """The fields that were set (not None)."""
         return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+def check_served(body: Mapping[str, Any]) -> None:
+    """FieldError naming the first of `UNSERVED_FIELDS` that `body` sets to a value other than off."""
+    for name, off in UNSERVED_FIELDS.items():
+        v = body.get(name)
+        if v is not None and not any(v == o and isinstance(v, bool) == isinstance(o, bool) for o in off):
+            raise FieldError(f"'{name}' is not supported by this server (accepted: {_offs(off)})", name)
+
+
+def _offs(off: tuple[Any, ...]) -> str:
+    return " or ".join("null" if o is None else json.dumps(o) for o in off)
 
 
 def _first_error(e: pydantic.ValidationError) -> FieldError:
