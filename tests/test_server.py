@@ -164,6 +164,27 @@ def test_chat_with_a_tokenizer_template(srv):
         assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_tokenize_gives_the_ids_the_completion_routes_use_and_detokenize_inverts_it(srv):
+    with side_server(srv, tokenizer=tiny_chat_tokenizer()) as (url, _):
+        chat = {"messages": [{"role": "user", "content": "w5 w6 w7"}]}
+        status, t = http_json(url + "/tokenize", "POST", chat)
+        assert status == 200 and t == {"count": 4, "max_model_len": 128, "tokens": [5, 6, 7, 9]}, t
+        status, r = http_json(url + "/v1/chat/completions", "POST", {**chat, "max_tokens": 2})
+        assert r["usage"]["prompt_tokens"] == t["count"]
+        assert http_json(url + "/tokenize", "POST", {"prompt": "w8 w3"})[1]["tokens"] == [8, 3]
+        assert http_json(url + "/tokenize", "POST", {"prompt": [8, 3]})[1]["tokens"] == [8, 3]
+        assert http_json(url + "/detokenize", "POST", {"tokens": [8, 3, 2]}) == (200, {"prompt": "w8 w3 </s>"})
+        bad = [("/tokenize", {"prompt": "w8", **chat}, "prompt"), ("/tokenize", {}, "prompt"),
+               ("/tokenize", {"prompt": [64]}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+               ("/detokenize", {"tokens": [1], "model": "other"}, "model")]
+        for path, body, param in bad:
+            status, r = http_json(url + path, "POST", body)
+            assert status in (400, 404) and r["error"]["param"] == param, (path, body, r)
+    status, r = http_json(srv["url"] + "/detokenize", "POST", {"tokens": [5]})  # no tokenizer
+    assert status == 400 and r["error"]["param"] == "tokens" and "tokenizer" in r["error"]["message"]
+    assert http_json(srv["url"] + "/tokenize", "POST", {"prompt": [5, 6]})[1]["count"] == 2
+
+
 @pytest.mark.parametrize("raw, param, fragment", [
     (b'{"prompt": [1, 2', None, "malformed JSON"),
     (b'[1, 2]', None, "JSON object"),

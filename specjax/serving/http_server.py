@@ -4,6 +4,8 @@ Endpoints:
     POST /v1/completions        prompt: a string (needs a tokenizer) or a list of token ids
     POST /v1/chat/completions   messages through the tokenizer's chat template
     GET  /v1/models             the one served model and its max_model_len
+    POST /tokenize, /detokenize vLLM's: a prompt or messages as the token ids the completion routes use;
+                                token ids as text
     GET  /health                200 once warm-up is done and while the engine loop runs, else 503 + reason
     GET  /metrics               Prometheus text (see specjax.serving.metrics); /metrics.json: JSON snapshot
     GET  /openapi.json, /docs   the schema: the pydantic models of `specjax.serving.schema` are the routes'
@@ -44,12 +46,12 @@ from specjax.serving.errors import APIError, rejection_reason, validation_error
 from specjax.serving.openai_api import OpenAIApp, ServerLimits
 from specjax.serving.streams import ClientGone
 from specjax.serving.schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                    CompletionResponse, ErrorResponse, Health, ModelList)
+                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Health,
+                                    ModelList, TokenizeRequest, TokenizeResponse)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class ServedApp:
@@ -181,6 +183,7 @@ def create_app(served: OpenAIApp | ServedApp) -> FastAPI:
     _add_error_handlers(app, served)
     _add_info_routes(app, served)
     _add_completion_routes(app, served)
+    _add_token_routes(app, served)
     _answer_invalid_bodies_400(app)
     return app
 
@@ -274,6 +277,21 @@ def _add_completion_routes(app: FastAPI, served: ServedApp) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Answer a conversation (the tokenizer's chat template; text content parts)."""
         return await completion(body, request)
+
+
+def _add_token_routes(app: FastAPI, served: ServedApp) -> None:
+    """/tokenize and /detokenize (vLLM's)."""
+    token_errors = {status: _ERRORS[status] for status in (400, 404, 413, 503)}
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=token_errors)
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        """The token ids /v1/completions (`prompt`) or /v1/chat/completions (`messages`) would use."""
+        return JSONResponse(served.get().tokenize(body))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=token_errors)
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        """The text of token ids (special tokens included)."""
+        return JSONResponse(served.get().detokenize(body))
 
 
 def _answer_invalid_bodies_400(app: FastAPI) -> None:

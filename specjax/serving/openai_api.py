@@ -37,16 +37,17 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
+from specjax.api import SamplingParams, build_engine_request
 from specjax.decoding.requests import EngineRequest, RequestMetrics
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.errors import ENGINE_REJECTED, APIError
+from specjax.serving.prompts import chat_prompt_ids, completion_prompt_ids
 from specjax.serving.streams import ChoiceStream, Waiter
 from specjax.serving.request_metrics import (check_spec_decode_metrics_level, combined_spec_metrics,
                                              request_spec_metrics, response_metrics)
-from specjax.serving.schema import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, FieldError, check_served,
-                                    parse_sampling)
+from specjax.serving.schema import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    FieldError, TokenizeRequest, check_served, parse_sampling)
 
 _FROM_LLM = object()  # sentinel: use the LLM's own tokenizer
 DEFAULT_MAX_WAITING = 512
@@ -76,10 +77,6 @@ class ServerLimits:
 
 
 _LOGPROB_FLOOR = -9999.0  # what -inf is sent as (JSON has no infinities; vLLM's value)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass
@@ -139,11 +136,7 @@ class OpenAIApp:
     # ------------------------------------------------------------------ parsing
     def _parse_common(self, req: CompletionRequest | ChatCompletionRequest) -> _Parsed:
         chat = isinstance(req, ChatCompletionRequest)
-        body = req.model_dump(exclude_unset=True)
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist (served: '{self.model_name}')", param="model",
-                           code="model_not_found")
+        body = self._body(req)
         try:
             check_served(body)
         except FieldError as e:
@@ -157,9 +150,9 @@ class OpenAIApp:
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if chat:
-            prompt_ids, what = self._chat_prompt(body), "messages"
+            prompt_ids, what = chat_prompt_ids(self.tokenizer, body), "messages"
         else:
-            prompt_ids, what = self._completion_prompt(body), "prompt"
+            prompt_ids, what = completion_prompt_ids(self.tokenizer, self.vocab_size, body), "prompt"
         n_prompt = len(prompt_ids)
         if n_prompt > self.max_prompt_tokens:
             raise APIError(400, f"'{what}' has {n_prompt} tokens; the limit is {self.max_prompt_tokens} "
@@ -229,64 +222,6 @@ class OpenAIApp:
         if not 0 <= k <= self.max_logprobs:
             raise APIError(400, f"'{name}' must be in [0, {self.max_logprobs}], got {k}", param=name)
         return k
-
-    def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
-        p = body["prompt"]
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one
-        if isinstance(p, str):
-            if self.tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
-            if not p:
-                raise APIError(400, "'prompt' is empty", param="prompt")
-            ids = encode_text(self.tokenizer, p)
-            if not ids:
-                raise APIError(400, "'prompt' has no tokens", param="prompt")
-            return ids
-        if isinstance(p, list) and p and all(_is_int(t) for t in p):
-            bad = [t for t in p if not 0 <= t < self.vocab_size]
-            if bad:
-                raise APIError(400, f"'prompt' token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                               param="prompt")
-            return list(p)
-        if isinstance(p, list) and len(p) > 1:
-            raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
-        raise APIError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt")
-
-    @staticmethod
-    def _message_text(i: int, content: Any) -> str:
-        """A message's content as one string: text parts joined by newlines (as vLLM does)."""
-        if content is None or isinstance(content, str):
-            return content or ""
-        texts = []
-        for j, part in enumerate(content):
-            if part.get("type") != "text":
-                raise APIError(400, f"'messages[{i}].content[{j}].type': content parts of type {part.get('type')!r} "
-                                    f"are not supported (only 'text')", param=f"messages[{i}].content[{j}].type")
-            if not isinstance(part.get("text"), str):
-                raise APIError(400, f"'messages[{i}].content[{j}].text' must be a string",
-                               param=f"messages[{i}].content[{j}].text")
-            texts.append(part["text"])
-        return "\n".join(texts)
-
-    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
-        msgs = body["messages"]
-        if not msgs:
-            raise APIError(400, "'messages' is empty", param="messages")
-        if self.tokenizer is None:
-            raise APIError(400, "chat completions need a tokenizer with a chat template; this model has no "
-                                "tokenizer (use /v1/completions with token ids)", param="messages")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "the tokenizer has no chat template; use /v1/completions", param="messages")
-        msgs = [{**m, "content": self._message_text(i, m.get("content"))} for i, m in enumerate(msgs)]
-        think = body.get("chat_template_kwargs") or {}
-        try:
-            return encode_chat(self.tokenizer, msgs, enable_thinking=think.get("enable_thinking", False))
-        except (ValueError, TypeError, KeyError) as e:
-            raise APIError(400, f"'messages': {e}", param="messages") from None
-        except Exception as e:  # template rendering errors (jinja) are the request's fault too
-            raise APIError(400, f"'messages' could not be rendered by the chat template: {e}",
-                           param="messages") from None
 
     # ------------------------------------------------------------------ generation
     def _submit(self, parsed: _Parsed, rid: str) -> list[RequestStream]:
@@ -485,6 +420,35 @@ class OpenAIApp:
 
 
     # ------------------------------------------------------------------ other endpoints
+    def _body(self, req: Any) -> dict[str, Any]:
+        """The fields a request set; 404 naming `model` when it names another model."""
+        body = req.model_dump(exclude_unset=True)
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist (served: '{self.model_name}')", param="model",
+                           code="model_not_found")
+        return body
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: the ids the completion routes would feed the engine, their count, max_model_len."""
+        body = self._body(req)
+        if (body.get("prompt") is None) == (body.get("messages") is None):
+            raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
+        ids = (completion_prompt_ids(self.tokenizer, self.vocab_size, body) if body.get("prompt") is not None
+               else chat_prompt_ids(self.tokenizer, body))
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize: the text of token ids, special tokens included."""
+        ids = self._body(req)["tokens"]
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer to decode 'tokens' with", param="tokens")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"'tokens' id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                           param="tokens")
+        return {"prompt": self.tokenizer.decode(ids)}
+
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "specjax", "max_model_len": self.max_model_len}]}

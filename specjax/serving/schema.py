@@ -420,3 +420,34 @@ class Health(pydantic.BaseModel):
 
     status: Literal["ok", "starting", "error"]
     reason: str | None = None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): exactly one of `prompt`, read as /v1/completions reads it, or
+    `messages`, rendered as /v1/chat/completions renders them (generation prompt added)."""
+
+    model: pydantic.StrictStr | None = None
+    prompt: pydantic.StrictStr | list[pydantic.StrictInt] | None = None
+    messages: list[ChatMessage] | None = pydantic.Field(None, json_schema_extra={"minItems": 1})
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(pydantic.BaseModel):
+    """The token ids the completion routes would feed the engine for that prompt."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): token ids in the vocabulary."""
+
+    model: pydantic.StrictStr | None = None
+    tokens: list[pydantic.StrictInt]
+
+
+class DetokenizeResponse(pydantic.BaseModel):
+    """The ids' text, special tokens included (a chat prompt from /tokenize comes back whole)."""
+
+    prompt: str
