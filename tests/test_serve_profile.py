@@ -43,12 +43,20 @@ def test_default_policy_writes_a_table_a_server_engine_accepts(models, capsys):
     table = CostTable.from_json(out)
     assert sorted(table.as_dict()) == [(s, t) for s in (1, 2) for t in (1, 2, 4)]
     assert all(v > 0 for v in table.as_dict().values())
+    assert table.meta.timed_round == "fused_fill"
+    old = table.to_dict()
+    del old["meta"]["timed_round"]  # a table written before the field: a draft-and-verify round
+    assert CostTable.from_dict(old).meta.timed_round == "draft+verify"
     from specjax.serving.cli import build_llm
     args = profile.parse_args(["--target", target, "--drafter", drafter, "--out", str(root / "unused.json"),
                                *ENGINE])
     args.cost_table = str(out)
     llm = build_llm(args)
     assert llm.engine.cost_table.as_dict() == table.as_dict()  # loaded, not measured again
+    # a table times the round of its policy: the synchronous confidence policy's engine refuses it
+    args.policy = "confidence"
+    with pytest.raises(ValueError, match="timed_round: table has 'fused_fill', engine has 'draft\\+verify'"):
+        build_llm(args)
 
 
 @pytest.mark.parametrize("extra, flag", [

@@ -128,14 +128,16 @@ class Engine:
         return self.cfg.policy in COST_AWARE_POLICIES and self.planner.schedule_fn is None
 
     def cost_table_meta(self):
-        """The metadata a cost table for this engine must carry (target, dtype, hardware, buckets)."""
+        """The metadata a cost table for this engine must carry (target, dtype, hardware, buckets, the
+        round its policy times)."""
         from specjax.scheduling import CostTableMeta
         dev = jax.devices()[0]
         n = 1 if self.mesh is None else self.mesh.size
         dtype = str(jax.tree.leaves(self.runner.t_params)[0].dtype)
         return CostTableMeta(target=self.target_id, dtype=dtype, hardware=f"{dev.platform}:{dev.device_kind} x{n}",
                              context_length=self.cfg.max_len, slots_buckets=tuple(self.buckets.slots),
-                             tokens_buckets=tuple(self.buckets.tokens))
+                             tokens_buckets=tuple(self.buckets.tokens),
+                             timed_round="fused_fill" if self.planner.mode == "device" else "draft+verify")
 
     def use_cost_table(self, table) -> None:
         """Install a measured cost table; refuses one measured for another target, dtype or bucket set."""

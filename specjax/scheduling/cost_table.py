@@ -51,6 +51,9 @@ def _bucket_tuple(values: Any, field: str) -> tuple[int, ...]:
     return out
 
 
+TIMED_ROUNDS = ("draft+verify", "fused_fill")  # what one timed round of a table is (CostTableMeta)
+
+
 @dataclasses.dataclass(frozen=True)
 class CostTableMeta:
     """What a cost table was measured for; all fields must match the engine that uses it."""
@@ -61,8 +64,13 @@ class CostTableMeta:
     context_length: int  # KV-cache length the steps were measured at
     slots_buckets: tuple[int, ...]  # strictly increasing
     tokens_buckets: tuple[int, ...]  # tokens-per-slot buckets, strictly increasing
+    # what one timed round is: "draft+verify" (host-scheduled policies: a draft call, then a verify
+    # call) or "fused_fill" (confidence_async: one call); tables written before this field: the former
+    timed_round: str = "draft+verify"
 
     def __post_init__(self) -> None:
+        if self.timed_round not in TIMED_ROUNDS:
+            raise ValueError(f"CostTableMeta.timed_round must be one of {TIMED_ROUNDS}, got {self.timed_round!r}")
         for name in ("target", "dtype", "hardware"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -90,14 +98,14 @@ class CostTableMeta:
         if not isinstance(d, Mapping):
             raise ValueError(f"{source}: metadata must be an object, got {type(d).__name__}")
         names = [f.name for f in dataclasses.fields(cls)]
-        missing = [n for n in names if n not in d]
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING]
         unknown = sorted(k for k in d if k not in names)
         if missing:
             raise ValueError(f"{source}: metadata is missing field(s) {missing}")
         if unknown:
             raise ValueError(f"{source}: metadata has unknown field(s) {unknown}")
         try:
-            return cls(**{n: d[n] for n in names})
+            return cls(**{n: d[n] for n in names if n in d})
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
 
