@@ -110,6 +110,9 @@ class JobKind(Protocol):
     def row_id(self, index: int, row: JsonlLine) -> Any:
         """ordered: the id the row's output line carries; by_id: the row's id, None if it has none."""
 
+    def output_id(self, out: dict[str, Any]) -> Any:
+        """The row id an output line carries (None if none)."""
+
     def error(self, index: int, row: JsonlLine, message: str, field: str | None) -> Outcome:
         """The error line of a row the runner refuses (by_id: a repeated id)."""
 
@@ -176,7 +179,7 @@ def _ordered_done(kind: JobKind, input_path: str, out_rows: list[dict[str, Any]]
         n_rows += 1
         if index in errs:
             continue
-        want, got = kind.row_id(index, row), next(outs).get("id")
+        want, got = kind.row_id(index, row), kind.output_id(next(outs))
         if got != want:
             raise ValueError(f"{out_path} does not continue {input_path}: output row for input line {row.line} "
                              f"has id {got!r}, expected {want!r} (use a new --out, or the same input)")
@@ -207,7 +210,7 @@ def _rows_to_do(kind: JobKind, input_path: str, out_path: str, err_path: str, sh
         summary.skipped_done = done
         return mine[done:], None
     first = _first_lines(kind, input_path)
-    done_ids = {_id_key(r["id"]) for r in out_rows if "id" in r}
+    done_ids = {_id_key(kind.output_id(r)) for r in out_rows if kind.output_id(r) is not None}
     done_lines = {int(r["line"]) for r in err_rows if isinstance(r.get("line"), int)}
     todo = []
     for index, row in mine:

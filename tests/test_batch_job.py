@@ -1,6 +1,7 @@
 """Offline batch jobs: good and bad rows, exactly-once output, resume after a torn line and after kill -9, shards."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
@@ -132,6 +133,59 @@ def test_text_prompts_messages_and_stop_strings_with_a_tokenizer(llm, tmp_path):
         (row,) = read_jsonl(out2)
         assert row["finish_reason"] == "stop" and row["text"].split() == words[:cut]
         assert row["token_ids"] == ref["token_ids"][:cut]
+    finally:
+        llm.tokenizer = saved
+
+
+def test_openai_batch_lines_answer_openai_objects_resume_by_custom_id_and_name_bad_fields(llm, tmp_path):
+    """OpenAI batch lines (`vllm run-batch`'s input) beside native rows: chat and completion answers
+    equal the native row's greedy tokens; a rerun after the output lost its last line redoes only that
+    custom_id; bad lines name the field by its path in the line."""
+    saved = llm.tokenizer
+    llm.tokenizer = tiny_chat_tokenizer()
+    chat = {"messages": [{"role": "user", "content": "w5 w6 w7"}], "temperature": 0, "model": "m", "stream": False}
+    rows = [{"id": "native", "prompt": [5, 6, 7, 9], "max_tokens": 6, "temperature": 0},
+            {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+             "body": {**chat, "max_completion_tokens": 6, "n": 1, "response_format": {"type": "text"}}},
+            {"custom_id": "t", "url": "/v1/completions", "body": {"prompt": "w5 w6 w7 w9", "max_tokens": 6,
+                                                                   "temperature": 0, "ignore_eos": True}},
+            {"custom_id": "bad-url", "url": "/v1/embeddings", "body": {"input": "w5"}},
+            {"custom_id": "bad-top-p", "url": "/v1/completions", "body": {"prompt": [5], "top_p": 2}},
+            {"custom_id": "bad-n", "url": "/v1/chat/completions", "body": {**chat, "n": 2}},
+            {"custom_id": "unserved", "url": "/v1/completions", "body": {"prompt": [5], "min_p": 0.1}},
+            {"custom_id": "wrong-key", "url": "/v1/completions", "body": {"messages": chat["messages"]}},
+            {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": [5]}},  # duplicate custom_id
+            {"custom_id": "extra", "url": "/v1/completions", "body": {"prompt": [5]}, "id": 3}]
+    try:
+        inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        write_jsonl(inp, rows)
+        s = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)
+        assert (s.completed, s.errors) == (3, 7)
+        outs = read_jsonl(out)
+        native = next(r for r in outs if r.get("id") == "native")
+        by_cid = {r["custom_id"]: r for r in outs if "custom_id" in r}
+        c, t = by_cid["c"]["response"], by_cid["t"]["response"]
+        assert c["status_code"] == t["status_code"] == 200 and by_cid["c"]["error"] is None
+        assert c["body"]["object"] == "chat.completion" and c["body"]["model"] == "m"
+        assert c["body"]["choices"][0]["message"]["content"] == native["text"]
+        assert t["body"]["object"] == "text_completion" and t["body"]["choices"][0]["text"] == native["text"]
+        for r in (c, t):
+            assert r["body"]["choices"][0]["token_ids"] == native["token_ids"]
+            assert r["body"]["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+            assert r["body"]["spec_metrics"]["num_drafts"] >= 0
+        errs = {e["id"]: e for e in read_jsonl(default_errors_path(str(out)))}
+        assert {k: e["field"] for k, e in errs.items()} == {
+            "bad-url": "url", "bad-top-p": "body.top_p", "bad-n": "body.n", "unserved": "body.min_p",
+            "wrong-key": "body.messages", "c": "id", "extra": "id"}
+        assert "duplicate id" in errs["c"]["error"] and "unknown field" in errs["extra"]["error"]
+        # resume: the output's last line lost, the rerun redoes that row alone
+        lines = out.read_text().splitlines(keepends=True)
+        lost = json.loads(lines[-1])
+        out.write_text("".join(lines[:-1]))
+        s2 = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)
+        assert s2.completed == 1 and s2.skipped_done == 9
+        again = read_jsonl(out)[-1]
+        assert again.get("custom_id", again.get("id")) == lost.get("custom_id", lost.get("id"))
     finally:
         llm.tokenizer = saved
 

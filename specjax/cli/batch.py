@@ -23,7 +23,8 @@ from specjax.serving.cli import add_llm_args, build_llm
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specjax-batch", description=__doc__.splitlines()[0])
-    p.add_argument("input", help="input JSONL (rows: id, prompt or messages, optional sampling fields)")
+    p.add_argument("input", help="input JSONL (rows: id, prompt or messages, optional sampling fields; or OpenAI "
+                   "batch lines: custom_id, url, body)")
     p.add_argument("-o", "--output", required=True, help="output JSONL (a shard suffix is added when sharded)")
     p.add_argument("--errors", default=None, help="errors JSONL (default: <output stem>.errors.jsonl)")
     p.add_argument("--shard", default=None, help="i/n: take input lines with index %% n == i "

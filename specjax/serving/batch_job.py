@@ -4,6 +4,8 @@ Input rows (one JSON object a line):
     {"id": "a1", "prompt": "text" | [token ids], ...}   or   {"id": 7, "messages": [{"role": ..., "content": ...}]}
     optional: temperature, top_k, top_p, max_tokens, stop, stop_token_ids, seed,
     num_speculative_tokens, ignore_eos (sampling; defaults from the job), metadata (copied to the output).
+    A line with `custom_id` is an OpenAI batch request and gets an OpenAI batch output line
+    (`specjax.serving.batch_openai`); both kinds may share a file.
 Output rows (in completion order, not input order):
     {"id", "token_ids", "text", "finish_reason", "prompt_tokens", "completion_tokens", "metrics", ["metadata"]}
 Error rows (`<output stem>.errors.jsonl` unless given):
@@ -28,6 +30,7 @@ from typing import Any
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
 from specjax.io import JsonlLine
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
+from specjax.serving import batch_openai
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.request_metrics import request_spec_metrics
 from specjax.serving.schema import SAMPLING_FIELDS, FieldError, parse_sampling
@@ -55,10 +58,24 @@ class Row:
     messages: Any  # list[dict] | None
     sp: SamplingParams
     metadata: Any = None
+    openai: batch_openai.OpenAIRequest | None = None  # an OpenAI batch line: how to answer it
+
+    def field(self, name: str | None) -> str | None:
+        """A native field's name as this row's input line spells it."""
+        return batch_openai.native_field(name) if self.openai is not None else name
 
 
 def parse_row(obj: Any, line: int, defaults: SamplingParams) -> Row:
-    """Validate one decoded input row; RowError names the field."""
+    """Validate one decoded input row (native, or an OpenAI batch line); RowError names the field."""
+    if batch_openai.is_openai_line(obj):
+        try:
+            native, request = batch_openai.native_row(obj)
+        except batch_openai.OpenAIRowError as e:
+            raise RowError(str(e), e.field) from None
+        try:
+            return dataclasses.replace(parse_row(native, line, defaults), openai=request)
+        except RowError as e:
+            raise RowError(str(e), batch_openai.native_field(e.field)) from None
     if not isinstance(obj, dict):
         raise RowError(f"row must be a JSON object, got {type(obj).__name__}")
     if "id" not in obj:
@@ -107,7 +124,11 @@ class BatchRows:
 
     def row_id(self, index: int, row: JsonlLine) -> Any:
         obj = row.value
-        return obj["id"] if isinstance(obj, dict) and valid_id(obj.get("id")) else None
+        key = "custom_id" if batch_openai.is_openai_line(obj) else "id"
+        return obj[key] if isinstance(obj, dict) and valid_id(obj.get(key)) else None
+
+    def output_id(self, out: dict[str, Any]) -> Any:
+        return out.get("custom_id", out.get("id"))
 
     def error(self, index: int, row: JsonlLine, message: str, field: str | None) -> Outcome:
         self.metrics.request_rejected("invalid_row")
@@ -117,9 +138,11 @@ class BatchRows:
     def admit(self, index: int, row: JsonlLine, submit: Submit) -> Outcome | None:
         if row.error is not None:
             return self.error(index, row, f"malformed JSON: {row.error}", None)
-        obj = row.value
         try:
-            parsed = parse_row(obj, row.line, self.defaults)
+            parsed = parse_row(row.value, row.line, self.defaults)
+        except RowError as e:
+            return self.error(index, row, str(e), e.field)
+        try:
             ids = self._prompt_ids(parsed)
             try:
                 req = build_engine_request(ids, parsed.sp, request_id=str(parsed.id),
@@ -128,10 +151,10 @@ class BatchRows:
                 raise RowError(str(e), "stop" if parsed.sp.stop else "prompt") from None
             submit(req)
         except RowError as e:
-            return self.error(index, row, str(e), e.field)
+            return self.error(index, row, str(e), parsed.field(e.field))
         except (ValueError, TypeError, KeyError) as e:  # tokenizer / template / engine refusals
-            return self.error(index, row, str(e), "messages" if isinstance(obj, dict) and "messages" in obj
-                              else "prompt")
+            return self.error(index, row, str(e), parsed.field("messages" if parsed.messages is not None
+                                                               else "prompt"))
         self.metrics.request_admitted(len(ids))
         self.rows[index] = parsed
         return None
@@ -149,16 +172,18 @@ class BatchRows:
     def finished(self, index: int, request: Any, submit: Submit) -> Outcome:
         row = self.rows.pop(index)
         ids = list(request.output_ids)
-        rec: dict[str, Any] = {
-            "id": row.id, "token_ids": ids,
-            "text": None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True),
-            "finish_reason": request.finish_reason or "length",
-            "prompt_tokens": len(request.prompt_ids), "completion_tokens": len(ids),
-            "metrics": request_spec_metrics(request.metrics)}
-        if row.metadata is not None:
-            rec["metadata"] = row.metadata
+        text = None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+        reason, n_prompt, spec = request.finish_reason or "length", len(request.prompt_ids), \
+            request_spec_metrics(request.metrics)
+        if row.openai is not None:
+            rec = batch_openai.output_line(row.id, row.openai, text, ids, reason, n_prompt, spec)
+        else:
+            rec = {"id": row.id, "token_ids": ids, "text": text, "finish_reason": reason, "prompt_tokens": n_prompt,
+                   "completion_tokens": len(ids), "metrics": spec}
+            if row.metadata is not None:
+                rec["metadata"] = row.metadata
         self.metrics.tokens_generated(len(ids))
-        self.metrics.request_finished(rec["finish_reason"])
+        self.metrics.request_finished(reason)
         return Outcome(index, rec)
 
 

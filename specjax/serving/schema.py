@@ -124,7 +124,7 @@ def check_served(body: Mapping[str, Any]) -> None:
     for name, off in UNSERVED_FIELDS.items():
         v = body.get(name)
         if v is not None and not any(v == o and isinstance(v, bool) == isinstance(o, bool) for o in off):
-            raise FieldError(f"'{name}' is not supported by this server (accepted: {_offs(off)})", name)
+            raise FieldError(f"'{name}' is not supported (accepted: {_offs(off)})", name)
 
 
 def _offs(off: tuple[Any, ...]) -> str:

@@ -160,6 +160,9 @@ class Regeneration:
     def row_id(self, index: int, row: JsonlLine) -> Any:
         return index if row.error is not None else row_id(row.value, index)
 
+    def output_id(self, out: dict[str, Any]) -> Any:
+        return out.get("id")
+
     def error(self, index: int, row: JsonlLine, message: str, field: str | None) -> Outcome:
         return self._fail(Item(index=index, line=row.line, id=self.row_id(index, row)), message)
 

@@ -1,0 +1,106 @@
+"""OpenAI's batch file format for the offline batch job (what `vllm run-batch` and OpenAI's Batch API read).
+
+An input line that carries `custom_id` is an OpenAI batch request:
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
+    (url "/v1/completions": body {"prompt": ...}). The body takes the server's fields: the sampling
+    fields, `max_completion_tokens` (chat), `model`, `stream`, `user`, `n` = 1; fields that change the
+    output and are not served (`schema.UNSERVED_FIELDS`) make it an error row, other fields are ignored.
+Its output line:
+    {"id": "batch-...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "...",
+     "body": {a chat.completion or text_completion object with usage and spec_metrics}}, "error": null}
+Bad rows go to the errors file like every other row; `field` names the offending field with its
+path (`body.top_p`, `url`, `custom_id`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from specjax.serving.schema import SAMPLING_FIELDS, FieldError, check_served
+
+# url -> the body field that holds the prompt
+OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+_LINE_FIELDS = frozenset(("custom_id", "method", "url", "body"))
+
+
+class OpenAIRowError(ValueError):
+    """A bad OpenAI batch line; `field` is the offending field's path in the line."""
+
+    def __init__(self, message: str, field: str | None):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenAIRequest:
+    """What an OpenAI batch line's answer needs: its url (the response object's kind) and model name."""
+
+    url: str
+    model: str
+
+
+def is_openai_line(obj: Any) -> bool:
+    return isinstance(obj, dict) and "custom_id" in obj
+
+
+def native_row(obj: dict[str, Any]) -> tuple[dict[str, Any], OpenAIRequest]:
+    """The native row (`id`, `prompt` or `messages`, sampling fields) an OpenAI batch line asks for."""
+    unknown = sorted(set(obj) - _LINE_FIELDS)
+    if unknown:
+        raise OpenAIRowError(f"unknown field(s) {unknown} in an OpenAI batch line (allowed: "
+                             f"{sorted(_LINE_FIELDS)})", unknown[0])
+    url = obj.get("url")
+    if url not in OPENAI_URLS:
+        raise OpenAIRowError(f"'url' must be one of {sorted(OPENAI_URLS)}, got {url!r}", "url")
+    if obj.get("method", "POST") != "POST":
+        raise OpenAIRowError(f"'method' must be POST, got {obj.get('method')!r}", "method")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise OpenAIRowError(f"'body' must be a JSON object, got {type(body).__name__}", "body")
+    try:
+        check_served(body)
+    except FieldError as e:
+        raise OpenAIRowError(str(e), f"body.{e.field}") from None
+    if body.get("n") not in (None, 1):
+        raise OpenAIRowError(f"'n' is {body['n']!r}: a batch line answers one choice (send one line per choice)",
+                             "body.n")
+    key = OPENAI_URLS[url]
+    other = "prompt" if key == "messages" else "messages"
+    if body.get(other) is not None:
+        raise OpenAIRowError(f"{url} reads '{key}', not '{other}'", f"body.{other}")
+    row = {k: body[k] for k in SAMPLING_FIELDS if k in body}
+    if key == "messages" and body.get("max_completion_tokens") is not None:
+        row["max_tokens"] = body["max_completion_tokens"]
+    row.update({"id": obj["custom_id"], key: body.get(key)})
+    model = body.get("model")
+    return row, OpenAIRequest(url, model if isinstance(model, str) and model else "specjax")
+
+
+def native_field(field: str | None) -> str | None:
+    """A native row's field as its path in the OpenAI batch line."""
+    return None if field is None else "custom_id" if field == "id" else f"body.{field}"
+
+
+def output_line(custom_id: Any, req: OpenAIRequest, text: str | None, token_ids: list[int], finish_reason: str,
+                prompt_tokens: int, spec_metrics: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI batch output line of a finished request."""
+    if req.url == "/v1/chat/completions":
+        kind, prefix = "chat.completion", "chatcmpl"
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+    else:
+        kind, prefix = "text_completion", "cmpl"
+        choice = {"index": 0, "text": text}
+    choice.update(finish_reason=finish_reason, token_ids=token_ids)
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    body = {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model, "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
+                      "total_tokens": prompt_tokens + len(token_ids)},
+            "spec_metrics": spec_metrics}
+    return {"id": f"batch-{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+__all__ = ["OPENAI_URLS", "OpenAIRequest", "OpenAIRowError", "is_openai_line", "native_field", "native_row",
+           "output_line"]
