@@ -258,3 +258,18 @@ def test_kill_9_mid_run_then_rerun_loses_and_duplicates_nothing(llm, tmp_path):
     assert sorted(_ids(final)) == sorted(f"k{i}" for i in range(n))  # every id exactly once
     assert all(r["finish_reason"] in ("stop", "length") and r["token_ids"] for r in final)
     assert not os.path.exists(default_errors_path(str(out))) or read_jsonl(default_errors_path(str(out))) == []
+
+
+def test_program_defaults_reach_the_job(monkeypatch, tmp_path):
+    """serve.batch's default sampling flags (--ignore-eos among them) become the job's defaults."""
+    from specjax.cli import batch as batch_cli
+    from specjax.serving import batch_job
+    seen = {}
+    monkeypatch.setattr(batch_cli, "build_llm", lambda args, progress=False: "llm")
+    monkeypatch.setattr(batch_job, "run_batch_job",
+                        lambda llm, inp, out, **kw: seen.update(kw) or type("S", (), {"as_dict": lambda self: {}})())
+    argv = [str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--no-progress", "--distributed", "off"]
+    assert batch_cli.main(argv + ["--ignore-eos", "--max-tokens", "7"]) == 0
+    assert seen["defaults"] == SamplingParams(max_tokens=7, ignore_eos=True)
+    batch_cli.main(argv)
+    assert seen["defaults"].ignore_eos is False
