@@ -71,7 +71,8 @@ class SamplingFields(pydantic.BaseModel):
     stop_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
     num_speculative_tokens: int | None = None
-    ignore_eos: bool | None = None
+    ignore_eos: bool | None = pydantic.Field(None, description="vLLM's: generate past the model's eos ids (max_tokens, "
+                                                              "stop and stop_token_ids still end the answer)")
 
     @pydantic.field_validator("temperature", "top_p", mode="before")
     @classmethod
