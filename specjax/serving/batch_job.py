@@ -173,8 +173,8 @@ class BatchRows:
         row = self.rows.pop(index)
         ids = list(request.output_ids)
         text = None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
-        reason, n_prompt, spec = request.finish_reason or "length", len(request.prompt_ids), \
-            request_spec_metrics(request.metrics)
+        reason, n_prompt = request.finish_reason or "length", len(request.prompt_ids)
+        spec = request_spec_metrics(request.metrics)
         if row.openai is not None:
             rec = batch_openai.output_line(row.id, row.openai, text, ids, reason, n_prompt, spec)
         else:
