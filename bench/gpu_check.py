@@ -14,11 +14,12 @@ Phases, in order; each records its results as soon as it ends:
           at each concurrency (closed loop: C requests in flight until 2C are done);
   curve   a DSpark engine under the `confidence` policy: its warm-up measures the cost table the
           scheduler uses (draft + verify seconds for every slots x tokens bucket, median of repeats,
-          made monotone; `specjax.decoding.profiling.measure_cost_table`, as `serve.profile` does);
-          then tokens/s at each concurrency with that table;
-  async   the same drafter under `confidence_async`, the policy `make demo` and the server use, with
-          the curve's table: it also runs upkeep rounds (then lite ones, exactly plain decoding's cost)
-          when drafting does not pay on the table: tokens/s;
+          made monotone; `specjax.decoding.profiling.measure_cost_table`, as `serve.profile
+          --policy confidence` does); then tokens/s at each concurrency with that table;
+  async   the same drafter under `confidence_async`, the policy `make demo` and the server use: its
+          warm-up measures its own table (one fused draft-and-fill call per bucket); it also runs
+          upkeep rounds (then lite ones, exactly plain decoding's cost) when drafting does not pay on
+          the table: tokens/s;
   fixed   the same drafter under the `fixed` policy (every draft token verified): tokens/s.
 
 Random weights measure cost, not acceptance: the throughput of the speculative engines here says what
@@ -345,8 +346,7 @@ def _models(p: Preset):
     return target, drafter
 
 
-def _engine(target, drafter, policy: str, p: Preset, tokens: tuple[int, ...], progress: bool,
-            cost_table=None):
+def _engine(target, drafter, policy: str, p: Preset, tokens: tuple[int, ...], progress: bool):
     from specjax.decoding.engine import Engine, EngineConfig
     from specjax.models.pallas_attention import MIN_KEY_BLOCK
     max_len = p.prompt_len + p.max_tokens + p.gamma + 2
@@ -358,7 +358,7 @@ def _engine(target, drafter, policy: str, p: Preset, tokens: tuple[int, ...], pr
                        prefill_batch_buckets=(min(8, p.slots[-1]),), attention=p.attention, mlp=p.mlp,
                        sampling_variants=RUN_VARIANTS)
     # a fixed identity: hashing 4B random weights on the host would only cost time
-    return Engine(target, drafter, cfg, progress=progress, cost_table=cost_table,
+    return Engine(target, drafter, cfg, progress=progress,
                   target_id=f"random-{p.target['num_hidden_layers']}-layers")
 
 
@@ -405,26 +405,25 @@ def run(rec: Recorder, p: Preset, progress: bool, threads: int, phases: tuple[st
     per_key: float | None = None  # seconds per compiled executable, from the first engine
 
     def phase(name: str, engine_name: str, drafter_, policy: str, tokens: tuple[int, ...],
-              measure: Callable[[Any], Any] = lambda eng: None, cost_table=None) -> Any:
-        """Build the phase's engine, compile it, run `measure(engine)` and the throughput loop;
-        returns what `measure` returned (None when the phase was not asked for or did not fit)."""
+              measure: Callable[[Any], None] = lambda eng: None) -> None:
+        """Build the phase's engine, compile it, run `measure(engine)` and the throughput loop
+        (nothing when the phase was not asked for or does not fit the time left)."""
         nonlocal per_key
         if name not in phases:
             rec.end(name, NOT_ASKED)
-            return None
-        eng = _engine(target, drafter_, policy, p, tokens, progress, cost_table=cost_table)
+            return
+        eng = _engine(target, drafter_, policy, p, tokens, progress)
         try:
             need = 0.0 if per_key is None else 1.5 * per_key * len(eng.warm_keys())
             if rec.left() < need:
                 rec.end(name, "skipped", note=f"about {need:.0f} s of compiling needed, {rec.left():.0f} s left")
-                return None
+                return
             rec.begin(name)
             warm = eng.warmup(threads=threads)  # a cost-aware policy then measures its cost table
             per_key = per_key or warm / len(eng.warm_keys())
-            out = measure(eng)
+            measure(eng)
             _throughput(rec, eng, engine_name, p, prompts)
             rec.end(name, compile_s=round(warm, 1))
-            return out
         finally:
             del eng
             gc.collect()
@@ -433,17 +432,15 @@ def run(rec: Recorder, p: Preset, progress: bool, threads: int, phases: tuple[st
         plain = measure_plain_seconds(eng)
         rec.update(lambda r: r.update(plain_round_seconds={str(k): v for k, v in plain.items()}))
 
-    def curve(eng):  # the cost table the engine's warm-up measured is the curve
+    def curve(eng) -> None:  # the cost table the engine's warm-up measured is the curve
         rows = [{"slots": s, "tokens": t, "seconds": sec} for (s, t), sec in sorted(eng.cost_table.as_dict().items())]
         rec.update(lambda r: r.update(cost_curve=rows))
-        return eng.cost_table
 
     phase("plain", "plain", None, "plain", (1,), plain_rounds)
-    table = phase("curve", "dspark-confidence", drafter, "confidence", p.tokens, curve)
+    phase("curve", "dspark-confidence", drafter, "confidence", p.tokens, curve)
     # the shipped serving policy: capacity from old confidences, and upkeep (then lite) rounds when
-    # drafting does not pay; it schedules with the curve's table (measured anew without one)
-    phase("async", "dspark-confidence_async", drafter, "confidence_async", p.tokens,
-          cost_table=table)
+    # drafting does not pay; its table times its own round (a fused draft-and-fill call)
+    phase("async", "dspark-confidence_async", drafter, "confidence_async", p.tokens)
     phase("fixed", "dspark-fixed", drafter, "fixed", (1, p.gamma + 1))
 
 
