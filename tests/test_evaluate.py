@@ -298,6 +298,47 @@ def test_evaluate_mt_bench_first_5_prompts(setup, calibrated, tmp_path):
     assert "ECE after" in md and "ECE before" in md
 
 
+def _metrics(doc, name):
+    e = doc["drafters"][name]["datasets"]["mt-bench"]
+    keep = ("num_rounds", "num_accepted_tokens", "tau", "accept_rate", "cond_accept", "requests", "generated_tokens")
+    return {k: e[k] for k in keep}, e
+
+
+def test_a_killed_evaluation_resumes_with_the_same_results_and_refuses_other_settings(setup, tmp_path, monkeypatch):
+    """Each finished request is one line of out/progress/<drafter>__<dataset>.jsonl; after a kill
+    (the file cut to two requests and a torn line) the rerun decodes only the other requests and
+    reports what the uninterrupted run reported. Control: a rerun that forgets the stored rounds
+    reports other numbers. Other settings into the same out directory are refused, naming the file."""
+    from specjax.eval import resume
+    from specjax.eval.evaluate import EvalSettings, run_evaluation
+
+    def run(out, **kw):
+        run_evaluation(str(setup["target"]), [str(setup["dspark"])], [str(MT_BENCH)], str(out), cap=5,
+                       settings=EvalSettings(max_new_tokens=kw.get("max_new_tokens", 12), seed=3),
+                       engine_config=_engine_config(), progress=False)
+        return json.loads((out / "results.json").read_text())
+
+    full, full_entry = _metrics(run(tmp_path / "a"), "dspark")
+    assert full_entry["resumed_requests"] == 0
+    prog = tmp_path / "a" / "progress" / "dspark__mt-bench.jsonl"
+    lines = prog.read_text().splitlines(keepends=True)
+    assert len(lines) == 1 + 5 and "fingerprint" in lines[0]
+    for out, control in ((tmp_path / "b", False), (tmp_path / "c", True)):
+        (out / "progress").mkdir(parents=True)
+        (out / "progress" / prog.name).write_text("".join(lines[:3]) + lines[3][:20])  # killed mid-line
+        if control:
+            monkeypatch.setattr(resume.EvalProgress, "stored_log", lambda self, ids: resume.RoundLog())
+        again, entry = _metrics(run(out), "dspark")
+        assert entry["resumed_requests"] == 2
+        assert (again != full) if control else (again == full)
+        written = [json.loads(x)["request"] for x in (out / "progress" / prog.name).read_text().splitlines()[1:]]
+        assert sorted(written) == [f"mt-bench:{i}" for i in range(5)]  # each request once
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="dspark__mt-bench.jsonl holds the progress of an evaluation run with other "
+                                         "settings \\(differing: protocol\\)"):
+        run(tmp_path / "a", max_new_tokens=13)
+
+
 def test_evaluate_cli_rejects_bad_arguments(setup, tmp_path, capsys):
     from train.evaluate import main
 

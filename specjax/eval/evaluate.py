@@ -25,6 +25,7 @@ from specjax.eval import rounds as rd
 from specjax.eval.datasets import DEFAULT_MAX_NEW_TOKENS, EVAL_SEED, Dataset, dataset_name, load_dataset
 from specjax.eval.metrics import acceptance_metrics, paired_tau_bootstrap, per_request_tau_parts
 from specjax.eval.report import table_rows, write_plots, write_results
+from specjax.eval.resume import EvalProgress, progress_path
 from specjax.scheduling.calibration import apply_sts
 from specjax.scheduling.calibration_metrics import confidence_metrics
 
@@ -161,15 +162,20 @@ def _request_parts(log: rd.RoundLog) -> dict[str, list[int]]:
 
 def evaluate_drafter(llm: Any, datasets: Sequence[Dataset], settings: EvalSettings, *,
                      collect_t: float = 1.0, calibration: np.ndarray | None = None, has_confidence: bool = False,
-                     progress: bool = True, name: str = "") -> tuple[dict[str, Any], dict[str, rd.RoundLog]]:
+                     progress: bool = True, name: str = "", resume: tuple[str, dict[str, Any]] | None = None,
+                     ) -> tuple[dict[str, Any], dict[str, rd.RoundLog]]:
     """Run every dataset through `llm` (its engine must use the fixed policy). Returns
-    (per-drafter result dict, per-dataset round logs)."""
+    (per-drafter result dict, per-dataset round logs). `resume` = (out_dir, fingerprint): keep each
+    finished request in a progress file (`specjax.eval.resume`) and decode only the ones missing."""
     gamma = int(llm.engine.gamma)
     res: dict[str, Any] = {"gamma": gamma, "datasets": {}}
     logs: dict[str, rd.RoundLog] = {}
     for ds in datasets:
         reqs, skipped = _requests(llm, ds, settings)
-        log, stats = rd.run_requests(llm.engine, reqs, progress=progress, desc=f"{name} {ds.name}".strip())
+        store = None if resume is None else EvalProgress(progress_path(resume[0], name, ds.name),
+                                                         {**resume[1], "dataset": _display_path(ds.path),
+                                                          "prompts": len(ds.prompts)})
+        log, stats = _run_dataset(llm, reqs, f"{name} {ds.name}".strip(), progress, store)
         logs[ds.name] = log
         entry = {"num_samples": len(reqs), "skipped_too_long": skipped, **stats, **_acc_summary(log, gamma),
                  "requests": _request_parts(log)}
@@ -192,6 +198,24 @@ def evaluate_drafter(llm: Any, datasets: Sequence[Dataset], settings: EvalSettin
         res["overall"]["tau_ci95"] = [ci["lo"], ci["hi"]]
     res["confidence"] = confidence_report(pooled, collect_t, calibration, settings.bins) if has_confidence else None
     return res, logs
+
+
+def _run_dataset(llm: Any, reqs: list[Any], desc: str, progress: bool, store: EvalProgress | None,
+                 ) -> tuple[rd.RoundLog, dict[str, Any]]:
+    """Decode `reqs` (those `store` does not hold yet) and record their rounds. With a store, stats'
+    generated_tokens count every request, seconds and tokens_per_second this run's."""
+    if store is None:
+        return rd.run_requests(llm.engine, reqs, progress=progress, desc=desc)
+    try:
+        todo = [r for r in reqs if r.request_id not in store.done]
+        new, stats = rd.run_requests(llm.engine, todo, progress=progress, desc=desc, on_done=store.record)
+        todo_ids = {r.request_id for r in todo}
+        log = store.stored_log([r.request_id for r in reqs if r.request_id not in todo_ids])
+        log.extend(new)
+    finally:
+        store.close()
+    return log, {**stats, "generated_tokens": sum(store.done[r.request_id]["generated"] for r in reqs),
+                 "resumed_requests": len(reqs) - len(todo)}
 
 
 def _load_target(target_dir: str, tokenizer_dir: str | None, dtype: str) -> tuple[Any, Any, str, Any]:
@@ -243,10 +267,15 @@ def _protocol(settings: EvalSettings, engine_config: Any, enable_thinking: bool 
 
 def _evaluate_spec(spec: DrafterSpec, target: tuple[Any, Any], tok_dir: str, datasets: Sequence[Dataset],
                    settings: EvalSettings, engine_config: Any, gamma: int | None, progress: bool,
-                   ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+                   resume: tuple[str, dict[str, Any]] | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One drafter over every dataset: (its result entry, its reliability data or None). The
-    drafter's confidence temperatures are restored afterwards."""
+    drafter's confidence temperatures are restored afterwards. `resume` = (out_dir, what the
+    evaluation's progress files must match besides the drafter and gamma)."""
     from specjax.api import LLM
+
+    source = _display_path(spec.source) if os.path.exists(spec.source) else spec.source
+    if resume is not None:
+        resume = (resume[0], {**resume[1], "drafter": source, "gamma": gamma})
 
     drafter = spec.module
     has_conf = rd.drafter_has_confidence(drafter)
@@ -257,11 +286,11 @@ def _evaluate_spec(spec: DrafterSpec, target: tuple[Any, Any], tok_dir: str, dat
     try:
         llm = LLM(target=target, drafter=drafter, tokenizer=tok_dir, engine_config=cfg, progress=progress)
         res, logs = evaluate_drafter(llm, datasets, settings, collect_t=collect_t, calibration=calib,
-                                     has_confidence=has_conf, progress=progress, name=spec.name)
+                                     has_confidence=has_conf, progress=progress, name=spec.name, resume=resume)
     finally:
         if original is not None:  # leave the drafter as it was loaded
             rd.set_temperatures(drafter, original)
-    res["source"] = _display_path(spec.source) if os.path.exists(spec.source) else spec.source
+    res["source"] = source
     res["has_confidence_head"] = has_conf
     res["calibration"] = None if calib is None else [float(t) for t in calib]
     rel = None
@@ -281,6 +310,8 @@ def run_evaluation(target_dir: str | None, drafters: Sequence[str], data_paths: 
                    enable_thinking: bool | None = False) -> dict[str, Any]:
     """The whole evaluation: load the target once, every drafter in turn, every dataset; write
     results.json, results.md, acceptance_by_position.png and reliability_<drafter>.png to out_dir.
+    Each finished request is kept in out_dir/progress/ (`specjax.eval.resume`): a rerun into the
+    same out_dir after a kill decodes only the requests that had not finished.
 
     target_dir: a Hugging Face directory or `.gguf` file (Qwen3 / Llama / Qwen2), or None for the
     embedded default (SmolLM2-135M-Instruct). cap: every
@@ -316,7 +347,8 @@ def run_evaluation(target_dir: str | None, drafters: Sequence[str], data_paths: 
         "drafters": {}}
     series, reliability = {}, {}
     for spec in specs:
-        res, rel = _evaluate_spec(spec, (model, tcfg), tok_dir, datasets, settings, engine_config, gamma, progress)
+        res, rel = _evaluate_spec(spec, (model, tcfg), tok_dir, datasets, settings, engine_config, gamma, progress,
+                                  resume=(out_dir, {"protocol": results["protocol"], "target": results["target"]}))
         results["drafters"][spec.name] = res
         for ds in datasets:
             e = res["datasets"][ds.name]

@@ -125,8 +125,9 @@ class RoundRecorder:
 
 
 def run_requests(engine: Any, requests: Sequence[Any], *, progress: bool = True, desc: str = "decoding",
-                 ) -> tuple[RoundLog, dict[str, Any]]:
-    """Serve `requests` (EngineRequest) to completion while recording rounds.
+                 on_done: Callable[[Any, RoundLog], None] | None = None) -> tuple[RoundLog, dict[str, Any]]:
+    """Serve `requests` (EngineRequest) to completion while recording rounds; `on_done(request,
+    log)` runs for each request as it finishes (its rounds are all in the log by then).
 
     Returns (log, stats) with stats `generated_tokens`, `seconds`, `tokens_per_second`. Shows a
     progress bar over requests with the generation rate."""
@@ -145,6 +146,8 @@ def run_requests(engine: Any, requests: Sequence[Any], *, progress: bool = True,
             done = engine.step()
             for r in done:
                 tokens += len(r.output_ids)
+                if on_done is not None:
+                    on_done(r, log)
             bar.update(len(done))
             now = time.perf_counter()
             if now - last > 0.5:
