@@ -23,6 +23,7 @@ try:
 except ImportError:  # tests/ itself on sys.path
     from serving_fixtures import http_json, http_request, shared_tiny_llm, sse_events, tiny_chat_tokenizer
 
+import specjax
 from specjax.cli import serve as serve_cli
 from specjax.api import SamplingParams, build_engine_request
 from specjax.decoding.engine import Engine
@@ -91,6 +92,7 @@ def test_port_0_is_printed_and_bound_to_localhost_by_default(srv):
     assert srv["host"] == "127.0.0.1" == serve_cli.build_parser().parse_args([]).host
     assert re.search(rf"http://127\.0\.0\.1:{srv['port']}\b", srv["printed"])
     assert http_json(srv["url"] + "/health") == (200, {"status": "ok"})
+    assert http_json(srv["url"] + "/version") == (200, {"version": specjax.__version__})
     status, models = http_json(srv["url"] + "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
 

@@ -6,6 +6,7 @@ Endpoints:
     GET  /v1/models             the one served model and its max_model_len
     POST /tokenize, /detokenize vLLM's: a prompt or messages as the token ids the completion routes use;
                                 token ids as text
+    GET  /version               specjax's version
     GET  /health                200 once warm-up is done and while the engine loop runs, else 503 + reason
     GET  /metrics               Prometheus text (see specjax.serving.metrics); /metrics.json: JSON snapshot
     GET  /openapi.json, /docs   the schema: the pydantic models of `specjax.serving.schema` are the routes'
@@ -47,7 +48,7 @@ from specjax.serving.openai_api import OpenAIApp, ServerLimits
 from specjax.serving.streams import ClientGone
 from specjax.serving.schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Health,
-                                    ModelList, TokenizeRequest, TokenizeResponse)
+                                    ModelList, TokenizeRequest, TokenizeResponse, Version)
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ def _add_error_handlers(app: FastAPI, served: ServedApp) -> None:
 
 
 def _add_info_routes(app: FastAPI, served: ServedApp) -> None:
-    """/health, /v1/models, /metrics and /metrics.json."""
+    """/health, /version, /v1/models, /metrics and /metrics.json."""
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
     async def health() -> JSONResponse:
         """200 once warm-up is done and the engine runs; 503 with the reason before or after."""
@@ -221,6 +222,12 @@ def _add_info_routes(app: FastAPI, served: ServedApp) -> None:
                                 status_code=503)
         status, body = served.api.health()
         return JSONResponse(body, status_code=status)
+
+    @app.get("/version", response_model=Version)
+    async def version() -> JSONResponse:
+        """specjax's version (vLLM's route)."""
+        from specjax import __version__
+        return JSONResponse({"version": __version__})
 
     @app.get("/v1/models", response_model=ModelList, responses={503: _ERRORS[503]})
     async def models() -> JSONResponse:

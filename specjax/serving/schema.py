@@ -416,6 +416,10 @@ class ModelList(pydantic.BaseModel):
     data: list[ModelCard]
 
 
+class Version(pydantic.BaseModel):
+    version: str
+
+
 class Health(pydantic.BaseModel):
     """`status` "ok" (200), else "starting" or "error" (503) with the `reason`."""
 
