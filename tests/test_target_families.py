@@ -242,3 +242,18 @@ def test_unsupported_architecture_or_field_is_named(ckpts, tmp_path, changes, na
         for arch in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"):
             assert arch in msg, msg
     assert "config.json" in msg  # names the file
+
+
+def test_generation_config_eos_ids_join_the_configs(ckpts, tmp_path):
+    """generation_config.json's eos ids (what transformers' generate and vLLM stop on) are added to
+    config.json's; a bad one is named with its file."""
+    src = ckpts["llama"]
+    base = checkpoints.read_target_config(src)
+    dst = _write_config(tmp_path, src, "gen")
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": [*base.eos_token_ids, 7]}))
+    assert checkpoints.read_target_config(dst).eos_token_ids == (*base.eos_token_ids, 7)
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert checkpoints.load_target(dst)[1].eos_token_ids == (*base.eos_token_ids, 7)
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": [VOCAB]}))
+    with pytest.raises(ConfigError, match="generation_config.json: 'eos_token_id' must be"):
+        checkpoints.read_target_config(dst)

@@ -10,6 +10,7 @@ back on export (`layouts.FUSIONS`), so the files are the families' own.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -110,7 +111,21 @@ def read_target_config(path: str | os.PathLike) -> TargetConfig:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ConfigError(f"no config.json in {path} (expected {cfg_path})")
-    return TargetConfig.from_hf_dict(read_json(cfg_path), source=cfg_path)
+    cfg = TargetConfig.from_hf_dict(read_json(cfg_path), source=cfg_path)
+    return _with_generation_eos(cfg, os.path.join(path, "generation_config.json"))
+
+
+def _with_generation_eos(cfg: TargetConfig, gen_path: str) -> TargetConfig:
+    """`cfg` with the eos ids of a `generation_config.json` beside it added (what transformers'
+    `generate` and vLLM stop on: e.g. Qwen3's <|endoftext|> besides config.json's <|im_end|>)."""
+    if not os.path.exists(gen_path):
+        return cfg
+    eos = read_json(gen_path).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < cfg.vocab_size for t in ids):
+        raise ConfigError(f"{gen_path}: 'eos_token_id' must be a token id or a list of token ids in "
+                          f"[0, {cfg.vocab_size}), got {eos!r}")
+    return dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys((*cfg.eos_token_ids, *ids))))
 
 
 def abstract_target(cfg: TargetConfig, dtype, compute_dtype):
