@@ -166,6 +166,40 @@ def test_chat_with_a_tokenizer_template(srv):
         assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_list_of_prompts_answers_each_prompt_n_times_in_order(srv):
+    """OpenAI's batched completion prompts: choice k * n + j is prompt k's; greedy choices equal the
+    prompt's own completion; usage counts each prompt once; streamed choices equal non-streamed."""
+    prompts = [[5, 6, 7], [9, 10, 11, 9], [3, 4]]
+    alone = [_complete(srv["url"], prompt=p, max_tokens=6)[1]["choices"][0]["token_ids"] for p in prompts]
+    status, r = _complete(srv["url"], prompt=prompts, n=2, max_tokens=6)
+    assert status == 200, r
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    assert [c["token_ids"] for c in r["choices"]] == [a for a in alone for _ in range(2)]
+    assert r["usage"]["prompt_tokens"] == 9 and r["usage"]["completion_tokens"] == sum(6 for _ in range(6))
+    status, _, data = http_request(srv["url"] + "/v1/completions", "POST",
+                                   {"prompt": prompts, "n": 2, "max_tokens": 6, "temperature": 0, "stream": True,
+                                    "stream_options": {"include_usage": True}})
+    events = sse_events(data)
+    got: dict[int, list[int]] = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            got.setdefault(c["index"], []).extend(c["token_ids"])
+    assert [got[i] for i in range(6)] == [c["token_ids"] for c in r["choices"]]
+    finals = [e for e in events[:-2] if e["choices"][0].get("finish_reason")]
+    assert sorted(e["usage"]["prompt_tokens"] for e in finals) == [2, 2, 3, 3, 4, 4]  # each its own prompt
+    assert events[-2]["usage"] == r["usage"]
+    with side_server(srv, tokenizer=tiny_chat_tokenizer()) as (url, _):  # echo: each choice after its prompt
+        status, e = http_json(url + "/v1/completions", "POST", {"prompt": ["w5 w6", "w7"], "echo": True,
+                                                                "max_tokens": 0, "logprobs": 1})
+        assert status == 200 and [c["text"] for c in e["choices"]] == ["w5 w6", "w7"], e
+        assert [c["logprobs"]["tokens"] for c in e["choices"]] == [["w5", "w6"], ["w7"]]
+        assert [c["logprobs"]["token_logprobs"][0] for c in e["choices"]] == [None, None]
+    status, r = _complete(srv["url"], prompt=[[5]] * 65)
+    assert status == 400 and r["error"]["param"] == "prompt" and "limit is 64" in r["error"]["message"]
+    status, r = _complete(srv["url"], prompt=[[5, 6], [5, 640]])
+    assert status == 400 and "'prompt[1]'" in r["error"]["message"]
+
+
 def test_tokenize_gives_the_ids_the_completion_routes_use_and_detokenize_inverts_it(srv):
     with side_server(srv, tokenizer=tiny_chat_tokenizer()) as (url, _):
         chat = {"messages": [{"role": "user", "content": "w5 w6 w7"}]}

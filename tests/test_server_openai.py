@@ -49,6 +49,9 @@ def test_completions_and_chat_through_the_openai_client(served):
     ids = _ids(r.choices[0])
     assert 1 <= len(ids) <= 6 and r.usage.prompt_tokens == 4 and r.usage.completion_tokens == len(ids)
     assert r.choices[0].text == served["api"].tokenizer.decode(ids, skip_special_tokens=True)
+    batch = c.completions.create(model="tiny", prompt=[[5, 6, 7, 9], [8, 3]], max_tokens=6, temperature=0)
+    assert [ch.index for ch in batch.choices] == [0, 1] and _ids(batch.choices[0]) == ids  # the SDK's batched prompts
+    assert batch.usage.prompt_tokens == 6
     # the same prompt as a conversation: "w5" + "w6" + "w7" (text parts) + generation prompt "w9"
     chat = c.chat.completions.create(model="tiny", max_tokens=6, temperature=0, messages=[
         {"role": "system", "content": "w5"},

@@ -12,7 +12,8 @@ text is detokenized incrementally (`specjax.serving.detokenize`), linear in the 
 
 OpenAI's fields: message content as a string or text parts (joined by newlines); roles system, user,
 assistant, tool; `n` choices up to the engine's slots (one engine request each, choice i seeded with
-seed + i when a seed is given); `stop` a string or a list; `max_completion_tokens` (chat) as
+seed + i when a seed is given); a completion's `prompt` may be a list of up to 64 prompts (strings or
+token-id lists; choice k * n + j is prompt k's j-th, usage counts every prompt once); `stop` a string or a list; `max_completion_tokens` (chat) as
 `max_tokens`; `stream_options.include_usage`. Log-probabilities (chat `logprobs` + `top_logprobs`,
 completions `logprobs`, at most the engine's `max_logprobs`) are those of the target's distribution
 after the request's temperature, top-k and top-p, with temperature 0 read as 1 (vLLM's processed
@@ -42,7 +43,7 @@ from specjax.decoding.requests import EngineRequest, RequestMetrics
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.errors import ENGINE_REJECTED, APIError
-from specjax.serving.prompts import chat_prompt_ids, completion_prompt_ids
+from specjax.serving.prompts import chat_prompt_ids, completion_prompts
 from specjax.serving.streams import ChoiceStream, Waiter
 from specjax.serving.request_metrics import (check_spec_decode_metrics_level, combined_spec_metrics,
                                              request_spec_metrics, response_metrics)
@@ -81,7 +82,7 @@ _LOGPROB_FLOOR = -9999.0  # what -inf is sent as (JSON has no infinities; vLLM's
 
 @dataclasses.dataclass
 class _Parsed:
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # one, or a completion's batch (choice i answers prompt i // n)
     sp: SamplingParams
     stream: bool
     include_usage: bool
@@ -89,7 +90,7 @@ class _Parsed:
     logprobs: int | None  # top alternatives per token (0: the token's own); None: no log-probabilities
     echo: bool = False  # completions: the prompt before the completion (text and logprobs)
     generate: bool = True  # False: max_tokens 0 with echo (nothing is generated)
-    prompt_text: str | None = None  # a string prompt as sent (echo)
+    prompt_texts: tuple[str | None, ...] = ()  # string prompts as sent (echo)
 
 
 class OpenAIApp:
@@ -150,10 +151,10 @@ class OpenAIApp:
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if chat:
-            prompt_ids, what = chat_prompt_ids(self.tokenizer, body), "messages"
+            pairs, what = [(chat_prompt_ids(self.tokenizer, body), None)], "messages"
         else:
-            prompt_ids, what = completion_prompt_ids(self.tokenizer, self.vocab_size, body), "prompt"
-        n_prompt = len(prompt_ids)
+            pairs, what = completion_prompts(self.tokenizer, self.vocab_size, body), "prompt"
+        n_prompt = max(len(ids) for ids, _ in pairs)
         if n_prompt > self.max_prompt_tokens:
             raise APIError(400, f"'{what}' has {n_prompt} tokens; the limit is {self.max_prompt_tokens} "
                                 f"(max_model_len {self.max_model_len})", param=what, code="context_length_exceeded")
@@ -183,9 +184,8 @@ class OpenAIApp:
         if bad_stop:
             raise APIError(400, f"'stop_token_ids' holds {bad_stop[0]}, outside the vocabulary [0, "
                                 f"{self.vocab_size})", param="stop_token_ids")
-        prompt_text = body["prompt"] if echo and isinstance(body["prompt"], str) else None
-        return _Parsed(prompt_ids, sp, stream, include_usage, n, logprobs, echo, body.get("max_tokens") != 0,
-                       prompt_text)
+        return _Parsed([ids for ids, _ in pairs], sp, stream, include_usage, n, logprobs, echo,
+                       body.get("max_tokens") != 0, tuple(text for _, text in pairs))
 
     def _echo_asked(self, body: dict[str, Any], fields: dict[str, Any], n_prompt: int, logprobs: int | None) -> bool:
         """Completions' `echo`: not streamed; with logprobs the prompt must fit the largest prefill
@@ -225,16 +225,17 @@ class OpenAIApp:
 
     # ------------------------------------------------------------------ generation
     def _submit(self, parsed: _Parsed, rid: str) -> list[RequestStream]:
-        """One engine request per choice (choice i: seed + i when a seed is given, else its own stream)."""
+        """One engine request per choice (choice i = k * n + j answers prompt k: seed + j when a seed
+        is given, else its own stream)."""
         holdback = max((len(s) for s in parsed.sp.stop or ()), default=0)
         streams: list[RequestStream] = []
         try:
-            for i in range(parsed.n if parsed.generate else 0):
+            for i in range(parsed.n * len(parsed.prompts) if parsed.generate else 0):
                 sp = dataclasses.replace(parsed.sp, logprobs=parsed.logprobs)
-                if sp.seed is not None and i:
-                    sp = dataclasses.replace(sp, seed=sp.seed + i)
+                if sp.seed is not None and i % parsed.n:
+                    sp = dataclasses.replace(sp, seed=sp.seed + i % parsed.n)
                 try:
-                    req = build_engine_request(parsed.prompt_ids, sp, request_id=f"{rid}-{i}",
+                    req = build_engine_request(parsed.prompts[i // parsed.n], sp, request_id=f"{rid}-{i}",
                                                tokenizer=self.tokenizer)
                 except ValueError as e:
                     raise APIError(400, str(e)) from None
@@ -287,8 +288,9 @@ class OpenAIApp:
     def _decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _usage(self, parsed: _Parsed, n_out: int) -> dict[str, int]:
-        n = len(parsed.prompt_ids)
+    def _usage(self, parsed: _Parsed, n_out: int, choice: int | None = None) -> dict[str, int]:
+        """OpenAI's usage: every prompt once (or one choice's prompt) and `n_out` completion tokens."""
+        n = sum(map(len, parsed.prompts)) if choice is None else len(parsed.prompts[choice // parsed.n])
         return {"prompt_tokens": n, "completion_tokens": n_out, "total_tokens": n + n_out}
 
     def _failed(self, ev: StreamEvent) -> APIError:
@@ -345,20 +347,21 @@ class OpenAIApp:
     async def _choices(self, parsed: _Parsed, streams: list[RequestStream], rid: str, chat: bool
                        ) -> tuple[list[dict[str, Any]], int]:
         """The finished choices (echo: the prompt first; scored on a worker thread) and their token count."""
-        echoed = None
-        if parsed.echo and parsed.logprobs is not None:
-            req = build_engine_request(parsed.prompt_ids, dataclasses.replace(parsed.sp, logprobs=parsed.logprobs),
-                                       request_id=f"{rid}-echo", tokenizer=self.tokenizer)
-            echoed = (parsed.prompt_ids, [None] + await asyncio.to_thread(self.engine.engine.score, req))
-        prefix = "" if not parsed.echo else parsed.prompt_text or self._decode(parsed.prompt_ids)
+        echoed: list[Any] = [None] * len(parsed.prompts)
+        for k, ids in enumerate(parsed.prompts if parsed.echo and parsed.logprobs is not None else ()):
+            req = build_engine_request(ids, dataclasses.replace(parsed.sp, logprobs=parsed.logprobs),
+                                       request_id=f"{rid}-echo-{k}", tokenizer=self.tokenizer)
+            echoed[k] = (ids, [None] + await asyncio.to_thread(self.engine.engine.score, req))
         choices, n_out = [], 0
-        for i in range(parsed.n):
-            r = streams[i].request if streams else EngineRequest(request_id=rid, prompt_ids=parsed.prompt_ids,
+        for i in range(parsed.n * len(parsed.prompts)):
+            k = i // parsed.n
+            prefix = "" if not parsed.echo else parsed.prompt_texts[k] or self._decode(parsed.prompts[k])
+            r = streams[i].request if streams else EngineRequest(request_id=rid, prompt_ids=parsed.prompts[k],
                                                                    max_tokens=0, finish_reason="length")
             ids = list(r.output_ids)
             n_out += len(ids)
             choice: dict[str, Any] = {"index": i, "finish_reason": r.finish_reason, "token_ids": ids,
-                                      "logprobs": self._logprobs_block(parsed, r, 0, len(ids), chat, echoed=echoed)}
+                                      "logprobs": self._logprobs_block(parsed, r, 0, len(ids), chat, echoed=echoed[k])}
             text = self._decode(ids)
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -389,7 +392,7 @@ class OpenAIApp:
                     c = choices[i].chunk(ev, parsed)
                     out = wrap(c)
                     if ev.finished:
-                        out["usage"] = self._usage(parsed, len(ev.output_ids or []))
+                        out["usage"] = self._usage(parsed, len(ev.output_ids or []), choice=i)
                         out["spec_metrics"] = request_spec_metrics(streams[i].request.metrics)
                         out = self._with_metrics(out, streams)
                         finals.append(out)
@@ -434,7 +437,7 @@ class OpenAIApp:
         body = self._body(req)
         if (body.get("prompt") is None) == (body.get("messages") is None):
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
-        ids = (completion_prompt_ids(self.tokenizer, self.vocab_size, body) if body.get("prompt") is not None
+        ids = (completion_prompts(self.tokenizer, self.vocab_size, body)[0][0] if body.get("prompt") is not None
                else chat_prompt_ids(self.tokenizer, body))
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 

@@ -12,30 +12,38 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def completion_prompt_ids(tokenizer: Any, vocab_size: int, body: dict[str, Any]) -> list[int]:
-    """A completion body's `prompt` as token ids: a string (needs a tokenizer), token ids in the
-    vocabulary, or a batch of one of either; APIError 400 naming `prompt` otherwise."""
+MAX_BATCH_PROMPTS = 64  # prompts one completion request may carry (choices: prompt by prompt)
+
+
+def completion_prompts(tokenizer: Any, vocab_size: int, body: dict[str, Any]) -> list[tuple[list[int], str | None]]:
+    """A completion body's `prompt` as (token ids, the text when sent as a string) per prompt: a
+    string or token ids, or a list of up to MAX_BATCH_PROMPTS of them; APIError 400 naming `prompt`."""
     p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
+    batch = p if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else [p]
+    if len(batch) > MAX_BATCH_PROMPTS:
+        raise APIError(400, f"'prompt' holds {len(batch)} prompts; the limit is {MAX_BATCH_PROMPTS} a request",
+                       param="prompt")
+    return [(_prompt_ids(tokenizer, vocab_size, x, f"prompt[{k}]" if len(batch) > 1 else "prompt"),
+             x if isinstance(x, str) else None) for k, x in enumerate(batch)]
+
+
+def _prompt_ids(tokenizer: Any, vocab_size: int, p: Any, name: str) -> list[int]:
     if isinstance(p, str):
         if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
+            raise APIError(400, f"this model has no tokenizer: send '{name}' as a list of token ids", param="prompt")
         if not p:
-            raise APIError(400, "'prompt' is empty", param="prompt")
+            raise APIError(400, f"'{name}' is empty", param="prompt")
         ids = encode_text(tokenizer, p)
         if not ids:
-            raise APIError(400, "'prompt' has no tokens", param="prompt")
+            raise APIError(400, f"'{name}' has no tokens", param="prompt")
         return ids
     if isinstance(p, list) and p and all(_is_int(t) for t in p):
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
-            raise APIError(400, f"'prompt' token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+            raise APIError(400, f"'{name}' token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
                            param="prompt")
         return list(p)
-    if isinstance(p, list) and len(p) > 1:
-        raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
-    raise APIError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt")
+    raise APIError(400, f"'{name}' must be a non-empty string or a non-empty list of token ids", param="prompt")
 
 
 def message_text(i: int, content: Any) -> str:

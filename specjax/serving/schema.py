@@ -273,12 +273,16 @@ def _document_completion_limits(schema: dict[str, Any]) -> None:
             alt["minimum"] = 0  # with echo only
 
 
+_Prompt = pydantic.StrictStr | list[pydantic.StrictInt] | list[pydantic.StrictStr] | list[list[pydantic.StrictInt]]
+
+
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions: `prompt` is a string (needs a tokenizer) or a list of token ids."""
 
     model_config = pydantic.ConfigDict(extra="allow", frozen=True, json_schema_extra=_document_completion_limits)
 
-    prompt: pydantic.StrictStr | list[pydantic.StrictInt] | list[pydantic.StrictStr] | list[list[pydantic.StrictInt]]
+    prompt: _Prompt = pydantic.Field(description="a string (needs a tokenizer) or token ids, or a list of up to 64 "
+                                                 "of either: choice k * n + j answers prompt k")
     echo: pydantic.StrictBool | None = pydantic.Field(
         None, description="the prompt before the completion, in the text and (with logprobs: the first prompt "
                           "token's null) in the logprobs; not streamed; allows max_tokens 0")
