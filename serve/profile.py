@@ -24,6 +24,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=None,
                     help="measure again with this many timed calls per bucket (default: the warm-up's table)")
     args = ap.parse_args(argv)
+    if args.engine_config is not None:  # the YAML's policy is the engine's (it replaces the shape flags)
+        from specjax.config import ConfigError, load_yaml
+        from specjax.decoding.engine import EngineConfig
+        try:
+            yaml_policy = load_yaml(EngineConfig, args.engine_config).policy
+        except (ConfigError, OSError, ValueError) as e:
+            ap.error(f"--engine-config {args.engine_config}: {e}")
+        if args.policy not in (None, yaml_policy):
+            ap.error(f"--policy {args.policy} differs from the policy of --engine-config ({yaml_policy})")
+        args.policy = yaml_policy
     args.policy = args.policy or "confidence_async"
     if args.policy not in PROFILED_POLICIES:
         ap.error(f"--policy {args.policy} reads no cost table; serve.profile measures one for "

@@ -65,6 +65,9 @@ def test_default_policy_writes_a_table_a_server_engine_accepts(models, capsys):
     (["--cost-table", "t.json"], "--cost-table"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--out", "missing/dir/cost.json"], "its directory does not exist"),
+    (["--engine-config", "fixed.yaml"], "--policy fixed reads no cost table"),  # the YAML's policy counts
+    (["--engine-config", "fixed.yaml", "--policy", "confidence"], "differs from the policy of --engine-config"),
+    (["--engine-config", "missing.yaml"], "--engine-config"),
 ])
 def test_bad_input_stops_at_parsing_naming_the_flag(models, extra, flag, capsys):
     root, target, drafter = models
@@ -72,6 +75,9 @@ def test_bad_input_stops_at_parsing_naming_the_flag(models, extra, flag, capsys)
     argv.update(dict(zip(extra[::2], extra[1::2])))
     if argv["--out"].startswith("missing"):
         argv["--out"] = str(pathlib.Path(root) / argv["--out"])
+    (root / "fixed.yaml").write_text("max_slots: 2\nmax_len: 64\npolicy: fixed\n")
+    if "--engine-config" in argv:
+        argv["--engine-config"] = str(root / argv["--engine-config"])
     with pytest.raises(SystemExit) as e:
         profile.parse_args([x for k, v in argv.items() if v is not None for x in (k, v)])
     assert e.value.code == 2 and flag in capsys.readouterr().err
