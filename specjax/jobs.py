@@ -210,7 +210,7 @@ def _rows_to_do(kind: JobKind, input_path: str, out_path: str, err_path: str, sh
         summary.skipped_done = done
         return mine[done:], None
     first = _first_lines(kind, input_path)
-    done_ids = {_id_key(kind.output_id(r)) for r in out_rows if kind.output_id(r) is not None}
+    done_ids = {_id_key(rid) for r in out_rows if (rid := kind.output_id(r)) is not None}
     done_lines = {int(r["line"]) for r in err_rows if isinstance(r.get("line"), int)}
     todo = []
     for index, row in mine:

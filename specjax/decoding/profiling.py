@@ -54,6 +54,7 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
     run = engine.runner.run
     variant = engine.cfg.sampling_variants[-1]  # the widest compiled: bounds every variant's cost
     attn = engine.buckets.attention[-1]  # the whole cache: bounds every live length's cost
+    meta = engine.cost_table_meta()  # its timed_round says which round this policy runs
     k_total = engine.runner.put(np.zeros((1,), np.int32))
     for sb, tb in tqdm(keys, desc="profiling buckets", disable=not progress, leave=False):
         # every row idle (the resident row state before serving); copied in once, outside the timed calls
@@ -62,7 +63,7 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
-            if engine.planner.mode == "device":
+            if meta.timed_round == "fused_fill":
                 outs = run("fused_fill", bucket_key("fused_fill", **fields), ell_b=ell, k_total_1=k_total)
             else:
                 draft, q, _ = run("draft", bucket_key("draft", **fields), ell_b=ell)
@@ -71,7 +72,7 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         seconds[(sb, tb)] = float(np.median(times))
-    return CostTable.from_seconds(monotone(seconds), meta=engine.cost_table_meta())
+    return CostTable.from_seconds(monotone(seconds), meta=meta)
 
 
 def measure_plain_seconds(engine, *, repeats: int = 7, warmup: int = 2) -> dict[int, float]:

@@ -33,7 +33,7 @@ from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, vali
 from specjax.serving import batch_openai
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.request_metrics import request_spec_metrics
-from specjax.serving.schema import SAMPLING_FIELDS, FieldError, parse_sampling
+from specjax.serving.schema import SAMPLING_FIELDS, FieldError, is_int, parse_sampling
 
 ROW_FIELDS = frozenset(("id", "prompt", "messages", "metadata") + SAMPLING_FIELDS)
 
@@ -95,7 +95,7 @@ def parse_row(obj: Any, line: int, defaults: SamplingParams) -> Row:
             if not prompt:
                 raise RowError("'prompt' is empty", "prompt")
         elif not (isinstance(prompt, list) and prompt
-                  and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+                  and all(is_int(t) for t in prompt)):
             raise RowError("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
     messages = obj.get("messages")
     if has_m and not (isinstance(messages, list) and messages):

@@ -352,10 +352,11 @@ class OpenAIApp:
             req = build_engine_request(ids, dataclasses.replace(parsed.sp, logprobs=parsed.logprobs),
                                        request_id=f"{rid}-echo-{k}", tokenizer=self.tokenizer)
             echoed[k] = (ids, [None] + await asyncio.to_thread(self.engine.engine.score, req))
+        prefixes = [("" if not parsed.echo else text or self._decode(ids))
+                    for ids, text in zip(parsed.prompts, parsed.prompt_texts)]
         choices, n_out = [], 0
         for i in range(parsed.n * len(parsed.prompts)):
             k = i // parsed.n
-            prefix = "" if not parsed.echo else parsed.prompt_texts[k] or self._decode(parsed.prompts[k])
             r = streams[i].request if streams else EngineRequest(request_id=rid, prompt_ids=parsed.prompts[k],
                                                                    max_tokens=0, finish_reason="length")
             ids = list(r.output_ids)
@@ -366,7 +367,7 @@ class OpenAIApp:
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = prefix + text
+                choice["text"] = prefixes[k] + text
             choices.append(choice)
         return choices, n_out
 

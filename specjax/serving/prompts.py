@@ -6,10 +6,7 @@ from typing import Any
 
 from specjax.api import encode_chat, encode_text
 from specjax.serving.errors import APIError
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+from specjax.serving.schema import is_int
 
 
 MAX_BATCH_PROMPTS = 64  # prompts one completion request may carry (choices: prompt by prompt)
@@ -37,7 +34,7 @@ def _prompt_ids(tokenizer: Any, vocab_size: int, p: Any, name: str) -> list[int]
         if not ids:
             raise APIError(400, f"'{name}' has no tokens", param="prompt")
         return ids
-    if isinstance(p, list) and p and all(_is_int(t) for t in p):
+    if isinstance(p, list) and p and all(is_int(t) for t in p):
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise APIError(400, f"'{name}' token id {bad[0]} is outside the vocabulary [0, {vocab_size})",

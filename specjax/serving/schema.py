@@ -42,7 +42,8 @@ class FieldError(ValueError):
         self.field = field
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """A JSON integer (a bool is not one)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -53,7 +54,7 @@ def _number(name: str, v: Any) -> Any:
 
 
 def _integer(name: str, v: Any) -> Any:
-    if v is not None and not _is_int(v):
+    if v is not None and not is_int(v):
         raise ValueError(f"'{name}' must be an integer, got {v!r}")
     return v
 
@@ -95,7 +96,7 @@ class SamplingFields(pydantic.BaseModel):
     @pydantic.field_validator("max_tokens", mode="before")
     @classmethod
     def _max_tokens(cls, v: Any) -> Any:
-        if v is not None and not (_is_int(v) and v >= 1):
+        if v is not None and not (is_int(v) and v >= 1):
             raise ValueError(f"'max_tokens' must be a positive integer, got {v!r}")
         return v
 
@@ -111,7 +112,7 @@ class SamplingFields(pydantic.BaseModel):
     @pydantic.field_validator("stop_token_ids", mode="before")
     @classmethod
     def _stop_ids(cls, v: Any) -> Any:
-        if v is not None and not (isinstance(v, (list, tuple)) and all(_is_int(t) for t in v)):
+        if v is not None and not (isinstance(v, (list, tuple)) and all(is_int(t) for t in v)):
             raise ValueError("'stop_token_ids' must be a list of integers")
         return None if v is None else tuple(v)
 
@@ -293,7 +294,7 @@ class CompletionRequest(_GenerationRequest):
     @classmethod
     def _max_tokens(cls, v: Any) -> Any:
         """0 passes here: it is served with `echo` only (the handler refuses it otherwise)."""
-        if v is not None and not (_is_int(v) and v >= 0):
+        if v is not None and not (is_int(v) and v >= 0):
             raise ValueError(f"'max_tokens' must be a positive integer (0 with 'echo'), got {v!r}")
         return v
 
