@@ -24,6 +24,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # vLLM's: drop tokens below min_p times the top token's probability (0 = off)
     max_tokens: int = 16
     stop: tuple[str, ...] | str | None = None
     stop_token_ids: tuple[int, ...] = ()
@@ -33,7 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False  # vLLM's: generate past the target's eos ids (stop_token_ids still end it)
 
     def __post_init__(self) -> None:
-        validate_sampling(self.temperature, self.top_k, self.top_p)
+        validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("seed", self.seed, minimum=0, optional=True)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0, optional=True)
@@ -270,6 +271,6 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
             raise ValueError("stop strings need a tokenizer; this target has none")
         stop_check = StopStringChecker(tokenizer, sp.stop)
     return EngineRequest(request_id=request_id, prompt_ids=ids, max_tokens=sp.max_tokens,
-                         temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
+                         temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed,
                          stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, stop_check=stop_check,
                          max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs)

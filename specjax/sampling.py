@@ -1,6 +1,6 @@
 """The sampling transform, categorical sampling and per-request PRNG streams.
 
-`probs_from_logits` is the ONE transform (temperature, then top-k, then top-p) that turns logits
+`probs_from_logits` is the ONE transform (temperature, then min-p, top-k and top-p) that turns logits
 into the distribution a token is drawn from. Speculative decoding is exact only if target and draft
 logits go through this same function with the same per-row parameters, so every drafter and the
 verifier call it. All device functions are jittable with static shapes (no data-dependent shapes)
@@ -15,10 +15,12 @@ Rules, per row:
 
 * temperature 0 is greedy: a one-hot at the argmax of the raw logits (lowest index on ties); top-k
   and top-p are then irrelevant.
+* min-p (0 < m <= 1, vLLM's): keep every token whose temperature-scaled probability is >= m times
+  the largest one, i.e. scaled logit >= max + log(m) (the top token always stays). m = 0 is off.
 * top-k (k > 0 and k < V): keep every token whose scaled logit is >= the k-th largest scaled logit.
   Tokens tied with the k-th largest are all kept, so the kept set may exceed k; the rule does not
   depend on vocabulary order. k = 0 or k >= V is off.
-* top-p (p < 1): on the temperature-scaled, top-k-filtered distribution, sort probabilities in
+* top-p (p < 1): on the temperature-scaled, min-p and top-k filtered distribution, sort probabilities in
   descending order and take the shortest prefix whose mass is >= p (this always contains the top
   token); then keep every token whose probability is >= the smallest probability in that prefix
   (ties at the boundary are all kept). p = 1 is off exactly (no rounding can drop tail tokens).
@@ -42,11 +44,11 @@ Array = jax.Array
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def validate_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
+def validate_sampling(temperature: Any, top_k: Any, top_p: Any, min_p: Any = 0.0) -> None:
     """Check host-side sampling parameters (scalars or per-request sequences).
 
     Raises ValueError naming the field: `temperature` must be finite and >= 0, `top_k` an integer
-    >= 0 (0 = off), `top_p` finite in (0, 1] (1 = off).
+    >= 0 (0 = off), `top_p` finite in (0, 1] (1 = off), `min_p` finite in [0, 1] (0 = off).
     """
     t = _as_float_array(temperature, "temperature")
     if not np.all(np.isfinite(t)) or np.any(t < 0):
@@ -61,6 +63,9 @@ def validate_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
     p = _as_float_array(top_p, "top_p")
     if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+    m = _as_float_array(min_p, "min_p")
+    if not np.all(np.isfinite(m)) or np.any(m < 0) or np.any(m > 1):
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")
 
 
 def _as_float_array(value: Any, field: str) -> np.ndarray:
@@ -80,31 +85,32 @@ VARIANTS = ("greedy", "plain", "filtered")  # narrowest first: each covers the r
 DEFAULT_TOP_K_CAP = 64
 
 
-def sampling_variant(temperature: Any, top_k: Any, top_p: Any) -> str:
+def sampling_variant(temperature: Any, top_k: Any, top_p: Any, min_p: Any = 0.0) -> str:
     """The narrowest variant (VARIANTS) exact for these rows' (validated) parameters: "greedy" when
-    every row has temperature 0 and none sets top-k or top-p, "plain" when no row sets top-k or top-p,
-    else "filtered". A row's top-k or top-p counts even at temperature 0 (log-probabilities read a
+    every row has temperature 0 and none sets a filter (min-p, top-k, top-p), "plain" when no row sets
+    a filter, else "filtered". A row's filter counts even at temperature 0 (log-probabilities read a
     greedy row at temperature 1 with its filters)."""
     t = np.asarray(temperature, np.float64).reshape(-1)
     k = np.asarray(top_k, np.float64).reshape(-1)
     p = np.asarray(top_p, np.float64).reshape(-1)
-    if np.any(k > 0) or np.any(p < 1):
+    if np.any(k > 0) or np.any(p < 1) or np.any(np.asarray(min_p, np.float64) > 0):
         return "filtered"
     return "greedy" if np.all(t <= 0) else "plain"
 
 
-def covering_variant(temperature: Any, top_k: Any, top_p: Any, compiled: Sequence[str], where: str) -> str:
+def covering_variant(temperature: Any, top_k: Any, top_p: Any, compiled: Sequence[str], where: str,
+                     min_p: Any = 0.0) -> str:
     """The narrowest variant in `compiled` exact for these rows; a ValueError naming the parameters
     and `where` (the setting that lists the compiled variants) when none is."""
-    need = VARIANTS.index(sampling_variant(temperature, top_k, top_p))
+    need = VARIANTS.index(sampling_variant(temperature, top_k, top_p, min_p))
     for v in VARIANTS[need:]:
         if v in compiled:
             return v
-    raise ValueError(f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r} need the "
+    raise ValueError(f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}, min_p={min_p!r} need the "
                      f"{VARIANTS[need]!r} sampling variant, which is not compiled ({where} = {tuple(compiled)})")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["temperature", "top_k", "top_p"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["temperature", "top_k", "top_p", "min_p"],
                    meta_fields=["variant", "top_k_cap"])
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
@@ -112,7 +118,7 @@ class SamplingArrays:
 
     `variant` and `top_k_cap` are static (in the treedef: each variant is its own trace). `variant`
     picks the transform `probs_from_logits` traces, with no branch on the data: "greedy" (every row
-    is read as temperature 0), "plain" (top-k and top-p are not applied) or "filtered" (the full
+    is read as temperature 0), "plain" (min-p, top-k and top-p are not applied) or "filtered" (the full
     rule). The host picks it from every row's parameters (`sampling_variant`); a narrower variant
     than the rows need gives a wrong distribution. `top_k_cap` bounds the `lax.top_k` the filtered
     transform works in (see `probs_from_logits`)."""
@@ -120,6 +126,7 @@ class SamplingArrays:
     temperature: Array  # [B] float32; 0 = greedy
     top_k: Array  # [B] int32; 0 = off
     top_p: Array  # [B] float32; 1.0 = off
+    min_p: Array  # [B] float32; 0.0 = off
     variant: str = "filtered"
     top_k_cap: int = DEFAULT_TOP_K_CAP
 
@@ -137,30 +144,31 @@ class SamplingArrays:
 
     @classmethod
     def broadcast(cls, b: int, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0) -> "SamplingArrays":
+                  top_p: float = 1.0, min_p: float = 0.0) -> "SamplingArrays":
         """The same (validated) parameters for all `b` rows, in the narrowest exact variant."""
         if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 0:
             raise ValueError(f"batch size b must be a non-negative int, got {b!r}")
-        validate_sampling(temperature, top_k, top_p)
+        validate_sampling(temperature, top_k, top_p, min_p)
         return cls(temperature=jnp.full((b,), temperature, jnp.float32),
                    top_k=jnp.full((b,), int(top_k), jnp.int32),
-                   top_p=jnp.full((b,), top_p, jnp.float32),
-                   variant=sampling_variant(temperature, top_k, top_p))
+                   top_p=jnp.full((b,), top_p, jnp.float32), min_p=jnp.full((b,), min_p, jnp.float32),
+                   variant=sampling_variant(temperature, top_k, top_p, min_p))
 
     @classmethod
     def from_values(cls, temperature: Sequence[float], top_k: Sequence[int],
-                    top_p: Sequence[float]) -> "SamplingArrays":
-        """Per-row (validated) parameters in the narrowest exact variant; the three sequences must
-        have the same length."""
-        validate_sampling(temperature, top_k, top_p)
+                    top_p: Sequence[float], min_p: Sequence[float] | None = None) -> "SamplingArrays":
+        """Per-row (validated) parameters in the narrowest exact variant; the sequences must have
+        the same length (`min_p` None: off for every row)."""
         t = np.asarray(temperature, np.float32).reshape(-1)
+        m = np.zeros_like(t) if min_p is None else np.asarray(min_p, np.float32).reshape(-1)
+        validate_sampling(temperature, top_k, top_p, m)
         k = np.asarray(top_k, np.float64).reshape(-1).astype(np.int32)
         p = np.asarray(top_p, np.float32).reshape(-1)
-        if not (t.shape == k.shape == p.shape):
-            raise ValueError(f"temperature, top_k and top_p must have the same length, got "
-                             f"{t.shape[0]}, {k.shape[0]}, {p.shape[0]}")
-        return cls(temperature=jnp.asarray(t), top_k=jnp.asarray(k), top_p=jnp.asarray(p),
-                   variant=sampling_variant(t, k, p))
+        if not (t.shape == k.shape == p.shape == m.shape):
+            raise ValueError(f"temperature, top_k, top_p and min_p must have the same length, got "
+                             f"{t.shape[0]}, {k.shape[0]}, {p.shape[0]}, {m.shape[0]}")
+        return cls(temperature=jnp.asarray(t), top_k=jnp.asarray(k), top_p=jnp.asarray(p), min_p=jnp.asarray(m),
+                   variant=sampling_variant(t, k, p, m))
 
 
 def _per_row(a_b: Array, ndim: int, dtype: Any) -> Array:
@@ -255,6 +263,14 @@ def softmax_stats(z: Array) -> tuple[Array, Array, Array]:
     return jax.lax.platform_dependent(z, cpu=_stats_three_reductions, default=_stats_one_reduction)
 
 
+def _min_p_masked(z: Array, m: Array) -> Array:
+    """Scaled logits z with the tokens min-p `m` [..., 1] drops set to -inf: those below the row's max
+    + log(m) (m = 0: log 0 = -inf drops none; the max itself always stays)."""
+    top = jnp.max(z, axis=-1, keepdims=True)
+    floor = jnp.where(m > 0, top + jnp.log(jnp.where(m > 0, m, 1.0)), -jnp.inf)
+    return jnp.where(z < floor, -jnp.inf, z)
+
+
 def _filtered_by_bisection(z: Array, k: Array, p: Array, k_on: Array, p_on: Array) -> Array:
     """The filtered probabilities of every row, thresholds found by bisection over the vocabulary."""
     v = z.shape[-1]
@@ -292,7 +308,7 @@ def _filtered(z: Array, k: Array, p: Array, k_on: Array, p_on: Array, active: Ar
 
 
 def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
-    """Apply temperature, top-k and top-p (module docstring) to logits [B, ..., V].
+    """Apply temperature, min-p, top-k and top-p (module docstring) to logits [B, ..., V].
 
     Parameters in `sa` are per row ([B]) and broadcast over the middle axes; `sa.variant` (static)
     picks the program: "greedy" is the argmax one-hot of every row, "plain" the temperature softmax
@@ -317,7 +333,8 @@ def probs_from_logits(logits: Array, sa: SamplingArrays) -> Array:
     k = _per_row(sa.top_k, x.ndim, jnp.int32)
     p = _per_row(sa.top_p, x.ndim, jnp.float32)
     k_on, p_on = (k > 0) & (k < v), p < 1.0
-    probs = _filtered(z, k, p, k_on, p_on, ~greedy, sa.top_k_cap)
+    probs = _filtered(_min_p_masked(z, _per_row(sa.min_p, x.ndim, jnp.float32)), k, p, k_on, p_on, ~greedy,
+                      sa.top_k_cap)
     s = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(s > 0, s, 1.0)
     return jnp.where(greedy | (s <= 0), onehot, probs)

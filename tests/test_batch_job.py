@@ -152,7 +152,7 @@ def test_openai_batch_lines_answer_openai_objects_resume_by_custom_id_and_name_b
             {"custom_id": "bad-url", "url": "/v1/embeddings", "body": {"input": "w5"}},
             {"custom_id": "bad-top-p", "url": "/v1/completions", "body": {"prompt": [5], "top_p": 2}},
             {"custom_id": "bad-n", "url": "/v1/chat/completions", "body": {**chat, "n": 2}},
-            {"custom_id": "unserved", "url": "/v1/completions", "body": {"prompt": [5], "min_p": 0.1}},
+            {"custom_id": "unserved", "url": "/v1/completions", "body": {"prompt": [5], "logit_bias": {"5": 1}}},
             {"custom_id": "wrong-key", "url": "/v1/completions", "body": {"messages": chat["messages"]}},
             {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": [5]}},  # duplicate custom_id
             {"custom_id": "extra", "url": "/v1/completions", "body": {"prompt": [5]}, "id": 3}]
@@ -175,7 +175,7 @@ def test_openai_batch_lines_answer_openai_objects_resume_by_custom_id_and_name_b
             assert r["body"]["spec_metrics"]["num_drafts"] >= 0
         errs = {e["id"]: e for e in read_jsonl(default_errors_path(str(out)))}
         assert {k: e["field"] for k, e in errs.items()} == {
-            "bad-url": "url", "bad-top-p": "body.top_p", "bad-n": "body.n", "unserved": "body.min_p",
+            "bad-url": "url", "bad-top-p": "body.top_p", "bad-n": "body.n", "unserved": "body.logit_bias",
             "wrong-key": "body.messages", "c": "id", "extra": "id"}
         assert "duplicate id" in errs["c"]["error"] and "unknown field" in errs["extra"]["error"]
         # resume: the output's last line lost, the rerun redoes that row alone

@@ -1,4 +1,6 @@
 """End-to-end exactness of the engine: Monte-Carlo chi-square against the enumerated target."""
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
@@ -11,8 +13,8 @@ from engine_fixtures import (BigramDrafter, chi_square_pvalue, exact_continuatio
                              small_engine, tiny_target)
 
 V, GAMMA, PROMPT = 8, 3, [1, 5, 2]
-# (temperature, top_k, top_p) per row group, all served in the same batches
-FILTERS = ((0.7, 3, 1.0), (1.3, 0, 0.8), (1.0, 5, 0.9))
+# (temperature, top_k, top_p, min_p) per row group, all served in the same batches
+FILTERS = ((0.7, 3, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 5, 0.9, 0.6))  # the tiny target is flat: min_p 0.6 bites
 
 
 def _accept_all(key_b, p, q, d, ell, stop_ids, q_ids, greedy=False) -> VerifyResult:
@@ -59,7 +61,8 @@ def sample_filtered_groups(eng, n_per_group: int, seed0: int = 0) -> list[list[t
     """Requests cycle through FILTERS (and draft caps 0..GAMMA), so every batch mixes all of them;
     returns each group's first three tokens."""
     reqs = [EngineRequest(str(i), list(PROMPT), max_tokens=6, temperature=FILTERS[i % 3][0], top_k=FILTERS[i % 3][1],
-                          top_p=FILTERS[i % 3][2], seed=seed0 + i, max_draft_tokens=i % (GAMMA + 1))
+                          top_p=FILTERS[i % 3][2], min_p=FILTERS[i % 3][3], seed=seed0 + i,
+                          max_draft_tokens=i % (GAMMA + 1))
             for i in range(3 * n_per_group)]
     assert len(eng.run(reqs, progress=False)) == len(reqs)
     return [[tuple(r.output_ids[:3]) for r in reqs[g::3]] for g in range(3)]
@@ -67,7 +70,7 @@ def sample_filtered_groups(eng, n_per_group: int, seed0: int = 0) -> list[list[t
 
 @pytest.fixture(scope="module")
 def exact_filtered(model):
-    return [exact_continuations(model, PROMPT, 3, temperature=t, top_k=k, top_p=p) for t, k, p in FILTERS]
+    return [exact_continuations(model, PROMPT, 3, temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in FILTERS]
 
 
 def filter_engine(model):
@@ -75,23 +78,27 @@ def filter_engine(model):
                         tokens_buckets=(1, 2, 4), prefill_batch=256, variants=VARIANTS)
 
 
-def test_engine_is_exact_with_per_row_top_k_top_p_and_temperature(model, exact_filtered):
+def test_engine_is_exact_with_per_row_top_k_top_p_min_p_and_temperature(model, exact_filtered):
+    t, k, top_p, _ = FILTERS[2]  # min_p bites: without it that group's law differs
+    without = exact_continuations(model, PROMPT, 3, temperature=t, top_k=k, top_p=top_p)
+    assert sum(abs(without[s] - exact_filtered[2].get(s, 0.0)) for s in without) > 0.05
     eng = filter_engine(model)
     ells = []
     eng.on_round = lambda info: ells.extend(info["ell"])
     groups = sample_filtered_groups(eng, 8000, seed0=2 * 10**6)
     assert sum(e == GAMMA for e in ells) > 1000  # full blocks were verified under every filter
-    for (t, k, top_p), samples, exact in zip(FILTERS, groups, exact_filtered):
+    for (t, k, top_p, min_p), samples, exact in zip(FILTERS, groups, exact_filtered):
         p = chi_square_pvalue(samples, exact)
-        assert p > 1e-3, f"T={t} top_k={k} top_p={top_p}: output differs from the filtered target (p={p:.2e})"
+        assert p > 1e-3, f"T={t} top_k={k} top_p={top_p} min_p={min_p}: output differs from the filtered target (p={p:.2e})"
 
 
 def test_filtering_only_the_draft_is_caught(model, exact_filtered, monkeypatch):
-    """Negative control: the drafter filters q with each row's top-k/top-p, but the target's p at the
-    verified positions gets the row's temperature only. The output then follows the unfiltered target."""
+    """Negative control: the drafter filters q with each row's top-k/top-p/min-p, but the target's p at
+    the verified positions gets the row's temperature only. The output then follows the unfiltered target."""
     def temperature_only(logits, sa: SamplingArrays):
         if logits.ndim == 3:  # the verify pass [slots, tokens, V]; prefill's first token stays filtered
-            sa = SamplingArrays(sa.temperature, jnp.zeros_like(sa.top_k), jnp.ones_like(sa.top_p))
+            sa = dataclasses.replace(sa, top_k=jnp.zeros_like(sa.top_k), top_p=jnp.ones_like(sa.top_p),
+                                     min_p=jnp.zeros_like(sa.min_p))
         return probs_from_logits(logits, sa)
     monkeypatch.setattr(programs, "probs_from_logits", temperature_only)
     groups = sample_filtered_groups(filter_engine(model), 3000, seed0=3 * 10**6)

@@ -38,8 +38,8 @@ def _ref(logits_v: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
 
 
 def _sa(t, k, p, variant: str, cap: int = sampling.DEFAULT_TOP_K_CAP) -> SamplingArrays:
-    return SamplingArrays(jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32),
-                          variant, cap)
+    t = jnp.asarray(t, jnp.float32)
+    return SamplingArrays(t, jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32), jnp.zeros_like(t), variant, cap)
 
 
 def test_the_host_picks_the_narrowest_exact_variant():
@@ -47,12 +47,14 @@ def test_the_host_picks_the_narrowest_exact_variant():
     assert sampling_variant([0.0, 0.7], [0, 0], [1.0, 1.0]) == "plain"
     assert sampling_variant([0.7, 0.7], [0, 5], [1.0, 1.0]) == "filtered"
     assert sampling_variant([0.0], [0], [0.9]) == "filtered"  # log-probabilities read its filter
+    assert sampling_variant([0.7, 0.0], [0, 0], [1.0, 1.0], [0.0, 0.1]) == "filtered"  # min-p is a filter
+    assert sampling_variant([0.7], [0], [1.0], [0.0]) == "plain"
     assert SamplingArrays.broadcast(2, 0.0).variant == "greedy"
     assert SamplingArrays.from_values([1.0, 0.0], [0, 0], [1.0, 0.5]).variant == "filtered"
     with pytest.raises(ValueError, match="variant"):
         _sa([1.0], [0], [1.0], "fast")
     leaves, tree = jax.tree.flatten(_sa([1.0], [0], [1.0], "plain", 8))
-    assert len(leaves) == 3 and jax.tree.unflatten(tree, leaves).variant == "plain"  # static: in the treedef
+    assert len(leaves) == 4 and jax.tree.unflatten(tree, leaves).variant == "plain"  # static: in the treedef
 
 
 def test_each_variant_equals_the_full_rule_on_the_rows_it_is_picked_for():

@@ -12,9 +12,9 @@ D = SamplingParams(max_tokens=16)
 
 
 def test_fields_map_onto_sampling_params():
-    sp = parse_sampling({"temperature": 0, "top_k": -1, "top_p": 0.5, "max_tokens": 3, "stop": "x",
+    sp = parse_sampling({"temperature": 0, "top_k": -1, "top_p": 0.5, "min_p": 0.1, "max_tokens": 3, "stop": "x",
                          "stop_token_ids": [1, 2], "seed": 7, "num_speculative_tokens": 2, "other": "ignored"}, D)
-    assert sp == SamplingParams(temperature=0.0, top_k=0, top_p=0.5, max_tokens=3, stop=("x",),
+    assert sp == SamplingParams(temperature=0.0, top_k=0, top_p=0.5, min_p=0.1, max_tokens=3, stop=("x",),
                                 stop_token_ids=(1, 2), seed=7, num_speculative_tokens=2)
     assert parse_sampling({"temperature": None}, D) == D  # null: the default
     assert set(SamplingFields.model_fields) == set(SAMPLING_FIELDS)
@@ -26,6 +26,9 @@ def test_fields_map_onto_sampling_params():
     ("temperature", float("nan"), "must be a number"),
     ("temperature", -1, "temperature"),
     ("top_p", 1.5, "top_p"),
+    ("min_p", 1.5, "min_p must be in"),
+    ("min_p", -0.5, "min_p must be in"),
+    ("min_p", "0.1", "must be a number"),
     ("top_k", 1.0, "must be an integer"),
     ("top_k", -2, "top_k"),
     ("seed", -1, "seed"),

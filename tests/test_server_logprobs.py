@@ -24,7 +24,8 @@ from specjax.sampling import SamplingArrays, probs_from_logits
 
 VOCAB, K = 48, 5
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9, 10], [3, 4, 5, 6, 7, 8, 3, 4]]
-SAMPLING = [dict(temperature=0.0), dict(temperature=0.8, top_k=20, top_p=0.9, seed=3), dict(temperature=1.3, seed=4)]
+SAMPLING = [dict(temperature=0.0), dict(temperature=0.8, top_k=20, top_p=0.9, seed=3),
+            dict(temperature=1.3, min_p=0.5, seed=4)]  # min_p 0.5 drops tokens of this flat target
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def _run(eng: Engine, logprobs: int = K) -> list[EngineRequest]:
 def _reference(model, req: EngineRequest) -> np.ndarray:
     """log p(token | prefix) over the vocabulary for each output token: [n, V]."""
     return _reference_at(model, req.prompt_ids + req.output_ids, len(req.prompt_ids),
-                         dict(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p))
+                         dict(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p))
 
 
 def _reference_at(model, seq: list[int], start: int, sampling: dict) -> np.ndarray:
@@ -57,8 +58,8 @@ def _reference_at(model, seq: list[int], start: int, sampling: dict) -> np.ndarr
     as 1), top-k and top-p: [n, V] (outside the top-k / top-p set: -inf)."""
     logits = continuation_logits(model, [seq], start)[0]
     t = sampling.get("temperature", 1.0) or 1.0
-    sa = SamplingArrays(jnp.full((1,), t, jnp.float32), jnp.full((1,), sampling.get("top_k", 0), jnp.int32),
-                        jnp.full((1,), sampling.get("top_p", 1.0), jnp.float32))
+    sa = SamplingArrays.broadcast(1, t, sampling.get("top_k", 0), sampling.get("top_p", 1.0),
+                                  sampling.get("min_p", 0.0))
     with np.errstate(divide="ignore"):
         return np.log(np.asarray(probs_from_logits(jnp.asarray(logits, jnp.float32)[None], sa))[0])
 
@@ -173,7 +174,8 @@ def served():
         api.engine.shutdown()
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=30, top_p=0.95, seed=7)])
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0),
+                                      dict(temperature=0.9, top_k=30, top_p=0.95, min_p=0.5, seed=7)])
 def test_echo_returns_the_prompt_with_its_logprobs(served, sampling):
     llm, url = served
     prompt = [5, 6, 7, 9, 5, 6, 7, 9, 11]

@@ -25,7 +25,7 @@ EMPTY_STOPS = jnp.zeros((0,), jnp.int32)
 # Sampling transform
 # ----------------------------------------------------------------------------------------------
 
-def _ref_transform(logits_v: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
+def _ref_transform(logits_v: np.ndarray, t: float, k: int, p: float, m: float = 0.0) -> np.ndarray:
     """Independent float64 reference of the documented rule (inputs without ties)."""
     v = logits_v.shape[-1]
     if t == 0:
@@ -33,10 +33,12 @@ def _ref_transform(logits_v: np.ndarray, t: float, k: int, p: float) -> np.ndarr
         out[int(np.argmax(logits_v))] = 1.0
         return out
     z = logits_v.astype(np.float64) / t
-    keep = np.ones(v, bool)
+    full = np.exp(z - z.max())
+    keep = full / full.sum() >= m * (full / full.sum()).max()  # min-p on the temperature-scaled law
     if 0 < k < v:
-        keep[:] = False
-        keep[np.argsort(-z)[:k]] = True
+        top = np.zeros(v, bool)
+        top[np.argsort(-z)[:k]] = True
+        keep &= top
     e = np.where(keep, np.exp(z - z[keep].max()), 0.0)
     probs = e / e.sum()
     if p < 1:
@@ -54,15 +56,20 @@ def _ref_transform(logits_v: np.ndarray, t: float, k: int, p: float) -> np.ndarr
     return probs
 
 
-@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.0, 0, 1.0), (1.0, 3, 1.0),
-                                   (1.3, 0, 0.6), (0.8, 5, 0.75), (0.5, 1, 0.3)])
-def test_probs_from_logits_matches_reference(t: float, k: int, p: float) -> None:
+@pytest.mark.parametrize("t,k,p,m", [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (1.0, 3, 1.0, 0.0),
+                                     (1.3, 0, 0.6, 0.0), (0.8, 5, 0.75, 0.0), (0.5, 1, 0.3, 0.0), (1.0, 0, 1.0, 0.1),
+                                     (0.7, 0, 1.0, 0.3), (1.2, 6, 0.9, 0.15), (0.0, 0, 1.0, 0.5), (1.0, 0, 1.0, 1.0)])
+def test_probs_from_logits_matches_reference(t: float, k: int, p: float, m: float) -> None:
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, 3, 11)).astype(np.float32) * 2
-    got = np.asarray(probs_from_logits(jnp.asarray(logits), SamplingArrays.broadcast(4, t, k, p)))
+    got = np.asarray(probs_from_logits(jnp.asarray(logits), SamplingArrays.broadcast(4, t, k, p, m)))
     assert got.shape == logits.shape and got.dtype == np.float32
+    dropped = 0  # tokens min-p removed from what the other filters keep
     for idx in np.ndindex(4, 3):
-        np.testing.assert_allclose(got[idx], _ref_transform(logits[idx], t, k, p), atol=2e-6)
+        want = _ref_transform(logits[idx], t, k, p, m)
+        np.testing.assert_allclose(got[idx], want, atol=2e-6)
+        dropped += int(np.sum(_ref_transform(logits[idx], t, k, p) > 0) - np.sum(want > 0))
+    assert (dropped > 0) == (m > 0 and t > 0)  # a min-p case that filters nothing would test nothing
 
 
 def test_probs_from_logits_per_row_params_and_edge_cases() -> None:
@@ -129,6 +136,9 @@ def test_request_and_round_keys() -> None:
     (dict(temperature=1.0, top_k=0, top_p=1.5), "top_p"),
     (dict(temperature=[1.0, -2.0], top_k=[0, 0], top_p=[1.0, 1.0]), "temperature"),
     (dict(temperature=[1.0, 1.0], top_k=[0, 0], top_p=[1.0, -0.5]), "top_p"),
+    (dict(temperature=1.0, top_k=0, top_p=1.0, min_p=-0.1), "min_p"),
+    (dict(temperature=1.0, top_k=0, top_p=1.0, min_p=1.5), "min_p"),
+    (dict(temperature=[1.0, 1.0], top_k=[0, 0], top_p=[1.0, 1.0], min_p=[0.0, float("nan")]), "min_p"),
 ])
 def test_validate_sampling_names_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
@@ -239,6 +249,8 @@ ENUM_CONFIGS = {
     "topk": dict(temperature=1.0, top_k=3),
     "topp": dict(temperature=0.9, top_p=0.7),
     "t0.7_topk_topp": dict(temperature=0.7, top_k=4, top_p=0.8),
+    "minp": dict(temperature=1.0, min_p=0.3),
+    "minp_topp": dict(temperature=0.8, top_p=0.9, min_p=0.1),
     "greedy": dict(temperature=0.0),
 }
 

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens past eos (a row's ignore_eos wins)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_llm_args(p)
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.initialize_from_args(args)
         shard = Shard.parse(args.shard) if args.shard else None
         defaults = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+                                  min_p=args.min_p, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -177,9 +177,10 @@ class Engine:
                              for tb in tbs for a in attention]
         return list(dict.fromkeys(keys))  # draft has no logprobs field: each key once
 
-    def round_variant(self, temperature: Any, top_k: Any, top_p: Any) -> str:
+    def round_variant(self, temperature: Any, top_k: Any, top_p: Any, min_p: Any = 0.0) -> str:
         """The narrowest compiled sampling variant exact for these rows (see `sampling.covering_variant`)."""
-        return covering_variant(temperature, top_k, top_p, self.cfg.sampling_variants, "EngineConfig.sampling_variants")
+        return covering_variant(temperature, top_k, top_p, self.cfg.sampling_variants,
+                                "EngineConfig.sampling_variants", min_p)
 
     def warmup(self, threads: int | None = None) -> float:
         """Compile every bucket ahead (see `Runner.warm`), then measure what a cost-aware policy
@@ -212,7 +213,7 @@ class Engine:
     def add_request(self, req: EngineRequest) -> None:
         check_request(req, max_len=self.cfg.max_len, vocab=self.target_config.vocab_size,
                       top_k_cap=self.cfg.top_k_cap, max_logprobs=self.cfg.max_logprobs)
-        self.round_variant(req.temperature, req.top_k, req.top_p)  # refuses a variant not compiled
+        self.round_variant(req.temperature, req.top_k, req.top_p, req.min_p)  # refuses a variant not compiled
         req.metrics.start_time = time.perf_counter()
         self.queue.append(req)
 
@@ -227,8 +228,8 @@ class Engine:
         toks = np.zeros((1, plen), np.int32)
         toks[0, :n] = req.prompt_ids
         ints = np.array([[n], [0], [0], [req.top_k]], np.int32)
-        floats = np.array([[req.temperature], [req.top_p]], np.float32)
-        outs = jax.device_get(self.runner.run("score", (1, plen), tokens_bt=toks, ints_4b=ints, floats_2b=floats))
+        floats = np.array([[req.temperature], [req.top_p], [req.min_p]], np.float32)
+        outs = jax.device_get(self.runner.run("score", (1, plen), tokens_bt=toks, ints_4b=ints, floats_3b=floats))
         return token_logprobs(req, outs, 0, n - 1)
 
     @property
@@ -275,18 +276,18 @@ class Engine:
             toks = np.zeros((pb, plen), np.int32)
             ints = np.zeros((4, pb), np.int32)  # n_valid, slot, start, top_k
             ints[1] = self.cfg.max_slots  # padding rows point past the last slot: dropped
-            floats = np.ones((2, pb), np.float32)  # temperature, top_p
+            floats = np.repeat(np.array([[1.0], [1.0], [0.0]], np.float32), pb, axis=1)  # temperature, top_p, min_p
             key_data = np.zeros((pb, 2), np.uint32)
             limits = np.zeros((3, pb), np.int32)  # max_tokens, draft cap, eos_stops
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 r = batch[i]
                 toks[row, :n] = r.prompt_ids[offsets[i]:offsets[i] + n]
                 ints[:, row] = n, r.slot, offsets[i], r.top_k
-                floats[:, row] = r.temperature, r.top_p
+                floats[:, row] = r.temperature, r.top_p, r.min_p
                 key_data[row] = self._key_data[r.slot]
                 limits[:, row] = r.max_tokens, self._draft_cap(r), not r.ignore_eos
             attn = self._attention_bucket(max(offsets[i] + n for i, n in zip(todo, chunk_lens)))
-            outs = self.runner.run("prefill", (pb, plen, attn), tokens_bt=toks, ints_4b=ints, floats_2b=floats,
+            outs = self.runner.run("prefill", (pb, plen, attn), tokens_bt=toks, ints_4b=ints, floats_3b=floats,
                                    keys_b2=key_data, limits_3b=limits)
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 offsets[i] += n
@@ -356,7 +357,7 @@ class Engine:
         live = [r for r in reqs if r is not None]
         lp = self.cfg.max_logprobs > 0 and any(r.logprobs is not None for r in live)  # widest variant (warm_keys)
         variant = self.cfg.sampling_variants[-1] if lp else self.round_variant(
-            [r.temperature for r in live], [r.top_k for r in live], [r.top_p for r in live])
+            [r.temperature for r in live], [r.top_k for r in live], [r.top_p for r in live], [r.min_p for r in live])
         fields = dict(rows=sb, logprobs=lp, variant=variant)
         ell, conf = plan.ell_b, None
         rows_in: dict[str, Any] = {}

@@ -30,7 +30,7 @@ is the host's plan ell_b [sb] (plus fused_fill's k_total_1 and verify's draft), 
 device caps by each row's draft cap, room in the cache and tokens still wanted; its outputs come
 back as one int32 array (`ROUND_COLUMNS`, then the tokens, then the confidences' float32 bits), plus
 the log-probabilities when `logprobs`. Prefill takes ints_4b = (n_valid, slot, start, top_k),
-floats_2b = (temperature, top_p), the rows' raw key data keys_b2 and limits_3b = (max_tokens, draft
+floats_3b = (temperature, top_p, min_p), the rows' raw key data keys_b2 and limits_3b = (max_tokens, draft
 cap, eos_stops).
 """
 from __future__ import annotations
@@ -61,12 +61,13 @@ class RowState(NamedTuple):
     """Per-slot row state resident on the device (see the module docstring)."""
 
     ints_6s: Array  # int32 [6, slots]: ROW_INTS (count = rounds run; remaining = tokens still wanted)
-    floats_2s: Array  # float32 [2, slots]: temperature, top_p
+    floats_3s: Array  # float32 [3, slots]: temperature, top_p, min_p
     keys_s2: Array  # uint32 [slots, 2]: raw threefry key data of each row's base key
 
     @classmethod
     def init(cls, slots: int) -> "RowState":
-        return cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), jnp.ones((2, slots), jnp.float32),
+        floats = jnp.asarray([[1.0], [1.0], [0.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
+        return cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), floats,
                    jnp.zeros((slots, 2), jnp.uint32))
 
 
@@ -147,10 +148,10 @@ def topk_prefix_fill(conf_bg: Array, k_total: Array, active_b: Array, cap: int) 
     return jnp.sum(chosen.reshape(b, cap), axis=1).astype(jnp.int32)
 
 
-def _filtered_sampling(ctx: Context, ints_4b: Array, floats_2b: Array) -> SamplingArrays:
+def _filtered_sampling(ctx: Context, ints_4b: Array, floats_3b: Array) -> SamplingArrays:
     """Per-row sampling of the programs that always sample in the filtered variant (prefill, score),
     with the engine's top-k cap."""
-    return SamplingArrays(floats_2b[0], ints_4b[3], floats_2b[1], "filtered", ctx.top_k_cap)
+    return SamplingArrays(floats_3b[0], ints_4b[3], floats_3b[1], floats_3b[2], "filtered", ctx.top_k_cap)
 
 
 def _unpack(ctx: Context, rows: RowState, ell_b: Array, lengths_b: Array, variant: str
@@ -163,7 +164,8 @@ def _unpack(ctx: Context, rows: RowState, ell_b: Array, lengths_b: Array, varian
     active = ints[0] > 0
     cap = jnp.minimum(jnp.minimum(ints[4], ctx.max_len - 1 - lengths_b), ints[3] - 1)
     ell = jnp.where(active, jnp.clip(jnp.minimum(ell_b, cap), 0), 0)
-    sa = SamplingArrays(rows.floats_2s[0, :sb], ints[2], rows.floats_2s[1, :sb], variant, ctx.top_k_cap)
+    fl = rows.floats_3s[:, :sb]
+    sa = SamplingArrays(fl[0], ints[2], fl[1], fl[2], variant, ctx.top_k_cap)
     keys = round_key(jax.random.wrap_key_data(rows.keys_s2[:sb]), ints[1] + 1)
     return ell, active, sa, round_key(keys, 0), round_key(keys, 1)
 
@@ -261,15 +263,14 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
 
 def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array) -> dict[str, Array]:
     """With `max_logprobs` K > 0: log-probabilities of `tokens` [B, T] and the top K alternatives under
-    the target's distribution after the request's temperature, top-k and top-p (temperature 0 read
+    the target's distribution after the request's temperature, min-p, top-k and top-p (temperature 0 read
     as 1), at the positions that emitted them ({} when K = 0). Each position's distribution depends
     only on the prefix, so speculation does not change the values. Rounds call it only when their
     static `logprobs` is set; prefill (one position per prompt) and score always do."""
     if ctx.max_logprobs == 0:
         return {}
     variant = "plain" if sa.variant == "greedy" else sa.variant  # greedy rounds set no filter
-    sa_lp = SamplingArrays(jnp.where(sa.temperature > 0, sa.temperature, 1.0), sa.top_k, sa.top_p, variant,
-                           sa.top_k_cap)
+    sa_lp = dataclasses.replace(sa, temperature=jnp.where(sa.temperature > 0, sa.temperature, 1.0), variant=variant)
     lp = jnp.log(probs_from_logits(logits, sa_lp))  # [B, T, V]
     tok = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
     top_lp, top_id = jax.lax.top_k(lp, min(ctx.max_logprobs, lp.shape[-1]))
@@ -373,7 +374,7 @@ def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, e
                           kv, stop_ids, tokens, attn, logprobs, conf_bg=conf)
 
 
-def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, tokens_bt, ints_4b, floats_2b, keys_b2,
+def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, tokens_bt, ints_4b, floats_3b, keys_b2,
             limits_3b, stop_ids, *, attn: int):
     """Prefill P prompt chunks into slots (an id >= slots marks a padding row); samples each first token
     and writes each row's state (active unless the first token ends the request, counter 0, tokens
@@ -382,7 +383,7 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
     target = nnx.merge(ctx.t_graph, t_params)
     pb, plen = tokens_bt.shape
     n_valid_p, slot_p, start_p = ints_4b[0], ints_4b[1], ints_4b[2]
-    sa = _filtered_sampling(ctx, ints_4b, floats_2b)
+    sa = _filtered_sampling(ctx, ints_4b, floats_3b)
     cache = cache.with_lengths(cache.lengths.at[slot_p].set(start_p, mode="drop"))
     positions = start_p[:, None] + jnp.arange(plen, dtype=jnp.int32)[None, :]
     out = target.forward(tokens_bt, positions, cache, n_valid_p, rows_b=slot_p, tap_layers=ctx.tap_layers,
@@ -409,19 +410,19 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
     ints = jnp.stack([live.astype(jnp.int32), jnp.zeros_like(tok), ints_4b[3], limits_3b[0] - 1, limits_3b[1],
                       limits_3b[2]])
     rows = ctx.replicate(RowState(rows.ints_6s.at[:, slot_p].set(ints, mode="drop"),
-                                  rows.floats_2s.at[:, slot_p].set(floats_2b, mode="drop"),
+                                  rows.floats_3s.at[:, slot_p].set(floats_3b, mode="drop"),
                                   rows.keys_s2.at[slot_p].set(keys_b2, mode="drop")))
     return cache, dstate, anchors, rows, {"tokens": tok[:, None], "live": live,
                                           **_logprobs(ctx, out.logits, sa, tok[:, None])}
 
 
-def score(ctx: Context, t_params, tokens_bt, ints_4b, floats_2b):
+def score(ctx: Context, t_params, tokens_bt, ints_4b, floats_3b):
     """Prompt log-likelihoods, cache-free (no state touched): position t of row p holds the
     `_logprobs` entries of token t + 1 given tokens 0..t. ints_4b = (n_valid, -, -, top_k).
     Returns a 1-tuple (the runner's output layout)."""
     target = nnx.merge(ctx.t_graph, t_params)
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
     out = target.forward(tokens_bt, positions, None, ints_4b[0], logits="all", mlp=ctx.mlp)
-    sa = _filtered_sampling(ctx, ints_4b, floats_2b)
+    sa = _filtered_sampling(ctx, ints_4b, floats_3b)
     nxt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros_like(tokens_bt[:, :1])], axis=1)
     return (_logprobs(ctx, out.logits, sa, nxt),)

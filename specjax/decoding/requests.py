@@ -96,6 +96,7 @@ class EngineRequest:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # the engine's eos ids do not end this request (its stop_token_ids still do)

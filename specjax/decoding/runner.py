@@ -48,7 +48,7 @@ _STATE = ("cache", "dstate", "anchors", "row_state")
 _ROUND = ("rows", "tokens", "logprobs", "attn", "variant")  # the bucket key of a round that verifies drafts
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("prefill", programs.prefill,
-           ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_2b", "keys_b2", "limits_3b", "stop_ids"),
+           ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_3b", "keys_b2", "limits_3b", "stop_ids"),
            (*_STATE, "first"), ("rows", "plen", "attn"), donate=_STATE, static=("attn",)),
     Family("lite", programs.lite,
            ("t_params", "cache", "anchors", "row_state", "ell_b", "stop_ids"),
@@ -67,7 +67,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            ("t_params", "d_params", *_STATE, "ell_b", "k_total_1", "stop_ids"),
            (*_STATE, "outs"), _ROUND, donate=_STATE, static=_ROUND[1:]),
     Family("release", programs.release, ("row_state", "free_s"), ("row_state",), ("rows",), donate=("row_state",)),
-    Family("score", programs.score, ("t_params", "tokens_bt", "ints_4b", "floats_2b"), ("outs",), ("rows", "plen")),
+    Family("score", programs.score, ("t_params", "tokens_bt", "ints_4b", "floats_3b"), ("outs",), ("rows", "plen")),
 )}
 
 
@@ -89,7 +89,7 @@ INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "limits_3b": lambda d: ((3, d["rows"]), jnp.int32),
     "free_s": lambda d: ((d["rows"],), jnp.int32),
     "ints_4b": lambda d: ((4, d["rows"]), jnp.int32),
-    "floats_2b": lambda d: ((2, d["rows"]), jnp.float32),
+    "floats_3b": lambda d: ((3, d["rows"]), jnp.float32),
     "keys_b2": lambda d: ((d["rows"], 2), jnp.uint32),
     "tokens_bt": lambda d: ((d["rows"], d["plen"]), jnp.int32),
     "draft_bg": lambda d: ((d["rows"], d["gamma"]), jnp.int32),

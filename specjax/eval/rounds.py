@@ -175,7 +175,7 @@ def drafter_has_confidence(drafter: Any) -> bool:
 
     def probe():
         state = drafter.init_state(1, 8)
-        sa = SamplingArrays(jnp.ones((1,), jnp.float32), jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.float32))
+        sa = SamplingArrays.broadcast(1)
         keys = jax.random.split(jax.random.key(0), 1)
         zero = jnp.zeros((1,), jnp.int32)
         return drafter.propose(state, zero, zero, sa, keys)

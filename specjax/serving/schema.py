@@ -20,7 +20,7 @@ from specjax.api import SamplingParams
 
 # what the engine's per-row float32 / int32 arrays hold: larger values are refused, naming the field
 _ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tokens": (1 << 31) - 1}
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_tokens", "stop", "stop_token_ids", "seed",
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop", "stop_token_ids", "seed",
                    "num_speculative_tokens", "ignore_eos")
 
 # OpenAI and vLLM request fields that change what is generated and that this server does not serve:
@@ -28,7 +28,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_tokens", "stop", "stop_
 UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "logit_bias": (None, {}),
-    "min_p": (None, 0), "min_tokens": (None, 0), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "min_tokens": (None, 0), "bad_words": (None, []), "allowed_token_ids": (None,),
     "logits_processors": (None, []), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "prompt_logprobs": (None, 0)}
@@ -67,6 +67,8 @@ class SamplingFields(pydantic.BaseModel):
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = pydantic.Field(None, description="vLLM's: drop tokens whose probability is below min_p "
+                                                          "times the top token's (0 = off)")
     max_tokens: int | None = None
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | None = None
@@ -75,7 +77,7 @@ class SamplingFields(pydantic.BaseModel):
     ignore_eos: bool | None = pydantic.Field(None, description="vLLM's: generate past the model's eos ids (max_tokens, "
                                                               "stop and stop_token_ids still end the answer)")
 
-    @pydantic.field_validator("temperature", "top_p", mode="before")
+    @pydantic.field_validator("temperature", "top_p", "min_p", mode="before")
     @classmethod
     def _numbers(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         return _number(info.field_name, v)
@@ -173,7 +175,7 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
 
 MAX_TOP_LOGPROBS = 20
 LOGPROBS_DOC = ("log-probabilities of the output tokens under the target's distribution after the request's "
-                "temperature, top-k and top-p (temperature 0 read as 1); -9999 stands for -inf")
+                "temperature, min-p, top-k and top-p (temperature 0 read as 1); -9999 stands for -inf")
 _SEED_MAX = (1 << 63) - 1
 
 
@@ -252,7 +254,7 @@ class _GenerationRequest(SamplingFields):
 
 
 _LIMITS = {"temperature": {"minimum": 0, "maximum": _ENGINE_MAX["temperature"]},
-           "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "top_k": {"minimum": -1, "maximum": _ENGINE_MAX["top_k"]},
+           "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1, "maximum": _ENGINE_MAX["top_k"]},
            "max_tokens": {"minimum": 1}, "seed": {"minimum": 0, "maximum": _SEED_MAX},
            "num_speculative_tokens": {"minimum": 0, "maximum": _ENGINE_MAX["num_speculative_tokens"]}, "n": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
            "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}, "logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}}
