@@ -32,6 +32,7 @@ class SamplingParams:
     num_speculative_tokens: int | None = None  # per-request cap on verified draft tokens
     logprobs: int | None = None  # log-probabilities of the output tokens with this many top alternatives
     ignore_eos: bool = False  # vLLM's: generate past the target's eos ids (stop_token_ids still end it)
+    min_tokens: int = 0  # vLLM's: no eos, stop id or stop string ends the output before this many tokens
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -39,6 +40,9 @@ class SamplingParams:
         _check_int("seed", self.seed, minimum=0, optional=True)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0, optional=True)
         _check_int("logprobs", self.logprobs, minimum=0, optional=True)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -272,5 +276,6 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
         stop_check = StopStringChecker(tokenizer, sp.stop)
     return EngineRequest(request_id=request_id, prompt_ids=ids, max_tokens=sp.max_tokens,
                          temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed,
-                         stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, stop_check=stop_check,
+                         stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens,
+                         stop_check=stop_check,
                          max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs)

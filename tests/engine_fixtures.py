@@ -76,15 +76,20 @@ class BigramDrafter(nnx.Module):
 
 
 def exact_continuations(model: CausalLM, prompt: list[int], n: int, temperature: float = 1.0,
-                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> dict[tuple[int, ...], float]:
+                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                        held: tuple[tuple[int, ...], int] = ((), 0)) -> dict[tuple[int, ...], float]:
     """P(x_1..x_n | prompt) for every n-token continuation, by enumeration: one full forward over
     the prompt followed by every (n-1)-token sequence, whose logits at depth d (the position after
-    the prompt and x_1..x_d; causal, so it sees nothing later) give P(x_{d+1} | prompt, x_1..x_d)."""
+    the prompt and x_1..x_d; causal, so it sees nothing later) give P(x_{d+1} | prompt, x_1..x_d).
+    `held` = (ids, m): those ids have probability zero at depths d < m (min_tokens m)."""
     v = model.config.vocab_size
     heads = list(itertools.product(range(v), repeat=n - 1))  # x_1..x_{n-1}; () when n == 1
     graphdef, state = nnx.split(model)
     toks_et = jnp.array([list(prompt) + list(h) for h in heads], jnp.int32)
     logits_edv = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t)[:, len(prompt) - 1:])(state, toks_et)
+    ids, m = held
+    if ids and m:
+        logits_edv = logits_edv.at[:, :m, jnp.asarray(ids)].set(-jnp.inf)
     rows = len(heads) * n
     sa = SamplingArrays.broadcast(rows, temperature, top_k, top_p, min_p)
     probs_edv = np.asarray(probs_from_logits(logits_edv.reshape(rows, v), sa), np.float64).reshape(-1, n, v)

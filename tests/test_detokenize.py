@@ -108,3 +108,19 @@ def test_stop_checker_finds_a_stop_string_spanning_two_calls_and_restarts_on_a_n
     assert check(ids[:2]) is None  # a shorter list: a different output, searched afresh
     with pytest.raises(ValueError, match="non-empty"):
         StopStringChecker(tok, [""])
+
+
+def test_stop_checker_passes_over_stops_that_would_keep_fewer_than_min_tokens(tok):
+    """min_tokens: an occurrence that would leave fewer tokens is passed over; a later one (or a later
+    overlapping one) ends the output; without min_keep the first ends it (control)."""
+    text = "fox the fox the quick fox"
+    ids = _ids(tok, text)
+    first = StopStringChecker(tok, ["fox"])(ids)
+    assert tok.decode(ids[:first]) == ""
+    pieces = [tok.decode([t]) for t in ids]
+    assert pieces == ["fo", "x", " the", " fox", " the", " quick", " fox"], pieces  # the test's token boundaries
+    check = StopStringChecker(tok, ["fox"])
+    assert check(ids[:3], 1) is None  # only the first occurrence so far, which would keep 0 tokens
+    assert check(ids, 1) == 3  # the second: "fox the"
+    assert StopStringChecker(tok, ["fox"])(ids, 4) == 6  # the third: "fox the fox the quick"
+    assert StopStringChecker(tok, ["fox"])(ids, len(ids)) is None

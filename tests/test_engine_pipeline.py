@@ -50,7 +50,7 @@ def _engine(model, policy: str, pipeline: bool, eos: int) -> Engine:
     return eng
 
 
-def _stop_after_five(ids):
+def _stop_after_five(ids, min_keep=0):
     """A stop string's rule: ends the request once it holds 5 tokens, keeping 4 (host-only)."""
     return 4 if len(ids) >= 5 else None
 
@@ -143,8 +143,8 @@ def test_negative_control_reused_slot_keeps_its_round_counter(model, stops, monk
         *state, new_rows, outs = programs.prefill(ctx, t_params, d_params, cache, dstate, anchors, rows, *args,
                                                   attn=attn)
         slot_p = args[1][1]
-        counts = new_rows.ints_6s[1].at[slot_p].set(rows.ints_6s[1][slot_p], mode="drop")
-        return (*state, new_rows._replace(ints_6s=new_rows.ints_6s.at[1].set(counts)), outs)
+        counts = new_rows.ints_7s[1].at[slot_p].set(rows.ints_7s[1][slot_p], mode="drop")
+        return (*state, new_rows._replace(ints_7s=new_rows.ints_7s.at[1].set(counts)), outs)
     eos, _ = stops
     monkeypatch.setitem(runner.FAMILIES, "prefill",
                         dataclasses.replace(runner.FAMILIES["prefill"], fn=prefill_keeping_counters))

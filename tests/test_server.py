@@ -240,7 +240,7 @@ def test_tokenize_gives_the_ids_the_completion_routes_use_and_detokenize_inverts
     (b'{"prompt": [5, 6], "best_of": 2}', "best_of", "not supported"),
     (b'{"prompt": [5, 6], "min_p": 1.5}', "min_p", "min_p must be in [0, 1]"),
     (b'{"prompt": [5, 6], "min_p": "0.1"}', "min_p", "must be a number"),
-    (b'{"prompt": [5, 6], "min_tokens": 4}', "min_tokens", "not supported"),
+    (b'{"prompt": [5, 6], "min_tokens": 20}', "min_tokens", "min_tokens must be <= max_tokens (16)"),
     (b'{"prompt": [5, 6], "repetition_penalty": 1.1}', "repetition_penalty", "not supported"),
     (b'{"prompt": [5, 6], "response_format": {"type": "json_object"}}', "response_format", "not supported"),
     (b'{"prompt": [5, 6], "presence_penalty": true}', "presence_penalty", "not supported"),
@@ -259,16 +259,16 @@ def test_bad_requests_get_400_naming_the_field(srv, raw, param, fragment):
 
 
 def test_served_vllm_fields_and_off_values_of_unserved_ones_are_answered(srv):
-    """ignore_eos and min_p (served) and the "off" values of refused fields (response_format text, a
+    """ignore_eos, min_p and min_tokens (served) and the "off" values of refused fields (response_format text, a
     float 0 penalty) pass; the fields reach the engine's request (the engine tests their effect)."""
     seen = []
     submit = srv["app"].engine.submit
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(srv["app"].engine, "submit", lambda req, *a, **kw: (seen.append(req), submit(req, *a, **kw))[1])
-        status, r = _complete(srv["url"], ignore_eos=True, min_p=0.05, presence_penalty=0.0,
+        status, r = _complete(srv["url"], ignore_eos=True, min_p=0.05, min_tokens=2, presence_penalty=0.0,
                               response_format={"type": "text"}, max_tokens=4)
     assert status == 200 and len(r["choices"][0]["token_ids"]) == 4, r
-    assert [(q.ignore_eos, q.min_p) for q in seen] == [(True, 0.05)]
+    assert [(q.ignore_eos, q.min_p, q.min_tokens) for q in seen] == [(True, 0.05, 2)]
 
 
 def test_oversize_body_is_413_and_unknown_model_404_then_still_serving(srv):

@@ -20,10 +20,11 @@ import numpy as np
 from flax import nnx
 
 from specjax.decoding import buckets as bk, map_budget
-from specjax.decoding.requests import EngineRequest, Launched, check_request, seed_key_data, token_logprobs
+from specjax.decoding.requests import (EngineRequest, Launched, check_request, held_stop_ids, seed_key_data,
+                                      token_logprobs)
 from specjax.decoding.engine_config import EngineConfig
 from specjax.decoding.profiling import target_identity
-from specjax.decoding.programs import unpack_round
+from specjax.decoding.programs import ROW_STOP_IDS, unpack_round
 from specjax.decoding.runner import Runner, bucket_key
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.models.decoder import CausalLM
@@ -278,17 +279,19 @@ class Engine:
             ints[1] = self.cfg.max_slots  # padding rows point past the last slot: dropped
             floats = np.repeat(np.array([[1.0], [1.0], [0.0]], np.float32), pb, axis=1)  # temperature, top_p, min_p
             key_data = np.zeros((pb, 2), np.uint32)
-            limits = np.zeros((3, pb), np.int32)  # max_tokens, draft cap, eos_stops
+            limits = np.zeros((4, pb), np.int32)  # max_tokens, draft cap, eos_stops, min_tokens
+            stops = np.full((pb, ROW_STOP_IDS), -1, np.int32)
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 r = batch[i]
                 toks[row, :n] = r.prompt_ids[offsets[i]:offsets[i] + n]
                 ints[:, row] = n, r.slot, offsets[i], r.top_k
                 floats[:, row] = r.temperature, r.top_p, r.min_p
                 key_data[row] = self._key_data[r.slot]
-                limits[:, row] = r.max_tokens, self._draft_cap(r), not r.ignore_eos
+                limits[:, row] = r.max_tokens, self._draft_cap(r), not r.ignore_eos, r.min_tokens
+                stops[row] = held_stop_ids(r)
             attn = self._attention_bucket(max(offsets[i] + n for i, n in zip(todo, chunk_lens)))
             outs = self.runner.run("prefill", (pb, plen, attn), tokens_bt=toks, ints_4b=ints, floats_3b=floats,
-                                   keys_b2=key_data, limits_3b=limits)
+                                   keys_b2=key_data, limits_4b=limits, stops_bk=stops)
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 offsets[i] += n
                 if offsets[i] == len(batch[i].prompt_ids):
@@ -315,7 +318,7 @@ class Engine:
                 req.finish_reason = "length"
                 break
         if req.finish_reason is None and req.stop_check is not None:
-            keep = req.stop_check(req.output_ids)
+            keep = req.stop_check(req.output_ids, req.min_tokens)
             if keep is not None:
                 del req.output_ids[keep:]
                 req.finish_reason = "stop"

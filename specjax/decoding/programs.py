@@ -21,7 +21,8 @@ A round, for the rows [0:sb] of the slots:
 the device-side choice of lengths from the fresh confidences and verify in one call (the async
 policy); `lite` is a plain decoding step that taps nothing and leaves the drafter's context behind.
 Each slot's row state (`RowState`: active, round counter, tokens still wanted, draft cap, whether
-eos ends it, sampling parameters, key) is resident on the device: prefill writes it at admission,
+eos ends it, tokens still to emit before a stop id may be drawn (min_tokens) and the row's own stop
+ids, sampling parameters, key) is resident on the device: prefill writes it at admission,
 `release` clears a row's active flag when the host ends a request the device cannot see end (a stop
 string, a request's own stop ids), and every round advances it (counter; tokens wanted; active off
 after a global stop id unless the row ignores them (ignore_eos), the last wanted token, or a full
@@ -30,8 +31,10 @@ is the host's plan ell_b [sb] (plus fused_fill's k_total_1 and verify's draft), 
 device caps by each row's draft cap, room in the cache and tokens still wanted; its outputs come
 back as one int32 array (`ROUND_COLUMNS`, then the tokens, then the confidences' float32 bits), plus
 the log-probabilities when `logprobs`. Prefill takes ints_4b = (n_valid, slot, start, top_k),
-floats_3b = (temperature, top_p, min_p), the rows' raw key data keys_b2 and limits_3b = (max_tokens, draft
-cap, eos_stops).
+floats_3b = (temperature, top_p, min_p), the rows' raw key data keys_b2, limits_4b = (max_tokens, draft
+cap, eos_stops, min_tokens) and stops_bk, the rows' own stop ids (-1 padding; rows with min_tokens).
+While a row has emitted fewer than min_tokens tokens, every program that samples it gives its stop ids
+(the engine's eos ids unless it ignores them, and its own) probability zero at those positions.
 """
 from __future__ import annotations
 
@@ -53,22 +56,25 @@ Array = jax.Array
 # the leading columns of a round's packed int32 outputs [sb, C]; tokens [tb] follow, then (drafting
 # families) the float32 bits of the gamma confidences. "live": the row is still active afterwards.
 ROUND_COLUMNS = ("num_emitted", "num_accepted", "stopped", "ell", "live")
-# RowState.ints_6s rows; eos_stops: 1 if the engine's stop ids (eos) end the row, 0 (ignore_eos) if not
-ROW_INTS = ("active", "count", "top_k", "remaining", "draft_cap", "eos_stops")
+# RowState.ints_7s rows; eos_stops: 1 if the engine's stop ids (eos) end the row, 0 (ignore_eos) if not;
+# min_left: tokens the row must still emit before one of its stop ids may be drawn (min_tokens)
+ROW_INTS = ("active", "count", "top_k", "remaining", "draft_cap", "eos_stops", "min_left")
+ROW_STOP_IDS = 8  # own stop ids a row holds on the device (RowState.stops_sk): those min_tokens holds back
 
 
 class RowState(NamedTuple):
     """Per-slot row state resident on the device (see the module docstring)."""
 
-    ints_6s: Array  # int32 [6, slots]: ROW_INTS (count = rounds run; remaining = tokens still wanted)
+    ints_7s: Array  # int32 [7, slots]: ROW_INTS (count = rounds run; remaining = tokens still wanted)
     floats_3s: Array  # float32 [3, slots]: temperature, top_p, min_p
     keys_s2: Array  # uint32 [slots, 2]: raw threefry key data of each row's base key
+    stops_sk: Array  # int32 [slots, ROW_STOP_IDS]: the row's own stop ids, -1 padding (set with min_tokens)
 
     @classmethod
     def init(cls, slots: int) -> "RowState":
         floats = jnp.asarray([[1.0], [1.0], [0.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
         return cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), floats,
-                   jnp.zeros((slots, 2), jnp.uint32))
+                   jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots, ROW_STOP_IDS), -1, jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -160,7 +166,7 @@ def _unpack(ctx: Context, rows: RowState, ell_b: Array, lengths_b: Array, varian
     keys). ell is the host's plan capped by each row's draft cap, room in the cache (`lengths_b`)
     and tokens still wanted, 0 for inactive rows: the caps hold however stale the host's view."""
     sb = ell_b.shape[0]
-    ints = rows.ints_6s[:, :sb]
+    ints = rows.ints_7s[:, :sb]
     active = ints[0] > 0
     cap = jnp.minimum(jnp.minimum(ints[4], ctx.max_len - 1 - lengths_b), ints[3] - 1)
     ell = jnp.where(active, jnp.clip(jnp.minimum(ell_b, cap), 0), 0)
@@ -179,6 +185,15 @@ def _row_stops(stop_ids_e: Array, eos_stops_b: Array) -> Array:
     return jnp.where(eos_stops_b[:, None] > 0, stop_ids_e[None, :], -1)
 
 
+def _hold_stops(logits_btv: Array, stop_bs: Array, min_left_b: Array) -> Array:
+    """min_tokens: logits [b, t, V] with the stop ids stop_bs [b, S] (-1 padding) of each row at -inf at
+    the positions t < min_left_b [b] (position t emits the row's next min_left-th token or later)."""
+    t, v = logits_btv.shape[1:]
+    ban_bv = jnp.any(stop_bs[:, :, None] == jnp.arange(v, dtype=jnp.int32), axis=1)  # no scatter: fuses
+    held_bt = jnp.arange(t, dtype=jnp.int32)[None, :] < min_left_b[:, None]
+    return jnp.where(held_bt[:, :, None] & ban_bv[:, None, :], -jnp.inf, logits_btv)
+
+
 def _advance(ctx: Context, rows: RowState, res: VerifyResult, active_b: Array, new_len_b: Array,
              stop_be: Array) -> tuple[RowState, Array, Array]:
     """The row state after a round: counter + 1 and tokens wanted - emitted for active rows, which
@@ -186,12 +201,13 @@ def _advance(ctx: Context, rows: RowState, res: VerifyResult, active_b: Array, n
     Returns (rows, emitted [sb], live [sb])."""
     sb = active_b.shape[0]
     emitted = jnp.where(active_b, res.num_emitted, 0)
-    remaining = rows.ints_6s[3, :sb] - emitted
+    remaining = rows.ints_7s[3, :sb] - emitted
     ended = res.stopped_on_draft | _is_stop(res.next_token, stop_be)
     live = active_b & ~ended & (remaining > 0) & (new_len_b + 1 <= ctx.max_len)
-    ints = (rows.ints_6s.at[0, :sb].set(live.astype(jnp.int32)).at[1, :sb].add(active_b.astype(jnp.int32))
-            .at[3, :sb].set(remaining))
-    return ctx.replicate(rows._replace(ints_6s=ints)), emitted, live
+    min_left = jnp.maximum(rows.ints_7s[6, :sb] - emitted, 0)
+    ints = (rows.ints_7s.at[0, :sb].set(live.astype(jnp.int32)).at[1, :sb].add(active_b.astype(jnp.int32))
+            .at[3, :sb].set(remaining).at[6, :sb].set(min_left))
+    return ctx.replicate(rows._replace(ints_7s=ints)), emitted, live
 
 
 def _pack(emitted, res: VerifyResult, ell_b, live_b, conf_bg: Array | None = None) -> Array:
@@ -214,8 +230,8 @@ def unpack_round(packed_bc: np.ndarray, tb: int) -> tuple[dict[str, np.ndarray],
 
 def release(ctx: Context, rows: RowState, free_s: Array) -> tuple[RowState]:
     """Clear the active flag of the rows with free_s > 0 (requests the host ended). A 1-tuple."""
-    return (ctx.replicate(rows._replace(ints_6s=rows.ints_6s.at[0].set(
-        jnp.where(free_s > 0, 0, rows.ints_6s[0])))),)
+    return (ctx.replicate(rows._replace(ints_7s=rows.ints_7s.at[0].set(
+        jnp.where(free_s > 0, 0, rows.ints_7s[0])))),)
 
 
 def _taps_update(ctx: Context, out: Any, tokens: Array, positions: Array, n_valid: Array) -> ContextUpdate:
@@ -240,12 +256,13 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     ell_b = jnp.where(active_b, jnp.minimum(ell_b, tb - 1), 0)
     out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=ctx.tap_layers if maintain else (),
                          logits="all", kv_len=attn, attention=ctx.attention, mlp=ctx.mlp)
-    p = probs_from_logits(out.logits, sa)  # [sb, tb, V]
+    stop_be = _row_stops(stop_ids, rows.ints_7s[5, :sb])
+    logits = _hold_stops(out.logits, jnp.concatenate([stop_be, rows.stops_sk[:sb]], 1), rows.ints_7s[6, :sb])
+    p = probs_from_logits(logits, sa)  # [sb, tb, V]
     q_ids = None if tb == 1 else _q_ids(ctx, d_params)
     if tb == 1:  # plain decoding: no drafts; the chain rule reduces to sampling from the target
         q_bgn = jnp.zeros((sb, 0, p.shape[-1]), jnp.float32)
         draft_bg = jnp.zeros((sb, 0), jnp.int32)
-    stop_be = _row_stops(stop_ids, rows.ints_6s[5, :sb])
     res = ctx.verifier(keys_b, p, q_bgn[:, :tb - 1], draft_bg[:, :tb - 1], ell_b, stop_be, q_ids,
                        greedy=sa.greedy)
     n_commit = jnp.where(active_b, res.num_accepted + 1, 0)
@@ -257,7 +274,7 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     rows, emitted, live = _advance(ctx, rows, res, active_b, start_b + n_commit, stop_be)
     outs = {"packed": _pack(emitted, res, ell_b, live, conf_bg)}
     if logprobs:
-        outs.update(_logprobs(ctx, out.logits, sa, res.tokens))
+        outs.update(_logprobs(ctx, logits, sa, res.tokens))
     return cache, dstate, anchors, rows, outs
 
 
@@ -375,11 +392,11 @@ def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, e
 
 
 def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, tokens_bt, ints_4b, floats_3b, keys_b2,
-            limits_3b, stop_ids, *, attn: int):
+            limits_4b, stops_bk, stop_ids, *, attn: int):
     """Prefill P prompt chunks into slots (an id >= slots marks a padding row); samples each first token
     and writes each row's state (active unless the first token ends the request, counter 0, tokens
-    still wanted, draft cap, whether eos ends it, sampling parameters, key). Outputs: the first
-    tokens [P, 1], "live" [P]."""
+    still wanted, draft cap, whether eos ends it, min_tokens still to emit, own stop ids, sampling
+    parameters, key). Outputs: the first tokens [P, 1], "live" [P]."""
     target = nnx.merge(ctx.t_graph, t_params)
     pb, plen = tokens_bt.shape
     n_valid_p, slot_p, start_p = ints_4b[0], ints_4b[1], ints_4b[2]
@@ -402,18 +419,21 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
         sub = drafter.commit(sub, _taps_update(ctx, out, tokens_bt, positions, n_valid_p))
         dstate = jax.tree.map(lambda x, s_, a: x.at[(slice(None),) * a + (slot_p,)].set(s_, mode="drop"),
                               dstate, sub, axes)
-    p = probs_from_logits(out.logits[:, 0], sa)  # [P, V]
+    stop_pe = _row_stops(stop_ids, limits_4b[2])
+    logits = _hold_stops(out.logits, jnp.concatenate([stop_pe, stops_bk], 1), limits_4b[3])  # [P, 1, V]
+    p = probs_from_logits(logits[:, 0], sa)  # [P, V]
     tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p)
     anchors = anchors.at[slot_p].set(tok, mode="drop")
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors)
-    live = (limits_3b[0] > 1) & ~_is_stop(tok, _row_stops(stop_ids, limits_3b[2]))
-    ints = jnp.stack([live.astype(jnp.int32), jnp.zeros_like(tok), ints_4b[3], limits_3b[0] - 1, limits_3b[1],
-                      limits_3b[2]])
-    rows = ctx.replicate(RowState(rows.ints_6s.at[:, slot_p].set(ints, mode="drop"),
+    live = (limits_4b[0] > 1) & ~_is_stop(tok, stop_pe)
+    ints = jnp.stack([live.astype(jnp.int32), jnp.zeros_like(tok), ints_4b[3], limits_4b[0] - 1, limits_4b[1],
+                      limits_4b[2], jnp.maximum(limits_4b[3] - 1, 0)])
+    rows = ctx.replicate(RowState(rows.ints_7s.at[:, slot_p].set(ints, mode="drop"),
                                   rows.floats_3s.at[:, slot_p].set(floats_3b, mode="drop"),
-                                  rows.keys_s2.at[slot_p].set(keys_b2, mode="drop")))
+                                  rows.keys_s2.at[slot_p].set(keys_b2, mode="drop"),
+                                  rows.stops_sk.at[slot_p].set(stops_bk, mode="drop")))
     return cache, dstate, anchors, rows, {"tokens": tok[:, None], "live": live,
-                                          **_logprobs(ctx, out.logits, sa, tok[:, None])}
+                                          **_logprobs(ctx, logits, sa, tok[:, None])}
 
 
 def score(ctx: Context, t_params, tokens_bt, ints_4b, floats_3b):

@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from specjax.decoding.programs import ROW_STOP_IDS
+
 
 @dataclasses.dataclass
 class RequestMetrics:
@@ -100,7 +102,8 @@ class EngineRequest:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # the engine's eos ids do not end this request (its stop_token_ids still do)
-    stop_check: Callable[[list[int]], int | None] | None = None  # -> tokens to keep, if a stop hit
+    min_tokens: int = 0  # tokens emitted before a stop id may be drawn (or a stop string end the output)
+    stop_check: Callable[[list[int], int], int | None] | None = None  # (output, min_tokens) -> tokens to keep, if a stop hit
     max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
     # filled by the engine
@@ -134,6 +137,12 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
         raise ValueError(f"request {req.request_id}: prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
     if req.max_tokens <= 0:
         raise ValueError(f"request {req.request_id}: max_tokens must be > 0, got {req.max_tokens}")
+    if not 0 <= req.min_tokens <= req.max_tokens:
+        raise ValueError(f"request {req.request_id}: min_tokens must be in [0, max_tokens = {req.max_tokens}], "
+                         f"got {req.min_tokens}")
+    if req.min_tokens and len(req.stop_token_ids) > ROW_STOP_IDS:
+        raise ValueError(f"request {req.request_id}: with min_tokens at most {ROW_STOP_IDS} stop_token_ids are "
+                         f"held back (the device's per-row limit), got {len(req.stop_token_ids)}")
     if req.top_k > top_k_cap:
         raise ValueError(f"request {req.request_id}: top_k {req.top_k} exceeds the engine's top_k_cap {top_k_cap}")
     if req.logprobs is not None and max_logprobs == 0:
@@ -142,6 +151,15 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
     if req.logprobs is not None and not 0 <= req.logprobs <= max_logprobs:
         raise ValueError(f"request {req.request_id}: logprobs must be in [0, {max_logprobs}] "
                          f"(the engine's max_logprobs), got {req.logprobs}")
+
+
+def held_stop_ids(req: EngineRequest) -> np.ndarray:
+    """The request's own stop ids the device holds back while its min_tokens are due: int32
+    [ROW_STOP_IDS], -1 padding (all padding without min_tokens)."""
+    out = np.full((ROW_STOP_IDS,), -1, np.int32)
+    if req.min_tokens:
+        out[:len(req.stop_token_ids)] = req.stop_token_ids
+    return out
 
 
 def seed_key_data(seed: int) -> np.ndarray:

@@ -48,7 +48,8 @@ _STATE = ("cache", "dstate", "anchors", "row_state")
 _ROUND = ("rows", "tokens", "logprobs", "attn", "variant")  # the bucket key of a round that verifies drafts
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("prefill", programs.prefill,
-           ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_3b", "keys_b2", "limits_3b", "stop_ids"),
+           ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_3b", "keys_b2", "limits_4b", "stops_bk",
+            "stop_ids"),
            (*_STATE, "first"), ("rows", "plen", "attn"), donate=_STATE, static=("attn",)),
     Family("lite", programs.lite,
            ("t_params", "cache", "anchors", "row_state", "ell_b", "stop_ids"),
@@ -86,7 +87,8 @@ STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "row_state", "cac
 # round; "q_dtype": its dtype)
 INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "ell_b": lambda d: ((d["rows"],), jnp.int32),
-    "limits_3b": lambda d: ((3, d["rows"]), jnp.int32),
+    "limits_4b": lambda d: ((4, d["rows"]), jnp.int32),
+    "stops_bk": lambda d: ((d["rows"], programs.ROW_STOP_IDS), jnp.int32),
     "free_s": lambda d: ((d["rows"],), jnp.int32),
     "ints_4b": lambda d: ((4, d["rows"]), jnp.int32),
     "floats_3b": lambda d: ((3, d["rows"]), jnp.float32),

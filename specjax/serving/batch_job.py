@@ -3,7 +3,7 @@
 Input rows (one JSON object a line):
     {"id": "a1", "prompt": "text" | [token ids], ...}   or   {"id": 7, "messages": [{"role": ..., "content": ...}]}
     optional: temperature, top_k, top_p, min_p, max_tokens, stop, stop_token_ids, seed,
-    num_speculative_tokens, ignore_eos (sampling; defaults from the job), metadata (copied to the output).
+    num_speculative_tokens, ignore_eos, min_tokens (sampling; defaults from the job), metadata (copied to the output).
     A line with `custom_id` is an OpenAI batch request and gets an OpenAI batch output line
     (`specjax.serving.batch_openai`); both kinds may share a file.
 Output rows (in completion order, not input order):

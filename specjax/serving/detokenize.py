@@ -59,8 +59,9 @@ class StreamDetokenizer:
 
 class StopStringChecker:
     """`EngineRequest.stop_check` for stop strings: called with the request's whole output so far
-    (a list that only grows), returns None, or the number of tokens to keep when a stop string
-    appears (the longest token prefix whose text ends at or before the stop string's start)."""
+    (a list that only grows) and the fewest tokens a stop may keep (min_tokens), returns None, or
+    the number of tokens to keep when a stop string appears (the longest token prefix whose text
+    ends at or before the stop string's start; occurrences that would keep fewer are passed over)."""
 
     def __init__(self, tokenizer: Any, stops: Sequence[str]):
         if not stops or any(not s for s in stops):
@@ -74,7 +75,7 @@ class StopStringChecker:
         self._detok = StreamDetokenizer(self._tokenizer)
         self._carry = ""  # the last _carry_len characters already searched
 
-    def __call__(self, ids: list[int]) -> int | None:
+    def __call__(self, ids: list[int], min_keep: int = 0) -> int | None:
         seen = len(self._detok.ends)
         if len(ids) < seen:  # not the same growing output: start over
             self._reset()
@@ -85,11 +86,15 @@ class StopStringChecker:
             return None
         window = self._carry + new
         base = before - len(self._carry)  # text position of window[0]
-        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
         self._carry = window[-self._carry_len:] if self._carry_len else ""
-        if not hits:
-            return None
-        cut = base + min(hits)
+        for at in sorted(_occurrences(window, self.stops)):
+            keep = self._tokens_before(base + at)
+            if keep >= min_keep:
+                return keep
+        return None
+
+    def _tokens_before(self, cut: int) -> int:
+        """The longest token prefix whose text ends at or before text position `cut`."""
         keep = 0
         for k, end in enumerate(self._detok.ends, 1):
             if end is not None:
@@ -97,3 +102,14 @@ class StopStringChecker:
                     break
                 keep = k
         return keep
+
+
+def _occurrences(text: str, stops: Sequence[str]) -> set[int]:
+    """Every start position of every stop string in `text` (overlapping ones too)."""
+    out = set()
+    for s in stops:
+        i = text.find(s)
+        while i >= 0:
+            out.add(i)
+            i = text.find(s, i + 1)
+    return out

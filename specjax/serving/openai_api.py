@@ -23,8 +23,8 @@ before each choice's text and, with `logprobs`, the prompt tokens' entries befor
 engine's cache-free `score` program under the same distribution); `max_tokens` 0 is allowed only
 with `echo` (the prompt alone). Echo with logprobs needs the prompt to fit the engine's largest
 prefill bucket (no chunking: 400 naming the limit); echo is not streamed. Not served (400 naming
-the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, penalties, `logit_bias`, `min_tokens`,
-tools, `response_format` and guided decoding. vLLM's `ignore_eos` and `min_p` are served.
+the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, penalties, `logit_bias`,
+tools, `response_format` and guided decoding. vLLM's `ignore_eos`, `min_p` and `min_tokens` are served.
 
 Status codes: 400 bad or unsupported fields, prompts or max_tokens over the limits; 404 unknown
 model; 503 when the engine's waiting queue is full or the engine is not running; 504 when a request

@@ -21,14 +21,14 @@ from specjax.api import SamplingParams
 # what the engine's per-row float32 / int32 arrays hold: larger values are refused, naming the field
 _ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tokens": (1 << 31) - 1}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop", "stop_token_ids", "seed",
-                   "num_speculative_tokens", "ignore_eos")
+                   "num_speculative_tokens", "ignore_eos", "min_tokens")
 
 # OpenAI and vLLM request fields that change what is generated and that this server does not serve:
 # the values that mean "off" pass, anything else is refused naming the field (never ignored)
 UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "logit_bias": (None, {}),
-    "min_tokens": (None, 0), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "allowed_token_ids": (None,),
     "logits_processors": (None, []), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "prompt_logprobs": (None, 0)}
@@ -74,6 +74,8 @@ class SamplingFields(pydantic.BaseModel):
     stop_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
     num_speculative_tokens: int | None = None
+    min_tokens: int | None = pydantic.Field(None, description="vLLM's: no eos, stop id or stop string ends the answer "
+                                                             "before this many tokens")
     ignore_eos: bool | None = pydantic.Field(None, description="vLLM's: generate past the model's eos ids (max_tokens, "
                                                               "stop and stop_token_ids still end the answer)")
 
@@ -82,7 +84,7 @@ class SamplingFields(pydantic.BaseModel):
     def _numbers(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         return _number(info.field_name, v)
 
-    @pydantic.field_validator("top_k", "seed", "num_speculative_tokens", mode="before")
+    @pydantic.field_validator("top_k", "seed", "num_speculative_tokens", "min_tokens", mode="before")
     @classmethod
     def _integers(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         v = _integer(info.field_name, v)
@@ -158,8 +160,11 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
     for name, v in given.items():  # each field alone, so that the error names it
         if name in _ENGINE_MAX and v > _ENGINE_MAX[name]:
             raise FieldError(f"'{name}' must be at most {_ENGINE_MAX[name]:g}, got {v!r}", name)
+        alone = {name: v}
+        if name == "min_tokens" and "max_tokens" in given:  # checked against the max_tokens asked
+            alone["max_tokens"] = given["max_tokens"]
         try:
-            dataclasses.replace(defaults, **{name: v})
+            dataclasses.replace(defaults, **alone)
         except (ValueError, TypeError) as e:
             raise FieldError(f"'{name}': {e}", name) from None
     try:
@@ -255,7 +260,7 @@ class _GenerationRequest(SamplingFields):
 
 _LIMITS = {"temperature": {"minimum": 0, "maximum": _ENGINE_MAX["temperature"]},
            "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1, "maximum": _ENGINE_MAX["top_k"]},
-           "max_tokens": {"minimum": 1}, "seed": {"minimum": 0, "maximum": _SEED_MAX},
+           "max_tokens": {"minimum": 1}, "min_tokens": {"minimum": 0}, "seed": {"minimum": 0, "maximum": _SEED_MAX},
            "num_speculative_tokens": {"minimum": 0, "maximum": _ENGINE_MAX["num_speculative_tokens"]}, "n": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
            "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}, "logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}}
 
