@@ -373,6 +373,18 @@ def test_per_request_spec_decode_metrics_add_up_to_the_rounds_verified(srv):
     chunks = sse_events(data)[:-1]
     assert [c.get("metrics") for c in chunks[:-2]] == [None] * (len(chunks) - 2)  # only at the end
     assert chunks[-2]["metrics"] == chunks[-1]["metrics"] == r["metrics"]  # greedy: the same rounds
+    assert [c.get("usage") for c in chunks[:-2]] == [None] * (len(chunks) - 2)  # no continuous usage asked
+
+    status, _, data = http_request(srv["url"] + "/v1/completions", "POST", {  # vLLM's continuous usage
+        "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks, so_far = sse_events(data)[:-1], 0
+    assert len(chunks) > 3  # rounds streamed apart
+    for c in chunks[:-1]:
+        so_far += len(c["choices"][0]["token_ids"])
+        assert c["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": so_far,
+                              "total_tokens": len(PROMPT) + so_far}
+    assert so_far == 24 and chunks[-1]["usage"] == chunks[-2]["usage"] == r["usage"]
 
     with side_server(srv, spec_decode_metrics="detailed") as (url, _):
         status, d = _complete(url, max_tokens=24)

@@ -14,7 +14,8 @@ OpenAI's fields: message content as a string or text parts (joined by newlines);
 assistant, tool; `n` choices up to the engine's slots (one engine request each, choice i seeded with
 seed + i when a seed is given); a completion's `prompt` may be a list of up to 64 prompts (strings or
 token-id lists; choice k * n + j is prompt k's j-th, usage counts every prompt once); `stop` a string or a list; `max_completion_tokens` (chat) as
-`max_tokens`; `stream_options.include_usage`. Log-probabilities (chat `logprobs` + `top_logprobs`,
+`max_tokens`; `stream_options.include_usage` (and vLLM's `continuous_usage_stats`: every chunk carries
+its choice's usage so far). Log-probabilities (chat `logprobs` + `top_logprobs`,
 completions `logprobs`, at most the engine's `max_logprobs`) are those of the target's distribution
 after the request's temperature, top-k and top-p, with temperature 0 read as 1 (vLLM's processed
 log-probabilities); speculation does not change them. Completions' `echo` puts the prompt's text
@@ -91,6 +92,7 @@ class _Parsed:
     echo: bool = False  # completions: the prompt before the completion (text and logprobs)
     generate: bool = True  # False: max_tokens 0 with echo (nothing is generated)
     prompt_texts: tuple[str | None, ...] = ()  # string prompts as sent (echo)
+    continuous_usage: bool = False  # streamed: every chunk carries its choice's usage so far
 
 
 class OpenAIApp:
@@ -149,7 +151,8 @@ class OpenAIApp:
                            param="n")
         logprobs = self._logprobs_asked(body, chat)
         stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage"))
         if chat:
             pairs, what = [(chat_prompt_ids(self.tokenizer, body), None)], "messages"
         else:
@@ -185,7 +188,8 @@ class OpenAIApp:
             raise APIError(400, f"'stop_token_ids' holds {bad_stop[0]}, outside the vocabulary [0, "
                                 f"{self.vocab_size})", param="stop_token_ids")
         return _Parsed([ids for ids, _ in pairs], sp, stream, include_usage, n, logprobs, echo,
-                       body.get("max_tokens") != 0, tuple(text for _, text in pairs))
+                       body.get("max_tokens") != 0, tuple(text for _, text in pairs),
+                       include_usage and bool(options.get("continuous_usage_stats")))
 
     def _echo_asked(self, body: dict[str, Any], fields: dict[str, Any], n_prompt: int, logprobs: int | None) -> bool:
         """Completions' `echo`: not streamed; with logprobs the prompt must fit the largest prefill
@@ -384,6 +388,7 @@ class OpenAIApp:
         pending: dict[asyncio.Future[StreamEvent], int] = {}
         ready = list(enumerate(firsts))
         finals: list[dict[str, Any]] = []
+        sent = [0] * len(choices)  # tokens streamed per choice
         try:
             while ready or pending:
                 for i, ev in ready:
@@ -391,7 +396,10 @@ class OpenAIApp:
                         yield APIError(500, ev.error, type="server_error").body()
                         return
                     c = choices[i].chunk(ev, parsed)
+                    sent[i] += len(c.get("token_ids") or [])
                     out = wrap(c)
+                    if parsed.continuous_usage and not ev.finished:
+                        out["usage"] = self._usage(parsed, sent[i], choice=i)
                     if ev.finished:
                         out["usage"] = self._usage(parsed, len(ev.output_ids or []), choice=i)
                         out["spec_metrics"] = request_spec_metrics(streams[i].request.metrics)

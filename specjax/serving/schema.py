@@ -225,6 +225,8 @@ class _Body(pydantic.BaseModel):
 
 class StreamOptions(pydantic.BaseModel):
     include_usage: pydantic.StrictBool | None = None
+    continuous_usage_stats: pydantic.StrictBool | None = pydantic.Field(
+        None, description="vLLM's: with include_usage, every chunk carries its choice's usage so far")
 
 
 class ContentPart(_Body):
