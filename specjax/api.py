@@ -206,12 +206,17 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             enable_thinking: bool | None = False) -> list[Output]:
-        """Apply the tokenizer's chat template (generation prompt added) and generate."""
+             enable_thinking: bool | None = False, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[Output]:
+        """Apply the tokenizer's chat template and generate (vLLM's options: the generation prompt is
+        added unless `add_generation_prompt` is False; `continue_final_message` continues the last,
+        assistant message instead of starting a new one)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this target has none")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [encode_chat(self.tokenizer, conv, enable_thinking=enable_thinking) for conv in convs]
+        prompts = [encode_chat(self.tokenizer, conv, enable_thinking=enable_thinking,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message) for conv in convs]
         return self.generate(prompts, sampling_params)
 
     def _metrics(self, req: EngineRequest) -> dict[str, Any]:
@@ -242,11 +247,14 @@ def encode_text(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
-                enable_thinking: bool | None = False) -> list[int]:
-    """Token ids of one conversation through the tokenizer's chat template (generation prompt added).
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *, enable_thinking: bool | None = False,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+    """Token ids of one conversation through the tokenizer's chat template: the generation prompt
+    added, or (`continue_final_message`, vLLM's) the last message, an assistant's, left open so the
+    answer continues it.
 
-    Raises ValueError without a tokenizer, without a chat template, or for malformed messages."""
+    Raises ValueError without a tokenizer, without a chat template, for malformed messages, or for
+    both options at once or a continued message that is not the assistant's."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this target has none")
     if not getattr(tokenizer, "chat_template", None):
@@ -256,8 +264,17 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise ValueError(f"messages[{i}] must be an object with a string 'role' and a 'content'")
-    kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **kw)
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                         "(set add_generation_prompt to false to continue the last message)")
+    if continue_final_message and messages[-1]["role"] != "assistant":
+        raise ValueError(f"continue_final_message continues an assistant message; the last message's role "
+                         f"is {messages[-1]['role']!r}")
+    kw: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    if continue_final_message:
+        kw["continue_final_message"] = True
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                        tokenize=True, **kw)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]

@@ -200,6 +200,32 @@ def test_a_list_of_prompts_answers_each_prompt_n_times_in_order(srv):
     assert status == 400 and "'prompt[1]'" in r["error"]["message"]
 
 
+def test_chat_continues_the_final_message_and_drops_the_generation_prompt_when_asked(srv):
+    """vLLM's `continue_final_message` and `add_generation_prompt`: the prompt ids are the template's with
+    those options (the generation prompt "w9" gone), in /tokenize and in the completion the engine ran."""
+    with side_server(srv, tokenizer=tiny_chat_tokenizer()) as (url, app):
+        msgs = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7 w8"}]
+        want = app.tokenizer.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True,
+                                                 tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert want == [5, 6, 7, 8]
+        for opts, ids in (({}, [5, 6, 7, 8, 9]), ({"continue_final_message": True}, want),
+                          ({"add_generation_prompt": False}, [5, 6, 7, 8])):
+            assert http_json(url + "/tokenize", "POST", {"messages": msgs, **opts})[1]["tokens"] == ids, opts
+            status, r = http_json(url + "/v1/chat/completions", "POST",
+                                  {"messages": msgs, "max_tokens": 4, "temperature": 0, **opts})
+            _, c = _complete(url, prompt=ids, max_tokens=4)
+            assert status == 200 and r["usage"]["prompt_tokens"] == len(ids), r
+            assert r["choices"][0]["token_ids"] == c["choices"][0]["token_ids"]  # that prompt was decoded
+        for opts, msgs_, fragment in (
+                ({"continue_final_message": True, "add_generation_prompt": True}, msgs, "cannot both be true"),
+                ({"continue_final_message": True}, msgs[:1], "role is 'user'"),
+                ({"continue_final_message": "yes"}, msgs, "boolean")):
+            status, r = http_json(url + "/v1/chat/completions", "POST", {"messages": msgs_, **opts})
+            assert status == 400 and r["error"]["param"] == "continue_final_message", r
+            assert fragment in r["error"]["message"], r
+
+
 def test_tokenize_gives_the_ids_the_completion_routes_use_and_detokenize_inverts_it(srv):
     with side_server(srv, tokenizer=tiny_chat_tokenizer()) as (url, _):
         chat = {"messages": [{"role": "user", "content": "w5 w6 w7"}]}

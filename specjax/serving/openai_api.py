@@ -15,9 +15,10 @@ assistant, tool; `n` choices up to the engine's slots (one engine request each, 
 seed + i when a seed is given); a completion's `prompt` may be a list of up to 64 prompts (strings or
 token-id lists; choice k * n + j is prompt k's j-th, usage counts every prompt once); `stop` a string or a list; `max_completion_tokens` (chat) as
 `max_tokens`; `stream_options.include_usage` (and vLLM's `continuous_usage_stats`: every chunk carries
-its choice's usage so far). Log-probabilities (chat `logprobs` + `top_logprobs`,
+its choice's usage so far); chat's `add_generation_prompt` and `continue_final_message` (vLLM's:
+the answer continues the last, assistant message). Log-probabilities (chat `logprobs` + `top_logprobs`,
 completions `logprobs`, at most the engine's `max_logprobs`) are those of the target's distribution
-after the request's temperature, top-k and top-p, with temperature 0 read as 1 (vLLM's processed
+after the request's temperature, min-p, top-k and top-p, with temperature 0 read as 1 (vLLM's processed
 log-probabilities); speculation does not change them. Completions' `echo` puts the prompt's text
 before each choice's text and, with `logprobs`, the prompt tokens' entries before the generated ones
 (the first prompt token's log-probability and alternatives are null; the others are scored by the

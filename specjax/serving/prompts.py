@@ -60,8 +60,9 @@ def message_text(i: int, content: Any) -> str:
 
 
 def chat_prompt_ids(tokenizer: Any, body: dict[str, Any]) -> list[int]:
-    """A chat body's `messages` through the tokenizer's chat template (generation prompt added; the
-    `chat_template_kwargs` enable_thinking honoured); APIError 400 naming the message field otherwise."""
+    """A chat body's `messages` through the tokenizer's chat template (vLLM's `add_generation_prompt`,
+    default true, and `continue_final_message`; the `chat_template_kwargs` enable_thinking honoured);
+    APIError 400 naming the field otherwise."""
     msgs = body["messages"]
     if not msgs:
         raise APIError(400, "'messages' is empty", param="messages")
@@ -72,10 +73,15 @@ def chat_prompt_ids(tokenizer: Any, body: dict[str, Any]) -> list[int]:
         raise APIError(400, "the tokenizer has no chat template; use /v1/completions", param="messages")
     msgs = [{**m, "content": message_text(i, m.get("content"))} for i, m in enumerate(msgs)]
     think = body.get("chat_template_kwargs") or {}
+    gen, cont = body.get("add_generation_prompt"), bool(body.get("continue_final_message"))
+    if cont and gen is None:
+        gen = False  # continuing the last message: no new turn unless asked (then refused)
     try:
-        return encode_chat(tokenizer, msgs, enable_thinking=think.get("enable_thinking", False))
+        return encode_chat(tokenizer, msgs, enable_thinking=think.get("enable_thinking", False),
+                           add_generation_prompt=True if gen is None else bool(gen), continue_final_message=cont)
     except (ValueError, TypeError, KeyError) as e:
-        raise APIError(400, f"'messages': {e}", param="messages") from None
+        param = "continue_final_message" if "continue_final_message" in str(e) else "messages"
+        raise APIError(400, f"'{param}': {e}", param=param) from None
     except Exception as e:  # template rendering errors (jinja) are the request's fault too
         raise APIError(400, f"'messages' could not be rendered by the chat template: {e}",
                        param="messages") from None

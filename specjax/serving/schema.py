@@ -318,6 +318,10 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: pydantic.StrictBool | None = pydantic.Field(None, description=f"answer the {LOGPROBS_DOC}")
     top_logprobs: pydantic.StrictInt | None = pydantic.Field(None, description="top alternatives per token")
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: pydantic.StrictBool | None = pydantic.Field(
+        None, description="vLLM's: open the assistant's turn (default true)")
+    continue_final_message: pydantic.StrictBool | None = pydantic.Field(
+        None, description="vLLM's: continue the last message, an assistant's (add_generation_prompt then false)")
 
 
 class Usage(pydantic.BaseModel):
@@ -443,12 +447,14 @@ class Health(pydantic.BaseModel):
 
 class TokenizeRequest(_Body):
     """POST /tokenize (vLLM's): exactly one of `prompt`, read as /v1/completions reads it, or
-    `messages`, rendered as /v1/chat/completions renders them (generation prompt added)."""
+    `messages`, rendered as /v1/chat/completions renders them (with the same template options)."""
 
     model: pydantic.StrictStr | None = None
     prompt: pydantic.StrictStr | list[pydantic.StrictInt] | None = None
     messages: list[ChatMessage] | None = pydantic.Field(None, json_schema_extra={"minItems": 1})
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: pydantic.StrictBool | None = None
+    continue_final_message: pydantic.StrictBool | None = None
 
 
 class TokenizeResponse(pydantic.BaseModel):
