@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Sequence
 
@@ -33,6 +34,9 @@ class SamplingParams:
     logprobs: int | None = None  # log-probabilities of the output tokens with this many top alternatives
     ignore_eos: bool = False  # vLLM's: generate past the target's eos ids (stop_token_ids still end it)
     min_tokens: int = 0  # vLLM's: no eos, stop id or stop string ends the output before this many tokens
+    presence_penalty: float = 0.0  # vLLM's penalties, in [-2, 2] / > 0 (an LLM built with penalties=True)
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -41,6 +45,15 @@ class SamplingParams:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0, optional=True)
         _check_int("logprobs", self.logprobs, minimum=0, optional=True)
         _check_int("min_tokens", self.min_tokens, minimum=0)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
+            bad = "presence_penalty" if not -2.0 <= self.presence_penalty <= 2.0 else "frequency_penalty"
+            raise ValueError(f"{bad} must be in [-2, 2], got {getattr(self, bad)!r}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if not isinstance(self.ignore_eos, bool):
@@ -104,6 +117,8 @@ class LLM:
     sampling_variants: the round programs compiled (sampling.VARIANTS; default all three): a job
         whose requests all sample one way compiles that one (`sampling.sampling_variant`); a
         request no compiled variant covers is refused naming the setting.
+    penalties: serve `SamplingParams`' presence, frequency and repetition penalties (each slot keeps
+        its output token counts and prompt tokens on the device); off, a request that sets one is refused.
     """
 
     def __init__(self, target: Any = None, drafter: Any = None, *, tokenizer: str | None = None,
@@ -111,7 +126,7 @@ class LLM:
                  policy: str | None = None, dtype: str = "float32", mesh: Any = None, seed: int = 0,
                  max_prefill: int = 256, engine_config: EngineConfig | None = None, progress: bool = False,
                  cost_table: Any = None, threshold: float | None = None, max_logprobs: int = 0,
-                 sampling_variants: Sequence[str] | None = None):
+                 sampling_variants: Sequence[str] | None = None, penalties: bool = False):
         from specjax import checkpoints
         self.tokenizer = None
         target_dir = None
@@ -138,7 +153,8 @@ class LLM:
                 max_slots=max_num_seqs, max_len=max_model_len, gamma=num_speculative_tokens,
                 policy=policy or ("plain" if self.drafter is None else "fixed"), seed=seed,
                 max_prefill=max_prefill, threshold=threshold, max_logprobs=max_logprobs,
-                sampling_variants=VARIANTS if sampling_variants is None else tuple(sampling_variants))
+                sampling_variants=VARIANTS if sampling_variants is None else tuple(sampling_variants),
+                penalties=penalties)
         if isinstance(cost_table, (str, os.PathLike)):
             from specjax.scheduling import CostTable
             cost_table = CostTable.from_json(cost_table)
@@ -294,5 +310,7 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
     return EngineRequest(request_id=request_id, prompt_ids=ids, max_tokens=sp.max_tokens,
                          temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed,
                          stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens,
+                         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+                         repetition_penalty=sp.repetition_penalty,
                          stop_check=stop_check,
                          max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -77,16 +77,22 @@ class BigramDrafter(nnx.Module):
 
 def exact_continuations(model: CausalLM, prompt: list[int], n: int, temperature: float = 1.0,
                         top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                        held: tuple[tuple[int, ...], int] = ((), 0)) -> dict[tuple[int, ...], float]:
+                        held: tuple[tuple[int, ...], int] = ((), 0),
+                        penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)) -> dict[tuple[int, ...], float]:
     """P(x_1..x_n | prompt) for every n-token continuation, by enumeration: one full forward over
     the prompt followed by every (n-1)-token sequence, whose logits at depth d (the position after
     the prompt and x_1..x_d; causal, so it sees nothing later) give P(x_{d+1} | prompt, x_1..x_d).
-    `held` = (ids, m): those ids have probability zero at depths d < m (min_tokens m)."""
+    `held` = (ids, m): those ids have probability zero at depths d < m (min_tokens m); `penalties` =
+    vLLM's (presence, frequency, repetition) from the prompt and x_1..x_d at depth d (`penalize_logits`)."""
     v = model.config.vocab_size
     heads = list(itertools.product(range(v), repeat=n - 1))  # x_1..x_{n-1}; () when n == 1
     graphdef, state = nnx.split(model)
     toks_et = jnp.array([list(prompt) + list(h) for h in heads], jnp.int32)
     logits_edv = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t)[:, len(prompt) - 1:])(state, toks_et)
+    if penalties != (0.0, 0.0, 1.0):
+        raw = np.asarray(logits_edv, np.float64)
+        logits_edv = jnp.asarray(np.stack([[penalize_logits(raw[e, d], prompt, head[:d], *penalties)
+                                            for d in range(n)] for e, head in enumerate(heads)]), jnp.float32)
     ids, m = held
     if ids and m:
         logits_edv = logits_edv.at[:, :m, jnp.asarray(ids)].set(-jnp.inf)
@@ -99,6 +105,20 @@ def exact_continuations(model: CausalLM, prompt: list[int], n: int, temperature:
         for x in range(v):
             out[head + (x,)] = prefix * probs_edv[e, n - 1, x]
     return out
+
+
+def penalize_logits(logits_v: np.ndarray, prompt: list[int], output: Sequence[int], presence: float,
+                    frequency: float, repetition: float) -> np.ndarray:
+    """vLLM's penalties of one position's logits [V] (float64 reference): repetition divides a positive
+    logit (multiplies a negative one) of a token in the prompt or the output, frequency subtracts its
+    output count, presence subtracts once if it is in the output."""
+    v = logits_v.shape[-1]
+    counts = np.bincount(np.asarray(list(output), np.int64), minlength=v)[:v].astype(np.float64)
+    seen = np.zeros(v, bool)
+    seen[list(prompt)] = True
+    seen |= counts > 0
+    out = np.where(seen, np.where(logits_v > 0, logits_v / repetition, logits_v * repetition), logits_v)
+    return out - frequency * counts - presence * (counts > 0)
 
 
 def chi_square_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float],

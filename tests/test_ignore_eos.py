@@ -85,9 +85,9 @@ def test_ignore_eos_keeps_the_requests_own_stop_ids(case):
 
 def test_negative_control_a_device_that_ends_every_row_at_eos(case, monkeypatch):
     def prefill_honouring_eos(ctx, t_params, d_params, cache, dstate, anchors, rows, *args, attn):
-        *head, limits_4b, stops_bk, stop_ids = args
+        *head, limits_4b, stops_bk, pens_3b, stop_ids = args
         return programs.prefill(ctx, t_params, d_params, cache, dstate, anchors, rows, *head,
-                                limits_4b.at[2].set(1), stops_bk, stop_ids, attn=attn)
+                                limits_4b.at[2].set(1), stops_bk, pens_3b, stop_ids, attn=attn)
     monkeypatch.setitem(runner.FAMILIES, "prefill",
                         dataclasses.replace(runner.FAMILIES["prefill"], fn=prefill_honouring_eos))
     model, ref, eos = case

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specjax.api import SamplingParams
-from specjax.decoding import programs
+from specjax.decoding import logit_rules, programs
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.serving.schema import FieldError, parse_sampling
 
@@ -136,7 +136,7 @@ def test_sampled_outputs_follow_the_held_back_law(small):
 
 
 def test_negative_control_a_device_that_holds_nothing_back(small, monkeypatch):
-    monkeypatch.setattr(programs, "_hold_stops", lambda logits, stops, min_left: logits)
+    monkeypatch.setattr(logit_rules, "hold_stops", lambda logits, stops, min_left: logits)
     samples = _sampled(_sampling_engine(small), 2000, 2, seed0=10**6)
     assert chi_square_pvalue(samples, exact_continuations(small, [1, 5, 2], 3, held=((3,), 2))) < 1e-3
 

@@ -20,11 +20,11 @@ import numpy as np
 from flax import nnx
 
 from specjax.decoding import buckets as bk, map_budget
-from specjax.decoding.requests import (EngineRequest, Launched, check_request, held_stop_ids, seed_key_data,
+from specjax.decoding.requests import (EngineRequest, Launched, check_request, prefill_inputs, seed_key_data,
                                       token_logprobs)
 from specjax.decoding.engine_config import EngineConfig
 from specjax.decoding.profiling import target_identity
-from specjax.decoding.programs import ROW_STOP_IDS, unpack_round
+from specjax.decoding.programs import unpack_round
 from specjax.decoding.runner import Runner, bucket_key
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.models.decoder import CausalLM
@@ -70,7 +70,7 @@ class Engine:
         self.runner = Runner(target, drafter, slots=slots, max_len=max_len, gamma=self.gamma,
                              stop_ids=self.eos_token_ids, verifier=verifier, cache_dtype=config.cache_dtype,
                              mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap,
-                             attention=config.attention, mlp=config.mlp)
+                             attention=config.attention, mlp=config.mlp, penalties=config.penalties)
         self.lengths = np.zeros((slots,), np.int64)  # committed cache rows per slot
         self.slot_req: list[EngineRequest | None] = [None] * slots
         self.queue: list[EngineRequest] = []
@@ -213,7 +213,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineRequest) -> None:
         check_request(req, max_len=self.cfg.max_len, vocab=self.target_config.vocab_size,
-                      top_k_cap=self.cfg.top_k_cap, max_logprobs=self.cfg.max_logprobs)
+                      top_k_cap=self.cfg.top_k_cap, max_logprobs=self.cfg.max_logprobs, penalties=self.cfg.penalties)
         self.round_variant(req.temperature, req.top_k, req.top_p, req.min_p)  # refuses a variant not compiled
         req.metrics.start_time = time.perf_counter()
         self.queue.append(req)
@@ -274,24 +274,10 @@ class Engine:
             pb = bk.pick(self.prefill_batches, len(todo), what="prefill batch")
             chunk_lens = [min(biggest, len(batch[i].prompt_ids) - offsets[i]) for i in todo]
             plen = bk.pick(self.buckets.prefill, max(chunk_lens), what="prompt chunk length")
-            toks = np.zeros((pb, plen), np.int32)
-            ints = np.zeros((4, pb), np.int32)  # n_valid, slot, start, top_k
-            ints[1] = self.cfg.max_slots  # padding rows point past the last slot: dropped
-            floats = np.repeat(np.array([[1.0], [1.0], [0.0]], np.float32), pb, axis=1)  # temperature, top_p, min_p
-            key_data = np.zeros((pb, 2), np.uint32)
-            limits = np.zeros((4, pb), np.int32)  # max_tokens, draft cap, eos_stops, min_tokens
-            stops = np.full((pb, ROW_STOP_IDS), -1, np.int32)
-            for row, (i, n) in enumerate(zip(todo, chunk_lens)):
-                r = batch[i]
-                toks[row, :n] = r.prompt_ids[offsets[i]:offsets[i] + n]
-                ints[:, row] = n, r.slot, offsets[i], r.top_k
-                floats[:, row] = r.temperature, r.top_p, r.min_p
-                key_data[row] = self._key_data[r.slot]
-                limits[:, row] = r.max_tokens, self._draft_cap(r), not r.ignore_eos, r.min_tokens
-                stops[row] = held_stop_ids(r)
+            chunks = [(batch[i], offsets[i], n, self._draft_cap(batch[i]), self._key_data[batch[i].slot])
+                      for i, n in zip(todo, chunk_lens)]
             attn = self._attention_bucket(max(offsets[i] + n for i, n in zip(todo, chunk_lens)))
-            outs = self.runner.run("prefill", (pb, plen, attn), tokens_bt=toks, ints_4b=ints, floats_3b=floats,
-                                   keys_b2=key_data, limits_4b=limits, stops_bk=stops)
+            outs = self.runner.run("prefill", (pb, plen, attn), **prefill_inputs(chunks, pb, plen, self.cfg.max_slots))
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 offsets[i] += n
                 if offsets[i] == len(batch[i].prompt_ids):

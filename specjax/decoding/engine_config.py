@@ -34,6 +34,9 @@ class EngineConfig:
     # target's, and a drafter's that lists it in `attention_implementations`)
     mlp: str = "xla"  # MLPs' gate/up products and SiLU gate: "xla" ops or a "pallas" kernel (the target's in
     # every call, and a drafter's that lists it in `mlp_implementations`)
+    # presence, frequency and repetition penalties served (vLLM's): each slot keeps its output token counts
+    # and prompt tokens ([slots, vocab] each) and every sampled position is penalised; off, they are refused
+    penalties: bool = False
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,

@@ -35,6 +35,11 @@ floats_3b = (temperature, top_p, min_p), the rows' raw key data keys_b2, limits_
 cap, eos_stops, min_tokens) and stops_bk, the rows' own stop ids (-1 padding; rows with min_tokens).
 While a row has emitted fewer than min_tokens tokens, every program that samples it gives its stop ids
 (the engine's eos ids unless it ignores them, and its own) probability zero at those positions.
+With `Context.penalties` prefill also takes pens_3b = (presence, frequency, repetition penalty), and
+every sampled position's logits are penalised as vLLM does, from the row's prompt tokens and its
+output tokens up to that position (its committed output and the drafts before it): repetition
+divides a positive logit of a prompt or output token (multiplies a negative one), frequency subtracts
+its output count, presence subtracts once if it occurred in the output.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.decoding import logit_rules as lr
 from specjax.decoding.verify import VerifyResult
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.models import cache as kvc
@@ -69,12 +75,18 @@ class RowState(NamedTuple):
     floats_3s: Array  # float32 [3, slots]: temperature, top_p, min_p
     keys_s2: Array  # uint32 [slots, 2]: raw threefry key data of each row's base key
     stops_sk: Array  # int32 [slots, ROW_STOP_IDS]: the row's own stop ids, -1 padding (set with min_tokens)
+    pens_3s: Array  # float32 [3, slots]: presence, frequency, repetition penalty (read with Context.penalties)
+    counts_sv: Array  # int32 [slots, V]: output token counts ([slots, 0] without Context.penalties)
+    prompt_sv: Array  # bool [slots, V]: the prompt's tokens ([slots, 0] without Context.penalties)
 
     @classmethod
-    def init(cls, slots: int) -> "RowState":
+    def init(cls, slots: int, penalty_vocab: int = 0) -> "RowState":
+        """Empty rows; `penalty_vocab` the target's vocabulary with penalties, else 0."""
         floats = jnp.asarray([[1.0], [1.0], [0.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
+        pens = jnp.asarray([[0.0], [0.0], [1.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
         return cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), floats,
-                   jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots, ROW_STOP_IDS), -1, jnp.int32))
+                   jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots, ROW_STOP_IDS), -1, jnp.int32), pens,
+                   jnp.zeros((slots, penalty_vocab), jnp.int32), jnp.zeros((slots, penalty_vocab), bool))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -94,6 +106,7 @@ class Context:
     top_k_cap: int = DEFAULT_TOP_K_CAP  # the filtered variant's lax.top_k size
     attention: str = "xla"  # cached attention (the target's, and a drafter's that has it): XLA's ops or Pallas kernels
     mlp: str = "xla"  # gate/up products and SiLU gate (the target's, and a drafter's that has it): XLA's ops or the kernel
+    penalties: bool = False  # sampled logits get the rows' presence, frequency and repetition penalties
     cache_shardings: Any = None  # state shardings under a mesh (None without one)
     dstate_shardings: Any = None
     replicated: Any = None
@@ -185,15 +198,6 @@ def _row_stops(stop_ids_e: Array, eos_stops_b: Array) -> Array:
     return jnp.where(eos_stops_b[:, None] > 0, stop_ids_e[None, :], -1)
 
 
-def _hold_stops(logits_btv: Array, stop_bs: Array, min_left_b: Array) -> Array:
-    """min_tokens: logits [b, t, V] with the stop ids stop_bs [b, S] (-1 padding) of each row at -inf at
-    the positions t < min_left_b [b] (position t emits the row's next min_left-th token or later)."""
-    t, v = logits_btv.shape[1:]
-    ban_bv = jnp.any(stop_bs[:, :, None] == jnp.arange(v, dtype=jnp.int32), axis=1)  # no scatter: fuses
-    held_bt = jnp.arange(t, dtype=jnp.int32)[None, :] < min_left_b[:, None]
-    return jnp.where(held_bt[:, :, None] & ban_bv[:, None, :], -jnp.inf, logits_btv)
-
-
 def _advance(ctx: Context, rows: RowState, res: VerifyResult, active_b: Array, new_len_b: Array,
              stop_be: Array) -> tuple[RowState, Array, Array]:
     """The row state after a round: counter + 1 and tokens wanted - emitted for active rows, which
@@ -257,7 +261,10 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=ctx.tap_layers if maintain else (),
                          logits="all", kv_len=attn, attention=ctx.attention, mlp=ctx.mlp)
     stop_be = _row_stops(stop_ids, rows.ints_7s[5, :sb])
-    logits = _hold_stops(out.logits, jnp.concatenate([stop_be, rows.stops_sk[:sb]], 1), rows.ints_7s[6, :sb])
+    logits = out.logits
+    if ctx.penalties:
+        logits = lr.penalize(logits, rows.counts_sv[:sb], rows.prompt_sv[:sb], rows.pens_3s[:, :sb], toks)
+    logits = lr.hold_stops(logits, jnp.concatenate([stop_be, rows.stops_sk[:sb]], 1), rows.ints_7s[6, :sb])
     p = probs_from_logits(logits, sa)  # [sb, tb, V]
     q_ids = None if tb == 1 else _q_ids(ctx, d_params)
     if tb == 1:  # plain decoding: no drafts; the chain rule reduces to sampling from the target
@@ -272,6 +279,8 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     new_anchor = jnp.where(active_b & (res.next_token >= 0), res.next_token, anchor_b)
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors.at[:sb].set(new_anchor))
     rows, emitted, live = _advance(ctx, rows, res, active_b, start_b + n_commit, stop_be)
+    if ctx.penalties:
+        rows = ctx.replicate(rows._replace(counts_sv=lr.count_emitted(rows.counts_sv, res.tokens, emitted)))
     outs = {"packed": _pack(emitted, res, ell_b, live, conf_bg)}
     if logprobs:
         outs.update(_logprobs(ctx, logits, sa, res.tokens))
@@ -392,7 +401,7 @@ def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, e
 
 
 def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, tokens_bt, ints_4b, floats_3b, keys_b2,
-            limits_4b, stops_bk, stop_ids, *, attn: int):
+            limits_4b, stops_bk, pens_3b, stop_ids, *, attn: int):
     """Prefill P prompt chunks into slots (an id >= slots marks a padding row); samples each first token
     and writes each row's state (active unless the first token ends the request, counter 0, tokens
     still wanted, draft cap, whether eos ends it, min_tokens still to emit, own stop ids, sampling
@@ -420,7 +429,16 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
         dstate = jax.tree.map(lambda x, s_, a: x.at[(slice(None),) * a + (slot_p,)].set(s_, mode="drop"),
                               dstate, sub, axes)
     stop_pe = _row_stops(stop_ids, limits_4b[2])
-    logits = _hold_stops(out.logits, jnp.concatenate([stop_pe, stops_bk], 1), limits_4b[3])  # [P, 1, V]
+    logits = out.logits  # [P, 1, V]
+    prompt_pv = counts_pv = None
+    if ctx.penalties:  # the prompt so far: earlier chunks' tokens (a row that starts at 0 has none) and this one's
+        v = logits.shape[-1]
+        old = jnp.take(rows.prompt_sv, slot_p, axis=0, mode="clip") & (start_p > 0)[:, None]
+        chunk = jnp.where(jnp.arange(plen)[None, :] < n_valid_p[:, None], tokens_bt, v)
+        prompt_pv = old.at[jnp.arange(pb)[:, None], chunk].set(True, mode="drop")
+        counts_pv = jnp.zeros((pb, v), jnp.int32)
+        logits = lr.penalize(logits, counts_pv, prompt_pv, pens_3b, tokens_bt[:, :1])
+    logits = lr.hold_stops(logits, jnp.concatenate([stop_pe, stops_bk], 1), limits_4b[3])
     p = probs_from_logits(logits[:, 0], sa)  # [P, V]
     tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p)
     anchors = anchors.at[slot_p].set(tok, mode="drop")
@@ -428,10 +446,16 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
     live = (limits_4b[0] > 1) & ~_is_stop(tok, stop_pe)
     ints = jnp.stack([live.astype(jnp.int32), jnp.zeros_like(tok), ints_4b[3], limits_4b[0] - 1, limits_4b[1],
                       limits_4b[2], jnp.maximum(limits_4b[3] - 1, 0)])
-    rows = ctx.replicate(RowState(rows.ints_7s.at[:, slot_p].set(ints, mode="drop"),
-                                  rows.floats_3s.at[:, slot_p].set(floats_3b, mode="drop"),
-                                  rows.keys_s2.at[slot_p].set(keys_b2, mode="drop"),
-                                  rows.stops_sk.at[slot_p].set(stops_bk, mode="drop")))
+    rows = RowState(rows.ints_7s.at[:, slot_p].set(ints, mode="drop"),
+                    rows.floats_3s.at[:, slot_p].set(floats_3b, mode="drop"),
+                    rows.keys_s2.at[slot_p].set(keys_b2, mode="drop"),
+                    rows.stops_sk.at[slot_p].set(stops_bk, mode="drop"),
+                    rows.pens_3s.at[:, slot_p].set(pens_3b, mode="drop"), rows.counts_sv, rows.prompt_sv)
+    if ctx.penalties:  # the first token is the output's first
+        rows = rows._replace(counts_sv=rows.counts_sv.at[slot_p].set(lr.count_emitted(counts_pv, tok[:, None],
+                                                                                     jnp.ones_like(tok)), mode="drop"),
+                             prompt_sv=rows.prompt_sv.at[slot_p].set(prompt_pv, mode="drop"))
+    rows = ctx.replicate(rows)
     return cache, dstate, anchors, rows, {"tokens": tok[:, None], "live": live,
                                           **_logprobs(ctx, logits, sa, tok[:, None])}
 

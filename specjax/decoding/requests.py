@@ -10,6 +10,8 @@ import numpy as np
 
 from specjax.decoding.programs import ROW_STOP_IDS
 
+PENALTY_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}  # name: off
+
 
 @dataclasses.dataclass
 class RequestMetrics:
@@ -103,6 +105,9 @@ class EngineRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # the engine's eos ids do not end this request (its stop_token_ids still do)
     min_tokens: int = 0  # tokens emitted before a stop id may be drawn (or a stop string end the output)
+    presence_penalty: float = 0.0  # vLLM's penalties (an engine with EngineConfig.penalties)
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     stop_check: Callable[[list[int], int], int | None] | None = None  # (output, min_tokens) -> tokens to keep, if a stop hit
     max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
@@ -124,7 +129,8 @@ def token_logprobs(req: EngineRequest, outs: dict[str, Any], row: int, n: int
              outs["top_logprob"][row, j, :k].tolist()) for j in range(n)]
 
 
-def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: int, max_logprobs: int) -> None:
+def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: int, max_logprobs: int,
+                  penalties: bool = False) -> None:
     """Refuse a request an engine of these limits cannot serve (a ValueError naming the field)."""
     n = len(req.prompt_ids)
     if n == 0:
@@ -140,6 +146,10 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
     if not 0 <= req.min_tokens <= req.max_tokens:
         raise ValueError(f"request {req.request_id}: min_tokens must be in [0, max_tokens = {req.max_tokens}], "
                          f"got {req.min_tokens}")
+    asked = [f for f, off in PENALTY_FIELDS.items() if getattr(req, f) != off]
+    if asked and not penalties:
+        raise ValueError(f"request {req.request_id}: {asked[0]} needs an engine with penalties "
+                         f"(EngineConfig.penalties; the server's --penalties)")
     if req.min_tokens and len(req.stop_token_ids) > ROW_STOP_IDS:
         raise ValueError(f"request {req.request_id}: with min_tokens at most {ROW_STOP_IDS} stop_token_ids are "
                          f"held back (the device's per-row limit), got {len(req.stop_token_ids)}")
@@ -160,6 +170,30 @@ def held_stop_ids(req: EngineRequest) -> np.ndarray:
     if req.min_tokens:
         out[:len(req.stop_token_ids)] = req.stop_token_ids
     return out
+
+
+def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]], pb: int, plen: int,
+                   slots: int) -> dict[str, np.ndarray]:
+    """The prefill program's per-call inputs for prompt chunks (request, offset, length, draft cap,
+    key data), padded to `pb` rows (padding rows point past the last of `slots`: dropped) of `plen`."""
+    toks = np.zeros((pb, plen), np.int32)
+    ints = np.zeros((4, pb), np.int32)  # n_valid, slot, start, top_k
+    ints[1] = slots
+    floats = np.repeat(np.array([[1.0], [1.0], [0.0]], np.float32), pb, axis=1)  # temperature, top_p, min_p
+    key_data = np.zeros((pb, 2), np.uint32)
+    limits = np.zeros((4, pb), np.int32)  # max_tokens, draft cap, eos_stops, min_tokens
+    stops = np.full((pb, ROW_STOP_IDS), -1, np.int32)
+    pens = np.repeat(np.array([[0.0], [0.0], [1.0]], np.float32), pb, axis=1)  # presence, frequency, repetition
+    for row, (r, offset, n, draft_cap, key) in enumerate(chunks):
+        toks[row, :n] = r.prompt_ids[offset:offset + n]
+        ints[:, row] = n, r.slot, offset, r.top_k
+        floats[:, row] = r.temperature, r.top_p, r.min_p
+        key_data[row] = key
+        limits[:, row] = r.max_tokens, draft_cap, not r.ignore_eos, r.min_tokens
+        stops[row] = held_stop_ids(r)
+        pens[:, row] = r.presence_penalty, r.frequency_penalty, r.repetition_penalty
+    return {"tokens_bt": toks, "ints_4b": ints, "floats_3b": floats, "keys_b2": key_data, "limits_4b": limits,
+            "stops_bk": stops, "pens_3b": pens}
 
 
 def seed_key_data(seed: int) -> np.ndarray:

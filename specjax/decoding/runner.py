@@ -49,7 +49,7 @@ _ROUND = ("rows", "tokens", "logprobs", "attn", "variant")  # the bucket key of 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("prefill", programs.prefill,
            ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_3b", "keys_b2", "limits_4b", "stops_bk",
-            "stop_ids"),
+            "pens_3b", "stop_ids"),
            (*_STATE, "first"), ("rows", "plen", "attn"), donate=_STATE, static=("attn",)),
     Family("lite", programs.lite,
            ("t_params", "cache", "anchors", "row_state", "ell_b", "stop_ids"),
@@ -89,6 +89,7 @@ INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "ell_b": lambda d: ((d["rows"],), jnp.int32),
     "limits_4b": lambda d: ((4, d["rows"]), jnp.int32),
     "stops_bk": lambda d: ((d["rows"], programs.ROW_STOP_IDS), jnp.int32),
+    "pens_3b": lambda d: ((3, d["rows"]), jnp.float32),
     "free_s": lambda d: ((d["rows"],), jnp.int32),
     "ints_4b": lambda d: ((4, d["rows"]), jnp.int32),
     "floats_3b": lambda d: ((3, d["rows"]), jnp.float32),
@@ -168,7 +169,7 @@ class Runner:
     def __init__(self, target: Any, drafter: Any, *, slots: int, max_len: int, gamma: int,
                  stop_ids: Sequence[int], verifier: Callable[..., Any], cache_dtype: str | None = None,
                  mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, top_k_cap: int = DEFAULT_TOP_K_CAP,
-                 attention: str = "xla", mlp: str = "xla", allocate: bool = True):
+                 attention: str = "xla", mlp: str = "xla", penalties: bool = False, allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
         # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops
         self.mesh, self.gamma, self.max_len = mesh, gamma, max_len
@@ -184,7 +185,7 @@ class Runner:
         else:
             d_graph, d_params, dstate = None, nnx.State({}), ()
         anchors = make(lambda: jnp.zeros((slots,), jnp.int32))
-        row_state = make(lambda: programs.RowState.init(slots))
+        row_state = make(lambda: programs.RowState.init(slots, target.config.vocab_size if penalties else 0))
         shardings: dict[str, Any] = {}
         if mesh is not None:
             t_params = shd.shard_state(t_params, mesh, "serve")
@@ -209,7 +210,7 @@ class Runner:
         if mlp == "pallas":
             check_mlp_sizes(target.config.hidden_size, target.config.intermediate_size)
         ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
-                               top_k_cap, attention, mlp, **shardings)
+                               top_k_cap, attention, mlp, penalties, **shardings)
         self.exes = {name: Executables(name, ctx) for name in FAMILIES}
 
     @property

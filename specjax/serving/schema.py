@@ -21,13 +21,13 @@ from specjax.api import SamplingParams
 # what the engine's per-row float32 / int32 arrays hold: larger values are refused, naming the field
 _ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tokens": (1 << 31) - 1}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop", "stop_token_ids", "seed",
-                   "num_speculative_tokens", "ignore_eos", "min_tokens")
+                   "num_speculative_tokens", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
 
 # OpenAI and vLLM request fields that change what is generated and that this server does not serve:
 # the values that mean "off" pass, anything else is refused naming the field (never ignored)
 UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False), "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "logit_bias": (None, {}),
+    "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False), "logit_bias": (None, {}),
     "bad_words": (None, []), "allowed_token_ids": (None,),
     "logits_processors": (None, []), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
@@ -76,10 +76,16 @@ class SamplingFields(pydantic.BaseModel):
     num_speculative_tokens: int | None = None
     min_tokens: int | None = pydantic.Field(None, description="vLLM's: no eos, stop id or stop string ends the answer "
                                                              "before this many tokens")
+    presence_penalty: float | None = pydantic.Field(None, description="subtracted once from the logit of a token "
+                                                                    "in the output so far (a server with --penalties)")
+    frequency_penalty: float | None = pydantic.Field(None, description="subtracted per occurrence in the output")
+    repetition_penalty: float | None = pydantic.Field(None, description="vLLM's: divides a positive logit (multiplies "
+                                                                      "a negative one) of a prompt or output token")
     ignore_eos: bool | None = pydantic.Field(None, description="vLLM's: generate past the model's eos ids (max_tokens, "
                                                               "stop and stop_token_ids still end the answer)")
 
-    @pydantic.field_validator("temperature", "top_p", "min_p", mode="before")
+    @pydantic.field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                              "repetition_penalty", mode="before")
     @classmethod
     def _numbers(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         return _number(info.field_name, v)
@@ -261,7 +267,9 @@ class _GenerationRequest(SamplingFields):
 
 
 _LIMITS = {"temperature": {"minimum": 0, "maximum": _ENGINE_MAX["temperature"]},
-           "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1, "maximum": _ENGINE_MAX["top_k"]},
+           "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "min_p": {"minimum": 0, "maximum": 1},
+           "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
+           "repetition_penalty": {"exclusiveMinimum": 0}, "top_k": {"minimum": -1, "maximum": _ENGINE_MAX["top_k"]},
            "max_tokens": {"minimum": 1}, "min_tokens": {"minimum": 0}, "seed": {"minimum": 0, "maximum": _SEED_MAX},
            "num_speculative_tokens": {"minimum": 0, "maximum": _ENGINE_MAX["num_speculative_tokens"]}, "n": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
            "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}, "logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}}

@@ -1,0 +1,64 @@
+"""Per-row rules applied to the target's logits before a position is sampled (prefill's first token,
+every verified position of a round), so target and verification see the same distribution:
+`hold_stops` (min_tokens: a row's stop ids at -inf until it has emitted that many tokens) and
+`penalize` (vLLM's presence, frequency and repetition penalties from the row's prompt and its output up
+to each position, drafts included); `count_emitted` keeps the output counts the penalties read.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def hold_stops(logits_btv: Array, stop_bs: Array, min_left_b: Array) -> Array:
+    """min_tokens: logits [b, t, V] with the stop ids stop_bs [b, S] (-1 padding) of each row at -inf at
+    the positions t < min_left_b [b] (position t emits the row's next min_left-th token or later)."""
+    t, v = logits_btv.shape[1:]
+    ban_bv = jnp.any(stop_bs[:, :, None] == jnp.arange(v, dtype=jnp.int32), axis=1)  # no scatter: fuses
+    held_bt = jnp.arange(t, dtype=jnp.int32)[None, :] < min_left_b[:, None]
+    return jnp.where(held_bt[:, :, None] & ban_bv[:, None, :], -jnp.inf, logits_btv)
+
+
+def penalty(logits: Array, count: Array, in_prompt: Array, pens_3b: Array) -> Array:
+    """vLLM's penalties of logits [b, ...] for tokens with output `count` and prompt flag `in_prompt`
+    (same shape), pens_3b = (presence, frequency, repetition) per row."""
+    pres, freq, rep = (pens_3b[i].reshape((-1,) + (1,) * (logits.ndim - 1)) for i in range(3))
+    n = count.astype(jnp.float32)
+    seen = in_prompt | (count > 0)
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - freq * n - pres * (count > 0)
+
+
+def penalize(logits_btv: Array, counts_bv: Array, prompt_bv: Array, pens_3b: Array, toks_bt: Array) -> Array:
+    """Penalised logits of a verify pass over toks [anchor, d_1..d_{t-1}]: position j's output so far
+    is the row's committed output (counts_bv, the anchor included) and the drafts d_1..d_j. Every token
+    takes its committed count; the drafts' own entries are then recomputed with the drafts before
+    each position (a gather and a scatter of [b, t, t-1], no [b, t, V] count array)."""
+    b, t, v = logits_btv.shape
+    base = penalty(logits_btv, counts_bv[:, None, :], prompt_bv[:, None, :], pens_3b)
+    if t == 1:
+        return base
+    d_bk = toks_bt[:, 1:]  # [b, t-1] the drafts
+    ids = jnp.clip(d_bk, 0, v - 1)
+    same_bkk = d_bk[:, :, None] == d_bk[:, None, :]  # [b, k, k']: draft k' is the same token as draft k
+    upto_tk = jnp.arange(1, t)[None, :] <= jnp.arange(t)[:, None]  # [t, k']: draft k' precedes position j's token
+    extra_btk = jnp.einsum("bkc,tc->btk", same_bkk.astype(jnp.int32), upto_tk.astype(jnp.int32))
+    count_btk = jnp.take_along_axis(counts_bv, ids, axis=1)[:, None, :] + extra_btk
+    prompt_btk = jnp.take_along_axis(prompt_bv, ids, axis=1)[:, None, :]
+    raw_btk = jnp.take_along_axis(logits_btv, jnp.broadcast_to(ids[:, None, :], (b, t, t - 1)), axis=2)
+    fixed = penalty(raw_btk, count_btk, jnp.broadcast_to(prompt_btk, count_btk.shape), pens_3b)
+    rows = jnp.arange(b)[:, None, None]
+    pos = jnp.arange(t)[None, :, None]
+    cols = jnp.where(d_bk >= 0, d_bk, v)[:, None, :]  # a negative draft id is dropped
+    return base.at[rows, pos, cols].set(fixed, mode="drop")
+
+
+def count_emitted(counts_sv: Array, tokens_bt: Array, emitted_b: Array) -> Array:
+    """counts_sv with each row's first emitted_b tokens of tokens_bt added (rows [0:b])."""
+    b, t = tokens_bt.shape
+    v = counts_sv.shape[1]
+    valid = (jnp.arange(t)[None, :] < emitted_b[:, None]) & (tokens_bt >= 0)
+    cols = jnp.where(valid, tokens_bt, v)
+    return counts_sv.at[jnp.arange(b)[:, None], cols].add(1, mode="drop")
