@@ -289,8 +289,8 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
 
 def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array) -> dict[str, Array]:
     """With `max_logprobs` K > 0: log-probabilities of `tokens` [B, T] and the top K alternatives under
-    the target's distribution after the request's temperature, min-p, top-k and top-p (temperature 0 read
-    as 1), at the positions that emitted them ({} when K = 0). Each position's distribution depends
+    `logits` (the rows' logit rules applied, except in score) after the request's temperature, min-p,
+    top-k and top-p (temperature 0 read as 1), at the positions that emitted them ({} when K = 0). Each position's distribution depends
     only on the prefix, so speculation does not change the values. Rounds call it only when their
     static `logprobs` is set; prefill (one position per prompt) and score always do."""
     if ctx.max_logprobs == 0:

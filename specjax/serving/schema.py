@@ -186,7 +186,8 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
 
 MAX_TOP_LOGPROBS = 20
 LOGPROBS_DOC = ("log-probabilities of the output tokens under the target's distribution after the request's "
-                "temperature, min-p, top-k and top-p (temperature 0 read as 1); -9999 stands for -inf")
+                "penalties and min_tokens hold, temperature, min-p, top-k and top-p (temperature 0 read as 1; "
+                "echo's prompt tokens: without penalties); -9999 stands for -inf")
 _SEED_MAX = (1 << 63) - 1
 
 
