@@ -75,18 +75,22 @@ class RowState(NamedTuple):
     floats_3s: Array  # float32 [3, slots]: temperature, top_p, min_p
     keys_s2: Array  # uint32 [slots, 2]: raw threefry key data of each row's base key
     stops_sk: Array  # int32 [slots, ROW_STOP_IDS]: the row's own stop ids, -1 padding (set with min_tokens)
-    pens_3s: Array  # float32 [3, slots]: presence, frequency, repetition penalty (read with Context.penalties)
-    counts_sv: Array  # int32 [slots, V]: output token counts ([slots, 0] without Context.penalties)
-    prompt_sv: Array  # bool [slots, V]: the prompt's tokens ([slots, 0] without Context.penalties)
+    # with Context.penalties only (None otherwise: an engine without penalties carries nothing for them)
+    pens_3s: Array | None = None  # float32 [3, slots]: presence, frequency, repetition penalty
+    counts_sv: Array | None = None  # int32 [slots, V]: output token counts
+    prompt_sv: Array | None = None  # bool [slots, V]: the prompt's tokens
 
     @classmethod
     def init(cls, slots: int, penalty_vocab: int = 0) -> "RowState":
-        """Empty rows; `penalty_vocab` the target's vocabulary with penalties, else 0."""
+        """Empty rows; `penalty_vocab` the target's vocabulary with penalties, else 0 (no penalty state)."""
         floats = jnp.asarray([[1.0], [1.0], [0.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
+        rows = cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), floats,
+                   jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots, ROW_STOP_IDS), -1, jnp.int32))
+        if not penalty_vocab:
+            return rows
         pens = jnp.asarray([[0.0], [0.0], [1.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
-        return cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), floats,
-                   jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots, ROW_STOP_IDS), -1, jnp.int32), pens,
-                   jnp.zeros((slots, penalty_vocab), jnp.int32), jnp.zeros((slots, penalty_vocab), bool))
+        return rows._replace(pens_3s=pens, counts_sv=jnp.zeros((slots, penalty_vocab), jnp.int32),
+                             prompt_sv=jnp.zeros((slots, penalty_vocab), bool))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -446,14 +450,14 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
     live = (limits_4b[0] > 1) & ~_is_stop(tok, stop_pe)
     ints = jnp.stack([live.astype(jnp.int32), jnp.zeros_like(tok), ints_4b[3], limits_4b[0] - 1, limits_4b[1],
                       limits_4b[2], jnp.maximum(limits_4b[3] - 1, 0)])
-    rows = RowState(rows.ints_7s.at[:, slot_p].set(ints, mode="drop"),
-                    rows.floats_3s.at[:, slot_p].set(floats_3b, mode="drop"),
-                    rows.keys_s2.at[slot_p].set(keys_b2, mode="drop"),
-                    rows.stops_sk.at[slot_p].set(stops_bk, mode="drop"),
-                    rows.pens_3s.at[:, slot_p].set(pens_3b, mode="drop"), rows.counts_sv, rows.prompt_sv)
+    rows = rows._replace(ints_7s=rows.ints_7s.at[:, slot_p].set(ints, mode="drop"),
+                         floats_3s=rows.floats_3s.at[:, slot_p].set(floats_3b, mode="drop"),
+                         keys_s2=rows.keys_s2.at[slot_p].set(keys_b2, mode="drop"),
+                         stops_sk=rows.stops_sk.at[slot_p].set(stops_bk, mode="drop"))
     if ctx.penalties:  # the first token is the output's first
-        rows = rows._replace(counts_sv=rows.counts_sv.at[slot_p].set(lr.count_emitted(counts_pv, tok[:, None],
-                                                                                     jnp.ones_like(tok)), mode="drop"),
+        first = lr.count_emitted(counts_pv, tok[:, None], jnp.ones_like(tok))
+        rows = rows._replace(pens_3s=rows.pens_3s.at[:, slot_p].set(pens_3b, mode="drop"),
+                             counts_sv=rows.counts_sv.at[slot_p].set(first, mode="drop"),
                              prompt_sv=rows.prompt_sv.at[slot_p].set(prompt_pv, mode="drop"))
     rows = ctx.replicate(rows)
     return cache, dstate, anchors, rows, {"tokens": tok[:, None], "live": live,
