@@ -75,6 +75,18 @@ class BigramDrafter(nnx.Module):
         return DraftBlock(jnp.moveaxis(toks, 0, 1), jnp.moveaxis(qs, 0, 1), conf)
 
 
+def chain_drafter(vocab: int, gamma: int, chain: list[int]) -> "BigramDrafter":
+    """A bigram drafter whose greedy draws follow `chain` (a prompt's last token, then the tokens a test
+    expects): each token's successor in it, the last one where a token recurs."""
+    table = np.zeros((vocab, vocab), np.float32)
+    for a, b in zip(chain, chain[1:]):
+        table[a] = 0.0
+        table[a, b] = 30.0
+    drafter = BigramDrafter(vocab, gamma)
+    drafter.table[...] = table
+    return drafter
+
+
 def exact_continuations(model: CausalLM, prompt: list[int], n: int, temperature: float = 1.0,
                         top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                         held: tuple[tuple[int, ...], int] = ((), 0),

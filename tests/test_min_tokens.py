@@ -13,7 +13,8 @@ from specjax.decoding import logit_rules, programs
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.serving.schema import FieldError, parse_sampling
 
-from engine_fixtures import BigramDrafter, chi_square_pvalue, exact_continuations, small_engine, tiny_target
+from engine_fixtures import (BigramDrafter, chain_drafter, chi_square_pvalue, exact_continuations, small_engine,
+                             tiny_target)
 from test_engine import greedy_reference
 
 V, GAMMA, N, M = 64, 3, 14, 6
@@ -63,15 +64,8 @@ def case():
 
 
 def _oracle(chain_tokens: list[int]) -> BigramDrafter:
-    """A bigram drafter whose greedy draws follow `chain_tokens` after PROMPT (each token's successor)."""
-    chain = [PROMPT[-1]] + chain_tokens
-    table = np.zeros((V, V), np.float32)
-    for a, b in zip(chain, chain[1:]):
-        table[a] = 0.0
-        table[a, b] = 30.0
-    drafter = BigramDrafter(V, GAMMA)
-    drafter.table[...] = table
-    return drafter
+    """A bigram drafter whose greedy draws follow `chain_tokens` after PROMPT."""
+    return chain_drafter(V, GAMMA, [PROMPT[-1]] + chain_tokens)
 
 
 def _engine(model, drafter, eos: int) -> Engine:
