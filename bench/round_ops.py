@@ -362,10 +362,10 @@ def compiled_report(lowered: Any, compiler_options: dict[str, Any] | None = None
 
 
 def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0, max_logprobs: int = 0,
-                    mesh: Any = None, attention: str = "xla", mlp: str = "xla") -> Any:
+                    mesh: Any = None, attention: str = "xla", mlp: str = "xla", penalties: bool = False) -> Any:
     """The runner of an engine with this target and drafter shape (a draft vocabulary of
-    `draft_vocab` tokens, 0 = none), its state abstract (no memory), placed on `mesh` when given
-    (e.g. a compile-only GPU's, `compile_target.compile_only_mesh`)."""
+    `draft_vocab` tokens, 0 = none; `penalties`: EngineConfig.penalties), its state abstract (no
+    memory), placed on `mesh` when given (e.g. a compile-only GPU's, `compile_target.compile_only_mesh`)."""
     import numpy as np
     from flax import nnx
 
@@ -390,7 +390,7 @@ def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0
     target, drafter = nnx.eval_shape(build)
     return Runner(target, drafter, slots=slots, max_len=max_len, gamma=shape.gamma, stop_ids=(0,),
                   verifier=verify_chain, cache_dtype=shape.dtype, max_logprobs=max_logprobs, mesh=mesh,
-                  attention=attention, mlp=mlp, allocate=False)
+                  attention=attention, mlp=mlp, penalties=penalties, allocate=False)
 
 
 def bucket_key(runner: Any, family: str, slots: int, variant: str, logprobs: bool = False) -> tuple[Any, ...]:
@@ -402,7 +402,7 @@ def bucket_key(runner: Any, family: str, slots: int, variant: str, logprobs: boo
 def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FAMILY_ORDER,
             variants: Sequence[str] = ("greedy", "plain", "filtered"), draft_vocab: int = 0,
             max_logprobs: int = 0, mesh: Any = None, attention: str = "xla", mlp: str = "xla",
-            compiler_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+            compiler_options: dict[str, Any] | None = None, penalties: bool = False) -> list[dict[str, Any]]:
     """One row per family and variant (and, with max_logprobs > 0, per round family in the widest
     variant with log-probabilities on): HLO counts, bytes accessed per call and the bytes it is
     measured against; compiled for `mesh`'s devices when given, else the default backend, with XLA
@@ -411,7 +411,7 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
 
     from bench.common import log
     from specjax.decoding.runner import FAMILIES
-    runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs, mesh, attention, mlp)
+    runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs, mesh, attention, mlp, penalties)
     options = dict(compiler_options or {})
     layers = shape.target["num_hidden_layers"]
     rows = []
@@ -453,7 +453,8 @@ def _markdown(res: dict[str, Any]) -> str:
     title = "Round programs: ops per layer, branches and bytes (compiled, abstract shapes)"
     lines = [f"# {title}" + (f" — {res['suffix']}" if res.get("suffix") else ""), "",
              f"Command: `{res['command']}`", "",
-             f"Compiled for `{res['backend']}`; attention `{res.get('attention', 'xla')}`; mlp `{res.get('mlp', 'xla')}`; max_len {res['max_len']}"
+             f"Compiled for `{res['backend']}`; attention `{res.get('attention', 'xla')}`; mlp `{res.get('mlp', 'xla')}`"
+             + ("; penalties on" if res.get("penalties") else "") + f"; max_len {res['max_len']}"
              + "".join(f"; `{options_text({k: v})}`" for k, v in res.get("compiler_options", {}).items()) + ". Each row is one compiled program of the "
              "engine's runner at that slots bucket and sampling variant (verify and fused with gamma + 1 tokens per slot; `filtered` is the variant of a round in which some row uses top-k or top-p, its one conditional the exact fallback for a kept set past the top-k cap). `ops/layer` "
              "= top-level HLO ops of the entry computation / the target's decoder layers (draft: also divided "
@@ -515,7 +516,8 @@ def _table_row(r: dict[str, Any]) -> list[Any]:
 def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
         families: Sequence[str] = FAMILY_ORDER, variants: Sequence[str] = ("greedy", "plain", "filtered"),
         draft_vocabs: Sequence[int] = (0,), max_logprobs: int = 0, target: str = "host",
-        attention: str = "xla", mlp: str = "xla", compiler_options: dict[str, Any] | None = None) -> dict[str, Any]:
+        attention: str = "xla", mlp: str = "xla", compiler_options: dict[str, Any] | None = None,
+        penalties: bool = False) -> dict[str, Any]:
     import jax
 
     from bench import compile_target
@@ -524,7 +526,7 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
     backend = jax.default_backend() if mesh is None else f"{target} (compile-only, XLA's GPU compiler, no autotuning)"
     shapes = presets()
     res: dict[str, Any] = {"command": command, "backend": backend, "target": target, "attention": attention,
-                           "mlp": mlp, "max_len": max_len, "compiler_options": dict(compiler_options or {}),
+                           "mlp": mlp, "penalties": penalties, "max_len": max_len, "compiler_options": dict(compiler_options or {}),
                            "draft_vocabs": list(draft_vocabs), "max_logprobs": max_logprobs, "machine": machine_info(),
                            "shapes": {}}
     for name in names:
@@ -533,7 +535,7 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
             for n in draft_vocabs:
                 log(f"{name}: compiling {', '.join(families)} x {', '.join(variants)} at {s} slot(s), draft vocab {n}")
                 for r in measure(shapes[name], s, max_len, families, variants, n, max_logprobs, mesh, attention,
-                                 mlp, compiler_options):
+                                 mlp, compiler_options, penalties):
                     rows.append({**r, "layers": shapes[name].target["num_hidden_layers"], "dtype": shapes[name].dtype})
         res["shapes"][name] = rows
     return res
@@ -568,6 +570,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="the target's attention over the cache in rounds (EngineConfig.attention)")
     ap.add_argument("--mlp", default="xla", choices=["xla", "pallas"],
                     help="the target's gate/up product and SiLU gate (EngineConfig.mlp)")
+    ap.add_argument("--penalties", action="store_true",
+                    help="an engine serving penalties (EngineConfig.penalties: per-slot token counts in every round)")
     ap.add_argument("--target", default="host", choices=compile_target.targets(),
                     help="compile for this machine's backend (host) or for a GPU it does not have (make gpu-compiler)")
     ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
@@ -579,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     res = run(args.presets, args.slots, args.max_len, command_line("bench.round_ops", argv),
               families=args.families, variants=args.variants, draft_vocabs=args.draft_vocab,
               max_logprobs=args.max_logprobs, target=args.target, attention=args.attention,
-              mlp=args.mlp, compiler_options=options)
+              mlp=args.mlp, compiler_options=options, penalties=args.penalties)
     res["suffix"] = args.suffix
     name = "round_ops" + (f"_{args.suffix}" if args.suffix else "")
     for p in write_results(name, res, _markdown(res), out_dir=args.out_dir):
