@@ -49,9 +49,8 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
-        if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
-            bad = "presence_penalty" if not -2.0 <= self.presence_penalty <= 2.0 else "frequency_penalty"
-            raise ValueError(f"{bad} must be in [-2, 2], got {getattr(self, bad)!r}")
+            if name != "repetition_penalty" and not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
         if self.min_tokens > self.max_tokens:

@@ -441,7 +441,7 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
         chunk = jnp.where(jnp.arange(plen)[None, :] < n_valid_p[:, None], tokens_bt, v)
         prompt_pv = old.at[jnp.arange(pb)[:, None], chunk].set(True, mode="drop")
         counts_pv = jnp.zeros((pb, v), jnp.int32)
-        logits = lr.penalize(logits, counts_pv, prompt_pv, pens_3b, tokens_bt[:, :1])
+        logits = lr.penalty(logits, counts_pv[:, None], prompt_pv[:, None], pens_3b)  # no output yet
     logits = lr.hold_stops(logits, jnp.concatenate([stop_pe, stops_bk], 1), limits_4b[3])
     p = probs_from_logits(logits[:, 0], sa)  # [P, V]
     tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p)

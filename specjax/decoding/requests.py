@@ -13,6 +13,11 @@ from specjax.decoding.programs import ROW_STOP_IDS
 PENALTY_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}  # name: off
 
 
+def penalties_asked(params: Any) -> list[str]:
+    """The penalty fields (PENALTY_FIELDS) that `params` (SamplingParams or EngineRequest) sets on."""
+    return [f for f, off in PENALTY_FIELDS.items() if getattr(params, f) != off]
+
+
 @dataclasses.dataclass
 class RequestMetrics:
     """Per-request speculative metrics with vLLM's definitions."""
@@ -146,7 +151,7 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
     if not 0 <= req.min_tokens <= req.max_tokens:
         raise ValueError(f"request {req.request_id}: min_tokens must be in [0, max_tokens = {req.max_tokens}], "
                          f"got {req.min_tokens}")
-    asked = [f for f, off in PENALTY_FIELDS.items() if getattr(req, f) != off]
+    asked = penalties_asked(req)
     if asked and not penalties:
         raise ValueError(f"request {req.request_id}: {asked[0]} needs an engine with penalties "
                          f"(EngineConfig.penalties; the server's --penalties)")

@@ -28,7 +28,7 @@ import dataclasses
 from typing import Any
 
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
-from specjax.decoding.requests import PENALTY_FIELDS
+from specjax.decoding.requests import penalties_asked
 from specjax.io import JsonlLine
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
 from specjax.serving import batch_openai
@@ -143,7 +143,7 @@ class BatchRows:
             parsed = parse_row(row.value, row.line, self.defaults)
         except RowError as e:
             return self.error(index, row, str(e), e.field)
-        asked = [f for f, off in PENALTY_FIELDS.items() if getattr(parsed.sp, f) != off]
+        asked = penalties_asked(parsed.sp)
         if asked and not self.engine.cfg.penalties:
             return self.error(index, row, f"'{asked[0]}' needs a job started with --penalties", parsed.field(asked[0]))
         try:

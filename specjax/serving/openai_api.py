@@ -42,7 +42,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from specjax.api import SamplingParams, build_engine_request
-from specjax.decoding.requests import PENALTY_FIELDS, EngineRequest, RequestMetrics
+from specjax.decoding.requests import EngineRequest, RequestMetrics, penalties_asked
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.errors import ENGINE_REJECTED, APIError
@@ -186,7 +186,7 @@ class OpenAIApp:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
                                 f"asks for {n_prompt + mt} ({n_prompt} in the {what}, {mt} in the completion): lower "
                                 f"'{mt_name}'", param=mt_name, code="context_length_exceeded")
-        asked = [f for f, off in PENALTY_FIELDS.items() if getattr(sp, f) != off]
+        asked = penalties_asked(sp)
         if asked and not self.penalties:
             raise APIError(400, f"'{asked[0]}' needs a server started with --penalties", param=asked[0])
         bad_stop = [t for t in sp.stop_token_ids if not 0 <= t < self.vocab_size]
