@@ -31,7 +31,7 @@ import dataclasses
 import math
 import re
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 # instructions of the entry computation that launch no work
 _FREE_OPS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast"})
@@ -362,9 +362,10 @@ def compiled_report(lowered: Any, compiler_options: dict[str, Any] | None = None
 
 
 def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0, max_logprobs: int = 0,
-                    mesh: Any = None, attention: str = "xla", mlp: str = "xla", penalties: bool = False) -> Any:
+                    mesh: Any = None, attention: str = "xla", mlp: str = "xla", rules: Mapping[str, bool] | None = None) -> Any:
     """The runner of an engine with this target and drafter shape (a draft vocabulary of
-    `draft_vocab` tokens, 0 = none; `penalties`: EngineConfig.penalties), its state abstract (no
+    `draft_vocab` tokens, 0 = none; `rules`: the EngineConfig options of logit rules on, e.g.
+    {"penalties": True, "logit_bias": True}), its state abstract (no
     memory), placed on `mesh` when given (e.g. a compile-only GPU's, `compile_target.compile_only_mesh`)."""
     import numpy as np
     from flax import nnx
@@ -390,7 +391,7 @@ def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0
     target, drafter = nnx.eval_shape(build)
     return Runner(target, drafter, slots=slots, max_len=max_len, gamma=shape.gamma, stop_ids=(0,),
                   verifier=verify_chain, cache_dtype=shape.dtype, max_logprobs=max_logprobs, mesh=mesh,
-                  attention=attention, mlp=mlp, penalties=penalties, allocate=False)
+                  attention=attention, mlp=mlp, allocate=False, **(rules or {}))
 
 
 def bucket_key(runner: Any, family: str, slots: int, variant: str, logprobs: bool = False) -> tuple[Any, ...]:
@@ -402,7 +403,8 @@ def bucket_key(runner: Any, family: str, slots: int, variant: str, logprobs: boo
 def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FAMILY_ORDER,
             variants: Sequence[str] = ("greedy", "plain", "filtered"), draft_vocab: int = 0,
             max_logprobs: int = 0, mesh: Any = None, attention: str = "xla", mlp: str = "xla",
-            compiler_options: dict[str, Any] | None = None, penalties: bool = False) -> list[dict[str, Any]]:
+            compiler_options: dict[str, Any] | None = None,
+            rules: Mapping[str, bool] | None = None) -> list[dict[str, Any]]:
     """One row per family and variant (and, with max_logprobs > 0, per round family in the widest
     variant with log-probabilities on): HLO counts, bytes accessed per call and the bytes it is
     measured against; compiled for `mesh`'s devices when given, else the default backend, with XLA
@@ -411,7 +413,7 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
 
     from bench.common import log
     from specjax.decoding.runner import FAMILIES
-    runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs, mesh, attention, mlp, penalties)
+    runner = abstract_runner(shape, slots, max_len, draft_vocab, max_logprobs, mesh, attention, mlp, rules)
     options = dict(compiler_options or {})
     layers = shape.target["num_hidden_layers"]
     rows = []
@@ -454,7 +456,8 @@ def _markdown(res: dict[str, Any]) -> str:
     lines = [f"# {title}" + (f" — {res['suffix']}" if res.get("suffix") else ""), "",
              f"Command: `{res['command']}`", "",
              f"Compiled for `{res['backend']}`; attention `{res.get('attention', 'xla')}`; mlp `{res.get('mlp', 'xla')}`"
-             + ("; penalties on" if res.get("penalties") else "") + f"; max_len {res['max_len']}"
+             + ("; penalties on" if res.get("penalties") else "") + ("; logit bias on" if res.get("logit_bias") else "")
+             + f"; max_len {res['max_len']}"
              + "".join(f"; `{options_text({k: v})}`" for k, v in res.get("compiler_options", {}).items()) + ". Each row is one compiled program of the "
              "engine's runner at that slots bucket and sampling variant (verify and fused with gamma + 1 tokens per slot; `filtered` is the variant of a round in which some row uses top-k or top-p, its one conditional the exact fallback for a kept set past the top-k cap). `ops/layer` "
              "= top-level HLO ops of the entry computation / the target's decoder layers (draft: also divided "
@@ -517,7 +520,7 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
         families: Sequence[str] = FAMILY_ORDER, variants: Sequence[str] = ("greedy", "plain", "filtered"),
         draft_vocabs: Sequence[int] = (0,), max_logprobs: int = 0, target: str = "host",
         attention: str = "xla", mlp: str = "xla", compiler_options: dict[str, Any] | None = None,
-        penalties: bool = False) -> dict[str, Any]:
+        rules: Mapping[str, bool] | None = None) -> dict[str, Any]:
     import jax
 
     from bench import compile_target
@@ -526,7 +529,7 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
     backend = jax.default_backend() if mesh is None else f"{target} (compile-only, XLA's GPU compiler, no autotuning)"
     shapes = presets()
     res: dict[str, Any] = {"command": command, "backend": backend, "target": target, "attention": attention,
-                           "mlp": mlp, "penalties": penalties, "max_len": max_len, "compiler_options": dict(compiler_options or {}),
+                           "mlp": mlp, **(rules or {}), "max_len": max_len, "compiler_options": dict(compiler_options or {}),
                            "draft_vocabs": list(draft_vocabs), "max_logprobs": max_logprobs, "machine": machine_info(),
                            "shapes": {}}
     for name in names:
@@ -535,7 +538,7 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
             for n in draft_vocabs:
                 log(f"{name}: compiling {', '.join(families)} x {', '.join(variants)} at {s} slot(s), draft vocab {n}")
                 for r in measure(shapes[name], s, max_len, families, variants, n, max_logprobs, mesh, attention,
-                                 mlp, compiler_options, penalties):
+                                 mlp, compiler_options, rules):
                     rows.append({**r, "layers": shapes[name].target["num_hidden_layers"], "dtype": shapes[name].dtype})
         res["shapes"][name] = rows
     return res
@@ -572,6 +575,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="the target's gate/up product and SiLU gate (EngineConfig.mlp)")
     ap.add_argument("--penalties", action="store_true",
                     help="an engine serving penalties (EngineConfig.penalties: per-slot token counts in every round)")
+    ap.add_argument("--logit-bias", action="store_true",
+                    help="an engine serving logit bias and bad words (EngineConfig.logit_bias: a per-slot bias row)")
     ap.add_argument("--target", default="host", choices=compile_target.targets(),
                     help="compile for this machine's backend (host) or for a GPU it does not have (make gpu-compiler)")
     ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
@@ -583,7 +588,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     res = run(args.presets, args.slots, args.max_len, command_line("bench.round_ops", argv),
               families=args.families, variants=args.variants, draft_vocabs=args.draft_vocab,
               max_logprobs=args.max_logprobs, target=args.target, attention=args.attention,
-              mlp=args.mlp, compiler_options=options, penalties=args.penalties)
+              mlp=args.mlp, compiler_options=options,
+              rules={"penalties": args.penalties, "logit_bias": args.logit_bias})
     res["suffix"] = args.suffix
     name = "round_ops" + (f"_{args.suffix}" if args.suffix else "")
     for p in write_results(name, res, _markdown(res), out_dir=args.out_dir):

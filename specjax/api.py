@@ -37,6 +37,11 @@ class SamplingParams:
     presence_penalty: float = 0.0  # vLLM's penalties, in [-2, 2] / > 0 (an LLM built with penalties=True)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # vLLM's (an LLM built with logit_bias=True): added to a token's logit (token id: bias in [-100, 100]);
+    # only these ids sampled; words never completed (each word's tokens, with and without a leading space)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -53,6 +58,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        self._check_bias()
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if not isinstance(self.ignore_eos, bool):
@@ -69,6 +75,40 @@ class SamplingParams:
         for i, t in enumerate(ids):
             _check_int(f"stop_token_ids[{i}]", t, minimum=0)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+
+    def first_id_outside(self, vocab: int) -> tuple[str, int] | None:
+        """(field, id) of the first token id in stop_token_ids, logit_bias or allowed_token_ids outside
+        [0, vocab), or None."""
+        for field in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(self, field) or () if not 0 <= t < vocab]
+            if bad:
+                return field, bad[0]
+        return None
+
+    def _check_bias(self) -> None:
+        """Types and ranges of logit_bias, allowed_token_ids and bad_words (token ids against the
+        vocabulary: the engine); lists become tuples."""
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id: bias, got {bias!r}")
+            for t, b in bias.items():
+                _check_int(f"logit_bias token id {t!r}", t, minimum=0)
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+            object.__setattr__(self, "logit_bias", {int(t): float(b) for t, b in bias.items()})
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            for i, t in enumerate(ids):
+                _check_int(f"allowed_token_ids[{i}]", t, minimum=0)
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in ids))
+        words = self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+        object.__setattr__(self, "bad_words", tuple(words))
 
 
 def _check_int(field: str, value: Any, *, minimum: int, optional: bool = False) -> None:
@@ -118,6 +158,8 @@ class LLM:
         request no compiled variant covers is refused naming the setting.
     penalties: serve `SamplingParams`' presence, frequency and repetition penalties (each slot keeps
         its output token counts and prompt tokens on the device); off, a request that sets one is refused.
+    logit_bias: serve `SamplingParams`' logit_bias, allowed_token_ids and bad_words (each slot keeps
+        a [vocab] bias row and its bad words on the device); off, a request that sets one is refused.
     """
 
     def __init__(self, target: Any = None, drafter: Any = None, *, tokenizer: str | None = None,
@@ -125,7 +167,8 @@ class LLM:
                  policy: str | None = None, dtype: str = "float32", mesh: Any = None, seed: int = 0,
                  max_prefill: int = 256, engine_config: EngineConfig | None = None, progress: bool = False,
                  cost_table: Any = None, threshold: float | None = None, max_logprobs: int = 0,
-                 sampling_variants: Sequence[str] | None = None, penalties: bool = False):
+                 sampling_variants: Sequence[str] | None = None, penalties: bool = False,
+                 logit_bias: bool = False):
         from specjax import checkpoints
         self.tokenizer = None
         target_dir = None
@@ -153,7 +196,7 @@ class LLM:
                 policy=policy or ("plain" if self.drafter is None else "fixed"), seed=seed,
                 max_prefill=max_prefill, threshold=threshold, max_logprobs=max_logprobs,
                 sampling_variants=VARIANTS if sampling_variants is None else tuple(sampling_variants),
-                penalties=penalties)
+                penalties=penalties, logit_bias=logit_bias)
         if isinstance(cost_table, (str, os.PathLike)):
             from specjax.scheduling import CostTable
             cost_table = CostTable.from_json(cost_table)
@@ -302,14 +345,29 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
     if not ids:
         raise ValueError("prompt is empty (no token ids)")
     stop_check = None
+    if (sp.stop or sp.bad_words) and tokenizer is None:
+        raise ValueError(f"{'stop strings' if sp.stop else 'bad_words'} need a tokenizer; this target has none")
     if sp.stop:
-        if tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this target has none")
         stop_check = StopStringChecker(tokenizer, sp.stop)
     return EngineRequest(request_id=request_id, prompt_ids=ids, max_tokens=sp.max_tokens,
                          temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed,
                          stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens,
                          presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-                         repetition_penalty=sp.repetition_penalty,
+                         repetition_penalty=sp.repetition_penalty, logit_bias=sp.logit_bias,
+                         allowed_token_ids=sp.allowed_token_ids, bad_words=bad_word_ids(tokenizer, sp.bad_words),
                          stop_check=stop_check,
                          max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs)
+
+
+def bad_word_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Token ids of bad words as vLLM reads them: each word with its leading spaces stripped, and
+    again after one space when that gives as many tokens beginning with another one (the word
+    inside a sentence)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(encode_text(tokenizer, word.lstrip()))
+        spaced = tuple(encode_text(tokenizer, " " + word.lstrip()))
+        out.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return tuple(out)

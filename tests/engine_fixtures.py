@@ -87,27 +87,26 @@ def chain_drafter(vocab: int, gamma: int, chain: list[int]) -> "BigramDrafter":
     return drafter
 
 
+Rule = Callable[[np.ndarray, Sequence[int]], np.ndarray]  # (logits [V] float64, output so far) -> logits
+
+
 def exact_continuations(model: CausalLM, prompt: list[int], n: int, temperature: float = 1.0,
                         top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                        held: tuple[tuple[int, ...], int] = ((), 0),
-                        penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)) -> dict[tuple[int, ...], float]:
+                        rule: Rule | None = None) -> dict[tuple[int, ...], float]:
     """P(x_1..x_n | prompt) for every n-token continuation, by enumeration: one full forward over
     the prompt followed by every (n-1)-token sequence, whose logits at depth d (the position after
     the prompt and x_1..x_d; causal, so it sees nothing later) give P(x_{d+1} | prompt, x_1..x_d).
-    `held` = (ids, m): those ids have probability zero at depths d < m (min_tokens m); `penalties` =
-    vLLM's (presence, frequency, repetition) from the prompt and x_1..x_d at depth d (`penalize_logits`)."""
+    `rule` (a float64 reference of a request's logit rules: min_tokens hold, penalties, bias) maps
+    the logits at depth d and x_1..x_d to the logits sampled there."""
     v = model.config.vocab_size
     heads = list(itertools.product(range(v), repeat=n - 1))  # x_1..x_{n-1}; () when n == 1
     graphdef, state = nnx.split(model)
     toks_et = jnp.array([list(prompt) + list(h) for h in heads], jnp.int32)
     logits_edv = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t)[:, len(prompt) - 1:])(state, toks_et)
-    if penalties != (0.0, 0.0, 1.0):
+    if rule is not None:
         raw = np.asarray(logits_edv, np.float64)
-        logits_edv = jnp.asarray(np.stack([[penalize_logits(raw[e, d], prompt, head[:d], *penalties)
-                                            for d in range(n)] for e, head in enumerate(heads)]), jnp.float32)
-    ids, m = held
-    if ids and m:
-        logits_edv = logits_edv.at[:, :m, jnp.asarray(ids)].set(-jnp.inf)
+        logits_edv = jnp.asarray(np.stack([[rule(raw[e, d], head[:d]) for d in range(n)]
+                                           for e, head in enumerate(heads)]), jnp.float32)
     rows = len(heads) * n
     sa = SamplingArrays.broadcast(rows, temperature, top_k, top_p, min_p)
     probs_edv = np.asarray(probs_from_logits(logits_edv.reshape(rows, v), sa), np.float64).reshape(-1, n, v)
@@ -116,6 +115,44 @@ def exact_continuations(model: CausalLM, prompt: list[int], n: int, temperature:
         prefix = float(np.prod([probs_edv[e, d, x] for d, x in enumerate(head)]))
         for x in range(v):
             out[head + (x,)] = prefix * probs_edv[e, n - 1, x]
+    return out
+
+
+def ruled_greedy(model: CausalLM, prompt: list[int], n: int, rule: Rule) -> list[int]:
+    """The greedy continuation under `rule` (see `exact_continuations`) applied at every position."""
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))
+    seq = list(prompt) + [0] * n
+    for i in range(n):
+        logits = np.asarray(fwd(state, jnp.array([seq]))[0, len(prompt) + i - 1], np.float64)
+        seq[len(prompt) + i] = int(np.argmax(rule(logits, seq[len(prompt):len(prompt) + i])))
+    return seq[len(prompt):]
+
+
+def hold_logits(ids: Sequence[int], m: int) -> Rule:
+    """min_tokens m: `ids` at -inf while the output is shorter than m."""
+    def rule(logits_v: np.ndarray, output: Sequence[int]) -> np.ndarray:
+        out = logits_v.copy()
+        if len(output) < m:
+            out[list(ids)] = -np.inf
+        return out
+    return rule
+
+
+def bias_logits(logits_v: np.ndarray, output: Sequence[int], *, logit_bias: dict[int, float] | None = None,
+                allowed: Sequence[int] | None = None, bad_words: Sequence[Sequence[int]] = ()) -> np.ndarray:
+    """vLLM's allowed_token_ids, logit_bias and bad words on one position's logits [V] (float64
+    reference): -inf outside `allowed`; the bias added; a bad word's last token at -inf when the
+    output ends with its other tokens (a one-token word always)."""
+    out = logits_v.copy()
+    if allowed is not None:
+        out[np.setdiff1d(np.arange(out.shape[0]), list(allowed))] = -np.inf
+    for t, b in (logit_bias or {}).items():
+        out[t] += b
+    for w in bad_words:
+        k = len(w) - 1
+        if k == 0 or (len(output) >= k and tuple(output[len(output) - k:]) == tuple(w[:-1])):
+            out[w[-1]] = -np.inf
     return out
 
 
@@ -181,13 +218,14 @@ def sample_continuations(engine: Engine, prompt: list[int], n_samples: int, n_to
 def small_engine(model, drafter=None, *, slots: int = 4, max_len: int = 64, policy: str = "fixed",
                  gamma: int | None = None, tokens_buckets=None, prefill: int = 16, mesh=None,
                  prefill_batch: int | None = None, variants: tuple[str, ...] = ("greedy", "plain"),
-                 **kw) -> Engine:
+                 config: dict | None = None, **kw) -> Engine:
     """A warmed engine of one slots bucket; rounds compiled for the sampling `variants` only (a
-    top-k or top-p request needs "filtered": the engine refuses it otherwise)."""
+    top-k or top-p request needs "filtered": the engine refuses it otherwise); `config`: more
+    EngineConfig fields, `kw`: Engine's."""
     cfg = EngineConfig(max_slots=slots, max_len=max_len, policy=policy, gamma=gamma,
                        slots_buckets=(slots,), tokens_buckets=tokens_buckets, prefill_buckets=(prefill,),
                        max_prefill=prefill, prefill_batch_buckets=(prefill_batch or min(slots, 8),),
-                       sampling_variants=variants)
+                       sampling_variants=variants, **(config or {}))
     eng = Engine(model, drafter, cfg, mesh=mesh, progress=False, **kw)
     eng.warmup()
     return eng

@@ -5,36 +5,19 @@ cannot end it before then. Greedy outputs equal a reference that holds those ids
 without verified drafts, while a request of the same batch without min_tokens still stops at eos;
 sampled outputs follow the enumerated held-back law (chi-square); negative control: a device that
 holds nothing back stops early and fails the law. (Stop strings: test_detokenize.)"""
-import numpy as np
 import pytest
 
 from specjax.api import SamplingParams
-from specjax.decoding import logit_rules, programs
+from specjax.decoding import logit_rules, row_state
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.serving.schema import FieldError, parse_sampling
 
-from engine_fixtures import (BigramDrafter, chain_drafter, chi_square_pvalue, exact_continuations, small_engine,
-                             tiny_target)
+from engine_fixtures import (BigramDrafter, chain_drafter, chi_square_pvalue, exact_continuations, hold_logits,
+                             ruled_greedy, small_engine, tiny_target)
 from test_engine import greedy_reference
 
 V, GAMMA, N, M = 64, 3, 14, 6
 PROMPT = [5, 17, 42, 8, 33]
-
-
-def held_greedy(model, prompt: list[int], n: int, banned: set[int], m: int) -> list[int]:
-    """Greedy continuation with `banned` ids never chosen at output indices < m."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    graphdef, state = nnx.split(model)
-    fwd = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))
-    seq = list(prompt) + [0] * n
-    for i in range(n):
-        logits = np.asarray(fwd(state, jnp.array([seq]))[0, len(prompt) + i - 1], np.float64)
-        if i < m:
-            logits[list(banned)] = -np.inf
-        seq[len(prompt) + i] = int(np.argmax(logits))
-    return seq[len(prompt):]
 
 
 def until_stop(tokens: list[int], stops: set[int], m: int) -> list[int]:
@@ -55,9 +38,9 @@ def case():
     ref = greedy_reference(model, PROMPT, N)
     eos = ref[2]
     assert eos not in ref[:2], ref
-    no_eos = held_greedy(model, PROMPT, N, {eos}, M)
+    no_eos = ruled_greedy(model, PROMPT, N, hold_logits({eos}, M))
     for own in dict.fromkeys(no_eos[:M]):
-        held = held_greedy(model, PROMPT, N, {eos, own}, M)
+        held = ruled_greedy(model, PROMPT, N, hold_logits({eos, own}, M))
         if own != eos and own in held[M:]:
             return model, eos, own, held
     raise AssertionError("no own stop id fits: pick another prompt")
@@ -116,7 +99,7 @@ def _sampling_engine(model) -> Engine:
 
 
 def test_sampled_outputs_follow_the_held_back_law(small):
-    exact = exact_continuations(small, [1, 5, 2], 3, held=((3,), 2))
+    exact = exact_continuations(small, [1, 5, 2], 3, rule=hold_logits((3,), 2))
     free = exact_continuations(small, [1, 5, 2], 3)
     assert sum(v for k, v in free.items() if 3 in k[:2]) > 0.15  # holding token 3 back changes the law
     eng = _sampling_engine(small)
@@ -132,7 +115,8 @@ def test_sampled_outputs_follow_the_held_back_law(small):
 def test_negative_control_a_device_that_holds_nothing_back(small, monkeypatch):
     monkeypatch.setattr(logit_rules, "hold_stops", lambda logits, stops, min_left: logits)
     samples = _sampled(_sampling_engine(small), 2000, 2, seed0=10**6)
-    assert chi_square_pvalue(samples, exact_continuations(small, [1, 5, 2], 3, held=((3,), 2))) < 1e-3
+    exact = exact_continuations(small, [1, 5, 2], 3, rule=hold_logits((3,), 2))
+    assert chi_square_pvalue(samples, exact) < 1e-3
 
 
 def test_min_tokens_is_checked_and_named():
@@ -151,8 +135,8 @@ def test_min_tokens_is_checked_and_named():
 def test_engine_refuses_more_held_stop_ids_than_a_row_holds(case):
     model, eos, _, _ = case
     eng = Engine(model, None, EngineConfig(max_slots=2, max_len=32, policy="plain"), progress=False)
-    many = tuple(range(programs.ROW_STOP_IDS + 1))
-    with pytest.raises(ValueError, match=f"at most {programs.ROW_STOP_IDS} stop_token_ids"):
+    many = tuple(range(row_state.ROW_STOP_IDS + 1))
+    with pytest.raises(ValueError, match=f"at most {row_state.ROW_STOP_IDS} stop_token_ids"):
         eng.add_request(EngineRequest("a", PROMPT, max_tokens=4, min_tokens=2, stop_token_ids=many))
     eng.add_request(EngineRequest("b", PROMPT, max_tokens=4, stop_token_ids=many))  # without min_tokens: host-side
     with pytest.raises(ValueError, match="min_tokens must be in"):

@@ -14,7 +14,7 @@ from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.serving.schema import FieldError, parse_sampling
 
 from engine_fixtures import (BigramDrafter, chain_drafter, chi_square_pvalue, exact_continuations, penalize_logits,
-                             tiny_target)
+                             ruled_greedy, tiny_target)
 from test_engine import greedy_reference
 
 V, GAMMA, N = 64, 3, 14
@@ -47,16 +47,7 @@ def test_penalize_equals_the_reference_at_every_position():
 
 def penalized_greedy(model, prompt: list[int], n: int) -> list[int]:
     """The greedy continuation under PENS (float64 penalties on the target's logits)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    graphdef, state = nnx.split(model)
-    fwd = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))
-    seq = list(prompt) + [0] * n
-    for i in range(n):
-        logits = np.asarray(fwd(state, jnp.array([seq]))[0, len(prompt) + i - 1], np.float64)
-        seq[len(prompt) + i] = int(np.argmax(penalize_logits(logits, prompt, seq[len(prompt):len(prompt) + i], *PEN3)))
-    return seq[len(prompt):]
+    return ruled_greedy(model, prompt, n, lambda logits, out: penalize_logits(logits, prompt, out, *PEN3))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +138,9 @@ def _sampled(model, n: int, seed0: int) -> list[tuple[int, ...]]:
 
 
 def _law(model):
-    return exact_continuations(model, [1, 5, 2], 3, penalties=tuple(SMALL_PENS.values()))
+    pens = tuple(SMALL_PENS.values())
+    return exact_continuations(model, [1, 5, 2], 3,
+                               rule=lambda logits, out: penalize_logits(logits, [1, 5, 2], out, *pens))
 
 
 def test_sampled_outputs_follow_the_penalised_law(small):

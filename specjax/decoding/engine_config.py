@@ -37,6 +37,10 @@ class EngineConfig:
     # presence, frequency and repetition penalties served (vLLM's): each slot keeps its output token counts
     # and prompt tokens ([slots, vocab] each) and every sampled position is penalised; off, they are refused
     penalties: bool = False
+    # logit_bias, allowed_token_ids and bad_words served (vLLM's): each slot keeps a [vocab] bias row, up to
+    # 16 bad words of 2-8 tokens and its last output tokens; the drafter proposes without them (verification
+    # applies them exactly); off, they are refused
+    logit_bias: bool = False
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,

@@ -1,5 +1,8 @@
 """Per-row rules applied to the target's logits before a position is sampled (prefill's first token,
 every verified position of a round), so target and verification see the same distribution:
+`add_bias` (logit_bias, allowed_token_ids and one-token bad words as a per-row [V] bias, -inf for a
+banned token), `ban_bad_words` (a multi-token bad word's last token at -inf where the output before
+it ends with the word's other tokens; `push_tail` keeps each row's last output tokens it reads),
 `hold_stops` (min_tokens: a row's stop ids at -inf until it has emitted that many tokens) and
 `penalize` (vLLM's presence, frequency and repetition penalties from the row's prompt and its output up
 to each position, drafts included); `count_emitted` keeps the output counts the penalties read.
@@ -10,6 +13,39 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+
+ROW_BAD_WORDS = 16  # multi-token bad words a row holds on the device (each tokenization counts)
+BAD_WORD_TOKENS = 8  # tokens of a bad word, the banned last one included (a row's tail keeps one fewer)
+
+
+def add_bias(logits_btv: Array, bias_bv: Array) -> Array:
+    """logits [b, t, V] plus each row's bias [b, V] at every position (-inf bans a token)."""
+    return logits_btv + bias_bv[:, None, :]
+
+
+def ban_bad_words(logits_btv: Array, words_bwl: Array, tail_bl: Array, drafts_bk: Array) -> Array:
+    """Multi-token bad words (vLLM's rule): position j's logit of a word's last token is -inf when the
+    row's output before j ends with the word's other tokens. words_bwl [b, W, L]: right-aligned token
+    ids, -1 padding (a word of -1 only is none); tail_bl [b, L-1]: the row's last output tokens, the
+    anchor last, -1 where the output is shorter; drafts_bk [b, t-1]: position j's output also holds
+    d_1..d_j. Windows of [b, t, L-1] and a scatter of [b, t, W] (no [b, t, V] array)."""
+    b, t, v = logits_btv.shape
+    tails = tail_bl.shape[1]
+    seq = jnp.concatenate([tail_bl, drafts_bk.astype(tail_bl.dtype)], axis=1)  # [b, L-1 + t-1]
+    window_btl = seq[:, jnp.arange(t)[:, None] + jnp.arange(tails)[None, :]]  # the L-1 tokens before j
+    prefix_bwl, last_bw = words_bwl[:, :, :-1], words_bwl[:, :, -1]
+    same = (prefix_bwl[:, None] == window_btl[:, :, None]) | (prefix_bwl[:, None] < 0)  # [b, t, W, L-1]
+    hit_btw = jnp.all(same, axis=-1) & (last_bw[:, None, :] >= 0)
+    cols = jnp.where(hit_btw, last_bw[:, None, :], v)  # a word that does not hit is dropped
+    return logits_btv.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], cols].set(-jnp.inf, mode="drop")
+
+
+def push_tail(tail_sl: Array, tokens_bt: Array, emitted_b: Array) -> Array:
+    """tail_sl with each row's first emitted_b tokens of tokens_bt appended (rows [0:b]), keeping the last L-1."""
+    b, tails = tokens_bt.shape[0], tail_sl.shape[1]
+    seq = jnp.concatenate([tail_sl[:b], tokens_bt.astype(tail_sl.dtype)], axis=1)
+    kept = jnp.take_along_axis(seq, emitted_b[:, None] + jnp.arange(tails)[None, :], axis=1)
+    return tail_sl.at[:b].set(kept)
 
 
 def hold_stops(logits_btv: Array, stop_bs: Array, min_left_b: Array) -> Array:

@@ -35,16 +35,17 @@ floats_3b = (temperature, top_p, min_p), the rows' raw key data keys_b2, limits_
 cap, eos_stops, min_tokens) and stops_bk, the rows' own stop ids (-1 padding; rows with min_tokens).
 While a row has emitted fewer than min_tokens tokens, every program that samples it gives its stop ids
 (the engine's eos ids unless it ignores them, and its own) probability zero at those positions.
-With `Context.penalties` prefill also takes pens_3b = (presence, frequency, repetition penalty), and
-every sampled position's logits are penalised as vLLM does, from the row's prompt tokens and its
-output tokens up to that position (its committed output and the drafts before it): repetition
-divides a positive logit of a prompt or output token (multiplies a negative one), frequency subtracts
-its output count, presence subtracts once if it occurred in the output.
+Prefill also takes pens_3b = (presence, frequency, repetition penalty), bias_bv [P, V] (logit_bias,
+-inf outside allowed_token_ids and at one-token bad words) and words_bwl [P, ROW_BAD_WORDS,
+BAD_WORD_TOKENS] (multi-token bad words), read when the row state holds penalties / logit bias (an
+engine built with them; zero-width otherwise): every sampled position's logits then get the row's
+bias and bad words, then vLLM's penalties from its prompt tokens and its output up to that position
+(its committed output and the drafts before it; `row_state.target_rules`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,8 @@ import numpy as np
 from flax import nnx
 
 from specjax.decoding import logit_rules as lr
+from specjax.decoding import row_state as rs
+from specjax.decoding.row_state import RowState
 from specjax.decoding.verify import VerifyResult
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.models import cache as kvc
@@ -62,37 +65,6 @@ Array = jax.Array
 # the leading columns of a round's packed int32 outputs [sb, C]; tokens [tb] follow, then (drafting
 # families) the float32 bits of the gamma confidences. "live": the row is still active afterwards.
 ROUND_COLUMNS = ("num_emitted", "num_accepted", "stopped", "ell", "live")
-# RowState.ints_7s rows; eos_stops: 1 if the engine's stop ids (eos) end the row, 0 (ignore_eos) if not;
-# min_left: tokens the row must still emit before one of its stop ids may be drawn (min_tokens)
-ROW_INTS = ("active", "count", "top_k", "remaining", "draft_cap", "eos_stops", "min_left")
-ROW_STOP_IDS = 8  # own stop ids a row holds on the device (RowState.stops_sk): those min_tokens holds back
-
-
-class RowState(NamedTuple):
-    """Per-slot row state resident on the device (see the module docstring)."""
-
-    ints_7s: Array  # int32 [7, slots]: ROW_INTS (count = rounds run; remaining = tokens still wanted)
-    floats_3s: Array  # float32 [3, slots]: temperature, top_p, min_p
-    keys_s2: Array  # uint32 [slots, 2]: raw threefry key data of each row's base key
-    stops_sk: Array  # int32 [slots, ROW_STOP_IDS]: the row's own stop ids, -1 padding (set with min_tokens)
-    # with Context.penalties only (None otherwise: an engine without penalties carries nothing for them)
-    pens_3s: Array | None = None  # float32 [3, slots]: presence, frequency, repetition penalty
-    counts_sv: Array | None = None  # int32 [slots, V]: output token counts
-    prompt_sv: Array | None = None  # bool [slots, V]: the prompt's tokens
-
-    @classmethod
-    def init(cls, slots: int, penalty_vocab: int = 0) -> "RowState":
-        """Empty rows; `penalty_vocab` the target's vocabulary with penalties, else 0 (no penalty state)."""
-        floats = jnp.asarray([[1.0], [1.0], [0.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
-        rows = cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), floats,
-                   jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots, ROW_STOP_IDS), -1, jnp.int32))
-        if not penalty_vocab:
-            return rows
-        pens = jnp.asarray([[0.0], [0.0], [1.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
-        return rows._replace(pens_3s=pens, counts_sv=jnp.zeros((slots, penalty_vocab), jnp.int32),
-                             prompt_sv=jnp.zeros((slots, penalty_vocab), bool))
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Context:
     """What the programs close over: static for the life of an engine. Compared and hashed by value
@@ -110,7 +82,6 @@ class Context:
     top_k_cap: int = DEFAULT_TOP_K_CAP  # the filtered variant's lax.top_k size
     attention: str = "xla"  # cached attention (the target's, and a drafter's that has it): XLA's ops or Pallas kernels
     mlp: str = "xla"  # gate/up products and SiLU gate (the target's, and a drafter's that has it): XLA's ops or the kernel
-    penalties: bool = False  # sampled logits get the rows' presence, frequency and repetition penalties
     cache_shardings: Any = None  # state shardings under a mesh (None without one)
     dstate_shardings: Any = None
     replicated: Any = None
@@ -265,10 +236,7 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     out = target.forward(toks, positions, cache, ell_b + 1, tap_layers=ctx.tap_layers if maintain else (),
                          logits="all", kv_len=attn, attention=ctx.attention, mlp=ctx.mlp)
     stop_be = _row_stops(stop_ids, rows.ints_7s[5, :sb])
-    logits = out.logits
-    if ctx.penalties:
-        logits = lr.penalize(logits, rows.counts_sv[:sb], rows.prompt_sv[:sb], rows.pens_3s[:, :sb], toks)
-    logits = lr.hold_stops(logits, jnp.concatenate([stop_be, rows.stops_sk[:sb]], 1), rows.ints_7s[6, :sb])
+    logits = rs.target_rules(rows, out.logits, toks, stop_be)
     p = probs_from_logits(logits, sa)  # [sb, tb, V]
     q_ids = None if tb == 1 else _q_ids(ctx, d_params)
     if tb == 1:  # plain decoding: no drafts; the chain rule reduces to sampling from the target
@@ -283,8 +251,7 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     new_anchor = jnp.where(active_b & (res.next_token >= 0), res.next_token, anchor_b)
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors.at[:sb].set(new_anchor))
     rows, emitted, live = _advance(ctx, rows, res, active_b, start_b + n_commit, stop_be)
-    if ctx.penalties:
-        rows = ctx.replicate(rows._replace(counts_sv=lr.count_emitted(rows.counts_sv, res.tokens, emitted)))
+    rows = ctx.replicate(rs.record_output(rows, res.tokens, emitted))
     outs = {"packed": _pack(emitted, res, ell_b, live, conf_bg)}
     if logprobs:
         outs.update(_logprobs(ctx, logits, sa, res.tokens))
@@ -405,7 +372,7 @@ def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, e
 
 
 def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, tokens_bt, ints_4b, floats_3b, keys_b2,
-            limits_4b, stops_bk, pens_3b, stop_ids, *, attn: int):
+            limits_4b, stops_bk, pens_3b, bias_bv, words_bwl, stop_ids, *, attn: int):
     """Prefill P prompt chunks into slots (an id >= slots marks a padding row); samples each first token
     and writes each row's state (active unless the first token ends the request, counter 0, tokens
     still wanted, draft cap, whether eos ends it, min_tokens still to emit, own stop ids, sampling
@@ -433,15 +400,7 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
         dstate = jax.tree.map(lambda x, s_, a: x.at[(slice(None),) * a + (slot_p,)].set(s_, mode="drop"),
                               dstate, sub, axes)
     stop_pe = _row_stops(stop_ids, limits_4b[2])
-    logits = out.logits  # [P, 1, V]
-    prompt_pv = counts_pv = None
-    if ctx.penalties:  # the prompt so far: earlier chunks' tokens (a row that starts at 0 has none) and this one's
-        v = logits.shape[-1]
-        old = jnp.take(rows.prompt_sv, slot_p, axis=0, mode="clip") & (start_p > 0)[:, None]
-        chunk = jnp.where(jnp.arange(plen)[None, :] < n_valid_p[:, None], tokens_bt, v)
-        prompt_pv = old.at[jnp.arange(pb)[:, None], chunk].set(True, mode="drop")
-        counts_pv = jnp.zeros((pb, v), jnp.int32)
-        logits = lr.penalty(logits, counts_pv[:, None], prompt_pv[:, None], pens_3b)  # no output yet
+    logits, prompt_pv = rs.prefill_logits(rows, out.logits, tokens_bt, ints_4b, pens_3b, bias_bv)
     logits = lr.hold_stops(logits, jnp.concatenate([stop_pe, stops_bk], 1), limits_4b[3])
     p = probs_from_logits(logits[:, 0], sa)  # [P, V]
     tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p)
@@ -454,12 +413,7 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
                          floats_3s=rows.floats_3s.at[:, slot_p].set(floats_3b, mode="drop"),
                          keys_s2=rows.keys_s2.at[slot_p].set(keys_b2, mode="drop"),
                          stops_sk=rows.stops_sk.at[slot_p].set(stops_bk, mode="drop"))
-    if ctx.penalties:  # the first token is the output's first
-        first = lr.count_emitted(counts_pv, tok[:, None], jnp.ones_like(tok))
-        rows = rows._replace(pens_3s=rows.pens_3s.at[:, slot_p].set(pens_3b, mode="drop"),
-                             counts_sv=rows.counts_sv.at[slot_p].set(first, mode="drop"),
-                             prompt_sv=rows.prompt_sv.at[slot_p].set(prompt_pv, mode="drop"))
-    rows = ctx.replicate(rows)
+    rows = ctx.replicate(rs.admit_rules(rows, slot_p, tok, pens_3b, prompt_pv, bias_bv, words_bwl))
     return cache, dstate, anchors, rows, {"tokens": tok[:, None], "live": live,
                                           **_logprobs(ctx, logits, sa, tok[:, None])}
 

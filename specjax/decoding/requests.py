@@ -4,18 +4,35 @@ dispatched round (`Launched`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import math
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from specjax.decoding.programs import ROW_STOP_IDS
+from specjax.decoding.logit_rules import BAD_WORD_TOKENS, ROW_BAD_WORDS
+from specjax.decoding.row_state import ROW_STOP_IDS
 
 PENALTY_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}  # name: off
+BIAS_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words")  # served by an engine with logit bias
+MAX_LOGIT_BIAS = 100.0  # |logit_bias| values (OpenAI's range)
+
+
+class RequestFieldError(ValueError):
+    """A request refused for one field: `field`, its SamplingParams name."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
 
 
 def penalties_asked(params: Any) -> list[str]:
     """The penalty fields (PENALTY_FIELDS) that `params` (SamplingParams or EngineRequest) sets on."""
     return [f for f, off in PENALTY_FIELDS.items() if getattr(params, f) != off]
+
+
+def bias_asked(params: Any) -> list[str]:
+    """The BIAS_FIELDS that `params` (SamplingParams or EngineRequest) sets (allowed_token_ids: not None)."""
+    return [f for f in BIAS_FIELDS if (getattr(params, f) is not None if f == "allowed_token_ids" else getattr(params, f))]
 
 
 @dataclasses.dataclass
@@ -113,6 +130,11 @@ class EngineRequest:
     presence_penalty: float = 0.0  # vLLM's penalties (an engine with EngineConfig.penalties)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # an engine with EngineConfig.logit_bias: added to the target's logits (token id: bias in [-100, 100]);
+    # only these ids sampled (None: all); token sequences whose last token is banned after the others
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
     stop_check: Callable[[list[int], int], int | None] | None = None  # (output, min_tokens) -> tokens to keep, if a stop hit
     max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
@@ -135,7 +157,7 @@ def token_logprobs(req: EngineRequest, outs: dict[str, Any], row: int, n: int
 
 
 def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: int, max_logprobs: int,
-                  penalties: bool = False) -> None:
+                  penalties: bool = False, logit_bias: bool = False, stop_ids: Sequence[int] = ()) -> None:
     """Refuse a request an engine of these limits cannot serve (a ValueError naming the field)."""
     n = len(req.prompt_ids)
     if n == 0:
@@ -155,6 +177,11 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
     if asked and not penalties:
         raise ValueError(f"request {req.request_id}: {asked[0]} needs an engine with penalties "
                          f"(EngineConfig.penalties; the server's --penalties)")
+    if bias_asked(req):
+        if not logit_bias:
+            raise RequestFieldError(f"request {req.request_id}: {bias_asked(req)[0]} needs an engine with logit "
+                                    f"bias (EngineConfig.logit_bias; the server's --logit-bias)", bias_asked(req)[0])
+        _check_bias(req, vocab, () if req.ignore_eos else stop_ids)
     if req.min_tokens and len(req.stop_token_ids) > ROW_STOP_IDS:
         raise ValueError(f"request {req.request_id}: with min_tokens at most {ROW_STOP_IDS} stop_token_ids are "
                          f"held back (the device's per-row limit), got {len(req.stop_token_ids)}")
@@ -168,6 +195,58 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
                          f"(the engine's max_logprobs), got {req.logprobs}")
 
 
+def _check_bias(req: EngineRequest, vocab: int, eos_ids: Sequence[int]) -> None:
+    """Refuse bad logit_bias, allowed_token_ids or bad_words (ids outside the vocabulary, a bias out of
+    range, more or longer bad words than the device holds, no token left to sample), naming the field."""
+    def refuse(field: str, message: str) -> None:
+        raise RequestFieldError(f"request {req.request_id}: {field}{message}", field)
+    for t, b in (req.logit_bias or {}).items():
+        if not 0 <= int(t) < vocab:
+            refuse("logit_bias", f" token id {t} outside the vocabulary [0, {vocab})")
+        if not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS):
+            refuse("logit_bias", f" values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b!r} for token {t}")
+    allowed = req.allowed_token_ids
+    if allowed is not None and not allowed:
+        refuse("allowed_token_ids", " is empty (no token could be sampled)")
+    if allowed is not None and any(not 0 <= int(t) < vocab for t in allowed):
+        refuse("allowed_token_ids", f" has an id outside the vocabulary [0, {vocab})")
+    for i, w in enumerate(req.bad_words):
+        if not w or any(not 0 <= int(t) < vocab for t in w):
+            refuse("bad_words", f"[{i}] must be token ids in [0, {vocab}), got {list(w)}")
+        if len(w) > BAD_WORD_TOKENS:
+            refuse("bad_words", f"[{i}] is {len(w)} tokens; at most {BAD_WORD_TOKENS} are served")
+    if sum(len(w) > 1 for w in req.bad_words) > ROW_BAD_WORDS:
+        refuse("bad_words", f": at most {ROW_BAD_WORDS} of more than one token (tokenizations) are served")
+    if allowed is not None:
+        left = set(allowed) - {w[0] for w in req.bad_words if len(w) == 1}
+        if not left:
+            refuse("allowed_token_ids", " are all bad_words (no token could be sampled)")
+        if req.min_tokens and not left - set(eos_ids) - set(req.stop_token_ids):
+            refuse("allowed_token_ids", " are all stop ids, which min_tokens holds back (no token could be sampled)")
+
+
+def bias_row(req: EngineRequest, vocab: int) -> np.ndarray:
+    """The request's per-token bias float32 [vocab]: -inf outside allowed_token_ids and at one-token
+    bad words, its logit_bias added."""
+    row = np.zeros((vocab,), np.float32)
+    if req.allowed_token_ids is not None:
+        row[:] = -np.inf
+        row[list(req.allowed_token_ids)] = 0.0
+    for t, b in (req.logit_bias or {}).items():
+        row[int(t)] += b
+    row[[w[0] for w in req.bad_words if len(w) == 1]] = -np.inf
+    return row
+
+
+def bad_word_rows(req: EngineRequest) -> np.ndarray:
+    """The request's bad words of more than one token, int32 [ROW_BAD_WORDS, BAD_WORD_TOKENS],
+    right-aligned, -1 padding (`logit_rules.ban_bad_words`)."""
+    out = np.full((ROW_BAD_WORDS, BAD_WORD_TOKENS), -1, np.int32)
+    for i, w in enumerate(w for w in req.bad_words if len(w) > 1):
+        out[i, BAD_WORD_TOKENS - len(w):] = w
+    return out
+
+
 def held_stop_ids(req: EngineRequest) -> np.ndarray:
     """The request's own stop ids the device holds back while its min_tokens are due: int32
     [ROW_STOP_IDS], -1 padding (all padding without min_tokens)."""
@@ -178,9 +257,10 @@ def held_stop_ids(req: EngineRequest) -> np.ndarray:
 
 
 def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]], pb: int, plen: int,
-                   slots: int) -> dict[str, np.ndarray]:
+                   slots: int, bias_cols: int = 0) -> dict[str, np.ndarray]:
     """The prefill program's per-call inputs for prompt chunks (request, offset, length, draft cap,
-    key data), padded to `pb` rows (padding rows point past the last of `slots`: dropped) of `plen`."""
+    key data), padded to `pb` rows (padding rows point past the last of `slots`: dropped) of `plen`;
+    `bias_cols` the vocabulary with logit bias, else 0 (zero-width bias and bad words)."""
     toks = np.zeros((pb, plen), np.int32)
     ints = np.zeros((4, pb), np.int32)  # n_valid, slot, start, top_k
     ints[1] = slots
@@ -189,6 +269,8 @@ def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]]
     limits = np.zeros((4, pb), np.int32)  # max_tokens, draft cap, eos_stops, min_tokens
     stops = np.full((pb, ROW_STOP_IDS), -1, np.int32)
     pens = np.repeat(np.array([[0.0], [0.0], [1.0]], np.float32), pb, axis=1)  # presence, frequency, repetition
+    bias = np.zeros((pb, bias_cols), np.float32)
+    words = np.full((pb, ROW_BAD_WORDS, BAD_WORD_TOKENS) if bias_cols else (pb, 0, 0), -1, np.int32)
     for row, (r, offset, n, draft_cap, key) in enumerate(chunks):
         toks[row, :n] = r.prompt_ids[offset:offset + n]
         ints[:, row] = n, r.slot, offset, r.top_k
@@ -197,8 +279,10 @@ def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]]
         limits[:, row] = r.max_tokens, draft_cap, not r.ignore_eos, r.min_tokens
         stops[row] = held_stop_ids(r)
         pens[:, row] = r.presence_penalty, r.frequency_penalty, r.repetition_penalty
+        if bias_cols:
+            bias[row], words[row] = bias_row(r, bias_cols), bad_word_rows(r)
     return {"tokens_bt": toks, "ints_4b": ints, "floats_3b": floats, "keys_b2": key_data, "limits_4b": limits,
-            "stops_bk": stops, "pens_3b": pens}
+            "stops_bk": stops, "pens_3b": pens, "bias_bv": bias, "words_bwl": words}
 
 
 def seed_key_data(seed: int) -> np.ndarray:

@@ -22,6 +22,8 @@ from flax import nnx
 
 from specjax import sharding as shd
 from specjax.decoding import map_budget, programs
+from specjax.decoding.logit_rules import BAD_WORD_TOKENS, ROW_BAD_WORDS
+from specjax.decoding.row_state import ROW_STOP_IDS, RowState
 from specjax.models import cache as kvc
 from specjax.models.pallas_attention import check_head_dim
 from specjax.models.pallas_mlp import check_sizes as check_mlp_sizes
@@ -49,7 +51,7 @@ _ROUND = ("rows", "tokens", "logprobs", "attn", "variant")  # the bucket key of 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("prefill", programs.prefill,
            ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_3b", "keys_b2", "limits_4b", "stops_bk",
-            "pens_3b", "stop_ids"),
+            "pens_3b", "bias_bv", "words_bwl", "stop_ids"),
            (*_STATE, "first"), ("rows", "plen", "attn"), donate=_STATE, static=("attn",)),
     Family("lite", programs.lite,
            ("t_params", "cache", "anchors", "row_state", "ell_b", "stop_ids"),
@@ -80,16 +82,19 @@ def bucket_key(family: str, **fields: Any) -> tuple[Any, ...]:
     return tuple(fields[f] for f in FAMILIES[family].bucket)
 
 
-# resident state: "row_state" is the slots' row state (programs.RowState), replaced by the families that return it
+# resident state: "row_state" is the slots' row state (row_state.RowState), replaced by the families that return it
 STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "row_state", "cache_lengths", "stop_ids")
 # per-call inputs: (shape, dtype) from the bucket sizes (+ "gamma" columns, "q_cols": the columns of
 # the q a draft carries to verify, the drafter's draft vocabulary or the target's, none in a greedy
-# round; "q_dtype": its dtype)
+# round; "q_dtype": its dtype; "bias_cols" / "words": a row's logit bias columns and bad words' shape,
+# V and (ROW_BAD_WORDS, BAD_WORD_TOKENS) with logit bias, else zero)
 INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "ell_b": lambda d: ((d["rows"],), jnp.int32),
     "limits_4b": lambda d: ((4, d["rows"]), jnp.int32),
-    "stops_bk": lambda d: ((d["rows"], programs.ROW_STOP_IDS), jnp.int32),
+    "stops_bk": lambda d: ((d["rows"], ROW_STOP_IDS), jnp.int32),
     "pens_3b": lambda d: ((3, d["rows"]), jnp.float32),
+    "bias_bv": lambda d: ((d["rows"], d["bias_cols"]), jnp.float32),
+    "words_bwl": lambda d: ((d["rows"],) + d["words"], jnp.int32),
     "free_s": lambda d: ((d["rows"],), jnp.int32),
     "ints_4b": lambda d: ((4, d["rows"]), jnp.int32),
     "floats_3b": lambda d: ((3, d["rows"]), jnp.float32),
@@ -169,7 +174,8 @@ class Runner:
     def __init__(self, target: Any, drafter: Any, *, slots: int, max_len: int, gamma: int,
                  stop_ids: Sequence[int], verifier: Callable[..., Any], cache_dtype: str | None = None,
                  mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, top_k_cap: int = DEFAULT_TOP_K_CAP,
-                 attention: str = "xla", mlp: str = "xla", penalties: bool = False, allocate: bool = True):
+                 attention: str = "xla", mlp: str = "xla", penalties: bool = False, logit_bias: bool = False,
+                 allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
         # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops
         self.mesh, self.gamma, self.max_len = mesh, gamma, max_len
@@ -185,7 +191,9 @@ class Runner:
         else:
             d_graph, d_params, dstate = None, nnx.State({}), ()
         anchors = make(lambda: jnp.zeros((slots,), jnp.int32))
-        row_state = make(lambda: programs.RowState.init(slots, target.config.vocab_size if penalties else 0))
+        vocab_size = target.config.vocab_size
+        row_state = make(lambda: RowState.init(slots, vocab_size if penalties else 0, vocab_size if logit_bias else 0))
+        self.bias_cols = vocab_size if logit_bias else 0
         shardings: dict[str, Any] = {}
         if mesh is not None:
             t_params = shd.shard_state(t_params, mesh, "serve")
@@ -210,7 +218,7 @@ class Runner:
         if mlp == "pallas":
             check_mlp_sizes(target.config.hidden_size, target.config.intermediate_size)
         ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
-                               top_k_cap, attention, mlp, penalties, **shardings)
+                               top_k_cap, attention, mlp, **shardings)
         self.exes = {name: Executables(name, ctx) for name in FAMILIES}
 
     @property
@@ -299,7 +307,8 @@ class Runner:
         """Lower one bucket key from the family's argument layout (abstract state, INPUTS shapes);
         None when that key is compiled already."""
         fam = FAMILIES[family]
-        dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), q_dtype=self.q_dtype)
+        dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), q_dtype=self.q_dtype, bias_cols=self.bias_cols,
+                    words=(ROW_BAD_WORDS, BAD_WORD_TOKENS) if self.bias_cols else (0, 0))
         dims["q_cols"] = programs.carried_q_columns(dims.get("variant"), self.q_cols)
         sharding = None if self.mesh is None else shd.replicated(self.mesh)
 

@@ -28,7 +28,7 @@ import dataclasses
 from typing import Any
 
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
-from specjax.decoding.requests import penalties_asked
+from specjax.decoding.requests import bias_asked, penalties_asked
 from specjax.io import JsonlLine
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
 from specjax.serving import batch_openai
@@ -143,9 +143,10 @@ class BatchRows:
             parsed = parse_row(row.value, row.line, self.defaults)
         except RowError as e:
             return self.error(index, row, str(e), e.field)
-        asked = penalties_asked(parsed.sp)
-        if asked and not self.engine.cfg.penalties:
-            return self.error(index, row, f"'{asked[0]}' needs a job started with --penalties", parsed.field(asked[0]))
+        for asked, option in ((penalties_asked(parsed.sp), "penalties"), (bias_asked(parsed.sp), "logit_bias")):
+            if asked and not getattr(self.engine.cfg, option):
+                return self.error(index, row, f"'{asked[0]}' needs a job started with --{option.replace('_', '-')}",
+                                  parsed.field(asked[0]))
         try:
             ids = self._prompt_ids(parsed)
             try:
@@ -157,8 +158,8 @@ class BatchRows:
         except RowError as e:
             return self.error(index, row, str(e), parsed.field(e.field))
         except (ValueError, TypeError, KeyError) as e:  # tokenizer / template / engine refusals
-            return self.error(index, row, str(e), parsed.field("messages" if parsed.messages is not None
-                                                               else "prompt"))
+            field = getattr(e, "field", None) or ("messages" if parsed.messages is not None else "prompt")
+            return self.error(index, row, str(e), parsed.field(field))
         self.metrics.request_admitted(len(ids))
         self.rows[index] = parsed
         return None

@@ -46,9 +46,9 @@ from specjax.serving.metrics import CONTENT_TYPE
 from specjax.serving.errors import APIError, rejection_reason, validation_error
 from specjax.serving.openai_api import OpenAIApp, ServerLimits
 from specjax.serving.streams import ClientGone
-from specjax.serving.schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Health,
-                                    ModelList, TokenizeRequest, TokenizeResponse, Version)
+from specjax.serving.responses import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ErrorResponse,
+                                       Health, ModelList, TokenizeResponse, Version)
+from specjax.serving.schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
 

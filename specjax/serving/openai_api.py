@@ -25,9 +25,10 @@ before each choice's text and, with `logprobs`, the prompt tokens' entries befor
 engine's cache-free `score` program under the same distribution); `max_tokens` 0 is allowed only
 with `echo` (the prompt alone). Echo with logprobs needs the prompt to fit the engine's largest
 prefill bucket (no chunking: 400 naming the limit); echo is not streamed. Not served (400 naming
-the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, `logit_bias`,
-tools, `response_format` and guided decoding. vLLM's `ignore_eos`, `min_p` and `min_tokens` are served, and
-the presence, frequency and repetition penalties by a server started with `--penalties`.
+the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, tools, `response_format` and guided
+decoding. vLLM's `ignore_eos`, `min_p` and `min_tokens` are served; the presence, frequency and
+repetition penalties by a server started with `--penalties`; `logit_bias`, `allowed_token_ids` and
+`bad_words` by one started with `--logit-bias`.
 
 Status codes: 400 bad or unsupported fields, prompts or max_tokens over the limits; 404 unknown
 model; 503 when the engine's waiting queue is full or the engine is not running; 504 when a request
@@ -42,7 +43,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from specjax.api import SamplingParams, build_engine_request
-from specjax.decoding.requests import EngineRequest, RequestMetrics, penalties_asked
+from specjax.decoding.requests import EngineRequest, RequestMetrics, bias_asked, penalties_asked
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.errors import ENGINE_REJECTED, APIError
@@ -122,7 +123,6 @@ class OpenAIApp:
         self.max_tokens = min(self.limits.max_tokens or self.max_model_len - 1, self.max_model_len - 1)
         self.max_n = int(engine.engine.cfg.max_slots)
         self.max_logprobs = int(engine.engine.cfg.max_logprobs)
-        self.penalties = bool(engine.engine.cfg.penalties)
         self.created = int(time.time())
 
     @classmethod
@@ -186,13 +186,14 @@ class OpenAIApp:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
                                 f"asks for {n_prompt + mt} ({n_prompt} in the {what}, {mt} in the completion): lower "
                                 f"'{mt_name}'", param=mt_name, code="context_length_exceeded")
-        asked = penalties_asked(sp)
-        if asked and not self.penalties:
-            raise APIError(400, f"'{asked[0]}' needs a server started with --penalties", param=asked[0])
-        bad_stop = [t for t in sp.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise APIError(400, f"'stop_token_ids' holds {bad_stop[0]}, outside the vocabulary [0, "
-                                f"{self.vocab_size})", param="stop_token_ids")
+        for asked, option in ((penalties_asked(sp), "penalties"), (bias_asked(sp), "logit_bias")):
+            if asked and not getattr(self.engine.engine.cfg, option):
+                raise APIError(400, f"'{asked[0]}' needs a server started with --{option.replace('_', '-')}",
+                               param=asked[0])
+        outside = sp.first_id_outside(self.vocab_size)
+        if outside:
+            raise APIError(400, f"'{outside[0]}' holds {outside[1]}, outside the vocabulary [0, {self.vocab_size})",
+                           param=outside[0])
         return _Parsed([ids for ids, _ in pairs], sp, stream, include_usage, n, logprobs, echo,
                        body.get("max_tokens") != 0, tuple(text for _, text in pairs),
                        include_usage and bool(options.get("continuous_usage_stats")))

@@ -22,13 +22,12 @@ from specjax.api import SamplingParams
 _ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tokens": (1 << 31) - 1}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop", "stop_token_ids", "seed",
                    "num_speculative_tokens", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty")
+                   "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words")
 
 # OpenAI and vLLM request fields that change what is generated and that this server does not serve:
 # the values that mean "off" pass, anything else is refused naming the field (never ignored)
 UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False), "logit_bias": (None, {}),
-    "bad_words": (None, []), "allowed_token_ids": (None,),
+    "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False),
     "logits_processors": (None, []), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "prompt_logprobs": (None, 0)}
@@ -81,6 +80,10 @@ class SamplingFields(pydantic.BaseModel):
     frequency_penalty: float | None = pydantic.Field(None, description="subtracted per occurrence in the output")
     repetition_penalty: float | None = pydantic.Field(None, description="vLLM's: divides a positive logit (multiplies "
                                                                       "a negative one) of a prompt or output token")
+    logit_bias: dict[int, float] | None = pydantic.Field(None, description="OpenAI's: token id (a string of digits): "
+                                                         "bias in [-100, 100] added to its logit (a server with --logit-bias)")
+    allowed_token_ids: tuple[int, ...] | None = pydantic.Field(None, description="vLLM's: only these ids are sampled")
+    bad_words: tuple[str, ...] | None = pydantic.Field(None, description="vLLM's: words never completed")
     ignore_eos: bool | None = pydantic.Field(None, description="vLLM's: generate past the model's eos ids (max_tokens, "
                                                               "stop and stop_token_ids still end the answer)")
 
@@ -119,12 +122,28 @@ class SamplingFields(pydantic.BaseModel):
             raise ValueError("'stop' must be a string or a list of strings")
         return None if v is None else tuple(v)
 
-    @pydantic.field_validator("stop_token_ids", mode="before")
+    @pydantic.field_validator("stop_token_ids", "allowed_token_ids", mode="before")
     @classmethod
-    def _stop_ids(cls, v: Any) -> Any:
+    def _token_ids(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         if v is not None and not (isinstance(v, (list, tuple)) and all(is_int(t) for t in v)):
-            raise ValueError("'stop_token_ids' must be a list of integers")
+            raise ValueError(f"'{info.field_name}' must be a list of integers")
         return None if v is None else tuple(v)
+
+    @pydantic.field_validator("bad_words", mode="before")
+    @classmethod
+    def _words(cls, v: Any) -> Any:
+        if v is not None and not (isinstance(v, (list, tuple)) and all(isinstance(w, str) for w in v)):
+            raise ValueError("'bad_words' must be a list of strings")
+        return None if v is None else tuple(v)
+
+    @pydantic.field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        if not isinstance(v, dict) or not all(is_int(k) or (isinstance(k, str) and k.isdecimal()) for k in v):
+            raise ValueError("'logit_bias' must be an object of token id (a string of digits): bias")
+        return {int(k): _number(f"logit_bias[{k!r}]", b) for k, b in v.items()}
 
     def given(self) -> dict[str, Any]:
         """The fields that were set (not None)."""
@@ -179,15 +198,15 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
         raise FieldError(str(e)) from None
 
 
-# ---------------------------------------------------------------------------- request and response bodies
-# The HTTP routes take and answer these models, so /openapi.json describes them. The models check JSON
+# ---------------------------------------------------------------------------- request bodies
+# The HTTP routes take these models (and answer `responses`' models), so /openapi.json describes them. The models check JSON
 # types (strictly: no "1" for 1, no 1.0 for a token id); the values are checked by `parse_sampling` and
 # `OpenAIApp`, whose refusals name the field as well.
 
 MAX_TOP_LOGPROBS = 20
 LOGPROBS_DOC = ("log-probabilities of the output tokens under the target's distribution after the request's "
-                "penalties and min_tokens hold, temperature, min-p, top-k and top-p (temperature 0 read as 1; "
-                "echo's prompt tokens: without penalties); -9999 stands for -inf")
+                "logit bias, bad words, penalties and min_tokens hold, temperature, min-p, top-k and top-p (temperature 0 read as 1; "
+                "echo's prompt tokens: without those rules); -9999 stands for -inf")
 _SEED_MAX = (1 << 63) - 1
 
 
@@ -333,125 +352,6 @@ class ChatCompletionRequest(_GenerationRequest):
         None, description="vLLM's: continue the last message, an assistant's (add_generation_prompt then false)")
 
 
-class Usage(pydantic.BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class SpecMetrics(pydantic.BaseModel):
-    """Speculative decoding of one request (vLLM's definitions: acceptance length counts the bonus token)."""
-
-    mean_acceptance_length: float
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_pos: list[int]
-    num_rounds: int
-
-
-class SpeculativeDecodingStats(pydantic.BaseModel):
-    """vLLM's per-request block (`--per-request-spec-decode-metrics`); fields in `serving.request_metrics`."""
-
-    mean_acceptance_length: float
-    draft_acceptance_rate: float
-    acceptance_histogram: list[int]
-    acceptance_histogram_by_draft_length: dict[str, list[int]]
-    num_spec_steps: int
-    num_accepted_draft_tokens: int
-    num_draft_tokens: int
-    num_spec_tokens: int
-    per_step_drafted: list[int] | None = pydantic.Field(None, description="detailed only")
-    per_step_accepted: list[int] | None = pydantic.Field(None, description="detailed only")
-
-
-class ResponseMetrics(pydantic.BaseModel):
-    """Present when the server reports per-request metrics; `speculative_decoding` null for n > 1."""
-
-    speculative_decoding: SpeculativeDecodingStats | None
-
-
-FinishReason = Literal["stop", "length", "abort"]
-
-
-class AssistantMessage(pydantic.BaseModel):
-    role: Literal["assistant"]
-    content: str
-
-
-class ChatChoice(pydantic.BaseModel):
-    index: int
-    message: AssistantMessage
-    finish_reason: FinishReason | None
-    token_ids: list[int]
-    logprobs: dict[str, Any] | None = None
-
-
-class CompletionChoice(pydantic.BaseModel):
-    index: int
-    text: str
-    finish_reason: FinishReason | None
-    token_ids: list[int]
-    logprobs: dict[str, Any] | None = None
-
-
-class ChatCompletionResponse(pydantic.BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    spec_metrics: SpecMetrics
-    metrics: ResponseMetrics | None = None
-
-
-class CompletionResponse(pydantic.BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    spec_metrics: SpecMetrics
-    metrics: ResponseMetrics | None = None
-
-
-class ErrorDetail(pydantic.BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(pydantic.BaseModel):
-    """Every error answer (OpenAI's shape); `param` names the offending field."""
-
-    error: ErrorDetail
-
-
-class ModelCard(pydantic.BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    max_model_len: int
-
-
-class ModelList(pydantic.BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class Version(pydantic.BaseModel):
-    version: str
-
-
-class Health(pydantic.BaseModel):
-    """`status` "ok" (200), else "starting" or "error" (503) with the `reason`."""
-
-    status: Literal["ok", "starting", "error"]
-    reason: str | None = None
 
 
 class TokenizeRequest(_Body):
@@ -466,22 +366,8 @@ class TokenizeRequest(_Body):
     continue_final_message: pydantic.StrictBool | None = None
 
 
-class TokenizeResponse(pydantic.BaseModel):
-    """The token ids the completion routes would feed the engine for that prompt."""
-
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
 class DetokenizeRequest(_Body):
     """POST /detokenize (vLLM's): token ids in the vocabulary."""
 
     model: pydantic.StrictStr | None = None
     tokens: list[pydantic.StrictInt]
-
-
-class DetokenizeResponse(pydantic.BaseModel):
-    """The ids' text, special tokens included (a chat prompt from /tokenize comes back whole)."""
-
-    prompt: str

@@ -1,0 +1,122 @@
+"""Each slot's row state resident on the device (`RowState`), and the logit rules it carries applied
+to the target's logits: a row's logit bias and bad words (an engine with logit_bias), its penalties
+(an engine with penalties) and the min_tokens hold of its stop ids (every engine). A rule is on when
+its state is (an engine without it carries None there, a static part of the programs' pytrees), so
+the programs pass no flags. The rules' arithmetic is `logit_rules`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax.decoding import logit_rules as lr
+
+Array = jax.Array
+
+# RowState.ints_7s rows; eos_stops: 1 if the engine's stop ids (eos) end the row, 0 (ignore_eos) if not;
+# min_left: tokens the row must still emit before one of its stop ids may be drawn (min_tokens)
+ROW_INTS = ("active", "count", "top_k", "remaining", "draft_cap", "eos_stops", "min_left")
+ROW_STOP_IDS = 8  # own stop ids a row holds on the device (RowState.stops_sk): those min_tokens holds back
+
+
+class RowState(NamedTuple):
+    """Per-slot row state resident on the device (see programs' module docstring)."""
+
+    ints_7s: Array  # int32 [7, slots]: ROW_INTS (count = rounds run; remaining = tokens still wanted)
+    floats_3s: Array  # float32 [3, slots]: temperature, top_p, min_p
+    keys_s2: Array  # uint32 [slots, 2]: raw threefry key data of each row's base key
+    stops_sk: Array  # int32 [slots, ROW_STOP_IDS]: the row's own stop ids, -1 padding (set with min_tokens)
+    # with penalties only
+    pens_3s: Array | None = None  # float32 [3, slots]: presence, frequency, repetition penalty
+    counts_sv: Array | None = None  # int32 [slots, V]: output token counts
+    prompt_sv: Array | None = None  # bool [slots, V]: the prompt's tokens
+    # with logit_bias only
+    bias_sv: Array | None = None  # float32 [slots, V]: logit_bias, allowed_token_ids, one-token bad words
+    words_swl: Array | None = None  # int32 [slots, ROW_BAD_WORDS, BAD_WORD_TOKENS]: multi-token bad words
+    tail_sl: Array | None = None  # int32 [slots, BAD_WORD_TOKENS - 1]: the last output tokens, -1 padding
+
+    @classmethod
+    def init(cls, slots: int, penalty_vocab: int = 0, bias_vocab: int = 0) -> "RowState":
+        """Empty rows; `penalty_vocab` / `bias_vocab` the target's vocabulary with penalties / logit
+        bias, else 0 (no state for them)."""
+        floats = jnp.asarray([[1.0], [1.0], [0.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
+        rows = cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), floats,
+                   jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots, ROW_STOP_IDS), -1, jnp.int32))
+        if penalty_vocab:
+            pens = jnp.asarray([[0.0], [0.0], [1.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
+            rows = rows._replace(pens_3s=pens, counts_sv=jnp.zeros((slots, penalty_vocab), jnp.int32),
+                                 prompt_sv=jnp.zeros((slots, penalty_vocab), bool))
+        if bias_vocab:
+            rows = rows._replace(bias_sv=jnp.zeros((slots, bias_vocab), jnp.float32),
+                                 words_swl=jnp.full((slots, lr.ROW_BAD_WORDS, lr.BAD_WORD_TOKENS), -1, jnp.int32),
+                                 tail_sl=jnp.full((slots, lr.BAD_WORD_TOKENS - 1), -1, jnp.int32))
+        return rows
+
+    @property
+    def penalties(self) -> bool:
+        return self.counts_sv is not None
+
+    @property
+    def logit_bias(self) -> bool:
+        return self.bias_sv is not None
+
+
+def target_rules(rows: RowState, logits_btv: Array, toks_bt: Array, stop_be: Array) -> Array:
+    """The rules of rows [0:b] on a verify pass's logits [b, t, V] over toks [anchor, d_1..d_{t-1}]:
+    logit bias and bad words, penalties, the min_tokens hold of stop ids stop_be [b, E] and the own."""
+    b = toks_bt.shape[0]
+    if rows.logit_bias:
+        logits_btv = lr.ban_bad_words(lr.add_bias(logits_btv, rows.bias_sv[:b]), rows.words_swl[:b], rows.tail_sl[:b],
+                                      toks_bt[:, 1:])
+    if rows.penalties:
+        logits_btv = lr.penalize(logits_btv, rows.counts_sv[:b], rows.prompt_sv[:b], rows.pens_3s[:, :b], toks_bt)
+    return lr.hold_stops(logits_btv, jnp.concatenate([stop_be, rows.stops_sk[:b]], 1), rows.ints_7s[6, :b])
+
+
+def record_output(rows: RowState, tokens_bt: Array, emitted_b: Array) -> RowState:
+    """Rows [0:b] after emitting their first emitted_b tokens of tokens_bt: the penalties' output
+    counts and the bad words' tails."""
+    if rows.penalties:
+        rows = rows._replace(counts_sv=lr.count_emitted(rows.counts_sv, tokens_bt, emitted_b))
+    if rows.logit_bias:
+        rows = rows._replace(tail_sl=lr.push_tail(rows.tail_sl, tokens_bt, emitted_b))
+    return rows
+
+
+def prefill_logits(rows: RowState, logits_p1v: Array, tokens_bt: Array, ints_4b: Array, pens_3b: Array,
+                   bias_bv: Array) -> tuple[Array, Array | None]:
+    """Prefill's first-token logits [P, 1, V] under the rows' bias (no bad word hits an empty output)
+    and penalties (from the prompt so far: earlier chunks' tokens, none for a row that starts at 0,
+    and this chunk's; no output yet); ints_4b = (n_valid, slot, start, -). Returns (logits, the
+    prompt's tokens [P, V] with penalties, else None)."""
+    if rows.logit_bias:
+        logits_p1v = lr.add_bias(logits_p1v, bias_bv)
+    if not rows.penalties:
+        return logits_p1v, None
+    (pb, plen), v = tokens_bt.shape, logits_p1v.shape[-1]
+    n_valid_p, slot_p, start_p = ints_4b[0], ints_4b[1], ints_4b[2]
+    old = jnp.take(rows.prompt_sv, slot_p, axis=0, mode="clip") & (start_p > 0)[:, None]
+    chunk = jnp.where(jnp.arange(plen)[None, :] < n_valid_p[:, None], tokens_bt, v)
+    prompt_pv = old.at[jnp.arange(pb)[:, None], chunk].set(True, mode="drop")
+    return lr.penalty(logits_p1v, jnp.zeros((pb, 1, v), jnp.int32), prompt_pv[:, None], pens_3b), prompt_pv
+
+
+def admit_rules(rows: RowState, slot_p: Array, tok_p: Array, pens_3b: Array, prompt_pv: Array | None,
+                bias_bv: Array, words_bwl: Array) -> RowState:
+    """The admitted rows' rule state (slots slot_p; an id past the last is dropped): penalties and
+    prompt tokens, bias and bad words, and the first token tok_p as the output so far."""
+    pb = tok_p.shape[0]
+    fresh = RowState.init(pb, rows.counts_sv.shape[-1] if rows.penalties else 0,
+                          rows.bias_sv.shape[-1] if rows.logit_bias else 0)
+    fresh = record_output(fresh, tok_p[:, None], jnp.ones_like(tok_p))
+    if rows.penalties:
+        rows = rows._replace(pens_3s=rows.pens_3s.at[:, slot_p].set(pens_3b, mode="drop"),
+                             counts_sv=rows.counts_sv.at[slot_p].set(fresh.counts_sv, mode="drop"),
+                             prompt_sv=rows.prompt_sv.at[slot_p].set(prompt_pv, mode="drop"))
+    if rows.logit_bias:
+        rows = rows._replace(bias_sv=rows.bias_sv.at[slot_p].set(bias_bv, mode="drop"),
+                             words_swl=rows.words_swl.at[slot_p].set(words_bwl, mode="drop"),
+                             tail_sl=rows.tail_sl.at[slot_p].set(fresh.tail_sl, mode="drop"))
+    return rows

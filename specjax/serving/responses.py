@@ -1,0 +1,141 @@
+"""The response bodies of the HTTP routes (pydantic models, so /openapi.json describes them);
+the request bodies are `schema`'s."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pydantic
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Usage(pydantic.BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpecMetrics(pydantic.BaseModel):
+    """Speculative decoding of one request (vLLM's definitions: acceptance length counts the bonus token)."""
+
+    mean_acceptance_length: float
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+    num_rounds: int
+
+
+class SpeculativeDecodingStats(pydantic.BaseModel):
+    """vLLM's per-request block (`--per-request-spec-decode-metrics`); fields in `serving.request_metrics`."""
+
+    mean_acceptance_length: float
+    draft_acceptance_rate: float
+    acceptance_histogram: list[int]
+    acceptance_histogram_by_draft_length: dict[str, list[int]]
+    num_spec_steps: int
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    num_spec_tokens: int
+    per_step_drafted: list[int] | None = pydantic.Field(None, description="detailed only")
+    per_step_accepted: list[int] | None = pydantic.Field(None, description="detailed only")
+
+
+class ResponseMetrics(pydantic.BaseModel):
+    """Present when the server reports per-request metrics; `speculative_decoding` null for n > 1."""
+
+    speculative_decoding: SpeculativeDecodingStats | None
+
+
+class AssistantMessage(pydantic.BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(pydantic.BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason | None
+    token_ids: list[int]
+    logprobs: dict[str, Any] | None = None
+
+
+class CompletionChoice(pydantic.BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    token_ids: list[int]
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletionResponse(pydantic.BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    spec_metrics: SpecMetrics
+    metrics: ResponseMetrics | None = None
+
+
+class CompletionResponse(pydantic.BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    spec_metrics: SpecMetrics
+    metrics: ResponseMetrics | None = None
+
+
+class ErrorDetail(pydantic.BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(pydantic.BaseModel):
+    """Every error answer (OpenAI's shape); `param` names the offending field."""
+
+    error: ErrorDetail
+
+
+class ModelCard(pydantic.BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(pydantic.BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Version(pydantic.BaseModel):
+    version: str
+
+
+class Health(pydantic.BaseModel):
+    """`status` "ok" (200), else "starting" or "error" (503) with the `reason`."""
+
+    status: Literal["ok", "starting", "error"]
+    reason: str | None = None
+
+
+class TokenizeResponse(pydantic.BaseModel):
+    """The token ids the completion routes would feed the engine for that prompt."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(pydantic.BaseModel):
+    """The ids' text, special tokens included (a chat prompt from /tokenize comes back whole)."""
+
+    prompt: str
