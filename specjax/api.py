@@ -42,6 +42,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    guided_choice: tuple[str, ...] | None = None  # vLLM's: the answer is one of these texts (LLM(guided_choice=True))
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -109,6 +110,11 @@ class SamplingParams:
         if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
             raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
         object.__setattr__(self, "bad_words", tuple(words))
+        choices = self.guided_choice
+        if choices is not None:
+            if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError(f"guided_choice must be a non-empty list of non-empty strings, got {choices!r}")
+            object.__setattr__(self, "guided_choice", tuple(choices))
 
 
 def _check_int(field: str, value: Any, *, minimum: int, optional: bool = False) -> None:
@@ -160,6 +166,8 @@ class LLM:
         its output token counts and prompt tokens on the device); off, a request that sets one is refused.
     logit_bias: serve `SamplingParams`' logit_bias, allowed_token_ids and bad_words (each slot keeps
         a [vocab] bias row and its bad words on the device); off, a request that sets one is refused.
+    guided_choice: serve `SamplingParams.guided_choice` (the answer is one of the texts, each as its
+        own tokens, then eos: exact under speculation); off, it is refused.
     """
 
     def __init__(self, target: Any = None, drafter: Any = None, *, tokenizer: str | None = None,
@@ -168,7 +176,7 @@ class LLM:
                  max_prefill: int = 256, engine_config: EngineConfig | None = None, progress: bool = False,
                  cost_table: Any = None, threshold: float | None = None, max_logprobs: int = 0,
                  sampling_variants: Sequence[str] | None = None, penalties: bool = False,
-                 logit_bias: bool = False):
+                 logit_bias: bool = False, guided_choice: bool = False):
         from specjax import checkpoints
         self.tokenizer = None
         target_dir = None
@@ -196,7 +204,7 @@ class LLM:
                 policy=policy or ("plain" if self.drafter is None else "fixed"), seed=seed,
                 max_prefill=max_prefill, threshold=threshold, max_logprobs=max_logprobs,
                 sampling_variants=VARIANTS if sampling_variants is None else tuple(sampling_variants),
-                penalties=penalties, logit_bias=logit_bias)
+                penalties=penalties, logit_bias=logit_bias, guided_choice=guided_choice)
         if isinstance(cost_table, (str, os.PathLike)):
             from specjax.scheduling import CostTable
             cost_table = CostTable.from_json(cost_table)
@@ -345,8 +353,10 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
     if not ids:
         raise ValueError("prompt is empty (no token ids)")
     stop_check = None
-    if (sp.stop or sp.bad_words) and tokenizer is None:
-        raise ValueError(f"{'stop strings' if sp.stop else 'bad_words'} need a tokenizer; this target has none")
+    needs = [name for name, v in (("stop strings", sp.stop), ("bad_words", sp.bad_words), ("guided_choice", sp.guided_choice))
+             if v]
+    if needs and tokenizer is None:
+        raise ValueError(f"{needs[0]} need a tokenizer; this target has none")
     if sp.stop:
         stop_check = StopStringChecker(tokenizer, sp.stop)
     return EngineRequest(request_id=request_id, prompt_ids=ids, max_tokens=sp.max_tokens,
@@ -355,6 +365,8 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
                          presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
                          repetition_penalty=sp.repetition_penalty, logit_bias=sp.logit_bias,
                          allowed_token_ids=sp.allowed_token_ids, bad_words=bad_word_ids(tokenizer, sp.bad_words),
+                         guided_choice=tuple(dict.fromkeys(tuple(encode_text(tokenizer, c))
+                                                           for c in sp.guided_choice or ())),
                          stop_check=stop_check,
                          max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs)
 

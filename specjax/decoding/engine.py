@@ -71,7 +71,7 @@ class Engine:
                              stop_ids=self.eos_token_ids, verifier=verifier, cache_dtype=config.cache_dtype,
                              mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap,
                              attention=config.attention, mlp=config.mlp, penalties=config.penalties,
-                             logit_bias=config.logit_bias)
+                             logit_bias=config.logit_bias, guided_choice=config.guided_choice)
         self.lengths = np.zeros((slots,), np.int64)  # committed cache rows per slot
         self.slot_req: list[EngineRequest | None] = [None] * slots
         self.queue: list[EngineRequest] = []
@@ -215,7 +215,8 @@ class Engine:
     def add_request(self, req: EngineRequest) -> None:
         check_request(req, max_len=self.cfg.max_len, vocab=self.target_config.vocab_size,
                       top_k_cap=self.cfg.top_k_cap, max_logprobs=self.cfg.max_logprobs, penalties=self.cfg.penalties,
-                      logit_bias=self.cfg.logit_bias, stop_ids=self.eos_token_ids)
+                      logit_bias=self.cfg.logit_bias, guided_choice=self.cfg.guided_choice,
+                      stop_ids=self.eos_token_ids)
         self.round_variant(req.temperature, req.top_k, req.top_p, req.min_p)  # refuses a variant not compiled
         req.metrics.start_time = time.perf_counter()
         self.queue.append(req)
@@ -279,7 +280,8 @@ class Engine:
             chunks = [(batch[i], offsets[i], n, self._draft_cap(batch[i]), self._key_data[batch[i].slot])
                       for i, n in zip(todo, chunk_lens)]
             attn = self._attention_bucket(max(offsets[i] + n for i, n in zip(todo, chunk_lens)))
-            inputs = prefill_inputs(chunks, pb, plen, self.cfg.max_slots, self.runner.bias_cols)
+            inputs = prefill_inputs(chunks, pb, plen, self.cfg.max_slots, self.runner.bias_cols,
+                                    self.runner.choice_shape)
             outs = self.runner.run("prefill", (pb, plen, attn), **inputs)
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 offsets[i] += n

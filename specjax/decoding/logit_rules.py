@@ -3,6 +3,8 @@ every verified position of a round), so target and verification see the same dis
 `add_bias` (logit_bias, allowed_token_ids and one-token bad words as a per-row [V] bias, -inf for a
 banned token), `ban_bad_words` (a multi-token bad word's last token at -inf where the output before
 it ends with the word's other tokens; `push_tail` keeps each row's last output tokens it reads),
+`guide_choices` (guided_choice: only the next token of a choice the output so far begins, or a stop
+id where it is a whole choice; `advance_choices` keeps the choices each row's output still begins),
 `hold_stops` (min_tokens: a row's stop ids at -inf until it has emitted that many tokens) and
 `penalize` (vLLM's presence, frequency and repetition penalties from the row's prompt and its output up
 to each position, drafts included); `count_emitted` keeps the output counts the penalties read.
@@ -16,6 +18,8 @@ Array = jax.Array
 
 ROW_BAD_WORDS = 16  # multi-token bad words a row holds on the device (each tokenization counts)
 BAD_WORD_TOKENS = 8  # tokens of a bad word, the banned last one included (a row's tail keeps one fewer)
+ROW_CHOICES = 16  # guided_choice: choices a row holds on the device
+CHOICE_TOKENS = 16  # tokens of each
 
 
 def add_bias(logits_btv: Array, bias_bv: Array) -> Array:
@@ -98,3 +102,43 @@ def count_emitted(counts_sv: Array, tokens_bt: Array, emitted_b: Array) -> Array
     valid = (jnp.arange(t)[None, :] < emitted_b[:, None]) & (tokens_bt >= 0)
     cols = jnp.where(valid, tokens_bt, v)
     return counts_sv.at[jnp.arange(b)[:, None], cols].add(1, mode="drop")
+
+
+def _choice_tokens(choices_bcl: Array, index_bt: Array) -> Array:
+    """Each choice's token at output index index_bt [b, t]: [b, t, C], -1 past its end."""
+    length = choices_bcl.shape[2]
+    at = jnp.take_along_axis(choices_bcl[:, None, :, :], jnp.clip(index_bt, 0, length - 1)[:, :, None, None], axis=3)
+    return jnp.where((index_bt < length)[:, :, None], at[..., 0], -1)
+
+
+def guide_choices(logits_btv: Array, choices_bcl: Array, alive_bc: Array, pos_b: Array, drafts_bk: Array,
+                  stop_be: Array) -> Array:
+    """guided_choice: position j keeps only the tokens that continue a choice the row's output so far
+    begins (its committed pos_b tokens, of which alive_bc the choices [b, C] they begin, then drafts
+    d_1..d_j), and the stop ids stop_be [b, E] where that output is a whole choice; every other
+    logit is -inf. choices_bcl [b, C, L]: token ids, -1 past each choice's end. A position no choice
+    reaches (after a draft outside them all: it is never sampled) and a row without choices are left alone."""
+    b, t, v = logits_btv.shape
+    need_btc = _choice_tokens(choices_bcl, pos_b[:, None] + jnp.arange(t)[None, :])
+    alive_btc = jnp.broadcast_to(alive_bc[:, None, :], need_btc.shape)
+    if t > 1:  # position j's output also holds d_1..d_j: each must be its choice's token
+        kept = jnp.cumprod(drafts_bk[:, :, None] == need_btc[:, :-1, :], axis=1).astype(bool)
+        alive_btc = alive_btc & jnp.concatenate([jnp.ones_like(kept[:, :1]), kept], axis=1)
+    cols = jnp.where(alive_btc & (need_btc >= 0), need_btc, v)
+    allowed = jnp.zeros((b, t, v), bool).at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], cols].set(
+        True, mode="drop")
+    whole_bt = jnp.any(alive_btc & (need_btc < 0), axis=-1)
+    stop_bv = jnp.any(stop_be[:, :, None] == jnp.arange(v, dtype=jnp.int32), axis=1)
+    allowed = allowed | (whole_bt[:, :, None] & stop_bv[:, None, :])
+    guided_bt = jnp.any(alive_btc, axis=-1)
+    return jnp.where(guided_bt[:, :, None] & ~allowed, -jnp.inf, logits_btv)
+
+
+def advance_choices(choices_bcl: Array, alive_bc: Array, pos_b: Array, tokens_bt: Array,
+                    emitted_b: Array) -> tuple[Array, Array]:
+    """(alive, pos) of rows [0:b] after emitting their first emitted_b tokens of tokens_bt: the
+    choices the output still begins (a stop id ends them all) and its length."""
+    t = tokens_bt.shape[1]
+    need_btc = _choice_tokens(choices_bcl, pos_b[:, None] + jnp.arange(t)[None, :])
+    same = (tokens_bt[:, :, None] == need_btc) | (jnp.arange(t)[None, :, None] >= emitted_b[:, None, None])
+    return alive_bc & jnp.all(same, axis=1), pos_b + emitted_b

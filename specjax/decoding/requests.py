@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from specjax.decoding.logit_rules import BAD_WORD_TOKENS, ROW_BAD_WORDS
+from specjax.decoding.logit_rules import BAD_WORD_TOKENS, CHOICE_TOKENS, ROW_BAD_WORDS, ROW_CHOICES
 from specjax.decoding.row_state import ROW_STOP_IDS
 
 PENALTY_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}  # name: off
@@ -28,6 +28,12 @@ class RequestFieldError(ValueError):
 def penalties_asked(params: Any) -> list[str]:
     """The penalty fields (PENALTY_FIELDS) that `params` (SamplingParams or EngineRequest) sets on."""
     return [f for f, off in PENALTY_FIELDS.items() if getattr(params, f) != off]
+
+
+def rules_asked(params: Any) -> list[tuple[list[str], str]]:
+    """(the fields `params` sets, the EngineConfig option that serves them) for each opt-in logit rule."""
+    return [(penalties_asked(params), "penalties"), (bias_asked(params), "logit_bias"),
+            (["guided_choice"] if params.guided_choice else [], "guided_choice")]
 
 
 def bias_asked(params: Any) -> list[str]:
@@ -135,6 +141,7 @@ class EngineRequest:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[tuple[int, ...], ...] = ()
+    guided_choice: tuple[tuple[int, ...], ...] = ()  # the output is one of these, then eos (EngineConfig.guided_choice)
     stop_check: Callable[[list[int], int], int | None] | None = None  # (output, min_tokens) -> tokens to keep, if a stop hit
     max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
@@ -157,7 +164,8 @@ def token_logprobs(req: EngineRequest, outs: dict[str, Any], row: int, n: int
 
 
 def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: int, max_logprobs: int,
-                  penalties: bool = False, logit_bias: bool = False, stop_ids: Sequence[int] = ()) -> None:
+                  penalties: bool = False, logit_bias: bool = False, guided_choice: bool = False,
+                  stop_ids: Sequence[int] = ()) -> None:
     """Refuse a request an engine of these limits cannot serve (a ValueError naming the field)."""
     n = len(req.prompt_ids)
     if n == 0:
@@ -182,6 +190,11 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
             raise RequestFieldError(f"request {req.request_id}: {bias_asked(req)[0]} needs an engine with logit "
                                     f"bias (EngineConfig.logit_bias; the server's --logit-bias)", bias_asked(req)[0])
         _check_bias(req, vocab, () if req.ignore_eos else stop_ids)
+    if req.guided_choice:
+        if not guided_choice:
+            raise RequestFieldError(f"request {req.request_id}: guided_choice needs an engine with guided choices "
+                                    f"(EngineConfig.guided_choice; the server's --guided-choice)", "guided_choice")
+        _check_choices(req, vocab, stop_ids)
     if req.min_tokens and len(req.stop_token_ids) > ROW_STOP_IDS:
         raise ValueError(f"request {req.request_id}: with min_tokens at most {ROW_STOP_IDS} stop_token_ids are "
                          f"held back (the device's per-row limit), got {len(req.stop_token_ids)}")
@@ -225,6 +238,25 @@ def _check_bias(req: EngineRequest, vocab: int, eos_ids: Sequence[int]) -> None:
             refuse("allowed_token_ids", " are all stop ids, which min_tokens holds back (no token could be sampled)")
 
 
+def _check_choices(req: EngineRequest, vocab: int, eos_ids: Sequence[int]) -> None:
+    """Refuse guided choices the device cannot hold or that could leave no token to sample (the
+    fields that also ban tokens, or none of the eos ids that end a whole choice)."""
+    def refuse(message: str, field: str = "guided_choice") -> None:
+        raise RequestFieldError(f"request {req.request_id}: {message}", field)
+    if len(req.guided_choice) > ROW_CHOICES:
+        refuse(f"guided_choice: at most {ROW_CHOICES} choices are served, got {len(req.guided_choice)}")
+    for i, c in enumerate(req.guided_choice):
+        if not c or len(c) > CHOICE_TOKENS or any(not 0 <= int(t) < vocab for t in c):
+            refuse(f"guided_choice[{i}] must be 1 to {CHOICE_TOKENS} token ids in [0, {vocab}), got {list(c)}")
+    if not eos_ids or req.ignore_eos:
+        refuse("guided_choice ends a whole choice with eos: " + ("the engine has no eos ids" if not eos_ids
+                                                                  else "not with ignore_eos"),
+               "ignore_eos" if eos_ids else "guided_choice")
+    for field in ("min_tokens", "allowed_token_ids", "bad_words"):
+        if getattr(req, field):
+            refuse(f"{field} is not served with guided_choice (they could leave no token to sample)", field)
+
+
 def bias_row(req: EngineRequest, vocab: int) -> np.ndarray:
     """The request's per-token bias float32 [vocab]: -inf outside allowed_token_ids and at one-token
     bad words, its logit_bias added."""
@@ -257,10 +289,11 @@ def held_stop_ids(req: EngineRequest) -> np.ndarray:
 
 
 def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]], pb: int, plen: int,
-                   slots: int, bias_cols: int = 0) -> dict[str, np.ndarray]:
+                   slots: int, bias_cols: int = 0, choice_shape: tuple[int, int] = (0, 0)) -> dict[str, np.ndarray]:
     """The prefill program's per-call inputs for prompt chunks (request, offset, length, draft cap,
     key data), padded to `pb` rows (padding rows point past the last of `slots`: dropped) of `plen`;
-    `bias_cols` the vocabulary with logit bias, else 0 (zero-width bias and bad words)."""
+    `bias_cols` the vocabulary with logit bias, else 0 (zero-width bias and bad words); `choice_shape`
+    (ROW_CHOICES, CHOICE_TOKENS) with guided choices, else zero."""
     toks = np.zeros((pb, plen), np.int32)
     ints = np.zeros((4, pb), np.int32)  # n_valid, slot, start, top_k
     ints[1] = slots
@@ -271,6 +304,7 @@ def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]]
     pens = np.repeat(np.array([[0.0], [0.0], [1.0]], np.float32), pb, axis=1)  # presence, frequency, repetition
     bias = np.zeros((pb, bias_cols), np.float32)
     words = np.full((pb, ROW_BAD_WORDS, BAD_WORD_TOKENS) if bias_cols else (pb, 0, 0), -1, np.int32)
+    choices = np.full((pb,) + tuple(choice_shape), -1, np.int32)
     for row, (r, offset, n, draft_cap, key) in enumerate(chunks):
         toks[row, :n] = r.prompt_ids[offset:offset + n]
         ints[:, row] = n, r.slot, offset, r.top_k
@@ -281,8 +315,11 @@ def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]]
         pens[:, row] = r.presence_penalty, r.frequency_penalty, r.repetition_penalty
         if bias_cols:
             bias[row], words[row] = bias_row(r, bias_cols), bad_word_rows(r)
+        for i, c in enumerate(r.guided_choice if choice_shape[0] else ()):
+            choices[row, i, :len(c)] = c
     return {"tokens_bt": toks, "ints_4b": ints, "floats_3b": floats, "keys_b2": key_data, "limits_4b": limits,
-            "stops_bk": stops, "pens_3b": pens, "bias_bv": bias, "words_bwl": words}
+            "stops_bk": stops, "pens_3b": pens, "bias_bv": bias, "words_bwl": words,
+            "choices_bcl": choices}
 
 
 def seed_key_data(seed: int) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Each slot's row state resident on the device (`RowState`), and the logit rules it carries applied
-to the target's logits: a row's logit bias and bad words (an engine with logit_bias), its penalties
-(an engine with penalties) and the min_tokens hold of its stop ids (every engine). A rule is on when
+to the target's logits: a row's logit bias and bad words (an engine with logit_bias), its guided
+choices (an engine with guided_choice), its penalties (an engine with penalties) and the min_tokens
+hold of its stop ids (every engine). A rule is on when
 its state is (an engine without it carries None there, a static part of the programs' pytrees), so
 the programs pass no flags. The rules' arithmetic is `logit_rules`.
 """
@@ -36,11 +37,15 @@ class RowState(NamedTuple):
     bias_sv: Array | None = None  # float32 [slots, V]: logit_bias, allowed_token_ids, one-token bad words
     words_swl: Array | None = None  # int32 [slots, ROW_BAD_WORDS, BAD_WORD_TOKENS]: multi-token bad words
     tail_sl: Array | None = None  # int32 [slots, BAD_WORD_TOKENS - 1]: the last output tokens, -1 padding
+    # with guided_choice only
+    choices_scl: Array | None = None  # int32 [slots, ROW_CHOICES, CHOICE_TOKENS]: token ids, -1 padding
+    alive_sc: Array | None = None  # bool [slots, ROW_CHOICES]: the choices the output so far begins
+    pos_s: Array | None = None  # int32 [slots]: output tokens so far
 
     @classmethod
-    def init(cls, slots: int, penalty_vocab: int = 0, bias_vocab: int = 0) -> "RowState":
+    def init(cls, slots: int, penalty_vocab: int = 0, bias_vocab: int = 0, guided: bool = False) -> "RowState":
         """Empty rows; `penalty_vocab` / `bias_vocab` the target's vocabulary with penalties / logit
-        bias, else 0 (no state for them)."""
+        bias, else 0 (no state for them); `guided`: state for guided choices."""
         floats = jnp.asarray([[1.0], [1.0], [0.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
         rows = cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), floats,
                    jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots, ROW_STOP_IDS), -1, jnp.int32))
@@ -52,6 +57,9 @@ class RowState(NamedTuple):
             rows = rows._replace(bias_sv=jnp.zeros((slots, bias_vocab), jnp.float32),
                                  words_swl=jnp.full((slots, lr.ROW_BAD_WORDS, lr.BAD_WORD_TOKENS), -1, jnp.int32),
                                  tail_sl=jnp.full((slots, lr.BAD_WORD_TOKENS - 1), -1, jnp.int32))
+        if guided:
+            rows = rows._replace(choices_scl=jnp.full((slots, lr.ROW_CHOICES, lr.CHOICE_TOKENS), -1, jnp.int32),
+                                 alive_sc=jnp.zeros((slots, lr.ROW_CHOICES), bool), pos_s=jnp.zeros((slots,), jnp.int32))
         return rows
 
     @property
@@ -62,14 +70,22 @@ class RowState(NamedTuple):
     def logit_bias(self) -> bool:
         return self.bias_sv is not None
 
+    @property
+    def guided(self) -> bool:
+        return self.choices_scl is not None
+
 
 def target_rules(rows: RowState, logits_btv: Array, toks_bt: Array, stop_be: Array) -> Array:
     """The rules of rows [0:b] on a verify pass's logits [b, t, V] over toks [anchor, d_1..d_{t-1}]:
-    logit bias and bad words, penalties, the min_tokens hold of stop ids stop_be [b, E] and the own."""
+    logit bias and bad words, guided choices (ended by the stop ids stop_be [b, E]), penalties, the
+    min_tokens hold of stop_be and the row's own stop ids."""
     b = toks_bt.shape[0]
     if rows.logit_bias:
         logits_btv = lr.ban_bad_words(lr.add_bias(logits_btv, rows.bias_sv[:b]), rows.words_swl[:b], rows.tail_sl[:b],
                                       toks_bt[:, 1:])
+    if rows.guided:
+        logits_btv = lr.guide_choices(logits_btv, rows.choices_scl[:b], rows.alive_sc[:b], rows.pos_s[:b],
+                                      toks_bt[:, 1:], stop_be)
     if rows.penalties:
         logits_btv = lr.penalize(logits_btv, rows.counts_sv[:b], rows.prompt_sv[:b], rows.pens_3s[:, :b], toks_bt)
     return lr.hold_stops(logits_btv, jnp.concatenate([stop_be, rows.stops_sk[:b]], 1), rows.ints_7s[6, :b])
@@ -77,22 +93,30 @@ def target_rules(rows: RowState, logits_btv: Array, toks_bt: Array, stop_be: Arr
 
 def record_output(rows: RowState, tokens_bt: Array, emitted_b: Array) -> RowState:
     """Rows [0:b] after emitting their first emitted_b tokens of tokens_bt: the penalties' output
-    counts and the bad words' tails."""
+    counts, the bad words' tails, the choices the output still begins."""
     if rows.penalties:
         rows = rows._replace(counts_sv=lr.count_emitted(rows.counts_sv, tokens_bt, emitted_b))
     if rows.logit_bias:
         rows = rows._replace(tail_sl=lr.push_tail(rows.tail_sl, tokens_bt, emitted_b))
+    if rows.guided:
+        b = tokens_bt.shape[0]
+        alive, pos = lr.advance_choices(rows.choices_scl[:b], rows.alive_sc[:b], rows.pos_s[:b], tokens_bt, emitted_b)
+        rows = rows._replace(alive_sc=rows.alive_sc.at[:b].set(alive), pos_s=rows.pos_s.at[:b].set(pos))
     return rows
 
 
 def prefill_logits(rows: RowState, logits_p1v: Array, tokens_bt: Array, ints_4b: Array, pens_3b: Array,
-                   bias_bv: Array) -> tuple[Array, Array | None]:
-    """Prefill's first-token logits [P, 1, V] under the rows' bias (no bad word hits an empty output)
-    and penalties (from the prompt so far: earlier chunks' tokens, none for a row that starts at 0,
-    and this chunk's; no output yet); ints_4b = (n_valid, slot, start, -). Returns (logits, the
-    prompt's tokens [P, V] with penalties, else None)."""
+                   bias_bv: Array, choices_bcl: Array, stop_pe: Array) -> tuple[Array, Array | None]:
+    """Prefill's first-token logits [P, 1, V] under the rows' bias (no bad word hits an empty output),
+    guided choices (their first tokens) and penalties (from the prompt so far: earlier chunks'
+    tokens, none for a row that starts at 0, and this chunk's; no output yet); ints_4b = (n_valid,
+    slot, start, -). Returns (logits, the prompt's tokens [P, V] with penalties, else None)."""
     if rows.logit_bias:
         logits_p1v = lr.add_bias(logits_p1v, bias_bv)
+    if rows.guided:
+        pb = logits_p1v.shape[0]
+        logits_p1v = lr.guide_choices(logits_p1v, choices_bcl, choices_bcl[:, :, 0] >= 0, jnp.zeros((pb,), jnp.int32),
+                                      jnp.zeros((pb, 0), jnp.int32), stop_pe)
     if not rows.penalties:
         return logits_p1v, None
     (pb, plen), v = tokens_bt.shape, logits_p1v.shape[-1]
@@ -104,12 +128,14 @@ def prefill_logits(rows: RowState, logits_p1v: Array, tokens_bt: Array, ints_4b:
 
 
 def admit_rules(rows: RowState, slot_p: Array, tok_p: Array, pens_3b: Array, prompt_pv: Array | None,
-                bias_bv: Array, words_bwl: Array) -> RowState:
+                bias_bv: Array, words_bwl: Array, choices_bcl: Array) -> RowState:
     """The admitted rows' rule state (slots slot_p; an id past the last is dropped): penalties and
-    prompt tokens, bias and bad words, and the first token tok_p as the output so far."""
+    prompt tokens, bias and bad words, choices, and the first token tok_p as the output so far."""
     pb = tok_p.shape[0]
     fresh = RowState.init(pb, rows.counts_sv.shape[-1] if rows.penalties else 0,
-                          rows.bias_sv.shape[-1] if rows.logit_bias else 0)
+                          rows.bias_sv.shape[-1] if rows.logit_bias else 0, rows.guided)
+    if rows.guided:
+        fresh = fresh._replace(choices_scl=choices_bcl, alive_sc=choices_bcl[:, :, 0] >= 0)
     fresh = record_output(fresh, tok_p[:, None], jnp.ones_like(tok_p))
     if rows.penalties:
         rows = rows._replace(pens_3s=rows.pens_3s.at[:, slot_p].set(pens_3b, mode="drop"),
@@ -119,4 +145,8 @@ def admit_rules(rows: RowState, slot_p: Array, tok_p: Array, pens_3b: Array, pro
         rows = rows._replace(bias_sv=rows.bias_sv.at[slot_p].set(bias_bv, mode="drop"),
                              words_swl=rows.words_swl.at[slot_p].set(words_bwl, mode="drop"),
                              tail_sl=rows.tail_sl.at[slot_p].set(fresh.tail_sl, mode="drop"))
+    if rows.guided:
+        rows = rows._replace(choices_scl=rows.choices_scl.at[slot_p].set(choices_bcl, mode="drop"),
+                             alive_sc=rows.alive_sc.at[slot_p].set(fresh.alive_sc, mode="drop"),
+                             pos_s=rows.pos_s.at[slot_p].set(fresh.pos_s, mode="drop"))
     return rows

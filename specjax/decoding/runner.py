@@ -22,7 +22,7 @@ from flax import nnx
 
 from specjax import sharding as shd
 from specjax.decoding import map_budget, programs
-from specjax.decoding.logit_rules import BAD_WORD_TOKENS, ROW_BAD_WORDS
+from specjax.decoding.logit_rules import BAD_WORD_TOKENS, CHOICE_TOKENS, ROW_BAD_WORDS, ROW_CHOICES
 from specjax.decoding.row_state import ROW_STOP_IDS, RowState
 from specjax.models import cache as kvc
 from specjax.models.pallas_attention import check_head_dim
@@ -51,7 +51,7 @@ _ROUND = ("rows", "tokens", "logprobs", "attn", "variant")  # the bucket key of 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("prefill", programs.prefill,
            ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_3b", "keys_b2", "limits_4b", "stops_bk",
-            "pens_3b", "bias_bv", "words_bwl", "stop_ids"),
+            "pens_3b", "bias_bv", "words_bwl", "choices_bcl", "stop_ids"),
            (*_STATE, "first"), ("rows", "plen", "attn"), donate=_STATE, static=("attn",)),
     Family("lite", programs.lite,
            ("t_params", "cache", "anchors", "row_state", "ell_b", "stop_ids"),
@@ -87,7 +87,8 @@ STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "row_state", "cac
 # per-call inputs: (shape, dtype) from the bucket sizes (+ "gamma" columns, "q_cols": the columns of
 # the q a draft carries to verify, the drafter's draft vocabulary or the target's, none in a greedy
 # round; "q_dtype": its dtype; "bias_cols" / "words": a row's logit bias columns and bad words' shape,
-# V and (ROW_BAD_WORDS, BAD_WORD_TOKENS) with logit bias, else zero)
+# V and (ROW_BAD_WORDS, BAD_WORD_TOKENS) with logit bias, else zero; "choices": a row's guided choices
+# shape, (ROW_CHOICES, CHOICE_TOKENS) with guided choices, else zero)
 INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "ell_b": lambda d: ((d["rows"],), jnp.int32),
     "limits_4b": lambda d: ((4, d["rows"]), jnp.int32),
@@ -95,6 +96,7 @@ INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "pens_3b": lambda d: ((3, d["rows"]), jnp.float32),
     "bias_bv": lambda d: ((d["rows"], d["bias_cols"]), jnp.float32),
     "words_bwl": lambda d: ((d["rows"],) + d["words"], jnp.int32),
+    "choices_bcl": lambda d: ((d["rows"],) + d["choices"], jnp.int32),
     "free_s": lambda d: ((d["rows"],), jnp.int32),
     "ints_4b": lambda d: ((4, d["rows"]), jnp.int32),
     "floats_3b": lambda d: ((3, d["rows"]), jnp.float32),
@@ -175,7 +177,7 @@ class Runner:
                  stop_ids: Sequence[int], verifier: Callable[..., Any], cache_dtype: str | None = None,
                  mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, top_k_cap: int = DEFAULT_TOP_K_CAP,
                  attention: str = "xla", mlp: str = "xla", penalties: bool = False, logit_bias: bool = False,
-                 allocate: bool = True):
+                 guided_choice: bool = False, allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
         # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops
         self.mesh, self.gamma, self.max_len = mesh, gamma, max_len
@@ -192,8 +194,10 @@ class Runner:
             d_graph, d_params, dstate = None, nnx.State({}), ()
         anchors = make(lambda: jnp.zeros((slots,), jnp.int32))
         vocab_size = target.config.vocab_size
-        row_state = make(lambda: RowState.init(slots, vocab_size if penalties else 0, vocab_size if logit_bias else 0))
+        row_state = make(lambda: RowState.init(slots, vocab_size if penalties else 0, vocab_size if logit_bias else 0,
+                                               guided_choice))
         self.bias_cols = vocab_size if logit_bias else 0
+        self.choice_shape = (ROW_CHOICES, CHOICE_TOKENS) if guided_choice else (0, 0)
         shardings: dict[str, Any] = {}
         if mesh is not None:
             t_params = shd.shard_state(t_params, mesh, "serve")
@@ -308,7 +312,7 @@ class Runner:
         None when that key is compiled already."""
         fam = FAMILIES[family]
         dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), q_dtype=self.q_dtype, bias_cols=self.bias_cols,
-                    words=(ROW_BAD_WORDS, BAD_WORD_TOKENS) if self.bias_cols else (0, 0))
+                    words=(ROW_BAD_WORDS, BAD_WORD_TOKENS) if self.bias_cols else (0, 0), choices=self.choice_shape)
         dims["q_cols"] = programs.carried_q_columns(dims.get("variant"), self.q_cols)
         sharding = None if self.mesh is None else shd.replicated(self.mesh)
 

@@ -56,6 +56,8 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    help="serve presence, frequency and repetition penalties (each slot keeps [vocab] token counts)")
     g.add_argument("--logit-bias", action="store_true",
                    help="serve logit_bias, allowed_token_ids and bad_words (each slot keeps a [vocab] bias row)")
+    g.add_argument("--guided-choice", action="store_true",
+                   help="serve guided_choice (the answer is one of the request's texts; each slot keeps its choices)")
 
 
 def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
@@ -76,11 +78,11 @@ def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
             slots_buckets=args.slots_buckets,
             tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets, max_logprobs=args.max_logprobs,
             attention_buckets=args.attention_buckets, penalties=args.penalties,
-            logit_bias=args.logit_bias,
+            logit_bias=args.logit_bias, guided_choice=args.guided_choice,
             **({"sampling_variants": args.sampling_variants} if args.sampling_variants else {}))
     return LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                policy=args.policy, dtype=args.dtype, seed=args.seed, max_prefill=args.max_prefill,
                engine_config=engine_config, progress=progress, cost_table=args.cost_table,
                threshold=args.threshold, max_logprobs=args.max_logprobs, penalties=args.penalties,
-               logit_bias=args.logit_bias)
+               logit_bias=args.logit_bias, guided_choice=args.guided_choice)

@@ -28,7 +28,7 @@ prefill bucket (no chunking: 400 naming the limit); echo is not streamed. Not se
 the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, tools, `response_format` and guided
 decoding. vLLM's `ignore_eos`, `min_p` and `min_tokens` are served; the presence, frequency and
 repetition penalties by a server started with `--penalties`; `logit_bias`, `allowed_token_ids` and
-`bad_words` by one started with `--logit-bias`.
+`bad_words` by one started with `--logit-bias`; `guided_choice` by one started with `--guided-choice`.
 
 Status codes: 400 bad or unsupported fields, prompts or max_tokens over the limits; 404 unknown
 model; 503 when the engine's waiting queue is full or the engine is not running; 504 when a request
@@ -43,7 +43,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from specjax.api import SamplingParams, build_engine_request
-from specjax.decoding.requests import EngineRequest, RequestMetrics, bias_asked, penalties_asked
+from specjax.decoding.requests import EngineRequest, RequestMetrics, rules_asked
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.errors import ENGINE_REJECTED, APIError
@@ -186,7 +186,7 @@ class OpenAIApp:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
                                 f"asks for {n_prompt + mt} ({n_prompt} in the {what}, {mt} in the completion): lower "
                                 f"'{mt_name}'", param=mt_name, code="context_length_exceeded")
-        for asked, option in ((penalties_asked(sp), "penalties"), (bias_asked(sp), "logit_bias")):
+        for asked, option in rules_asked(sp):
             if asked and not getattr(self.engine.engine.cfg, option):
                 raise APIError(400, f"'{asked[0]}' needs a server started with --{option.replace('_', '-')}",
                                param=asked[0])

@@ -22,7 +22,7 @@ from specjax.api import SamplingParams
 _ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tokens": (1 << 31) - 1}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop", "stop_token_ids", "seed",
                    "num_speculative_tokens", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words")
+                   "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "guided_choice")
 
 # OpenAI and vLLM request fields that change what is generated and that this server does not serve:
 # the values that mean "off" pass, anything else is refused naming the field (never ignored)
@@ -30,7 +30,7 @@ UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False),
     "logits_processors": (None, []), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
-    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "prompt_logprobs": (None, 0)}
+    "guided_regex": (None,), "guided_grammar": (None,), "prompt_logprobs": (None, 0)}
 
 
 class FieldError(ValueError):
@@ -84,6 +84,8 @@ class SamplingFields(pydantic.BaseModel):
                                                          "bias in [-100, 100] added to its logit (a server with --logit-bias)")
     allowed_token_ids: tuple[int, ...] | None = pydantic.Field(None, description="vLLM's: only these ids are sampled")
     bad_words: tuple[str, ...] | None = pydantic.Field(None, description="vLLM's: words never completed")
+    guided_choice: tuple[str, ...] | None = pydantic.Field(None, description="vLLM's: the answer is one of these "
+                                                                         "(a server with --guided-choice)")
     ignore_eos: bool | None = pydantic.Field(None, description="vLLM's: generate past the model's eos ids (max_tokens, "
                                                               "stop and stop_token_ids still end the answer)")
 
@@ -129,11 +131,11 @@ class SamplingFields(pydantic.BaseModel):
             raise ValueError(f"'{info.field_name}' must be a list of integers")
         return None if v is None else tuple(v)
 
-    @pydantic.field_validator("bad_words", mode="before")
+    @pydantic.field_validator("bad_words", "guided_choice", mode="before")
     @classmethod
-    def _words(cls, v: Any) -> Any:
+    def _words(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         if v is not None and not (isinstance(v, (list, tuple)) and all(isinstance(w, str) for w in v)):
-            raise ValueError("'bad_words' must be a list of strings")
+            raise ValueError(f"'{info.field_name}' must be a list of strings")
         return None if v is None else tuple(v)
 
     @pydantic.field_validator("logit_bias", mode="before")
