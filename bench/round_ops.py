@@ -457,6 +457,7 @@ def _markdown(res: dict[str, Any]) -> str:
              f"Command: `{res['command']}`", "",
              f"Compiled for `{res['backend']}`; attention `{res.get('attention', 'xla')}`; mlp `{res.get('mlp', 'xla')}`"
              + ("; penalties on" if res.get("penalties") else "") + ("; logit bias on" if res.get("logit_bias") else "")
+             + ("; guided choice on" if res.get("guided_choice") else "")
              + f"; max_len {res['max_len']}"
              + "".join(f"; `{options_text({k: v})}`" for k, v in res.get("compiler_options", {}).items()) + ". Each row is one compiled program of the "
              "engine's runner at that slots bucket and sampling variant (verify and fused with gamma + 1 tokens per slot; `filtered` is the variant of a round in which some row uses top-k or top-p, its one conditional the exact fallback for a kept set past the top-k cap). `ops/layer` "
@@ -577,6 +578,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="an engine serving penalties (EngineConfig.penalties: per-slot token counts in every round)")
     ap.add_argument("--logit-bias", action="store_true",
                     help="an engine serving logit bias and bad words (EngineConfig.logit_bias: a per-slot bias row)")
+    ap.add_argument("--guided-choice", action="store_true",
+                    help="an engine serving guided choices (EngineConfig.guided_choice: per-slot choices)")
     ap.add_argument("--target", default="host", choices=compile_target.targets(),
                     help="compile for this machine's backend (host) or for a GPU it does not have (make gpu-compiler)")
     ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
@@ -589,7 +592,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               families=args.families, variants=args.variants, draft_vocabs=args.draft_vocab,
               max_logprobs=args.max_logprobs, target=args.target, attention=args.attention,
               mlp=args.mlp, compiler_options=options,
-              rules={"penalties": args.penalties, "logit_bias": args.logit_bias})
+              rules={"penalties": args.penalties, "logit_bias": args.logit_bias, "guided_choice": args.guided_choice})
     res["suffix"] = args.suffix
     name = "round_ops" + (f"_{args.suffix}" if args.suffix else "")
     for p in write_results(name, res, _markdown(res), out_dir=args.out_dir):

@@ -5,6 +5,7 @@ with and without a drafter; a request without the flag in the same batch still s
 Negative control: a prefill that marks every row as honouring eos ends the ignore_eos request at
 eos on the device."""
 import dataclasses
+import inspect
 
 import numpy as np
 import pytest
@@ -84,10 +85,10 @@ def test_ignore_eos_keeps_the_requests_own_stop_ids(case):
 
 
 def test_negative_control_a_device_that_ends_every_row_at_eos(case, monkeypatch):
-    def prefill_honouring_eos(ctx, t_params, d_params, cache, dstate, anchors, rows, *args, attn):
-        *head, limits_4b, stops_bk, pens_3b, stop_ids = args
-        return programs.prefill(ctx, t_params, d_params, cache, dstate, anchors, rows, *head,
-                                limits_4b.at[2].set(1), stops_bk, pens_3b, stop_ids, attn=attn)
+    def prefill_honouring_eos(*args, attn):
+        bound = inspect.signature(programs.prefill).bind(*args, attn=attn)
+        bound.arguments["limits_4b"] = bound.arguments["limits_4b"].at[2].set(1)  # eos_stops = 1 for every row
+        return programs.prefill(*bound.args, **bound.kwargs)
     monkeypatch.setitem(runner.FAMILIES, "prefill",
                         dataclasses.replace(runner.FAMILIES["prefill"], fn=prefill_honouring_eos))
     model, ref, eos = case
