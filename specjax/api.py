@@ -59,7 +59,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
-        self._check_bias()
+        self._check_rules()
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if not isinstance(self.ignore_eos, bool):
@@ -77,7 +77,6 @@ class SamplingParams:
             _check_int(f"stop_token_ids[{i}]", t, minimum=0)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
 
-
     def first_id_outside(self, vocab: int) -> tuple[str, int] | None:
         """(field, id) of the first token id in stop_token_ids, logit_bias or allowed_token_ids outside
         [0, vocab), or None."""
@@ -87,9 +86,9 @@ class SamplingParams:
                 return field, bad[0]
         return None
 
-    def _check_bias(self) -> None:
-        """Types and ranges of logit_bias, allowed_token_ids and bad_words (token ids against the
-        vocabulary: the engine); lists become tuples."""
+    def _check_rules(self) -> None:
+        """Types and ranges of logit_bias, allowed_token_ids, bad_words and guided_choice (token ids
+        against the vocabulary: the engine); lists become tuples."""
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, dict):
@@ -112,7 +111,7 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", tuple(words))
         choices = self.guided_choice
         if choices is not None:
-            if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
+            if not (isinstance(choices, (list, tuple)) and choices and all(isinstance(c, str) and c for c in choices)):
                 raise ValueError(f"guided_choice must be a non-empty list of non-empty strings, got {choices!r}")
             object.__setattr__(self, "guided_choice", tuple(choices))
 
@@ -353,8 +352,8 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
     if not ids:
         raise ValueError("prompt is empty (no token ids)")
     stop_check = None
-    needs = [name for name, v in (("stop strings", sp.stop), ("bad_words", sp.bad_words), ("guided_choice", sp.guided_choice))
-             if v]
+    texts = (("stop strings", sp.stop), ("bad_words", sp.bad_words), ("guided_choice", sp.guided_choice))
+    needs = [name for name, v in texts if v]
     if needs and tokenizer is None:
         raise ValueError(f"{needs[0]} need a tokenizer; this target has none")
     if sp.stop:

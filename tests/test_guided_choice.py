@@ -195,7 +195,8 @@ def test_bad_choices_are_refused_naming_the_field(case, kw, field, message):
 
 def test_the_python_api_and_the_server_serve_guided_choice(case):
     """LLM(guided_choice=True) answers one of SamplingParams.guided_choice's texts (the guided greedy
-    reference's); the OpenAI server over it answers the same and names the field of a bad value."""
+    reference's); the OpenAI server over it answers the same to `guided_choice` and to vLLM's
+    `structured_outputs: {"choice": ...}`, and names the field of a bad value."""
     from specjax.api import LLM, SamplingParams
     from specjax.serving.http_server import ServerThread
     from specjax.serving.openai_api import OpenAIApp
@@ -215,9 +216,15 @@ def test_the_python_api_and_the_server_serve_guided_choice(case):
         status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": PROMPT, "max_tokens": N,
                                                                         "temperature": 0, "guided_choice": texts})
         assert status == 200 and r["choices"][0]["token_ids"] == guided_ref, r
-        for bad, fragment in [("w5", "list of strings"), ([], "non-empty list")]:
-            status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": PROMPT, "guided_choice": bad})
-            assert status == 400 and r["error"]["param"] == "guided_choice" and fragment in r["error"]["message"], r
+        status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": PROMPT, "max_tokens": N,
+                                                                        "temperature": 0,
+                                                                        "structured_outputs": {"choice": texts}})
+        assert status == 200 and r["choices"][0]["token_ids"] == guided_ref, r  # vLLM's newer spelling
+        for bad, param, fragment in [({"guided_choice": "w5"}, "guided_choice", "list of strings"),
+                                     ({"guided_choice": []}, "guided_choice", "non-empty list"),
+                                     ({"structured_outputs": {"json": {}}}, "structured_outputs", "json not supported")]:
+            status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": PROMPT, **bad})
+            assert status == 400 and r["error"]["param"] == param and fragment in r["error"]["message"], r
     finally:
         server.stop()
         api.engine.drain(60)

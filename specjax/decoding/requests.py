@@ -38,7 +38,9 @@ def rules_asked(params: Any) -> list[tuple[list[str], str]]:
 
 def bias_asked(params: Any) -> list[str]:
     """The BIAS_FIELDS that `params` (SamplingParams or EngineRequest) sets (allowed_token_ids: not None)."""
-    return [f for f in BIAS_FIELDS if (getattr(params, f) is not None if f == "allowed_token_ids" else getattr(params, f))]
+    def asked(f: str) -> bool:
+        return getattr(params, f) is not None if f == "allowed_token_ids" else bool(getattr(params, f))
+    return [f for f in BIAS_FIELDS if asked(f)]
 
 
 @dataclasses.dataclass
@@ -166,7 +168,8 @@ def token_logprobs(req: EngineRequest, outs: dict[str, Any], row: int, n: int
 def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: int, max_logprobs: int,
                   penalties: bool = False, logit_bias: bool = False, guided_choice: bool = False,
                   stop_ids: Sequence[int] = ()) -> None:
-    """Refuse a request an engine of these limits cannot serve (a ValueError naming the field)."""
+    """Refuse a request an engine of these limits cannot serve (a ValueError naming the field; a
+    RequestFieldError for the logit rules' fields)."""
     n = len(req.prompt_ids)
     if n == 0:
         raise ValueError(f"request {req.request_id}: prompt is empty")
@@ -183,8 +186,8 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
                          f"got {req.min_tokens}")
     asked = penalties_asked(req)
     if asked and not penalties:
-        raise ValueError(f"request {req.request_id}: {asked[0]} needs an engine with penalties "
-                         f"(EngineConfig.penalties; the server's --penalties)")
+        raise RequestFieldError(f"request {req.request_id}: {asked[0]} needs an engine with penalties "
+                                f"(EngineConfig.penalties; the server's --penalties)", asked[0])
     if bias_asked(req):
         if not logit_bias:
             raise RequestFieldError(f"request {req.request_id}: {bias_asked(req)[0]} needs an engine with logit "
@@ -217,7 +220,8 @@ def _check_bias(req: EngineRequest, vocab: int, eos_ids: Sequence[int]) -> None:
         if not 0 <= int(t) < vocab:
             refuse("logit_bias", f" token id {t} outside the vocabulary [0, {vocab})")
         if not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS):
-            refuse("logit_bias", f" values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b!r} for token {t}")
+            refuse("logit_bias", f" values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b!r} "
+                                 f"for token {t}")
     allowed = req.allowed_token_ids
     if allowed is not None and not allowed:
         refuse("allowed_token_ids", " is empty (no token could be sampled)")

@@ -1,9 +1,9 @@
 """Each slot's row state resident on the device (`RowState`), and the logit rules it carries applied
 to the target's logits: a row's logit bias and bad words (an engine with logit_bias), its guided
 choices (an engine with guided_choice), its penalties (an engine with penalties) and the min_tokens
-hold of its stop ids (every engine). A rule is on when
-its state is (an engine without it carries None there, a static part of the programs' pytrees), so
-the programs pass no flags. The rules' arithmetic is `logit_rules`.
+hold of its stop ids (every engine). A rule is on when its state is (an engine without it carries
+None there, a static part of the programs' pytrees), so the programs pass no flags. The rules'
+arithmetic is `logit_rules`.
 """
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ class RowState(NamedTuple):
                                  tail_sl=jnp.full((slots, lr.BAD_WORD_TOKENS - 1), -1, jnp.int32))
         if guided:
             rows = rows._replace(choices_scl=jnp.full((slots, lr.ROW_CHOICES, lr.CHOICE_TOKENS), -1, jnp.int32),
-                                 alive_sc=jnp.zeros((slots, lr.ROW_CHOICES), bool), pos_s=jnp.zeros((slots,), jnp.int32))
+                                 alive_sc=jnp.zeros((slots, lr.ROW_CHOICES), bool),
+                                 pos_s=jnp.zeros((slots,), jnp.int32))
         return rows
 
     @property

@@ -22,14 +22,15 @@ from specjax.api import SamplingParams
 _ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tokens": (1 << 31) - 1}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop", "stop_token_ids", "seed",
                    "num_speculative_tokens", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "guided_choice")
+                   "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "guided_choice",
+                   "structured_outputs")
 
 # OpenAI and vLLM request fields that change what is generated and that this server does not serve:
 # the values that mean "off" pass, anything else is refused naming the field (never ignored)
 UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False),
     "logits_processors": (None, []), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
+    "response_format": (None, {"type": "text"}), "guided_json": (None,),
     "guided_regex": (None,), "guided_grammar": (None,), "prompt_logprobs": (None, 0)}
 
 
@@ -86,6 +87,8 @@ class SamplingFields(pydantic.BaseModel):
     bad_words: tuple[str, ...] | None = pydantic.Field(None, description="vLLM's: words never completed")
     guided_choice: tuple[str, ...] | None = pydantic.Field(None, description="vLLM's: the answer is one of these "
                                                                          "(a server with --guided-choice)")
+    structured_outputs: dict[str, tuple[str, ...]] | None = pydantic.Field(
+        None, description="vLLM's, in its {\"choice\": [...]} form: guided_choice")
     ignore_eos: bool | None = pydantic.Field(None, description="vLLM's: generate past the model's eos ids (max_tokens, "
                                                               "stop and stop_token_ids still end the answer)")
 
@@ -133,10 +136,20 @@ class SamplingFields(pydantic.BaseModel):
 
     @pydantic.field_validator("bad_words", "guided_choice", mode="before")
     @classmethod
-    def _words(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
+    def _words(cls, v: Any, info: pydantic.ValidationInfo | str) -> Any:
+        name = info if isinstance(info, str) else info.field_name
         if v is not None and not (isinstance(v, (list, tuple)) and all(isinstance(w, str) for w in v)):
-            raise ValueError(f"'{info.field_name}' must be a list of strings")
+            raise ValueError(f"'{name}' must be a list of strings")
         return None if v is None else tuple(v)
+
+    @pydantic.field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _structured(cls, v: Any) -> Any:
+        if v is not None and not (isinstance(v, dict) and set(v) == {"choice"}):
+            other = sorted(set(v) - {"choice"}) if isinstance(v, dict) else []
+            raise ValueError("'structured_outputs' is served as {\"choice\": [...]} only"
+                             + (f" ({', '.join(other)} not supported)" if other else ""))
+        return None if v is None else {"choice": cls._words(v["choice"], "structured_outputs.choice")}
 
     @pydantic.field_validator("logit_bias", mode="before")
     @classmethod
@@ -176,12 +189,17 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
     """`SamplingParams` from a request's fields (the `SAMPLING_FIELDS` in `obj`; others ignored).
 
     Raises `FieldError` naming the first bad field: its JSON type (`SamplingFields`), its value
-    (`SamplingParams`' own checks), or stop strings without a tokenizer."""
+    (`SamplingParams`' own checks), or stop strings without a tokenizer. vLLM's `structured_outputs`
+    is served in its `choice` form (as guided_choice)."""
     try:
         fields = SamplingFields.model_validate({k: obj[k] for k in SAMPLING_FIELDS if k in obj})
     except pydantic.ValidationError as e:
         raise _first_error(e) from None
     given = fields.given()
+    if "structured_outputs" in given:
+        if "guided_choice" in given:
+            raise FieldError("give 'guided_choice' or 'structured_outputs', not both", "structured_outputs")
+        given["guided_choice"] = given.pop("structured_outputs")["choice"]
     if given.get("stop") and not has_tokenizer:
         raise FieldError("'stop' strings need a tokenizer; this model has none (use 'stop_token_ids')", "stop")
     for name, v in given.items():  # each field alone, so that the error names it
