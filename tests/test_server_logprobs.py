@@ -153,7 +153,11 @@ def test_prompt_scores_equal_the_teacher_forced_target_distribution(engines, kin
     for p in PROMPTS:
         for sp in SAMPLING:
             req = EngineRequest(request_id="s", prompt_ids=p, max_tokens=1, logprobs=K, **sp)
-            _check_entries(_reference_at(model, p, 1, sp), p[1:], eng.score(req), K)
+            ref = _reference_at(model, p, 1, sp)
+            entries, ranks = eng.score(req)
+            _check_entries(ref, p[1:], entries, K)
+            own = ref[np.arange(len(p) - 1), p[1:]]
+            assert ranks == (1 + (ref > own[:, None]).sum(axis=1)).tolist()  # 1: the most likely
     assert eng.runner.compile_counts()["score"] == before  # warmed at start: scoring never compiles
     with pytest.raises(ValueError, match="largest bucket"):
         eng.score(EngineRequest(request_id="s", prompt_ids=[5] * 17, max_tokens=1, logprobs=K))
@@ -218,3 +222,36 @@ def test_echo_refusals(served):
                                ({"prompt": [5, 6], "max_tokens": -1, "echo": True}, "max_tokens", "positive")]:
         status, r = http_json(url + "/v1/completions", "POST", body)
         assert status == 400 and r["error"]["param"] == param and words in r["error"]["message"], r
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.7, top_k=30, seed=2)])
+def test_prompt_logprobs_equal_the_reference_with_their_ranks(served, sampling):
+    """vLLM's `prompt_logprobs` k: per prompt token after the first, the token's own log-probability
+    and rank and the top k (ranks 1..k) under the request's sampling; completions put them in each
+    choice, chat at the top of the answer."""
+    llm, url = served
+    prompt = [5, 6, 7, 9, 5, 6, 7, 9, 11]
+    status, r = http_json(url + "/v1/completions", "POST", {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 3,
+                                                            "n": 2, **sampling})
+    assert status == 200, r
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert r["choices"][1]["prompt_logprobs"] == plp and plp[0] is None and len(plp) == len(prompt)
+    ref = np.maximum(_reference_at(llm.model, prompt, 1, sampling), -9999.0)
+    for j in range(1, len(prompt)):
+        row, t = ref[j - 1], prompt[j]
+        own = plp[j][str(t)]
+        assert own["rank"] == 1 + int((row > row[t]).sum()) and own["decoded_token"] == tiny_chat_tokenizer().decode([t])
+        np.testing.assert_allclose(own["logprob"], row[t], atol=1e-5)
+        top = sorted((v["rank"], v["logprob"]) for u, v in plp[j].items() if v["rank"] <= 3)
+        assert [k for k, _ in top][:3] == [1, 2, 3]
+        np.testing.assert_allclose([v for _, v in top][:3], np.sort(row)[::-1][:3], atol=1e-5)
+        assert len(plp[j]) in (3, 4)  # the top 3, and the prompt's token when it is not among them
+    chat = {"messages": [{"role": "user", "content": "w5 w6 w7"}], "max_tokens": 2, "prompt_logprobs": 0}
+    status, c = http_json(url + "/v1/chat/completions", "POST", chat)
+    assert status == 200 and "prompt_logprobs" not in c["choices"][0], c
+    assert c["prompt_logprobs"][0] is None and all(len(d) == 1 for d in c["prompt_logprobs"][1:])
+    for body, words in [({"prompt_logprobs": 21}, "[0, 20]"), ({"prompt_logprobs": 1, "stream": True}, "stream"),
+                        ({"prompt_logprobs": 1, "prompt": [5] * 33}, "at most 32")]:
+        status, e = http_json(url + "/v1/completions", "POST", {"prompt": [5, 6], **body})
+        assert status == 400 and words in e["error"]["message"], e
+        assert e["error"]["param"] == ("prompt" if "prompt" in body else "prompt_logprobs"), e

@@ -221,10 +221,11 @@ class Engine:
         req.metrics.start_time = time.perf_counter()
         self.queue.append(req)
 
-    def score(self, req: EngineRequest) -> list[tuple[float, list[int], list[float]]]:
-        """The `output_logprobs` entries of prompt tokens 1.. given the tokens before them (echo),
-        under `req`'s sampling as for generated tokens; one cache-free target pass, no slot used,
-        safe beside the engine's loop. The prompt must fit the largest prefill bucket."""
+    def score(self, req: EngineRequest) -> tuple[list[tuple[float, list[int], list[float]]], list[int]]:
+        """The `output_logprobs` entries of prompt tokens 1.. given the tokens before them (echo,
+        prompt_logprobs) and their ranks (1: the most likely), under `req`'s sampling as for generated
+        tokens; one cache-free target pass, no slot used, safe beside the engine's loop. The prompt
+        must fit the largest prefill bucket."""
         n = len(req.prompt_ids)
         if self.cfg.max_logprobs == 0 or not 0 <= (req.logprobs or 0) <= self.cfg.max_logprobs:
             raise ValueError(f"request {req.request_id}: logprobs must be in [0, {self.cfg.max_logprobs}]")
@@ -234,7 +235,7 @@ class Engine:
         ints = np.array([[n], [0], [0], [req.top_k]], np.int32)
         floats = np.array([[req.temperature], [req.top_p], [req.min_p]], np.float32)
         outs = jax.device_get(self.runner.run("score", (1, plen), tokens_bt=toks, ints_4b=ints, floats_3b=floats))
-        return token_logprobs(req, outs, 0, n - 1)
+        return token_logprobs(req, outs, 0, n - 1), outs["rank"][0, :n - 1].tolist()
 
     @property
     def num_active(self) -> int:

@@ -260,7 +260,7 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     return cache, dstate, anchors, rows, outs
 
 
-def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array) -> dict[str, Array]:
+def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array, rank: bool = False) -> dict[str, Array]:
     """With `max_logprobs` K > 0: log-probabilities of `tokens` [B, T] and the top K alternatives under
     `logits` (the rows' logit rules applied, except in score) after the request's temperature, min-p,
     top-k and top-p (temperature 0 read as 1), at the positions that emitted them ({} when K = 0). Each position's distribution depends
@@ -273,7 +273,10 @@ def _logprobs(ctx: Context, logits: Array, sa: SamplingArrays, tokens: Array) ->
     lp = jnp.log(probs_from_logits(logits, sa_lp))  # [B, T, V]
     tok = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
     top_lp, top_id = jax.lax.top_k(lp, min(ctx.max_logprobs, lp.shape[-1]))
-    return {"logprob": tok, "top_logprob": top_lp, "top_id": top_id}
+    out = {"logprob": tok, "top_logprob": top_lp, "top_id": top_id}
+    if rank:  # 1 + the tokens more likely than each token
+        out["rank"] = 1 + jnp.sum(lp > tok[..., None], axis=-1, dtype=jnp.int32)
+    return out
 
 
 def lite(ctx: Context, t_params, cache, anchors, rows, ell_b, stop_ids, *, logprobs: bool, attn: int, variant: str):
@@ -423,11 +426,11 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
 
 def score(ctx: Context, t_params, tokens_bt, ints_4b, floats_3b):
     """Prompt log-likelihoods, cache-free (no state touched): position t of row p holds the
-    `_logprobs` entries of token t + 1 given tokens 0..t. ints_4b = (n_valid, -, -, top_k).
+    `_logprobs` entries of token t + 1 given tokens 0..t, with its rank. ints_4b = (n_valid, -, -, top_k).
     Returns a 1-tuple (the runner's output layout)."""
     target = nnx.merge(ctx.t_graph, t_params)
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
     out = target.forward(tokens_bt, positions, None, ints_4b[0], logits="all", mlp=ctx.mlp)
     sa = _filtered_sampling(ctx, ints_4b, floats_3b)
     nxt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros_like(tokens_bt[:, :1])], axis=1)
-    return (_logprobs(ctx, out.logits, sa, nxt),)
+    return (_logprobs(ctx, out.logits, sa, nxt, rank=True),)

@@ -24,7 +24,9 @@ before each choice's text and, with `logprobs`, the prompt tokens' entries befor
 (the first prompt token's log-probability and alternatives are null; the others are scored by the
 engine's cache-free `score` program under the same distribution); `max_tokens` 0 is allowed only
 with `echo` (the prompt alone). Echo with logprobs needs the prompt to fit the engine's largest
-prefill bucket (no chunking: 400 naming the limit); echo is not streamed. Not served (400 naming
+prefill bucket (no chunking: 400 naming the limit); echo is not streamed. vLLM's `prompt_logprobs`
+k (completions: in each choice; chat: at the top of the answer) gives each prompt token after the
+first its log-probability, rank and the top k alternatives, scored as echo's (not streamed). Not served (400 naming
 the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, tools, `response_format` and guided
 decoding. vLLM's `ignore_eos`, `min_p` and `min_tokens` are served; the presence, frequency and
 repetition penalties by a server started with `--penalties`; `logit_bias`, `allowed_token_ids` and
@@ -47,6 +49,7 @@ from specjax.decoding.requests import EngineRequest, RequestMetrics, rules_asked
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.errors import ENGINE_REJECTED, APIError
+from specjax.serving.logprob_blocks import logprobs_block, prompt_logprobs_list
 from specjax.serving.prompts import chat_prompt_ids, completion_prompts
 from specjax.serving.streams import ChoiceStream, Waiter
 from specjax.serving.request_metrics import (check_spec_decode_metrics_level, combined_spec_metrics,
@@ -81,7 +84,6 @@ class ServerLimits:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
-_LOGPROB_FLOOR = -9999.0  # what -inf is sent as (JSON has no infinities; vLLM's value)
 
 
 @dataclasses.dataclass
@@ -96,6 +98,7 @@ class _Parsed:
     generate: bool = True  # False: max_tokens 0 with echo (nothing is generated)
     prompt_texts: tuple[str | None, ...] = ()  # string prompts as sent (echo)
     continuous_usage: bool = False  # streamed: every chunk carries its choice's usage so far
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' log-probabilities with this many alternatives
 
 
 class OpenAIApp:
@@ -166,6 +169,7 @@ class OpenAIApp:
                                 f"(max_model_len {self.max_model_len})", param=what, code="context_length_exceeded")
         fields = {k: body[k] for k in SAMPLING_FIELDS if k in body}
         echo = False if chat else self._echo_asked(body, fields, n_prompt, logprobs)
+        prompt_logprobs = self._prompt_logprobs_asked(body, n_prompt, what)
         mt_name = "max_tokens"
         if chat and body.get("max_completion_tokens") is not None:
             mt_name, fields["max_tokens"] = "max_completion_tokens", body["max_completion_tokens"]
@@ -196,7 +200,7 @@ class OpenAIApp:
                            param=outside[0])
         return _Parsed([ids for ids, _ in pairs], sp, stream, include_usage, n, logprobs, echo,
                        body.get("max_tokens") != 0, tuple(text for _, text in pairs),
-                       include_usage and bool(options.get("continuous_usage_stats")))
+                       include_usage and bool(options.get("continuous_usage_stats")), prompt_logprobs)
 
     def _echo_asked(self, body: dict[str, Any], fields: dict[str, Any], n_prompt: int, logprobs: int | None) -> bool:
         """Completions' `echo`: not streamed; with logprobs the prompt must fit the largest prefill
@@ -209,12 +213,29 @@ class OpenAIApp:
             fields["max_tokens"] = 1
         if echo and body.get("stream"):
             raise APIError(400, "'echo' is not served with 'stream': true", param="echo")
-        limit = self.engine.engine.buckets.prefill[-1]
-        if echo and logprobs is not None and n_prompt > limit:
-            raise APIError(400, f"'prompt' has {n_prompt} tokens; 'echo' with 'logprobs' scores prompts of at most "
-                                f"{limit} tokens (this engine's largest prefill bucket)", param="prompt",
-                           code="context_length_exceeded")
+        if echo and logprobs is not None:
+            self._check_scorable(n_prompt, "prompt", "'echo' with 'logprobs'")
         return echo
+
+    def _check_scorable(self, n_prompt: int, what: str, asked: str) -> None:
+        """A prompt to score (one cache-free pass) must fit the engine's largest prefill bucket."""
+        limit = self.engine.engine.buckets.prefill[-1]
+        if n_prompt > limit:
+            raise APIError(400, f"'{what}' has {n_prompt} tokens; {asked} scores prompts of at most {limit} tokens "
+                                f"(this engine's largest prefill bucket)", param=what, code="context_length_exceeded")
+
+    def _prompt_logprobs_asked(self, body: dict[str, Any], n_prompt: int, what: str) -> int | None:
+        """vLLM's `prompt_logprobs` k: in [0, max_logprobs], not streamed, a prompt the engine can score."""
+        k = body.get("prompt_logprobs")
+        if k is None:
+            return None
+        if not 0 <= k <= self.max_logprobs:
+            raise APIError(400, f"'prompt_logprobs' must be in [0, {self.max_logprobs}] (the server's "
+                                f"--max-logprobs), got {k}", param="prompt_logprobs")
+        if body.get("stream"):
+            raise APIError(400, "'prompt_logprobs' is not served with 'stream': true", param="prompt_logprobs")
+        self._check_scorable(n_prompt, what, "'prompt_logprobs'")
+        return k
 
     def _logprobs_asked(self, body: dict[str, Any], chat: bool) -> int | None:
         """Chat: `logprobs` true (+ `top_logprobs` k); completions: `logprobs` k. Bounded by the engine."""
@@ -262,39 +283,16 @@ class OpenAIApp:
             raise
         return streams
 
-    def _token_text(self, token_id: int) -> str:
-        return f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
-
     def _logprobs_block(self, parsed: _Parsed, req: Any, a: int, b: int, chat: bool,
                         text_offset: int = 0, echoed: tuple[list[int], list[Any]] | None = None
                         ) -> dict[str, Any] | None:
-        """OpenAI's `logprobs` object for output tokens a..b-1 (chat: `content`; completions: `tokens`,
-        `token_logprobs`, `top_logprobs`, `text_offset`: where each token's text starts in the tokens'
-        texts joined, from `text_offset`), after `echoed` = (prompt ids, their entries: None for the
-        first token) when echoing. -inf (outside top-k / top-p) is sent as -9999."""
+        """OpenAI's `logprobs` object (`logprob_blocks.logprobs_block`) for output tokens a..b-1, after
+        `echoed` = (prompt ids, their entries: None for the first token) when echoing."""
         if parsed.logprobs is None:
             return None
         pre_ids, pre = echoed or ([], [])
-        entries = list(pre) + req.output_logprobs[a:b]
-        ids = list(pre_ids) + req.output_ids[a:b]
-
-        def num(x: float) -> float:
-            return max(float(x), _LOGPROB_FLOOR)
-        if chat:
-            def item(t: int, lp: float) -> dict[str, Any]:
-                text = self._token_text(t)
-                return {"token": text, "logprob": num(lp), "bytes": list(text.encode("utf-8"))}
-            return {"content": [{**item(t, lp), "top_logprobs": [item(u, v) for u, v in zip(top_ids, top_lps)]}
-                                for t, (lp, top_ids, top_lps) in zip(ids, entries)]}
-        tokens = [self._token_text(t) for t in ids]
-        offsets = []
-        for text in tokens:
-            offsets.append(text_offset)
-            text_offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [None if e is None else num(e[0]) for e in entries],
-                "top_logprobs": [None if e is None else {self._token_text(u): num(v) for u, v in zip(e[1], e[2])}
-                                 for e in entries],
-                "text_offset": offsets}
+        return logprobs_block(self.tokenizer, list(pre_ids) + req.output_ids[a:b],
+                              list(pre) + req.output_logprobs[a:b], chat, text_offset)
 
     def _decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -349,6 +347,8 @@ class OpenAIApp:
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": self._usage(parsed, n_out),
                 "spec_metrics": spec}
+        if chat and parsed.prompt_logprobs is not None:  # vLLM's chat answer holds its one prompt's at the top
+            body["prompt_logprobs"] = [c.pop("prompt_logprobs") for c in choices][0]
         return self._with_metrics(body, streams), None, abort
 
     def _with_metrics(self, body: dict[str, Any], streams: list[RequestStream]) -> dict[str, Any]:
@@ -357,12 +357,21 @@ class OpenAIApp:
 
     async def _choices(self, parsed: _Parsed, streams: list[RequestStream], rid: str, chat: bool
                        ) -> tuple[list[dict[str, Any]], int]:
-        """The finished choices (echo: the prompt first; scored on a worker thread) and their token count."""
+        """The finished choices (echo: the prompt first; prompt_logprobs: each prompt's; prompts scored
+        on a worker thread) and their token count."""
+        echo_lp = parsed.echo and parsed.logprobs is not None
         echoed: list[Any] = [None] * len(parsed.prompts)
-        for k, ids in enumerate(parsed.prompts if parsed.echo and parsed.logprobs is not None else ()):
-            req = build_engine_request(ids, dataclasses.replace(parsed.sp, logprobs=parsed.logprobs),
-                                       request_id=f"{rid}-echo-{k}", tokenizer=self.tokenizer)
-            echoed[k] = (ids, [None] + await asyncio.to_thread(self.engine.engine.score, req))
+        prompt_lps: list[Any] = [None] * len(parsed.prompts)
+        for k, ids in enumerate(parsed.prompts if echo_lp or parsed.prompt_logprobs is not None else ()):
+            top = max(parsed.logprobs or 0, parsed.prompt_logprobs or 0)
+            req = build_engine_request(ids, dataclasses.replace(parsed.sp, logprobs=top),
+                                       request_id=f"{rid}-score-{k}", tokenizer=self.tokenizer)
+            entries, ranks = await asyncio.to_thread(self.engine.engine.score, req)
+            if echo_lp:
+                n = parsed.logprobs
+                echoed[k] = (ids, [None] + [(lp, i[:n], v[:n]) for lp, i, v in entries])
+            if parsed.prompt_logprobs is not None:
+                prompt_lps[k] = prompt_logprobs_list(self.tokenizer, ids, entries, ranks, parsed.prompt_logprobs)
         prefixes = [("" if not parsed.echo else text or self._decode(ids))
                     for ids, text in zip(parsed.prompts, parsed.prompt_texts)]
         choices, n_out = [], 0
@@ -374,6 +383,8 @@ class OpenAIApp:
             n_out += len(ids)
             choice: dict[str, Any] = {"index": i, "finish_reason": r.finish_reason, "token_ids": ids,
                                       "logprobs": self._logprobs_block(parsed, r, 0, len(ids), chat, echoed=echoed[k])}
+            if parsed.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_lps[k]
             text = self._decode(ids)
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}

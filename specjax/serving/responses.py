@@ -60,12 +60,16 @@ class ChatChoice(pydantic.BaseModel):
     logprobs: dict[str, Any] | None = None
 
 
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]  # vLLM's prompt_logprobs (logprob_blocks)
+
+
 class CompletionChoice(pydantic.BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None
     token_ids: list[int]
     logprobs: dict[str, Any] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionResponse(pydantic.BaseModel):
@@ -77,6 +81,7 @@ class ChatCompletionResponse(pydantic.BaseModel):
     usage: Usage
     spec_metrics: SpecMetrics
     metrics: ResponseMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(pydantic.BaseModel):

@@ -31,7 +31,7 @@ UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False),
     "logits_processors": (None, []), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "response_format": (None, {"type": "text"}), "guided_json": (None,),
-    "guided_regex": (None,), "guided_grammar": (None,), "prompt_logprobs": (None, 0)}
+    "guided_regex": (None,), "guided_grammar": (None,)}
 
 
 class FieldError(ValueError):
@@ -299,6 +299,8 @@ class _GenerationRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     user: pydantic.StrictStr | None = None
     stop: str | tuple[str, ...] | None = None  # one string or a list (the `SamplingFields` check applies)
+    prompt_logprobs: pydantic.StrictInt | None = pydantic.Field(
+        None, description="vLLM's: the prompt tokens' log-probabilities with this many alternatives (not streamed)")
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -312,7 +314,8 @@ _LIMITS = {"temperature": {"minimum": 0, "maximum": _ENGINE_MAX["temperature"]},
            "repetition_penalty": {"exclusiveMinimum": 0}, "top_k": {"minimum": -1, "maximum": _ENGINE_MAX["top_k"]},
            "max_tokens": {"minimum": 1}, "min_tokens": {"minimum": 0}, "seed": {"minimum": 0, "maximum": _SEED_MAX},
            "num_speculative_tokens": {"minimum": 0, "maximum": _ENGINE_MAX["num_speculative_tokens"]}, "n": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
-           "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}, "logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}}
+           "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}, "logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+           "prompt_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}}
 
 
 def _document_limits(schema: dict[str, Any]) -> None:
