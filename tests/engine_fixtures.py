@@ -296,3 +296,30 @@ def block_drafter_blocks(**propose_kw) -> tuple[CausalLM, nnx.Module, dict[str, 
         return drafter.propose(state, toks[:, 0], n_valid, sa, keys, **kw)
     choice = next(k for k, v in propose_kw.items() if v is None)
     return model, drafter, {impl: propose(**{**propose_kw, choice: impl}) for impl in ("xla", "pallas")}, propose
+
+
+def greedy_beside_free(eng: Engine, prompt: list[int], n: int, ruled: dict[str, dict]) -> dict[str, EngineRequest]:
+    """Greedy requests of `prompt` for `n` tokens, one per entry of `ruled` (name: its request fields)
+    and "free" without them, run together on `eng`; by name."""
+    reqs = {name: EngineRequest(name, prompt, max_tokens=n, temperature=0.0, **kw) for name, kw in ruled.items()}
+    reqs["free"] = EngineRequest("free", prompt, max_tokens=n, temperature=0.0)
+    eng.run(list(reqs.values()), progress=False)
+    return reqs
+
+
+def sampled_with_rules(model: CausalLM, n: int, seed0: int, fields: dict, config: dict, gamma: int = 3,
+                       full_share: int = 20, **engine_kw) -> list[EngineRequest]:
+    """`n` requests of [1, 5, 2] for 3 + gamma tokens at temperature 1 (seed seed0 + i, at most i % (gamma
+    + 1) drafts verified) with the request `fields`, on a 256-slot engine of `model` with a bigram
+    drafter and the EngineConfig `config` (`engine_kw`: Engine's); asserts that more than n /
+    `full_share` rounds verified full blocks. Returns the finished requests."""
+    eng = small_engine(model, BigramDrafter(model.config.vocab_size, gamma), slots=256, max_len=16, prefill=4,
+                       gamma=gamma, tokens_buckets=(1, 2, 4), prefill_batch=256, variants=("plain",), config=config,
+                       **engine_kw)
+    ells = []
+    eng.on_round = lambda info: ells.extend(info["ell"])
+    reqs = [EngineRequest(str(i), [1, 5, 2], max_tokens=3 + gamma, temperature=1.0, seed=seed0 + i,
+                          max_draft_tokens=i % (gamma + 1), **fields) for i in range(n)]
+    eng.run(reqs, progress=False)
+    assert sum(e == gamma for e in ells) > n // full_share  # full blocks were verified
+    return reqs

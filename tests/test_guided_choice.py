@@ -16,8 +16,8 @@ from specjax.decoding import logit_rules
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.decoding.logit_rules import CHOICE_TOKENS, ROW_CHOICES
 
-from engine_fixtures import (BigramDrafter, chain_drafter, chi_square_pvalue, exact_continuations, ruled_greedy,
-                             small_engine, tiny_target)
+from engine_fixtures import (chain_drafter, chi_square_pvalue, exact_continuations, greedy_beside_free, ruled_greedy,
+                             sampled_with_rules, tiny_target)
 from test_engine import greedy_reference
 
 V, GAMMA, N, EOS = 64, 3, 12, 2
@@ -105,10 +105,8 @@ def _engine(model, drafter) -> Engine:
 
 
 def _greedy_pair(eng: Engine) -> tuple[EngineRequest, EngineRequest]:
-    guided = EngineRequest("guided", PROMPT, max_tokens=N, temperature=0.0, guided_choice=CHOICES)
-    free = EngineRequest("free", PROMPT, max_tokens=N, temperature=0.0)
-    eng.run([guided, free], progress=False)
-    return guided, free
+    reqs = greedy_beside_free(eng, PROMPT, N, {"guided": dict(guided_choice=CHOICES)})
+    return reqs["guided"], reqs["free"]
 
 
 @pytest.mark.parametrize("drafting", [False, True])
@@ -145,16 +143,9 @@ def _law(model):
     return exact_continuations(model, [1, 5, 2], 3, rule=_rule(SMALL, (0,)))
 
 
-def _sampled(model, n: int, seed0: int) -> list[tuple[int, ...]]:
-    eng = small_engine(model, BigramDrafter(8, GAMMA), slots=256, max_len=16, prefill=4, gamma=GAMMA,
-                       tokens_buckets=(1, 2, 4), prefill_batch=256, variants=("plain",),
-                       config=dict(guided_choice=True), eos_token_ids=(0,))
-    ells = []
-    eng.on_round = lambda info: ells.extend(info["ell"])
-    reqs = [EngineRequest(str(i), [1, 5, 2], max_tokens=3 + GAMMA, temperature=1.0, seed=seed0 + i,
-                          max_draft_tokens=i % (GAMMA + 1), guided_choice=SMALL) for i in range(n)]
-    eng.run(reqs, progress=False)
-    assert sum(e == GAMMA for e in ells) > n // 50  # full blocks were verified
+def _sampled(model, n: int, seed0: int) -> tuple[list[tuple[int, ...]], list[list[int]]]:
+    reqs = sampled_with_rules(model, n, seed0, dict(guided_choice=SMALL), dict(guided_choice=True), gamma=GAMMA,
+                              full_share=50, eos_token_ids=(0,))
     return [tuple(r.output_ids[:3]) for r in reqs], [r.output_ids for r in reqs]
 
 

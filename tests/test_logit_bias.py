@@ -13,8 +13,8 @@ from specjax.decoding import logit_rules
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.decoding.logit_rules import BAD_WORD_TOKENS, ROW_BAD_WORDS
 
-from engine_fixtures import (BigramDrafter, bias_logits, chain_drafter, chi_square_pvalue, exact_continuations,
-                             ruled_greedy, small_engine, tiny_target)
+from engine_fixtures import (bias_logits, chain_drafter, chi_square_pvalue, exact_continuations, greedy_beside_free,
+                             ruled_greedy, sampled_with_rules, tiny_target)
 from test_engine import greedy_reference
 
 V, GAMMA, N = 64, 3, 14
@@ -80,10 +80,7 @@ def _engine(model, drafter, slots=4, **cfg) -> Engine:
 
 
 def _greedy_run(eng: Engine) -> dict[str, EngineRequest]:
-    reqs = {name: EngineRequest(name, PROMPT, max_tokens=N, temperature=0.0, **kw) for name, kw in RULES.items()}
-    reqs["free"] = EngineRequest("free", PROMPT, max_tokens=N, temperature=0.0)
-    eng.run(list(reqs.values()), progress=False)
-    return reqs
+    return greedy_beside_free(eng, PROMPT, N, RULES)
 
 
 @pytest.mark.parametrize("drafting", [False, True])
@@ -127,15 +124,7 @@ def _law(model):
 
 
 def _sampled(model, n: int, seed0: int) -> list[tuple[int, ...]]:
-    eng = small_engine(model, BigramDrafter(8, GAMMA), slots=256, max_len=16, prefill=4, gamma=GAMMA,
-                       tokens_buckets=(1, 2, 4), prefill_batch=256, variants=("plain",),
-                       config=dict(logit_bias=True))
-    ells = []
-    eng.on_round = lambda info: ells.extend(info["ell"])
-    reqs = [EngineRequest(str(i), [1, 5, 2], max_tokens=3 + GAMMA, temperature=1.0, seed=seed0 + i,
-                          max_draft_tokens=i % (GAMMA + 1), **SMALL) for i in range(n)]
-    eng.run(reqs, progress=False)
-    assert sum(e == GAMMA for e in ells) > n // 20  # full blocks were verified
+    reqs = sampled_with_rules(model, n, seed0, SMALL, dict(logit_bias=True), gamma=GAMMA)
     return [tuple(r.output_ids[:3]) for r in reqs]
 
 

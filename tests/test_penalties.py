@@ -13,8 +13,8 @@ from specjax.decoding import logit_rules
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.serving.schema import FieldError, parse_sampling
 
-from engine_fixtures import (BigramDrafter, chain_drafter, chi_square_pvalue, exact_continuations, penalize_logits,
-                             ruled_greedy, tiny_target)
+from engine_fixtures import (BigramDrafter, chain_drafter, chi_square_pvalue, exact_continuations, greedy_beside_free,
+                             penalize_logits, ruled_greedy, sampled_with_rules, tiny_target)
 from test_engine import greedy_reference
 
 V, GAMMA, N = 64, 3, 14
@@ -73,10 +73,8 @@ def _engine(model, drafter, variants=("greedy",), slots=2, **cfg) -> Engine:
 
 
 def _greedy_pair(eng: Engine) -> tuple[EngineRequest, EngineRequest]:
-    pen = EngineRequest("pen", PROMPT, max_tokens=N, temperature=0.0, **PENS)
-    free = EngineRequest("free", PROMPT, max_tokens=N, temperature=0.0)
-    eng.run([pen, free], progress=False)
-    return pen, free
+    reqs = greedy_beside_free(eng, PROMPT, N, {"pen": PENS})
+    return reqs["pen"], reqs["free"]
 
 
 @pytest.mark.parametrize("drafting", [False, True])
@@ -123,17 +121,7 @@ SMALL_PENS = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalt
 
 
 def _sampled(model, n: int, seed0: int) -> list[tuple[int, ...]]:
-    eng = Engine(model, BigramDrafter(8, GAMMA), EngineConfig(
-        max_slots=256, max_len=16, policy="fixed", gamma=GAMMA, slots_buckets=(256,), tokens_buckets=(1, 2, 4),
-        prefill_buckets=(4,), max_prefill=4, prefill_batch_buckets=(256,), sampling_variants=("plain",),
-        penalties=True), progress=False)
-    eng.warmup()
-    ells = []
-    eng.on_round = lambda info: ells.extend(info["ell"])
-    reqs = [EngineRequest(str(i), [1, 5, 2], max_tokens=3 + GAMMA, temperature=1.0, seed=seed0 + i,
-                          max_draft_tokens=i % (GAMMA + 1), **SMALL_PENS) for i in range(n)]
-    eng.run(reqs, progress=False)
-    assert sum(e == GAMMA for e in ells) > n // 20  # full blocks were verified
+    reqs = sampled_with_rules(model, n, seed0, SMALL_PENS, dict(penalties=True), gamma=GAMMA)
     return [tuple(r.output_ids[:3]) for r in reqs]
 
 
