@@ -201,6 +201,7 @@ def test_the_python_api_the_server_and_the_batch_job_serve_the_rules(case, tmp_p
         status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": PROMPT, "bad_words": [" ".join(
             ["w5"] * (BAD_WORD_TOKENS + 1))]})  # refused by the engine, which names the field
         assert status == 400 and "bad_words[0] is 9 tokens" in r["error"]["message"], r
+        assert (r["error"]["param"], r["error"]["code"]) == ("bad_words", "rejected_by_engine"), r
     finally:
         server.stop()
         api.engine.drain(60)

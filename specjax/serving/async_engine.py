@@ -57,6 +57,7 @@ class StreamEvent:
     output_ids: list[int] | None = None
     error: str | None = None
     rejected: bool = False
+    field: str | None = None  # the request field the engine refused it for, when it names one
 
 
 class RequestStream:
@@ -98,8 +99,8 @@ class RequestStream:
             except RuntimeError:  # the loop has closed: nobody is waiting any more
                 pass
 
-    def _fail(self, message: str, *, rejected: bool = False) -> None:
-        self._push(StreamEvent([], finished=True, finish_reason=None, error=message, rejected=rejected))
+    def _fail(self, message: str, *, rejected: bool = False, field: str | None = None) -> None:
+        self._push(StreamEvent([], finished=True, finish_reason=None, error=message, rejected=rejected, field=field))
 
     # consumer side
     def get(self, timeout: float | None = None) -> StreamEvent:
@@ -319,7 +320,7 @@ class AsyncEngine:
                 except ValueError as e:  # bad request: that request alone fails
                     if self.metrics is not None:
                         self.metrics.request_rejected("invalid_request")
-                    stream._fail(str(e), rejected=True)
+                    stream._fail(str(e), rejected=True, field=getattr(e, "field", None))
                     continue
                 self._live[id(req)] = stream
                 if self.metrics is not None:

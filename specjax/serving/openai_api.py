@@ -304,7 +304,7 @@ class OpenAIApp:
 
     def _failed(self, ev: StreamEvent) -> APIError:
         if ev.rejected:
-            return APIError(400, ev.error or "rejected", code=ENGINE_REJECTED)
+            return APIError(400, ev.error or "rejected", param=ev.field, code=ENGINE_REJECTED)
         return APIError(503 if not self.engine.is_alive else 500, ev.error or "failed", type="server_error")
 
     async def complete(self, req: CompletionRequest | ChatCompletionRequest,
