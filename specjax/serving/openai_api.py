@@ -26,9 +26,9 @@ engine's cache-free `score` program under the same distribution); `max_tokens` 0
 with `echo` (the prompt alone). Echo with logprobs needs the prompt to fit the engine's largest
 prefill bucket (no chunking: 400 naming the limit); echo is not streamed. vLLM's `prompt_logprobs`
 k (completions: in each choice; chat: at the top of the answer) gives each prompt token after the
-first its log-probability, rank and the top k alternatives, scored as echo's (not streamed). Not served (400 naming
-the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, tools, `response_format` and guided
-decoding. vLLM's `ignore_eos`, `min_p` and `min_tokens` are served; the presence, frequency and
+first its log-probability, rank and the top k alternatives, scored as echo's (not streamed). Not
+served (400 naming the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, tools,
+`response_format` and guided decoding but for choices. vLLM's `ignore_eos`, `min_p` and `min_tokens` are served; the presence, frequency and
 repetition penalties by a server started with `--penalties`; `logit_bias`, `allowed_token_ids` and
 `bad_words` by one started with `--logit-bias`; `guided_choice` by one started with `--guided-choice`.
 
@@ -82,8 +82,6 @@ class ServerLimits:
             raise ValueError(f"max_waiting must be >= 0 or None, got {self.max_waiting}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-
-
 
 
 @dataclasses.dataclass
@@ -229,6 +227,9 @@ class OpenAIApp:
         k = body.get("prompt_logprobs")
         if k is None:
             return None
+        if self.max_logprobs == 0:
+            raise APIError(400, "'prompt_logprobs': this server computes no log-probabilities (start it with "
+                                "--max-logprobs N)", param="prompt_logprobs")
         if not 0 <= k <= self.max_logprobs:
             raise APIError(400, f"'prompt_logprobs' must be in [0, {self.max_logprobs}] (the server's "
                                 f"--max-logprobs), got {k}", param="prompt_logprobs")
