@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -308,12 +308,13 @@ def greedy_beside_free(eng: Engine, prompt: list[int], n: int, ruled: dict[str, 
 
 
 def sampled_with_rules(model: CausalLM, n: int, seed0: int, fields: dict, config: dict, gamma: int = 3,
-                       full_share: int = 20, **engine_kw) -> list[EngineRequest]:
+                       full_share: int = 20, drafter: Any = None, **engine_kw) -> list[EngineRequest]:
     """`n` requests of [1, 5, 2] for 3 + gamma tokens at temperature 1 (seed seed0 + i, at most i % (gamma
-    + 1) drafts verified) with the request `fields`, on a 256-slot engine of `model` with a bigram
-    drafter and the EngineConfig `config` (`engine_kw`: Engine's); asserts that more than n /
+    + 1) drafts verified) with the request `fields`, on a 256-slot engine of `model` with `drafter`
+    (default a bigram drafter) and the EngineConfig `config` (`engine_kw`: Engine's); asserts that more than n /
     `full_share` rounds verified full blocks. Returns the finished requests."""
-    eng = small_engine(model, BigramDrafter(model.config.vocab_size, gamma), slots=256, max_len=16, prefill=4,
+    drafter = BigramDrafter(model.config.vocab_size, gamma) if drafter is None else drafter
+    eng = small_engine(model, drafter, slots=256, max_len=16, prefill=4,
                        gamma=gamma, tokens_buckets=(1, 2, 4), prefill_batch=256, variants=("plain",), config=config,
                        **engine_kw)
     ells = []

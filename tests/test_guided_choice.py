@@ -131,6 +131,43 @@ def test_negative_control_choices_that_forget_the_drafts(case, monkeypatch):
     assert guided.output_ids != guided_ref and guided.output_ids[:-1] not in [list(c) for c in CHOICES]
 
 
+def test_forced_drafts_equal_the_reference():
+    import jax.numpy as jnp
+    choices = [((3, 4, 5), (3, 4, 6), (3, 9)), ((1, 2, 3, 4, 5, 6),), ((7, 7), (7, 7, 8)), ()]
+    outputs = [[3], [1], [], []]
+    ch = np.stack([_pad(c) for c in choices])
+    alive = np.array([[k < len(c) and tuple(c[k][:len(o)]) == tuple(o) for k in range(ROW_CHOICES)]
+                      for c, o in zip(choices, outputs)])
+    got = np.asarray(logit_rules.forced_choice_tokens(jnp.asarray(ch), jnp.asarray(alive),
+                                                      jnp.asarray([len(o) for o in outputs], jnp.int32), 4))
+    # row 0: 4 vs 9 disagree; row 1: the rest of its one choice; row 2: 7 7 then one ends; row 3: no choices
+    assert got.tolist() == [[-1, -1, -1, -1], [2, 3, 4, 5], [7, 7, -1, -1], [-1, -1, -1, -1]]
+
+
+def _one_choice_run(model, plain) -> EngineRequest:
+    """A greedy request whose one choice differs from the answer the drafter's drafts follow."""
+    eng = _engine(model, chain_drafter(V, GAMMA, [PROMPT[-1]] + plain))
+    req = EngineRequest("one", PROMPT, max_tokens=N, temperature=0.0, guided_choice=((4, 5, 6, 7, 8, 9),))
+    eng.run([req], progress=False)
+    assert (req.output_ids, req.finish_reason) == ([4, 5, 6, 7, 8, 9, EOS], "stop")
+    return req
+
+
+def test_the_drafts_a_choice_forces_are_accepted(case):
+    """Prefill draws 4; round 1 verifies the forced 5 6 7 (bonus 8), round 2 the forced 9 and the
+    drafter's next drafts (eos is the only token allowed there)."""
+    model, plain, _ = case
+    m = _one_choice_run(model, plain).metrics.as_dict()
+    assert m["num_rounds"] == 2 and m["num_accepted_tokens"] == GAMMA + 1, m
+
+
+def test_negative_control_drafts_left_to_the_drafter(case, monkeypatch):
+    from specjax.decoding import row_state
+    monkeypatch.setattr(row_state, "guide_drafts", lambda rows, block, q_ids: block)
+    model, plain, _ = case
+    assert _one_choice_run(model, plain).metrics.as_dict()["num_accepted_tokens"] < GAMMA + 1
+
+
 @pytest.fixture(scope="module")
 def small():
     return tiny_target(8, seed=3, init_scale=3.0)
@@ -143,9 +180,9 @@ def _law(model):
     return exact_continuations(model, [1, 5, 2], 3, rule=_rule(SMALL, (0,)))
 
 
-def _sampled(model, n: int, seed0: int) -> tuple[list[tuple[int, ...]], list[list[int]]]:
+def _sampled(model, n: int, seed0: int, drafter=None) -> tuple[list[tuple[int, ...]], list[list[int]]]:
     reqs = sampled_with_rules(model, n, seed0, dict(guided_choice=SMALL), dict(guided_choice=True), gamma=GAMMA,
-                              full_share=50, eos_token_ids=(0,))
+                              full_share=50, drafter=drafter, eos_token_ids=(0,))
     return [tuple(r.output_ids[:3]) for r in reqs], [r.output_ids for r in reqs]
 
 
@@ -156,6 +193,16 @@ def test_sampled_outputs_follow_the_guided_law(small):
     assert all(tuple(o[:-1]) in SMALL and o[-1] == 0 for o in outputs)  # a whole choice, then eos
     p = chi_square_pvalue(firsts, law)
     assert p > 1e-3, f"guided output differs from the guided law (chi-square p={p:.2e})"
+
+
+def test_forced_drafts_of_a_drafter_with_a_draft_vocabulary_follow_the_law(small):
+    """The forced drafts' q is one-hot over the drafter's draft vocabulary; forcing stops at a
+    token outside it (3 and 7 here)."""
+    from test_draft_vocab import make
+    firsts, outputs = _sampled(small, 4000, 7 * 10**5, drafter=make("dspark", small))
+    assert all(tuple(o[:-1]) in SMALL and o[-1] == 0 for o in outputs)
+    p = chi_square_pvalue(firsts, _law(small))
+    assert p > 1e-3, f"guided output with a draft-vocabulary drafter differs from the law (p={p:.2e})"
 
 
 def test_negative_control_forgetting_the_drafts_fails_the_law(small, monkeypatch):

@@ -42,7 +42,8 @@ class EngineConfig:
     # applies them exactly); off, they are refused
     logit_bias: bool = False
     # guided_choice served (vLLM's): each slot keeps up to 16 choices of up to 16 tokens; every sampled position
-    # allows only a token that continues a choice the output so far begins, or eos after a whole one
+    # allows only a token that continues a choice the output so far begins, or eos after a whole one; where every
+    # open choice continues with the same token, that token is the draft
     guided_choice: bool = False
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill

@@ -134,6 +134,24 @@ def guide_choices(logits_btv: Array, choices_bcl: Array, alive_bc: Array, pos_b:
     return jnp.where(guided_bt[:, :, None] & ~allowed, -jnp.inf, logits_btv)
 
 
+def forced_choice_tokens(choices_bcl: Array, alive_bc: Array, pos_b: Array, g: int) -> Array:
+    """[b, g]: the drafts a row's guided choices force: at draft position j (output index pos + j),
+    the token with which every choice the output still begins (the forced drafts before j included)
+    continues, while they all agree; -1 from the first position where they do not, where one of
+    them ends, or where none is left (rows without choices: all -1). There the target allows that
+    token alone, so a forced draft is always accepted."""
+    need_bgc = _choice_tokens(choices_bcl, pos_b[:, None] + jnp.arange(g)[None, :])
+    alive, forcing, out = alive_bc, jnp.ones(alive_bc.shape[:1], bool), []
+    for j in range(g):
+        need = need_bgc[:, j]
+        hi = jnp.max(jnp.where(alive, need, -2), axis=-1)
+        lo = jnp.min(jnp.where(alive, need, jnp.iinfo(jnp.int32).max), axis=-1)
+        forcing = forcing & jnp.any(alive, axis=-1) & (hi == lo) & (lo >= 0)
+        out.append(jnp.where(forcing, lo, -1))
+        alive = alive & (need == lo[:, None])
+    return jnp.stack(out, axis=1)
+
+
 def advance_choices(choices_bcl: Array, alive_bc: Array, pos_b: Array, tokens_bt: Array,
                     emitted_b: Array) -> tuple[Array, Array]:
     """(alive, pos) of rows [0:b] after emitting their first emitted_b tokens of tokens_bt: the

@@ -296,7 +296,7 @@ def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, ell_b,
     conf = jnp.zeros((sb, max(ctx.gamma, 1)), jnp.float32)
     draft_bg, q_bgn = None, None
     if tokens > 1:
-        block = _block(ctx, d_params, dstate, anchors[:sb], cache.lengths[:sb], sa, kd, attn)
+        block = _block(ctx, d_params, dstate, anchors[:sb], cache.lengths[:sb], sa, kd, attn, rows)
         draft_bg, q_bgn = block.tokens, _carried_q(block)
         if block.confidence is not None:
             conf = ctx.gamma_columns(block.confidence)
@@ -322,23 +322,24 @@ def _q_ids(ctx: Context, d_params) -> Array | None:
     return None if vocab is None else vocab.d2t[...]
 
 
-def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: int) -> DraftBlock:
+def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: int, rows: RowState) -> DraftBlock:
     """The drafter's block for rows [0:B], its context read from rows [0:attn), with the engine's
     attention and MLP implementations when the drafter has them (`attention_implementations`,
-    `mlp_implementations`)."""
+    `mlp_implementations`); with guided choices, the drafts they force (`row_state.guide_drafts`)."""
     drafter = ctx.drafter(d_params)
     kw = {name: choice for name, choice in (("attention", ctx.attention), ("mlp", ctx.mlp))
           if choice in getattr(drafter, f"{name}_implementations", ())}
-    return drafter.propose(dstate, anchor_b, lengths_b, sa, kd, kv_len=attn, **kw)
+    block = drafter.propose(dstate, anchor_b, lengths_b, sa, kd, kv_len=attn, **kw)
+    return rs.guide_drafts(rows, block, _q_ids(ctx, d_params)) if rows.guided else block
 
 
 def _propose(ctx: Context, d_params, dstate, anchors, cache_lengths, sa, kd, sb: int,
-             attn: int, variant: str) -> tuple[Array, Array, Array]:
+             attn: int, variant: str, rows: RowState) -> tuple[Array, Array, Array]:
     """A block for rows [0:sb]: (tokens [sb, G], carried q [sb, G, N], gamma confidences [sb, gamma];
     all ones from a drafter without a confidence head). The drafter reads its context from rows
     [0:attn) (the attention bucket covers every row's committed length). A greedy round carries q
     without columns (`carried_q_columns`), so it is never built."""
-    block = _block(ctx, d_params, dstate, anchors[:sb], cache_lengths[:sb], sa, kd, attn)
+    block = _block(ctx, d_params, dstate, anchors[:sb], cache_lengths[:sb], sa, kd, attn, rows)
     conf = block.confidence if block.confidence is not None else jnp.ones(block.tokens.shape, jnp.float32)
     q = _carried_q(block)
     return block.tokens, q[:, :, :carried_q_columns(variant, q.shape[-1])], ctx.gamma_columns(conf)
@@ -349,7 +350,7 @@ def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, rows, ell_b, *
     (N = V without one), gamma confidences [sb, gamma]); context read from rows [0:attn)."""
     sb = ell_b.shape[0]
     _, _, sa, kd, _ = _unpack(ctx, rows, ell_b, cache_lengths[:sb], variant)
-    return _propose(ctx, d_params, dstate, anchors, cache_lengths, sa, kd, sb, attn, variant)
+    return _propose(ctx, d_params, dstate, anchors, cache_lengths, sa, kd, sb, attn, variant, rows)
 
 
 def verify(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell_b, stop_ids, *,
@@ -369,7 +370,7 @@ def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, e
     lengths (column "ell") and the gamma confidences."""
     sb = ell_b.shape[0]
     ell_b, active_b, sa, kd, kv = _unpack(ctx, rows, ell_b, cache.lengths[:sb], variant)
-    draft_bg, q_bgn, conf = _propose(ctx, d_params, dstate, anchors, cache.lengths, sa, kd, sb, attn, variant)
+    draft_bg, q_bgn, conf = _propose(ctx, d_params, dstate, anchors, cache.lengths, sa, kd, sb, attn, variant, rows)
     filled = topk_prefix_fill(conf, k_total_1[0], active_b & (ell_b > 0), tokens - 1)  # capped rows take none
     ell = jnp.where(active_b, jnp.minimum(filled, ell_b), 0)
     return _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell, active_b, sa,

@@ -7,7 +7,7 @@ arithmetic is `logit_rules`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +104,28 @@ def record_output(rows: RowState, tokens_bt: Array, emitted_b: Array) -> RowStat
         alive, pos = lr.advance_choices(rows.choices_scl[:b], rows.alive_sc[:b], rows.pos_s[:b], tokens_bt, emitted_b)
         rows = rows._replace(alive_sc=rows.alive_sc.at[:b].set(alive), pos_s=rows.pos_s.at[:b].set(pos))
     return rows
+
+
+def guide_drafts(rows: RowState, block: Any, q_ids: Array | None) -> Any:
+    """A DraftBlock for rows [0:b] with the drafts its rows' guided choices force
+    (`logit_rules.forced_choice_tokens`; q one-hot there, confidence 0.999), up to the first forced
+    token q cannot hold (outside the draft vocabulary `q_ids`); the drafter's beyond. Any proposal
+    keeps verification exact; a forced one is always accepted."""
+    b, g = block.tokens.shape
+    forced = lr.forced_choice_tokens(rows.choices_scl[:b], rows.alive_sc[:b], rows.pos_s[:b], g)
+    held = forced >= 0
+    if q_ids is not None:
+        held = held & jnp.any(q_ids[None, None, :] == forced[:, :, None], axis=-1)
+    keep = jnp.cumprod(held, axis=1).astype(bool)
+
+    def one_hot(q: Array | None, ids: Array) -> Array | None:
+        if q is None:
+            return None
+        return jnp.where(keep[:, :, None], (ids[None, None, :] == forced[:, :, None]).astype(q.dtype), q)
+    conf = None if block.confidence is None else jnp.where(keep, 0.999, block.confidence)
+    q_draft = None if q_ids is None else one_hot(block.q_draft, q_ids)
+    return block._replace(tokens=jnp.where(keep, forced, block.tokens), confidence=conf, q_draft=q_draft,
+                          q=one_hot(block.q, jnp.arange(block.q.shape[-1])))
 
 
 def prefill_logits(rows: RowState, logits_p1v: Array, tokens_bt: Array, ints_4b: Array, pens_3b: Array,
