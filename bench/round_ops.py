@@ -560,6 +560,7 @@ def xla_options(pairs: Sequence[str]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     from bench import compile_target
     from bench.common import DEFAULT_OUT_DIR, command_line, write_results
+    from specjax.serving.cli import add_logit_rule_flags, logit_rule_args
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["qwen3-4b", "smollm2"], choices=sorted(presets()))
     ap.add_argument("--slots", nargs="+", type=int, default=[8])
@@ -574,12 +575,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="the target's attention over the cache in rounds (EngineConfig.attention)")
     ap.add_argument("--mlp", default="xla", choices=["xla", "pallas"],
                     help="the target's gate/up product and SiLU gate (EngineConfig.mlp)")
-    ap.add_argument("--penalties", action="store_true",
-                    help="an engine serving penalties (EngineConfig.penalties: per-slot token counts in every round)")
-    ap.add_argument("--logit-bias", action="store_true",
-                    help="an engine serving logit bias and bad words (EngineConfig.logit_bias: a per-slot bias row)")
-    ap.add_argument("--guided-choice", action="store_true",
-                    help="an engine serving guided choices (EngineConfig.guided_choice: per-slot choices)")
+    add_logit_rule_flags(ap, "an engine serving ")
     ap.add_argument("--target", default="host", choices=compile_target.targets(),
                     help="compile for this machine's backend (host) or for a GPU it does not have (make gpu-compiler)")
     ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
@@ -592,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               families=args.families, variants=args.variants, draft_vocabs=args.draft_vocab,
               max_logprobs=args.max_logprobs, target=args.target, attention=args.attention,
               mlp=args.mlp, compiler_options=options,
-              rules={"penalties": args.penalties, "logit_bias": args.logit_bias, "guided_choice": args.guided_choice})
+              rules=logit_rule_args(args))
     res["suffix"] = args.suffix
     name = "round_ops" + (f"_{args.suffix}" if args.suffix else "")
     for p in write_results(name, res, _markdown(res), out_dir=args.out_dir):

@@ -70,8 +70,7 @@ class Engine:
         self.runner = Runner(target, drafter, slots=slots, max_len=max_len, gamma=self.gamma,
                              stop_ids=self.eos_token_ids, verifier=verifier, cache_dtype=config.cache_dtype,
                              mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap,
-                             attention=config.attention, mlp=config.mlp, penalties=config.penalties,
-                             logit_bias=config.logit_bias, guided_choice=config.guided_choice)
+                             attention=config.attention, mlp=config.mlp, **config.logit_rules)
         self.lengths = np.zeros((slots,), np.int64)  # committed cache rows per slot
         self.slot_req: list[EngineRequest | None] = [None] * slots
         self.queue: list[EngineRequest] = []
@@ -214,8 +213,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineRequest) -> None:
         check_request(req, max_len=self.cfg.max_len, vocab=self.target_config.vocab_size,
-                      top_k_cap=self.cfg.top_k_cap, max_logprobs=self.cfg.max_logprobs, penalties=self.cfg.penalties,
-                      logit_bias=self.cfg.logit_bias, guided_choice=self.cfg.guided_choice,
+                      top_k_cap=self.cfg.top_k_cap, max_logprobs=self.cfg.max_logprobs, rules=self.cfg.logit_rules,
                       stop_ids=self.eos_token_ids)
         self.round_variant(req.temperature, req.top_k, req.top_p, req.min_p)  # refuses a variant not compiled
         req.metrics.start_time = time.perf_counter()

@@ -8,6 +8,15 @@ from specjax.models.pallas_attention import ATTENTION_IMPLEMENTATIONS, MIN_KEY_B
 from specjax.models.pallas_mlp import MLP_IMPLEMENTATIONS
 from specjax.sampling import DEFAULT_TOP_K_CAP, VARIANTS
 
+# the opt-in logit rules: EngineConfig's flag -> (what refusals call it, what it serves); each adds per-slot
+# state and work to every round, so an engine carries only those it is built with
+LOGIT_RULES = {
+    "penalties": ("penalties", "presence, frequency and repetition penalties (each slot keeps [vocab] token counts)"),
+    "logit_bias": ("logit bias", "logit_bias, allowed_token_ids and bad_words (each slot keeps a [vocab] bias row)"),
+    "guided_choice": ("guided choices", "guided_choice (the answer is one of the request's texts; each slot keeps "
+                                        "its choices)"),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -50,6 +59,11 @@ class EngineConfig:
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,
     # and a call no bucket covers is refused before dispatch. Default buckets.attention_buckets(max_len)
     attention_buckets: tuple[int, ...] | None = None
+
+    @property
+    def logit_rules(self) -> dict[str, bool]:
+        """Which of LOGIT_RULES this engine serves."""
+        return {name: bool(getattr(self, name)) for name in LOGIT_RULES}
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:

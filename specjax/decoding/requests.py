@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from specjax.decoding.engine_config import LOGIT_RULES
 from specjax.decoding.logit_rules import BAD_WORD_TOKENS, CHOICE_TOKENS, ROW_BAD_WORDS, ROW_CHOICES
 from specjax.decoding.row_state import ROW_STOP_IDS
 
@@ -30,10 +31,12 @@ def penalties_asked(params: Any) -> list[str]:
     return [f for f, off in PENALTY_FIELDS.items() if getattr(params, f) != off]
 
 
-def rules_asked(params: Any) -> list[tuple[list[str], str]]:
-    """(the fields `params` sets, the EngineConfig option that serves them) for each opt-in logit rule."""
-    return [(penalties_asked(params), "penalties"), (bias_asked(params), "logit_bias"),
-            (["guided_choice"] if params.guided_choice else [], "guided_choice")]
+def missing_rule(params: Any, served: Mapping[str, bool]) -> tuple[str, str] | None:
+    """(the first field `params` sets, the opt-in rule that serves it: engine_config.LOGIT_RULES) of a
+    rule `served` does not hold, or None."""
+    asked = {"penalties": penalties_asked(params), "logit_bias": bias_asked(params),
+             "guided_choice": ["guided_choice"] if params.guided_choice else []}
+    return next(((fields[0], rule) for rule, fields in asked.items() if fields and not served.get(rule)), None)
 
 
 def bias_asked(params: Any) -> list[str]:
@@ -166,10 +169,9 @@ def token_logprobs(req: EngineRequest, outs: dict[str, Any], row: int, n: int
 
 
 def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: int, max_logprobs: int,
-                  penalties: bool = False, logit_bias: bool = False, guided_choice: bool = False,
-                  stop_ids: Sequence[int] = ()) -> None:
-    """Refuse a request an engine of these limits cannot serve (a ValueError naming the field; a
-    RequestFieldError for the logit rules' fields)."""
+                  rules: Mapping[str, bool] | None = None, stop_ids: Sequence[int] = ()) -> None:
+    """Refuse a request an engine of these limits (`rules`: the opt-in logit rules it serves, none by
+    default) cannot serve (a ValueError naming the field; a RequestFieldError for the logit rules' fields)."""
     n = len(req.prompt_ids)
     if n == 0:
         raise ValueError(f"request {req.request_id}: prompt is empty")
@@ -184,19 +186,14 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
     if not 0 <= req.min_tokens <= req.max_tokens:
         raise ValueError(f"request {req.request_id}: min_tokens must be in [0, max_tokens = {req.max_tokens}], "
                          f"got {req.min_tokens}")
-    asked = penalties_asked(req)
-    if asked and not penalties:
-        raise RequestFieldError(f"request {req.request_id}: {asked[0]} needs an engine with penalties "
-                                f"(EngineConfig.penalties; the server's --penalties)", asked[0])
+    missing = missing_rule(req, rules or {})
+    if missing:
+        field, rule = missing
+        raise RequestFieldError(f"request {req.request_id}: {field} needs an engine with {LOGIT_RULES[rule][0]} "
+                                f"(EngineConfig.{rule}; the server's --{rule.replace('_', '-')})", field)
     if bias_asked(req):
-        if not logit_bias:
-            raise RequestFieldError(f"request {req.request_id}: {bias_asked(req)[0]} needs an engine with logit "
-                                    f"bias (EngineConfig.logit_bias; the server's --logit-bias)", bias_asked(req)[0])
         _check_bias(req, vocab, () if req.ignore_eos else stop_ids)
     if req.guided_choice:
-        if not guided_choice:
-            raise RequestFieldError(f"request {req.request_id}: guided_choice needs an engine with guided choices "
-                                    f"(EngineConfig.guided_choice; the server's --guided-choice)", "guided_choice")
         _check_choices(req, vocab, stop_ids)
     if req.min_tokens and len(req.stop_token_ids) > ROW_STOP_IDS:
         raise ValueError(f"request {req.request_id}: with min_tokens at most {ROW_STOP_IDS} stop_token_ids are "

@@ -28,7 +28,7 @@ import dataclasses
 from typing import Any
 
 from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
-from specjax.decoding.requests import rules_asked
+from specjax.decoding.requests import missing_rule
 from specjax.io import JsonlLine
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
 from specjax.serving import batch_openai
@@ -143,10 +143,10 @@ class BatchRows:
             parsed = parse_row(row.value, row.line, self.defaults)
         except RowError as e:
             return self.error(index, row, str(e), e.field)
-        for asked, option in rules_asked(parsed.sp):
-            if asked and not getattr(self.engine.cfg, option):
-                return self.error(index, row, f"'{asked[0]}' needs a job started with --{option.replace('_', '-')}",
-                                  parsed.field(asked[0]))
+        missing = missing_rule(parsed.sp, self.engine.cfg.logit_rules)
+        if missing:
+            return self.error(index, row, f"'{missing[0]}' needs a job started with --{missing[1].replace('_', '-')}",
+                              parsed.field(missing[0]))
         try:
             ids = self._prompt_ids(parsed)
             try:

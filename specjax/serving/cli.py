@@ -52,12 +52,20 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    help="round programs compiled per sampling kind, from greedy,plain,filtered (default: all)")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most top log-probabilities a request may ask for (0: none computed, a little faster)")
-    g.add_argument("--penalties", action="store_true",
-                   help="serve presence, frequency and repetition penalties (each slot keeps [vocab] token counts)")
-    g.add_argument("--logit-bias", action="store_true",
-                   help="serve logit_bias, allowed_token_ids and bad_words (each slot keeps a [vocab] bias row)")
-    g.add_argument("--guided-choice", action="store_true",
-                   help="serve guided_choice (the answer is one of the request's texts; each slot keeps its choices)")
+    add_logit_rule_flags(g, "serve ")
+
+
+def add_logit_rule_flags(group: Any, verb: str) -> None:
+    """One --flag per opt-in logit rule (engine_config.LOGIT_RULES), its help `verb` + what it serves."""
+    from specjax.decoding.engine_config import LOGIT_RULES
+    for name, (_, serves) in LOGIT_RULES.items():
+        group.add_argument("--" + name.replace("_", "-"), action="store_true", help=verb + serves)
+
+
+def logit_rule_args(args: argparse.Namespace) -> dict[str, bool]:
+    """The parsed `add_logit_rule_flags` as EngineConfig / LLM keyword arguments."""
+    from specjax.decoding.engine_config import LOGIT_RULES
+    return {name: getattr(args, name) for name in LOGIT_RULES}
 
 
 def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
@@ -77,12 +85,10 @@ def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
             policy=policy, max_prefill=args.max_prefill, seed=args.seed, threshold=args.threshold,
             slots_buckets=args.slots_buckets,
             tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets, max_logprobs=args.max_logprobs,
-            attention_buckets=args.attention_buckets, penalties=args.penalties,
-            logit_bias=args.logit_bias, guided_choice=args.guided_choice,
+            attention_buckets=args.attention_buckets, **logit_rule_args(args),
             **({"sampling_variants": args.sampling_variants} if args.sampling_variants else {}))
     return LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                policy=args.policy, dtype=args.dtype, seed=args.seed, max_prefill=args.max_prefill,
                engine_config=engine_config, progress=progress, cost_table=args.cost_table,
-               threshold=args.threshold, max_logprobs=args.max_logprobs, penalties=args.penalties,
-               logit_bias=args.logit_bias, guided_choice=args.guided_choice)
+               threshold=args.threshold, max_logprobs=args.max_logprobs, **logit_rule_args(args))

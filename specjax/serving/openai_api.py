@@ -45,7 +45,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from specjax.api import SamplingParams, build_engine_request
-from specjax.decoding.requests import EngineRequest, RequestMetrics, rules_asked
+from specjax.decoding.requests import EngineRequest, RequestMetrics, missing_rule
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.errors import ENGINE_REJECTED, APIError
@@ -188,10 +188,10 @@ class OpenAIApp:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
                                 f"asks for {n_prompt + mt} ({n_prompt} in the {what}, {mt} in the completion): lower "
                                 f"'{mt_name}'", param=mt_name, code="context_length_exceeded")
-        for asked, option in rules_asked(sp):
-            if asked and not getattr(self.engine.engine.cfg, option):
-                raise APIError(400, f"'{asked[0]}' needs a server started with --{option.replace('_', '-')}",
-                               param=asked[0])
+        missing = missing_rule(sp, self.engine.engine.cfg.logit_rules)
+        if missing:
+            raise APIError(400, f"'{missing[0]}' needs a server started with --{missing[1].replace('_', '-')}",
+                           param=missing[0])
         outside = sp.first_id_outside(self.vocab_size)
         if outside:
             raise APIError(400, f"'{outside[0]}' holds {outside[1]}, outside the vocabulary [0, {self.vocab_size})",
