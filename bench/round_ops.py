@@ -362,7 +362,7 @@ def compiled_report(lowered: Any, compiler_options: dict[str, Any] | None = None
 
 
 def abstract_runner(shape: Shape, slots: int, max_len: int, draft_vocab: int = 0, max_logprobs: int = 0,
-                    mesh: Any = None, attention: str = "xla", mlp: str = "xla", rules: Mapping[str, bool] | None = None) -> Any:
+                    mesh: Any = None, attention: str = "xla", mlp: str = "xla", rules: Mapping[str, Any] | None = None) -> Any:
     """The runner of an engine with this target and drafter shape (a draft vocabulary of
     `draft_vocab` tokens, 0 = none; `rules`: the EngineConfig options of logit rules on, e.g.
     {"penalties": True, "logit_bias": True}), its state abstract (no
@@ -404,7 +404,7 @@ def measure(shape: Shape, slots: int, max_len: int, families: Sequence[str] = FA
             variants: Sequence[str] = ("greedy", "plain", "filtered"), draft_vocab: int = 0,
             max_logprobs: int = 0, mesh: Any = None, attention: str = "xla", mlp: str = "xla",
             compiler_options: dict[str, Any] | None = None,
-            rules: Mapping[str, bool] | None = None) -> list[dict[str, Any]]:
+            rules: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per family and variant (and, with max_logprobs > 0, per round family in the widest
     variant with log-probabilities on): HLO counts, bytes accessed per call and the bytes it is
     measured against; compiled for `mesh`'s devices when given, else the default backend, with XLA
@@ -521,7 +521,7 @@ def run(names: Sequence[str], slots: Sequence[int], max_len: int, command: str,
         families: Sequence[str] = FAMILY_ORDER, variants: Sequence[str] = ("greedy", "plain", "filtered"),
         draft_vocabs: Sequence[int] = (0,), max_logprobs: int = 0, target: str = "host",
         attention: str = "xla", mlp: str = "xla", compiler_options: dict[str, Any] | None = None,
-        rules: Mapping[str, bool] | None = None) -> dict[str, Any]:
+        rules: Mapping[str, Any] | None = None) -> dict[str, Any]:
     import jax
 
     from bench import compile_target

@@ -43,6 +43,10 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     guided_choice: tuple[str, ...] | None = None  # vLLM's: the answer is one of these texts (LLM(guided_choice=True))
+    # vLLM's (an LLM built with guided_regex=True): the answer is a full match of this regular expression /
+    # a JSON text of this schema (a dict or its JSON text), then eos
+    guided_regex: str | None = None
+    guided_json: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -114,6 +118,13 @@ class SamplingParams:
             if not (isinstance(choices, (list, tuple)) and choices and all(isinstance(c, str) and c for c in choices)):
                 raise ValueError(f"guided_choice must be a non-empty list of non-empty strings, got {choices!r}")
             object.__setattr__(self, "guided_choice", tuple(choices))
+        if self.guided_regex is not None and not (isinstance(self.guided_regex, str) and self.guided_regex):
+            raise ValueError(f"guided_regex must be a non-empty regular expression, got {self.guided_regex!r}")
+        if self.guided_json is not None and not isinstance(self.guided_json, (dict, str)):
+            raise ValueError(f"guided_json must be a JSON schema (an object or its JSON text), got {self.guided_json!r}")
+        guides = [f for f in ("guided_choice", "guided_regex", "guided_json") if getattr(self, f) is not None]
+        if len(guides) > 1:
+            raise ValueError(f"give one of {', '.join(guides)}, not several")
 
 
 def _check_int(field: str, value: Any, *, minimum: int, optional: bool = False) -> None:
@@ -167,6 +178,9 @@ class LLM:
         a [vocab] bias row and its bad words on the device); off, a request that sets one is refused.
     guided_choice: serve `SamplingParams.guided_choice` (the answer is one of the texts, each as its
         own tokens, then eos: exact under speculation); off, it is refused.
+    guided_regex: serve `SamplingParams.guided_regex` and `guided_json` (the answer is a full match of
+        the expression, a schema's JSON, then eos; a token automaton in a table of `automaton_states`
+        states); off, they are refused.
     """
 
     def __init__(self, target: Any = None, drafter: Any = None, *, tokenizer: str | None = None,
@@ -175,7 +189,8 @@ class LLM:
                  max_prefill: int = 256, engine_config: EngineConfig | None = None, progress: bool = False,
                  cost_table: Any = None, threshold: float | None = None, max_logprobs: int = 0,
                  sampling_variants: Sequence[str] | None = None, penalties: bool = False,
-                 logit_bias: bool = False, guided_choice: bool = False):
+                 logit_bias: bool = False, guided_choice: bool = False, guided_regex: bool = False,
+                 automaton_states: int = EngineConfig.automaton_states):
         from specjax import checkpoints
         self.tokenizer = None
         target_dir = None
@@ -203,7 +218,8 @@ class LLM:
                 policy=policy or ("plain" if self.drafter is None else "fixed"), seed=seed,
                 max_prefill=max_prefill, threshold=threshold, max_logprobs=max_logprobs,
                 sampling_variants=VARIANTS if sampling_variants is None else tuple(sampling_variants),
-                penalties=penalties, logit_bias=logit_bias, guided_choice=guided_choice)
+                penalties=penalties, logit_bias=logit_bias, guided_choice=guided_choice, guided_regex=guided_regex,
+                automaton_states=automaton_states)
         if isinstance(cost_table, (str, os.PathLike)):
             from specjax.scheduling import CostTable
             cost_table = CostTable.from_json(cost_table)
@@ -295,7 +311,7 @@ class LLM:
         """An `EngineRequest` for token ids, ready for `self.engine.add_request` (stop strings use
         this LLM's tokenizer). `request_id` defaults to the next counter value."""
         req = build_engine_request(prompt_ids, sampling_params, request_id=request_id or "",
-                                   tokenizer=self.tokenizer)
+                                   tokenizer=self.tokenizer, vocab=self.config.vocab_size)
         if request_id is None:
             req.request_id = str(self._next_id)
             self._next_id += 1
@@ -346,13 +362,16 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *, enable_th
 
 
 def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, request_id: str,
-                         tokenizer: Any = None) -> EngineRequest:
-    """An `EngineRequest` from token ids and sampling params; stop strings need `tokenizer`."""
+                         tokenizer: Any = None, vocab: int | None = None) -> EngineRequest:
+    """An `EngineRequest` from token ids and sampling params; stop strings, bad words and guides
+    need `tokenizer`, guided_regex / guided_json the target's `vocab` too (a GrammarError names the
+    field of a pattern or schema that cannot guide)."""
     ids = [int(t) for t in prompt_ids]
     if not ids:
         raise ValueError("prompt is empty (no token ids)")
     stop_check = None
-    texts = (("stop strings", sp.stop), ("bad_words", sp.bad_words), ("guided_choice", sp.guided_choice))
+    texts = (("stop strings", sp.stop), ("bad_words", sp.bad_words), ("guided_choice", sp.guided_choice),
+             ("guided_regex", sp.guided_regex), ("guided_json", sp.guided_json))
     needs = [name for name, v in texts if v]
     if needs and tokenizer is None:
         raise ValueError(f"{needs[0]} need a tokenizer; this target has none")
@@ -366,8 +385,20 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
                          allowed_token_ids=sp.allowed_token_ids, bad_words=bad_word_ids(tokenizer, sp.bad_words),
                          guided_choice=tuple(dict.fromkeys(tuple(encode_text(tokenizer, c))
                                                            for c in sp.guided_choice or ())),
-                         stop_check=stop_check,
+                         automaton=request_automaton(sp, tokenizer, vocab), stop_check=stop_check,
                          max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs)
+
+
+def request_automaton(sp: SamplingParams, tokenizer: Any, vocab: int | None) -> Any:
+    """The token automaton of `sp`'s guided_regex or guided_json (compiled once per tokenizer and
+    pattern: `grammars.compiler`), or None."""
+    if sp.guided_regex is None and sp.guided_json is None:
+        return None
+    from specjax import grammars
+    if vocab is None:
+        raise ValueError("guided_regex / guided_json need the target's vocabulary size")
+    compiler = grammars.compiler(tokenizer, vocab)
+    return compiler.regex(sp.guided_regex) if sp.guided_regex is not None else compiler.json_schema(sp.guided_json)
 
 
 def bad_word_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:

@@ -260,7 +260,10 @@ def test_the_python_api_and_the_server_serve_guided_choice(case):
         assert status == 200 and r["choices"][0]["token_ids"] == guided_ref, r  # vLLM's newer spelling
         for bad, param, fragment in [({"guided_choice": "w5"}, "guided_choice", "list of strings"),
                                      ({"guided_choice": []}, "guided_choice", "non-empty list"),
-                                     ({"structured_outputs": {"json": {}}}, "structured_outputs", "json not supported")]:
+                                     ({"structured_outputs": {"grammar": "x"}}, "structured_outputs",
+                                      "grammar not supported"),
+                                     ({"structured_outputs": {"json": {}}}, "structured_outputs",
+                                      "--guided-regex")]:
             status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": PROMPT, **bad})
             assert status == 400 and r["error"]["param"] == param and fragment in r["error"]["message"], r
     finally:

@@ -269,7 +269,7 @@ def test_tokenize_gives_the_ids_the_completion_routes_use_and_detokenize_inverts
     (b'{"prompt": [5, 6], "min_tokens": 20}', "min_tokens", "min_tokens must be <= max_tokens (16)"),
     (b'{"prompt": [5, 6], "repetition_penalty": 1.1}', "repetition_penalty", "needs a server started with --penalties"),
     (b'{"prompt": [5, 6], "frequency_penalty": 2.5}', "frequency_penalty", "must be in [-2, 2]"),
-    (b'{"prompt": [5, 6], "response_format": {"type": "json_object"}}', "response_format", "not supported"),
+    (b'{"prompt": [5, 6], "response_format": {"type": "json_object"}}', "response_format", "--guided-regex"),
     (b'{"prompt": [5, 6], "presence_penalty": true}', "presence_penalty", "must be a number"),
     (b'{"prompt": [5, 6], "ignore_eos": 1}', "ignore_eos", "true or false"),
     (b'{"prompt": [5, 6], "stop_token_ids": [64]}', "stop_token_ids", "vocabulary"),

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.decoding import buckets as bk, map_budget
+from specjax.decoding.automata import AutomatonTable
 from specjax.decoding.requests import (EngineRequest, Launched, check_request, prefill_inputs, seed_key_data,
                                       token_logprobs)
 from specjax.decoding.engine_config import EngineConfig
@@ -70,7 +71,10 @@ class Engine:
         self.runner = Runner(target, drafter, slots=slots, max_len=max_len, gamma=self.gamma,
                              stop_ids=self.eos_token_ids, verifier=verifier, cache_dtype=config.cache_dtype,
                              mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap,
-                             attention=config.attention, mlp=config.mlp, **config.logit_rules)
+                             attention=config.attention, mlp=config.mlp, automaton_states=config.automaton_states,
+                             **config.logit_rules)
+        self.automata = AutomatonTable(config.automaton_states, target.config.vocab_size) if config.guided_regex \
+            else None
         self.lengths = np.zeros((slots,), np.int64)  # committed cache rows per slot
         self.slot_req: list[EngineRequest | None] = [None] * slots
         self.queue: list[EngineRequest] = []
@@ -214,7 +218,7 @@ class Engine:
     def add_request(self, req: EngineRequest) -> None:
         check_request(req, max_len=self.cfg.max_len, vocab=self.target_config.vocab_size,
                       top_k_cap=self.cfg.top_k_cap, max_logprobs=self.cfg.max_logprobs, rules=self.cfg.logit_rules,
-                      stop_ids=self.eos_token_ids)
+                      stop_ids=self.eos_token_ids, automaton_states=self.cfg.automaton_states)
         self.round_variant(req.temperature, req.top_k, req.top_p, req.min_p)  # refuses a variant not compiled
         req.metrics.start_time = time.perf_counter()
         self.queue.append(req)
@@ -256,6 +260,8 @@ class Engine:
         while self.queue and free:
             batch: list[EngineRequest] = []
             while self.queue and len(batch) < self.prefill_batches[-1] and free:
+                if self.automata is not None and not self.automata.admit(self.queue[0]):
+                    break  # its automaton waits for room in the table (so do the requests behind it)
                 req = self.queue.pop(0)
                 req.slot = free.pop()
                 self.slot_req[req.slot] = req
@@ -264,6 +270,10 @@ class Engine:
                 self.lengths[req.slot] = len(req.prompt_ids)
                 self.stats["prefills"] += 1
                 batch.append(req)
+            if not batch:
+                break
+            if self.automata is not None and (table := self.automata.changes()) is not None:
+                self.runner.set_automata(*table)
             self._unread += self._prefill(batch)
 
     def _prefill(self, batch: list[EngineRequest]) -> list[tuple[EngineRequest, Any, int]]:
@@ -317,6 +327,8 @@ class Engine:
         if req.finish_reason is not None:
             req.metrics.finish_time = time.perf_counter()
             self.slot_req[req.slot] = None
+            if self.automata is not None:
+                self.automata.end(req)
 
     # ------------------------------------------------------------------ rounds
     def _attention_bucket(self, rows: int) -> int:

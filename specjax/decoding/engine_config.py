@@ -15,7 +15,10 @@ LOGIT_RULES = {
     "logit_bias": ("logit bias", "logit_bias, allowed_token_ids and bad_words (each slot keeps a [vocab] bias row)"),
     "guided_choice": ("guided choices", "guided_choice (the answer is one of the request's texts; each slot keeps "
                                         "its choices)"),
+    "guided_regex": ("guided regular expressions", "guided_regex, guided_json and response_format json_schema (each "
+                                                   "request follows a token automaton in one shared table)"),
 }
+MAX_AUTOMATON_STATES = 32767  # the table holds state ids as int16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,13 @@ class EngineConfig:
     # allows only a token that continues a choice the output so far begins, or eos after a whole one; where every
     # open choice continues with the same token, that token is the draft
     guided_choice: bool = False
+    # guided_regex served (vLLM's guided_regex, guided_json and response_format json_schema, each a regular
+    # expression compiled on the host to a token automaton, `decoding.automata`): one table of
+    # automaton_states states x vocab (int16) holds the automata of the live requests, each loaded once and
+    # kept while room allows (a request waits while its automaton does not fit); every sampled position allows
+    # only the tokens its row's automaton allows, or eos in an accepting state
+    guided_regex: bool = False
+    automaton_states: int = 2048  # vLLM's json_object (any JSON object) takes ~1,600
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,
@@ -70,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
+        if not 1 <= self.automaton_states <= MAX_AUTOMATON_STATES:
+            raise ValueError(f"automaton_states must be in [1, {MAX_AUTOMATON_STATES}], got {self.automaton_states}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         variants = tuple(self.sampling_variants)

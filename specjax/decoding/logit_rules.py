@@ -5,7 +5,9 @@ banned token), `ban_bad_words` (a multi-token bad word's last token at -inf wher
 it ends with the word's other tokens; `push_tail` keeps each row's last output tokens it reads),
 `guide_choices` (guided_choice: only the next token of a choice the output so far begins, or a stop
 id where it is a whole choice; `advance_choices` keeps the choices each row's output still begins),
-`hold_stops` (min_tokens: a row's stop ids at -inf until it has emitted that many tokens) and
+`guide_automaton` (guided_regex and guided_json: only the tokens a row's token automaton allows
+from its state after the output so far, or a stop id in an accepting state; `automaton_path` walks
+the drafts, `advance_automaton` the emitted tokens), `hold_stops` (min_tokens: a row's stop ids at -inf until it has emitted that many tokens) and
 `penalize` (vLLM's presence, frequency and repetition penalties from the row's prompt and its output up
 to each position, drafts included); `count_emitted` keeps the output counts the penalties read.
 """
@@ -160,3 +162,44 @@ def advance_choices(choices_bcl: Array, alive_bc: Array, pos_b: Array, tokens_bt
     need_btc = _choice_tokens(choices_bcl, pos_b[:, None] + jnp.arange(t)[None, :])
     same = (tokens_bt[:, :, None] == need_btc) | (jnp.arange(t)[None, :, None] >= emitted_b[:, None, None])
     return alive_bc & jnp.all(same, axis=1), pos_b + emitted_b
+
+
+def _step(next_nv: Array, state_b: Array, token_b: Array) -> Array:
+    """The automaton state after token_b from state_b ([b]); -1 (none) from -1, after a token the
+    state does not allow, or after a token id outside the table (a stop id)."""
+    n, v = next_nv.shape
+    ok = (state_b >= 0) & (token_b >= 0) & (token_b < v)
+    nxt = next_nv[jnp.clip(state_b, 0, n - 1), jnp.clip(token_b, 0, v - 1)].astype(jnp.int32)
+    return jnp.where(ok, nxt, -1)
+
+
+def automaton_path(next_nv: Array, state_b: Array, drafts_bk: Array) -> Array:
+    """[b, k+1]: each row's automaton state before position j of a verify pass: state_b [b] (after
+    its committed output), then after each of the drafts d_1..d_j (-1 once a draft is not allowed:
+    such a position is never sampled). next_nv [N, V]: the engine's table, -1 where not allowed."""
+    path = [state_b]
+    for j in range(drafts_bk.shape[1]):
+        path.append(_step(next_nv, path[-1], drafts_bk[:, j]))
+    return jnp.stack(path, axis=1)
+
+
+def guide_automaton(logits_btv: Array, next_nv: Array, final_n: Array, state_bt: Array, stop_be: Array) -> Array:
+    """guided_regex / guided_json: position j keeps only the tokens the row's automaton allows from
+    state_bt [b, t], and the stop ids stop_be [b, E] where that state accepts (final_n [N]); every
+    other logit is -inf. A position without a state (-1: a row without an automaton, or after a
+    draft it does not allow: never sampled) is left alone, as is a state that allows nothing (the
+    table's automata have none; a row that ended may still run a round on a reused state)."""
+    n, v = next_nv.shape
+    s = jnp.clip(state_bt, 0, n - 1)
+    allowed = next_nv[s] >= 0  # [b, t, V]
+    stop_bv = jnp.any(stop_be[:, :, None] == jnp.arange(v, dtype=jnp.int32), axis=1)
+    allowed = allowed | (final_n[s][:, :, None] & stop_bv[:, None, :])
+    guided_bt = (state_bt >= 0) & jnp.any(allowed, axis=-1)  # never all -inf (a stale row after its end)
+    return jnp.where(guided_bt[:, :, None] & ~allowed, -jnp.inf, logits_btv)
+
+
+def advance_automaton(next_nv: Array, state_b: Array, tokens_bt: Array, emitted_b: Array) -> Array:
+    """Rows [0:b]'s automaton states after emitting their first emitted_b tokens of tokens_bt."""
+    for j in range(tokens_bt.shape[1]):
+        state_b = jnp.where(j < emitted_b, _step(next_nv, state_b, tokens_bt[:, j]), state_b)
+    return state_b

@@ -37,10 +37,12 @@ While a row has emitted fewer than min_tokens tokens, every program that samples
 (the engine's eos ids unless it ignores them, and its own) probability zero at those positions.
 Prefill also takes pens_3b = (presence, frequency, repetition penalty), bias_bv [P, V] (logit_bias,
 -inf outside allowed_token_ids and at one-token bad words), words_bwl [P, ROW_BAD_WORDS,
-BAD_WORD_TOKENS] (multi-token bad words) and choices_bcl [P, ROW_CHOICES, CHOICE_TOKENS] (guided
-choices), read when the row state holds penalties / logit bias / choices (an engine built with
+BAD_WORD_TOKENS] (multi-token bad words), choices_bcl [P, ROW_CHOICES, CHOICE_TOKENS] (guided
+choices) and fsm_start_b [P] (the initial state of the row's automaton in the table, -1: none), read
+when the row state holds penalties / logit bias / choices / an automaton table (an engine built with
 them; zero-width otherwise): every sampled position's logits then get the row's bias and bad words,
-its choices (only a token that continues one, or a stop id after a whole one), then vLLM's
+its choices (only a token that continues one, or a stop id after a whole one), its automaton (only
+a token it allows, or a stop id in an accepting state), then vLLM's
 penalties from its prompt tokens and its output up to that position (its committed output and the
 drafts before it; `row_state.target_rules`).
 """
@@ -378,7 +380,7 @@ def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, e
 
 
 def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, tokens_bt, ints_4b, floats_3b, keys_b2,
-            limits_4b, stops_bk, pens_3b, bias_bv, words_bwl, choices_bcl, stop_ids, *, attn: int):
+            limits_4b, stops_bk, pens_3b, bias_bv, words_bwl, choices_bcl, fsm_start_b, stop_ids, *, attn: int):
     """Prefill P prompt chunks into slots (an id >= slots marks a padding row); samples each first token
     and writes each row's state (active unless the first token ends the request, counter 0, tokens
     still wanted, draft cap, whether eos ends it, min_tokens still to emit, own stop ids, sampling
@@ -406,7 +408,8 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
         dstate = jax.tree.map(lambda x, s_, a: x.at[(slice(None),) * a + (slot_p,)].set(s_, mode="drop"),
                               dstate, sub, axes)
     stop_pe = _row_stops(stop_ids, limits_4b[2])
-    logits, prompt_pv = rs.prefill_logits(rows, out.logits, tokens_bt, ints_4b, pens_3b, bias_bv, choices_bcl, stop_pe)
+    logits, prompt_pv = rs.prefill_logits(rows, out.logits, tokens_bt, ints_4b, pens_3b, bias_bv, choices_bcl,
+                                         fsm_start_b, stop_pe)
     logits = lr.hold_stops(logits, jnp.concatenate([stop_pe, stops_bk], 1), limits_4b[3])
     p = probs_from_logits(logits[:, 0], sa)  # [P, V]
     tok = sample(round_key(jax.random.wrap_key_data(keys_b2), jnp.zeros((pb,), jnp.int32)), p)
@@ -419,8 +422,8 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
                          floats_3s=rows.floats_3s.at[:, slot_p].set(floats_3b, mode="drop"),
                          keys_s2=rows.keys_s2.at[slot_p].set(keys_b2, mode="drop"),
                          stops_sk=rows.stops_sk.at[slot_p].set(stops_bk, mode="drop"))
-    rows = ctx.replicate(rs.admit_rules(rows, slot_p, tok, pens_3b, prompt_pv, bias_bv, words_bwl,
-                                                 choices_bcl))
+    rows = ctx.replicate(rs.admit_rules(rows, slot_p, tok, pens_3b, prompt_pv, bias_bv, words_bwl, choices_bcl,
+                                        fsm_start_b))
     return cache, dstate, anchors, rows, {"tokens": tok[:, None], "live": live,
                                           **_logprobs(ctx, logits, sa, tok[:, None])}
 

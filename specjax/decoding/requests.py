@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from specjax.decoding.automata import TokenAutomaton
 from specjax.decoding.engine_config import LOGIT_RULES
 from specjax.decoding.logit_rules import BAD_WORD_TOKENS, CHOICE_TOKENS, ROW_BAD_WORDS, ROW_CHOICES
 from specjax.decoding.row_state import ROW_STOP_IDS
@@ -35,8 +36,17 @@ def missing_rule(params: Any, served: Mapping[str, bool]) -> tuple[str, str] | N
     """(the first field `params` sets, the opt-in rule that serves it: engine_config.LOGIT_RULES) of a
     rule `served` does not hold, or None."""
     asked = {"penalties": penalties_asked(params), "logit_bias": bias_asked(params),
-             "guided_choice": ["guided_choice"] if params.guided_choice else []}
+             "guided_choice": ["guided_choice"] if params.guided_choice else [], "guided_regex": regex_asked(params)}
     return next(((fields[0], rule) for rule, fields in asked.items() if fields and not served.get(rule)), None)
+
+
+def regex_asked(params: Any) -> list[str]:
+    """The fields of `params` an automaton serves: SamplingParams' guided_regex / guided_json, an
+    EngineRequest's automaton (by the field it came from)."""
+    automaton = getattr(params, "automaton", None)
+    if automaton is not None:
+        return [automaton.field]
+    return [f for f in ("guided_regex", "guided_json") if getattr(params, f, None) is not None]
 
 
 def bias_asked(params: Any) -> list[str]:
@@ -147,6 +157,8 @@ class EngineRequest:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[tuple[int, ...], ...] = ()
     guided_choice: tuple[tuple[int, ...], ...] = ()  # the output is one of these, then eos (EngineConfig.guided_choice)
+    automaton: TokenAutomaton | None = None  # the output follows it, then eos (EngineConfig.guided_regex)
+    automaton_start: int = -1  # filled by the engine: its initial state's id in the engine's table
     stop_check: Callable[[list[int], int], int | None] | None = None  # (output, min_tokens) -> tokens to keep, if a stop hit
     max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
@@ -169,9 +181,11 @@ def token_logprobs(req: EngineRequest, outs: dict[str, Any], row: int, n: int
 
 
 def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: int, max_logprobs: int,
-                  rules: Mapping[str, bool] | None = None, stop_ids: Sequence[int] = ()) -> None:
+                  rules: Mapping[str, bool] | None = None, stop_ids: Sequence[int] = (),
+                  automaton_states: int = 0) -> None:
     """Refuse a request an engine of these limits (`rules`: the opt-in logit rules it serves, none by
-    default) cannot serve (a ValueError naming the field; a RequestFieldError for the logit rules' fields)."""
+    default; `automaton_states`: its automaton table's) cannot serve (a ValueError naming the field; a
+    RequestFieldError for the logit rules' fields)."""
     n = len(req.prompt_ids)
     if n == 0:
         raise ValueError(f"request {req.request_id}: prompt is empty")
@@ -195,6 +209,8 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
         _check_bias(req, vocab, () if req.ignore_eos else stop_ids)
     if req.guided_choice:
         _check_choices(req, vocab, stop_ids)
+    if req.automaton is not None:
+        _check_automaton(req, vocab, stop_ids, automaton_states)
     if req.min_tokens and len(req.stop_token_ids) > ROW_STOP_IDS:
         raise ValueError(f"request {req.request_id}: with min_tokens at most {ROW_STOP_IDS} stop_token_ids are "
                          f"held back (the device's per-row limit), got {len(req.stop_token_ids)}")
@@ -258,6 +274,27 @@ def _check_choices(req: EngineRequest, vocab: int, eos_ids: Sequence[int]) -> No
             refuse(f"{field} is not served with guided_choice (they could leave no token to sample)", field)
 
 
+def _check_automaton(req: EngineRequest, vocab: int, eos_ids: Sequence[int], states: int) -> None:
+    """Refuse an automaton over another vocabulary, larger than the engine's table, or beside the
+    fields that could leave no token to sample (or without the eos ids that end its output)."""
+    a = req.automaton
+
+    def refuse(message: str, field: str = a.field) -> None:
+        raise RequestFieldError(f"request {req.request_id}: {message}", field)
+    if a.vocab != vocab:
+        refuse(f"{a.field}: the automaton is over {a.vocab} token ids, the target's vocabulary {vocab}")
+    if a.states > states:
+        refuse(f"{a.field} compiles to {a.states} automaton states, more than the engine's table holds "
+               f"(EngineConfig.automaton_states = {states}; the server's --automaton-states)")
+    if not eos_ids or req.ignore_eos:
+        refuse(f"{a.field} ends its output with eos: " + ("the engine has no eos ids" if not eos_ids
+                                                           else "not with ignore_eos"),
+               "ignore_eos" if eos_ids else a.field)
+    for field in ("min_tokens", "allowed_token_ids", "bad_words", "guided_choice"):
+        if getattr(req, field):
+            refuse(f"{field} is not served with {a.field} (they could leave no token to sample)", field)
+
+
 def bias_row(req: EngineRequest, vocab: int) -> np.ndarray:
     """The request's per-token bias float32 [vocab]: -inf outside allowed_token_ids and at one-token
     bad words, its logit_bias added."""
@@ -306,6 +343,7 @@ def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]]
     bias = np.zeros((pb, bias_cols), np.float32)
     words = np.full((pb, ROW_BAD_WORDS, BAD_WORD_TOKENS) if bias_cols else (pb, 0, 0), -1, np.int32)
     choices = np.full((pb,) + tuple(choice_shape), -1, np.int32)
+    starts = np.full((pb,), -1, np.int32)  # automaton initial states in the engine's table
     for row, (r, offset, n, draft_cap, key) in enumerate(chunks):
         toks[row, :n] = r.prompt_ids[offset:offset + n]
         ints[:, row] = n, r.slot, offset, r.top_k
@@ -316,11 +354,12 @@ def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]]
         pens[:, row] = r.presence_penalty, r.frequency_penalty, r.repetition_penalty
         if bias_cols:
             bias[row], words[row] = bias_row(r, bias_cols), bad_word_rows(r)
+        starts[row] = r.automaton_start
         for i, c in enumerate(r.guided_choice if choice_shape[0] else ()):
             choices[row, i, :len(c)] = c
     return {"tokens_bt": toks, "ints_4b": ints, "floats_3b": floats, "keys_b2": key_data, "limits_4b": limits,
             "stops_bk": stops, "pens_3b": pens, "bias_bv": bias, "words_bwl": words,
-            "choices_bcl": choices}
+            "choices_bcl": choices, "fsm_start_b": starts}
 
 
 def seed_key_data(seed: int) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Each slot's row state resident on the device (`RowState`), and the logit rules it carries applied
 to the target's logits: a row's logit bias and bad words (an engine with logit_bias), its guided
-choices (an engine with guided_choice), its penalties (an engine with penalties) and the min_tokens
+choices (an engine with guided_choice), its token automaton (an engine with guided_regex), its penalties (an engine with penalties) and the min_tokens
 hold of its stop ids (every engine). A rule is on when its state is (an engine without it carries
 None there, a static part of the programs' pytrees), so the programs pass no flags. The rules'
 arithmetic is `logit_rules`.
@@ -41,11 +41,18 @@ class RowState(NamedTuple):
     choices_scl: Array | None = None  # int32 [slots, ROW_CHOICES, CHOICE_TOKENS]: token ids, -1 padding
     alive_sc: Array | None = None  # bool [slots, ROW_CHOICES]: the choices the output so far begins
     pos_s: Array | None = None  # int32 [slots]: output tokens so far
+    # with guided_regex only: the engine's automaton table (every loaded automaton's states, each at its
+    # offset; `decoding.automata`) and each row's state in it
+    fsm_next_nv: Array | None = None  # int16 [N, V]: the state after each token, -1 where not allowed
+    fsm_final_n: Array | None = None  # bool [N]: accepting states (a stop id is allowed there)
+    fsm_state_s: Array | None = None  # int32 [slots]: the state after the row's output, -1: none
 
     @classmethod
-    def init(cls, slots: int, penalty_vocab: int = 0, bias_vocab: int = 0, guided: bool = False) -> "RowState":
+    def init(cls, slots: int, penalty_vocab: int = 0, bias_vocab: int = 0, guided: bool = False,
+             automaton_shape: tuple[int, int] = (0, 0)) -> "RowState":
         """Empty rows; `penalty_vocab` / `bias_vocab` the target's vocabulary with penalties / logit
-        bias, else 0 (no state for them); `guided`: state for guided choices."""
+        bias, else 0 (no state for them); `guided`: state for guided choices; `automaton_shape`
+        (states, V) of the automaton table with guided_regex, else (0, 0): an empty table."""
         floats = jnp.asarray([[1.0], [1.0], [0.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
         rows = cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), floats,
                    jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots, ROW_STOP_IDS), -1, jnp.int32))
@@ -61,6 +68,10 @@ class RowState(NamedTuple):
             rows = rows._replace(choices_scl=jnp.full((slots, lr.ROW_CHOICES, lr.CHOICE_TOKENS), -1, jnp.int32),
                                  alive_sc=jnp.zeros((slots, lr.ROW_CHOICES), bool),
                                  pos_s=jnp.zeros((slots,), jnp.int32))
+        if automaton_shape[0]:
+            rows = rows._replace(fsm_next_nv=jnp.full(automaton_shape, -1, jnp.int16),
+                                 fsm_final_n=jnp.zeros(automaton_shape[:1], bool),
+                                 fsm_state_s=jnp.full((slots,), -1, jnp.int32))
         return rows
 
     @property
@@ -75,10 +86,15 @@ class RowState(NamedTuple):
     def guided(self) -> bool:
         return self.choices_scl is not None
 
+    @property
+    def automaton(self) -> bool:
+        return self.fsm_next_nv is not None
+
 
 def target_rules(rows: RowState, logits_btv: Array, toks_bt: Array, stop_be: Array) -> Array:
     """The rules of rows [0:b] on a verify pass's logits [b, t, V] over toks [anchor, d_1..d_{t-1}]:
-    logit bias and bad words, guided choices (ended by the stop ids stop_be [b, E]), penalties, the
+    logit bias and bad words, guided choices and the token automaton (ended by the stop ids stop_be
+    [b, E]), penalties, the
     min_tokens hold of stop_be and the row's own stop ids."""
     b = toks_bt.shape[0]
     if rows.logit_bias:
@@ -87,6 +103,9 @@ def target_rules(rows: RowState, logits_btv: Array, toks_bt: Array, stop_be: Arr
     if rows.guided:
         logits_btv = lr.guide_choices(logits_btv, rows.choices_scl[:b], rows.alive_sc[:b], rows.pos_s[:b],
                                       toks_bt[:, 1:], stop_be)
+    if rows.automaton:
+        path_bt = lr.automaton_path(rows.fsm_next_nv, rows.fsm_state_s[:b], toks_bt[:, 1:])
+        logits_btv = lr.guide_automaton(logits_btv, rows.fsm_next_nv, rows.fsm_final_n, path_bt, stop_be)
     if rows.penalties:
         logits_btv = lr.penalize(logits_btv, rows.counts_sv[:b], rows.prompt_sv[:b], rows.pens_3s[:, :b], toks_bt)
     return lr.hold_stops(logits_btv, jnp.concatenate([stop_be, rows.stops_sk[:b]], 1), rows.ints_7s[6, :b])
@@ -94,7 +113,7 @@ def target_rules(rows: RowState, logits_btv: Array, toks_bt: Array, stop_be: Arr
 
 def record_output(rows: RowState, tokens_bt: Array, emitted_b: Array) -> RowState:
     """Rows [0:b] after emitting their first emitted_b tokens of tokens_bt: the penalties' output
-    counts, the bad words' tails, the choices the output still begins."""
+    counts, the bad words' tails, the choices the output still begins, the automaton states."""
     if rows.penalties:
         rows = rows._replace(counts_sv=lr.count_emitted(rows.counts_sv, tokens_bt, emitted_b))
     if rows.logit_bias:
@@ -103,6 +122,10 @@ def record_output(rows: RowState, tokens_bt: Array, emitted_b: Array) -> RowStat
         b = tokens_bt.shape[0]
         alive, pos = lr.advance_choices(rows.choices_scl[:b], rows.alive_sc[:b], rows.pos_s[:b], tokens_bt, emitted_b)
         rows = rows._replace(alive_sc=rows.alive_sc.at[:b].set(alive), pos_s=rows.pos_s.at[:b].set(pos))
+    if rows.automaton:
+        b = tokens_bt.shape[0]
+        state = lr.advance_automaton(rows.fsm_next_nv, rows.fsm_state_s[:b], tokens_bt, emitted_b)
+        rows = rows._replace(fsm_state_s=rows.fsm_state_s.at[:b].set(state))
     return rows
 
 
@@ -129,9 +152,10 @@ def guide_drafts(rows: RowState, block: Any, q_ids: Array | None) -> Any:
 
 
 def prefill_logits(rows: RowState, logits_p1v: Array, tokens_bt: Array, ints_4b: Array, pens_3b: Array,
-                   bias_bv: Array, choices_bcl: Array, stop_pe: Array) -> tuple[Array, Array | None]:
+                   bias_bv: Array, choices_bcl: Array, fsm_start_b: Array, stop_pe: Array) -> tuple[Array, Array | None]:
     """Prefill's first-token logits [P, 1, V] under the rows' bias (no bad word hits an empty output),
-    guided choices (their first tokens) and penalties (from the prompt so far: earlier chunks'
+    guided choices (their first tokens), automata (from their initial states fsm_start_b [P], -1:
+    none) and penalties (from the prompt so far: earlier chunks'
     tokens, none for a row that starts at 0, and this chunk's; no output yet); ints_4b = (n_valid,
     slot, start, -). Returns (logits, the prompt's tokens [P, V] with penalties, else None)."""
     if rows.logit_bias:
@@ -140,6 +164,8 @@ def prefill_logits(rows: RowState, logits_p1v: Array, tokens_bt: Array, ints_4b:
         pb = logits_p1v.shape[0]
         logits_p1v = lr.guide_choices(logits_p1v, choices_bcl, choices_bcl[:, :, 0] >= 0, jnp.zeros((pb,), jnp.int32),
                                       jnp.zeros((pb, 0), jnp.int32), stop_pe)
+    if rows.automaton:
+        logits_p1v = lr.guide_automaton(logits_p1v, rows.fsm_next_nv, rows.fsm_final_n, fsm_start_b[:, None], stop_pe)
     if not rows.penalties:
         return logits_p1v, None
     (pb, plen), v = tokens_bt.shape, logits_p1v.shape[-1]
@@ -151,15 +177,19 @@ def prefill_logits(rows: RowState, logits_p1v: Array, tokens_bt: Array, ints_4b:
 
 
 def admit_rules(rows: RowState, slot_p: Array, tok_p: Array, pens_3b: Array, prompt_pv: Array | None,
-                bias_bv: Array, words_bwl: Array, choices_bcl: Array) -> RowState:
+                bias_bv: Array, words_bwl: Array, choices_bcl: Array, fsm_start_b: Array) -> RowState:
     """The admitted rows' rule state (slots slot_p; an id past the last is dropped): penalties and
-    prompt tokens, bias and bad words, choices, and the first token tok_p as the output so far."""
+    prompt tokens, bias and bad words, choices, automaton states (from fsm_start_b), and the first
+    token tok_p as the output so far."""
     pb = tok_p.shape[0]
     fresh = RowState.init(pb, rows.counts_sv.shape[-1] if rows.penalties else 0,
                           rows.bias_sv.shape[-1] if rows.logit_bias else 0, rows.guided)
     if rows.guided:
         fresh = fresh._replace(choices_scl=choices_bcl, alive_sc=choices_bcl[:, :, 0] >= 0)
     fresh = record_output(fresh, tok_p[:, None], jnp.ones_like(tok_p))
+    if rows.automaton:
+        first = lr.advance_automaton(rows.fsm_next_nv, fsm_start_b, tok_p[:, None], jnp.ones_like(tok_p))
+        rows = rows._replace(fsm_state_s=rows.fsm_state_s.at[slot_p].set(first, mode="drop"))
     if rows.penalties:
         rows = rows._replace(pens_3s=rows.pens_3s.at[:, slot_p].set(pens_3b, mode="drop"),
                              counts_sv=rows.counts_sv.at[slot_p].set(fresh.counts_sv, mode="drop"),

@@ -51,7 +51,7 @@ _ROUND = ("rows", "tokens", "logprobs", "attn", "variant")  # the bucket key of 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("prefill", programs.prefill,
            ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_3b", "keys_b2", "limits_4b", "stops_bk",
-            "pens_3b", "bias_bv", "words_bwl", "choices_bcl", "stop_ids"),
+            "pens_3b", "bias_bv", "words_bwl", "choices_bcl", "fsm_start_b", "stop_ids"),
            (*_STATE, "first"), ("rows", "plen", "attn"), donate=_STATE, static=("attn",)),
     Family("lite", programs.lite,
            ("t_params", "cache", "anchors", "row_state", "ell_b", "stop_ids"),
@@ -97,6 +97,7 @@ INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "bias_bv": lambda d: ((d["rows"], d["bias_cols"]), jnp.float32),
     "words_bwl": lambda d: ((d["rows"],) + d["words"], jnp.int32),
     "choices_bcl": lambda d: ((d["rows"],) + d["choices"], jnp.int32),
+    "fsm_start_b": lambda d: ((d["rows"],), jnp.int32),
     "free_s": lambda d: ((d["rows"],), jnp.int32),
     "ints_4b": lambda d: ((4, d["rows"]), jnp.int32),
     "floats_3b": lambda d: ((3, d["rows"]), jnp.float32),
@@ -177,9 +178,11 @@ class Runner:
                  stop_ids: Sequence[int], verifier: Callable[..., Any], cache_dtype: str | None = None,
                  mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, top_k_cap: int = DEFAULT_TOP_K_CAP,
                  attention: str = "xla", mlp: str = "xla", penalties: bool = False, logit_bias: bool = False,
-                 guided_choice: bool = False, allocate: bool = True):
+                 guided_choice: bool = False, guided_regex: bool = False, automaton_states: int = 0,
+                 allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
-        # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops
+        # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops;
+        # guided_regex: a table of `automaton_states` states over the target's vocabulary (`set_automata`)
         self.mesh, self.gamma, self.max_len = mesh, gamma, max_len
         vocab = getattr(drafter, "draft_vocab", None)  # q travels over it from draft to verify
         self.q_cols = target.config.vocab_size if vocab is None else vocab.size
@@ -194,8 +197,11 @@ class Runner:
             d_graph, d_params, dstate = None, nnx.State({}), ()
         anchors = make(lambda: jnp.zeros((slots,), jnp.int32))
         vocab_size = target.config.vocab_size
+        if guided_regex and automaton_states < 1:
+            raise ValueError(f"guided_regex needs automaton_states >= 1, got {automaton_states}")
+        self.automaton_shape = (automaton_states, vocab_size) if guided_regex else (0, 0)
         row_state = make(lambda: RowState.init(slots, vocab_size if penalties else 0, vocab_size if logit_bias else 0,
-                                               guided_choice))
+                                               guided_choice, self.automaton_shape))
         self.bias_cols = vocab_size if logit_bias else 0
         self.choice_shape = (ROW_CHOICES, CHOICE_TOKENS) if guided_choice else (0, 0)
         shardings: dict[str, Any] = {}
@@ -228,6 +234,14 @@ class Runner:
     @property
     def cache_lengths(self) -> jax.Array:
         return self.cache.lengths
+
+    def set_automata(self, next_nv: np.ndarray, final_n: np.ndarray) -> None:
+        """Replace the automaton table (`decoding.automata.AutomatonTable`'s host copy): later calls
+        read it; a call already dispatched keeps the one it was given."""
+        if next_nv.shape != self.automaton_shape:
+            raise ValueError(f"automaton table {next_nv.shape} differs from the engine's {self.automaton_shape}")
+        self.row_state = self.row_state._replace(fsm_next_nv=self._resident(next_nv.astype(np.int16)),
+                                                 fsm_final_n=self._resident(final_n.astype(bool)))
 
     def run(self, family: str, key: tuple[Any, ...], **inputs: Any) -> Any:
         """Call `family`'s executable for bucket `key` with the resident state and `inputs` (numpy

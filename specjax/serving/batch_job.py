@@ -151,9 +151,9 @@ class BatchRows:
             ids = self._prompt_ids(parsed)
             try:
                 req = build_engine_request(ids, parsed.sp, request_id=str(parsed.id),
-                                           tokenizer=self.tokenizer)
+                                           tokenizer=self.tokenizer, vocab=self.engine.target_config.vocab_size)
             except ValueError as e:
-                raise RowError(str(e), "stop" if parsed.sp.stop else "prompt") from None
+                raise RowError(str(e), getattr(e, "field", None) or ("stop" if parsed.sp.stop else "prompt")) from None
             submit(req)
         except RowError as e:
             return self.error(index, row, str(e), parsed.field(e.field))

@@ -58,14 +58,22 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
 def add_logit_rule_flags(group: Any, verb: str) -> None:
     """One --flag per opt-in logit rule (engine_config.LOGIT_RULES), its help `verb` + what it serves."""
     from specjax.decoding.engine_config import LOGIT_RULES
+    from specjax.decoding.engine_config import EngineConfig
     for name, (_, serves) in LOGIT_RULES.items():
         group.add_argument("--" + name.replace("_", "-"), action="store_true", help=verb + serves)
+    group.add_argument("--automaton-states", type=int, default=EngineConfig.automaton_states,
+                       help="states of the automaton table with --guided-regex (int16 x vocab each; vLLM's "
+                            "json_object takes ~1,600)")
 
 
-def logit_rule_args(args: argparse.Namespace) -> dict[str, bool]:
-    """The parsed `add_logit_rule_flags` as EngineConfig / LLM keyword arguments."""
+def logit_rule_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed `add_logit_rule_flags` as EngineConfig / LLM keyword arguments (automaton_states
+    with --guided-regex only)."""
     from specjax.decoding.engine_config import LOGIT_RULES
-    return {name: getattr(args, name) for name in LOGIT_RULES}
+    out: dict[str, Any] = {name: getattr(args, name) for name in LOGIT_RULES}
+    if out["guided_regex"]:
+        out["automaton_states"] = args.automaton_states
+    return out
 
 
 def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:

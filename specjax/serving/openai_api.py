@@ -44,7 +44,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from specjax.api import SamplingParams, build_engine_request
+from specjax.api import SamplingParams, build_engine_request, request_automaton
 from specjax.decoding.requests import EngineRequest, RequestMetrics, missing_rule
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
@@ -55,7 +55,7 @@ from specjax.serving.streams import ChoiceStream, Waiter
 from specjax.serving.request_metrics import (check_spec_decode_metrics_level, combined_spec_metrics,
                                              request_spec_metrics, response_metrics)
 from specjax.serving.schema import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                    FieldError, TokenizeRequest, check_served, parse_sampling)
+                                    FieldError, TokenizeRequest, check_served, guide_source, parse_sampling)
 
 _FROM_LLM = object()  # sentinel: use the LLM's own tokenizer
 DEFAULT_MAX_WAITING = 512
@@ -190,8 +190,9 @@ class OpenAIApp:
                                 f"'{mt_name}'", param=mt_name, code="context_length_exceeded")
         missing = missing_rule(sp, self.engine.engine.cfg.logit_rules)
         if missing:
-            raise APIError(400, f"'{missing[0]}' needs a server started with --{missing[1].replace('_', '-')}",
-                           param=missing[0])
+            field = guide_source(body, missing[0])
+            raise APIError(400, f"'{field}' needs a server started with --{missing[1].replace('_', '-')}",
+                           param=field)
         outside = sp.first_id_outside(self.vocab_size)
         if outside:
             raise APIError(400, f"'{outside[0]}' holds {outside[1]}, outside the vocabulary [0, {self.vocab_size})",
@@ -269,9 +270,9 @@ class OpenAIApp:
                     sp = dataclasses.replace(sp, seed=sp.seed + i % parsed.n)
                 try:
                     req = build_engine_request(parsed.prompts[i // parsed.n], sp, request_id=f"{rid}-{i}",
-                                               tokenizer=self.tokenizer)
+                                               tokenizer=self.tokenizer, vocab=self.vocab_size)
                 except ValueError as e:
-                    raise APIError(400, str(e)) from None
+                    raise APIError(400, str(e), param=getattr(e, "field", None)) from None
                 try:
                     streams.append(self.engine.submit(req, holdback_tokens=holdback))
                 except QueueFullError as e:
@@ -319,6 +320,11 @@ class OpenAIApp:
         chat = isinstance(req, ChatCompletionRequest)
         parsed = self._parse_common(req)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if parsed.sp.guided_regex is not None or parsed.sp.guided_json is not None:
+            try:  # compiled (and cached) on a worker thread: a large schema takes seconds
+                await asyncio.to_thread(request_automaton, parsed.sp, self.tokenizer, self.vocab_size)
+            except ValueError as e:
+                raise APIError(400, str(e), param=getattr(e, "field", None)) from None
         streams = self._submit(parsed, rid)
 
         def abort() -> None:

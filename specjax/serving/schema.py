@@ -23,15 +23,19 @@ _ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tok
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop", "stop_token_ids", "seed",
                    "num_speculative_tokens", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "guided_choice",
-                   "structured_outputs")
+                   "guided_regex", "guided_json", "response_format", "structured_outputs")
+GUIDES = ("guided_choice", "guided_regex", "guided_json")  # SamplingParams' guides, at most one per request
+# vLLM's structured_outputs keys served, as the guide each sets (json_object: any JSON object)
+STRUCTURED_KEYS = {"choice": "guided_choice", "regex": "guided_regex", "json": "guided_json",
+                   "json_object": "guided_json"}
+JSON_OBJECT_SCHEMA = {"type": "object"}
 
 # OpenAI and vLLM request fields that change what is generated and that this server does not serve:
 # the values that mean "off" pass, anything else is refused naming the field (never ignored)
 UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False),
     "logits_processors": (None, []), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "response_format": (None, {"type": "text"}), "guided_json": (None,),
-    "guided_regex": (None,), "guided_grammar": (None,)}
+    "guided_grammar": (None,)}
 
 
 class FieldError(ValueError):
@@ -87,8 +91,16 @@ class SamplingFields(pydantic.BaseModel):
     bad_words: tuple[str, ...] | None = pydantic.Field(None, description="vLLM's: words never completed")
     guided_choice: tuple[str, ...] | None = pydantic.Field(None, description="vLLM's: the answer is one of these "
                                                                          "(a server with --guided-choice)")
-    structured_outputs: dict[str, tuple[str, ...]] | None = pydantic.Field(
-        None, description="vLLM's, in its {\"choice\": [...]} form: guided_choice")
+    guided_regex: str | None = pydantic.Field(None, description="vLLM's: the answer is a full match of this regular "
+                                                                "expression (a server with --guided-regex)")
+    guided_json: dict[str, Any] | str | None = pydantic.Field(None, description="vLLM's: the answer is JSON of this "
+                                                                               "schema (a server with --guided-regex)")
+    response_format: dict[str, Any] | None = pydantic.Field(
+        None, description="OpenAI's: {\"type\": \"text\"}, {\"type\": \"json_object\"} (any JSON object) or "
+                          "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {...}}} (as guided_json)")
+    structured_outputs: dict[str, Any] | None = pydantic.Field(
+        None, description="vLLM's: one of {\"choice\": [...]}, {\"regex\": ...}, {\"json\": schema}, "
+                          "{\"json_object\": true}")
     ignore_eos: bool | None = pydantic.Field(None, description="vLLM's: generate past the model's eos ids (max_tokens, "
                                                               "stop and stop_token_ids still end the answer)")
 
@@ -142,14 +154,17 @@ class SamplingFields(pydantic.BaseModel):
             raise ValueError(f"'{name}' must be a list of strings")
         return None if v is None else tuple(v)
 
-    @pydantic.field_validator("structured_outputs", mode="before")
+    @pydantic.field_validator("structured_outputs", "response_format", mode="before")
     @classmethod
-    def _structured(cls, v: Any) -> Any:
-        if v is not None and not (isinstance(v, dict) and set(v) == {"choice"}):
-            other = sorted(set(v) - {"choice"}) if isinstance(v, dict) else []
-            raise ValueError("'structured_outputs' is served as {\"choice\": [...]} only"
-                             + (f" ({', '.join(other)} not supported)" if other else ""))
-        return None if v is None else {"choice": cls._words(v["choice"], "structured_outputs.choice")}
+    def _guide_forms(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
+        if v is not None:
+            guide_fields(info.field_name, v)  # raises naming the field
+        return v
+
+    @pydantic.field_validator("guided_regex", "guided_json", mode="before")
+    @classmethod
+    def _guides(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
+        return None if v is None else _guide(info.field_name, v, info.field_name == "guided_json")
 
     @pydantic.field_validator("logit_bias", mode="before")
     @classmethod
@@ -163,6 +178,62 @@ class SamplingFields(pydantic.BaseModel):
     def given(self) -> dict[str, Any]:
         """The fields that were set (not None)."""
         return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+def guide_source(body: Mapping[str, Any], field: str) -> str:
+    """The body field that set SamplingParams' `field`: itself, or the response_format /
+    structured_outputs that asked for that guide."""
+    if field in GUIDES and body.get(field) is None:
+        return next((f for f in ("response_format", "structured_outputs") if body.get(f) is not None), field)
+    return field
+
+
+def guide_fields(name: str, v: Any) -> dict[str, Any]:
+    """The guide (GUIDES: value) that OpenAI's `response_format` or vLLM's `structured_outputs` value
+    `v` asks for ({} for response_format text); ValueError naming what is wrong."""
+    if name == "response_format":
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind == "text":
+            return {}
+        if kind == "json_object":
+            return {"guided_json": JSON_OBJECT_SCHEMA}
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("'response_format.json_schema' must be an object with a 'schema' object")
+            return {"guided_json": _guide("response_format.json_schema.schema", spec["schema"], True)}
+        raise ValueError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                         f"{{\"type\": \"json_schema\", \"json_schema\": {{\"schema\": ...}}}}, got {v!r}")
+    given = {k: x for k, x in v.items() if x is not None} if isinstance(v, dict) else None
+    if given is None or len(given) != 1 or set(given) - set(STRUCTURED_KEYS):
+        other = sorted(set(given or ()) - set(STRUCTURED_KEYS))
+        raise ValueError("'structured_outputs' takes one of " + ", ".join(STRUCTURED_KEYS)
+                         + (f" ({', '.join(other)} not supported)" if other else ""))
+    (key, x), = given.items()
+    if key == "choice":
+        return {"guided_choice": SamplingFields._words(x, "structured_outputs.choice")}
+    if key == "json_object":
+        if x is not True:
+            raise ValueError("'structured_outputs.json_object' must be true")
+        return {"guided_json": JSON_OBJECT_SCHEMA}
+    return {STRUCTURED_KEYS[key]: _guide(f"structured_outputs.{key}", x, key == "json")}
+
+
+def _guide(name: str, v: Any, schema: bool) -> Any:
+    """A regular expression (a non-empty string) or a JSON schema (an object, or its JSON text, that
+    compiles to a regular expression), checked; ValueError naming `name`."""
+    if not schema:
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"'{name}' must be a non-empty regular expression")
+        return v
+    from specjax.grammars import GrammarError, json_schema_regex
+    if not isinstance(v, (dict, str)):
+        raise ValueError(f"'{name}' must be a JSON schema (an object or its JSON text)")
+    try:
+        json_schema_regex(v, name)
+    except GrammarError as e:
+        raise ValueError(str(e)) from None
+    return v
 
 
 def check_served(body: Mapping[str, Any]) -> None:
@@ -189,17 +260,24 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
     """`SamplingParams` from a request's fields (the `SAMPLING_FIELDS` in `obj`; others ignored).
 
     Raises `FieldError` naming the first bad field: its JSON type (`SamplingFields`), its value
-    (`SamplingParams`' own checks), or stop strings without a tokenizer. vLLM's `structured_outputs`
-    is served in its `choice` form (as guided_choice)."""
+    (`SamplingParams`' own checks), or stop strings without a tokenizer. OpenAI's `response_format`
+    and vLLM's `structured_outputs` become the guide they name (guided_choice, guided_regex or
+    guided_json; json_object: any JSON object)."""
     try:
         fields = SamplingFields.model_validate({k: obj[k] for k in SAMPLING_FIELDS if k in obj})
     except pydantic.ValidationError as e:
         raise _first_error(e) from None
     given = fields.given()
-    if "structured_outputs" in given:
-        if "guided_choice" in given:
-            raise FieldError("give 'guided_choice' or 'structured_outputs', not both", "structured_outputs")
-        given["guided_choice"] = given.pop("structured_outputs")["choice"]
+    for name in ("response_format", "structured_outputs"):  # each sets one of GUIDES
+        if name in given:
+            guide = guide_fields(name, given.pop(name))
+            if any(g in given for g in GUIDES):
+                raise FieldError(f"give one of {', '.join(GUIDES)}, response_format and structured_outputs, "
+                                 f"not several", name)
+            given.update(guide)
+    guides = [g for g in GUIDES if g in given]
+    if len(guides) > 1:
+        raise FieldError(f"give one of {', '.join(guides)}, not several", guides[-1])
     if given.get("stop") and not has_tokenizer:
         raise FieldError("'stop' strings need a tokenizer; this model has none (use 'stop_token_ids')", "stop")
     for name, v in given.items():  # each field alone, so that the error names it
