@@ -14,6 +14,7 @@ import collections
 import functools
 import hashlib
 import json
+import math
 import re
 import threading
 import weakref
@@ -97,12 +98,60 @@ def ascii_digits(pattern: str) -> str:
     return "".join(out)
 
 
+# keywords outlines-core's regular expressions would silently not enforce: refused instead
+UNENFORCED_KEYWORDS = ("multipleOf", "uniqueItems", "minProperties", "maxProperties")
+INTEGER_RANGE_ENUM = 1000  # an integer's minimum..maximum is enforced as an enum of at most this many values
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "contains")
+
+
+def enforceable_schema(schema: Any, path: str = "") -> Any:
+    """`schema` with each bounded integer (minimum / maximum, exclusive ones too) as an enum of its
+    values (outlines-core's regular expressions ignore bounds); ValueError naming the keyword's path
+    for a bound it cannot enforce (a number's, an open or wider integer range) or a keyword of
+    UNENFORCED_KEYWORDS."""
+    if isinstance(schema, list):
+        return [enforceable_schema(x, f"{path}[{i}]") for i, x in enumerate(schema)]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    at = (path + ".") if path else ""
+    for key in UNENFORCED_KEYWORDS:
+        if key in out:
+            raise ValueError(f"'{at}{key}' is not enforced by this server's JSON-schema automata")
+    bounds = {k: out.pop(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in out}
+    if bounds:
+        lo = bounds.get("minimum", -math.inf)
+        hi = bounds.get("maximum", math.inf)
+        lo = max(lo, bounds["exclusiveMinimum"] + 1) if "exclusiveMinimum" in bounds else lo
+        hi = min(hi, bounds["exclusiveMaximum"] - 1) if "exclusiveMaximum" in bounds else hi
+        if out.get("type") != "integer" or not all(isinstance(b, (int, float)) for b in bounds.values()) \
+                or not math.isfinite(lo) or not math.isfinite(hi) or hi - lo >= INTEGER_RANGE_ENUM:
+            raise ValueError(f"'{at}{next(iter(bounds))}' is enforced on integers with both bounds and at most "
+                             f"{INTEGER_RANGE_ENUM} values only")
+        values = list(range(math.ceil(lo), math.floor(hi) + 1))
+        if "enum" in out:
+            values = [v for v in out["enum"] if v in values]
+        if not values:
+            raise ValueError(f"'{at}{next(iter(bounds))}' leaves no integer")
+        out["enum"] = values
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: enforceable_schema(v, f"{at}{key}.{k}") for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS + _SUBSCHEMAS:
+        if key in out:
+            out[key] = enforceable_schema(out[key], at + key)
+    return out
+
+
 def json_schema_regex(schema: Any, field: str = "guided_json") -> str:
-    """The regular expression of a JSON schema (a dict or its JSON text); GrammarError naming `field`."""
+    """The regular expression of a JSON schema (a dict or its JSON text, `enforceable_schema`);
+    GrammarError naming `field`."""
     import outlines_core
     try:
-        text = schema if isinstance(schema, str) else json.dumps(schema)
-        json.loads(text)
+        parsed = json.loads(schema) if isinstance(schema, str) else schema
+        text = json.dumps(enforceable_schema(parsed))
         return outlines_core.json_schema.build_regex_from_schema(text, JSON_WHITESPACE)
     except (ValueError, TypeError, RuntimeError) as e:
         raise GrammarError(f"{field}: not a JSON schema this server can follow: {e}", field) from e

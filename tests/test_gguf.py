@@ -339,6 +339,27 @@ def test_smollm2_config_and_chat_template(smollm2):
 
 
 @pytest.mark.real_target
+def test_smollm2_tokens_as_bytes_and_a_schema_over_them(smollm2):
+    """guided_json's view of the vocabulary: every ordinary token's bytes (`grammars.token_bytes`)
+    joined over a tokenization give the text back, and a schema's automaton accepts the
+    tokenizations of JSON texts of it (pretty-printed too) and refuses others."""
+    from specjax.grammars import GrammarCompiler, token_bytes
+    _, _, cfg, tok, _, _ = smollm2
+    pieces = token_bytes(tok)
+    assert len(pieces) == cfg.vocab_size - len({i for i, t in tok.added_tokens_decoder.items() if t.special})
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for text in ["Hello, world!\n  indented", "naïve café — ünïcödé", "emoji 🦜🧪 and 中文", "\t{\"a\": [1, 2]}"]:
+        assert b"".join(pieces[i] for i in enc(text)) == text.encode(), text
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    a = GrammarCompiler(tok, cfg.vocab_size).json_schema(schema)
+    for text, ok in [('{"name": "Ann", "age": 31}', True), ('{\n  "name": "Zoë",\n  "age": 7\n}', True),
+                     ('{"name": "Ann", "age": x}', False), ('{"age": 3}', False)]:
+        s = a.walk(enc(text))
+        assert (s >= 0 and bool(a.final_n[s])) is ok, text
+
+
+@pytest.mark.real_target
 @pytest.mark.xdist_group("smollm2-hf")
 def test_smollm2_weights_are_transformers_weights(smollm2, smollm2_hf):
     """Dequantized and un-permuted, every tensor is bit-identical to what transformers loads

@@ -283,6 +283,15 @@ def test_regular_expressions_and_schemas_compile_to_their_matches(tok):
         s = js.walk(enc(text))
         assert s >= 0 and js.final_n[s], text
     assert js.walk(enc('{"ok": 1')) < 0 and js.field == "guided_json"
+    bounded = gc.json_schema({"type": "integer", "minimum": 3, "exclusiveMaximum": 13})  # bounds as an enum
+    assert [t for t in range(-2, 20) if bounded.walk(enc(str(t))) >= 0 and bounded.final_n[bounded.walk(enc(str(t)))]] \
+        == list(range(3, 13))
+    for schema, keyword in [({"type": "number", "maximum": 1}, "'maximum'"), ({"type": "integer", "minimum": 0},
+                            "'minimum'"), ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+                            "'uniqueItems'"), ({"properties": {"a": {"type": "integer", "multipleOf": 2}}},
+                                               "'properties.a.multipleOf' is not enforced")]:
+        with pytest.raises(GrammarError, match=keyword):
+            gc.json_schema(schema)
     for bad, field in [((gc.regex, "(unclosed"), "guided_regex"), ((gc.json_schema, {"type": "nope"}), "guided_json")]:
         with pytest.raises(GrammarError) as e:
             bad[0](bad[1])
