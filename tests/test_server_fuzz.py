@@ -45,14 +45,14 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 class _PlantedBug(OpenAIApp):
-    """The negative control: crashes on any request that sets `num_speculative_tokens` (a field the
-    schema allows). The generated sequence changes with the server's answers (seen: the same seed and
-    schema gave other requests after /metrics.json's body grew), so the control keys on a field that
-    valid requests carry often; one keyed on `user`, which valid requests rarely carry, then went
-    unfound in 300 examples."""
+    """The negative control: crashes on any request that sets one of a few sampling fields the schema
+    allows. The generated sequence changes with the server's answers and its schema (seen: the same
+    seed gave other requests after /metrics.json's body grew, and again after the schema gained the
+    guided fields), so the control keys on fields that valid requests carry often; one keyed on
+    `user`, then one on `num_speculative_tokens` alone, each went unfound in 300 examples."""
 
     async def complete(self, req, is_disconnected=None):
-        if getattr(req, "num_speculative_tokens", None) is not None:
+        if any(getattr(req, f, None) is not None for f in ("num_speculative_tokens", "max_tokens", "temperature")):
             raise RuntimeError("planted bug")
         return await super().complete(req, is_disconnected=is_disconnected)
 
