@@ -194,12 +194,12 @@ def test_gpu_profile_budgeted_cut_resumed_packed_and_unpacked(setup, capsys, mon
     assert (r / "work_home" / "logs" / "dspark" / "metrics.jsonl").is_file()
     assert read_jsonl(r / "work_home" / "logs" / "dspark" / "learning_curve.jsonl") == curve
     assert (shipped / "split.json").is_file()
+    _truncated_artifact_and_pack_limits(s, capsys)
 
 
-def test_bad_inputs_budget_accelerator_pack_limits_truncated_artifact(setup, capsys):
-    from specjax.training import build_plan as B
-    from specjax.training.build_outputs import BuildError
-    from specjax.training.build_pack import PackLimits, pack
+def test_bad_inputs_budget_and_accelerator(setup, capsys):
+    """(The truncated artifact and the pack's file limits are checked on the profile test's work
+    directory, at its end: `_truncated_artifact_and_pack_limits`.)"""
     from train import build_embedded
 
     s, r = setup, setup["root"]
@@ -216,9 +216,14 @@ def test_bad_inputs_budget_accelerator_pack_limits_truncated_artifact(setup, cap
     assert "--budget-s 0.1 is too small" in capsys.readouterr().err
     assert not (r / "out_small" / "BUILD.json").exists()
 
+
+def _truncated_artifact_and_pack_limits(s: dict, capsys) -> None:
+    from specjax.training import build_plan as B
+    from specjax.training.build_outputs import BuildError
+    from specjax.training.build_pack import PackLimits, pack
+    from train import build_embedded
+    r = s["root"]
     work = r / "work"
-    if not (work / "regen.jsonl").is_file():
-        pytest.skip("needs the profile test's work directory")
     # a truncated artifact: an error naming the file, and the work done stays as it was
     good = (r / "seed.jsonl.gz").read_bytes()
     (r / "cut.jsonl.gz").write_bytes(good[: len(good) // 2])
