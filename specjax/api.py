@@ -47,6 +47,7 @@ class SamplingParams:
     # a JSON text of this schema (a dict or its JSON text), then eos
     guided_regex: str | None = None
     guided_json: dict[str, Any] | str | None = None
+    guided_whitespace_pattern: str | None = None  # vLLM's: guided_json's whitespace (a regular expression)
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -122,6 +123,10 @@ class SamplingParams:
             raise ValueError(f"guided_regex must be a non-empty regular expression, got {self.guided_regex!r}")
         if self.guided_json is not None and not isinstance(self.guided_json, (dict, str)):
             raise ValueError(f"guided_json must be a JSON schema (an object or its JSON text), got {self.guided_json!r}")
+        ws = self.guided_whitespace_pattern
+        if ws is not None and (not isinstance(ws, str) or self.guided_json is None):
+            raise ValueError(f"guided_whitespace_pattern must be a regular expression and comes with guided_json, "
+                             f"got {ws!r}" + ("" if self.guided_json is not None else " without guided_json"))
         guides = [f for f in ("guided_choice", "guided_regex", "guided_json") if getattr(self, f) is not None]
         if len(guides) > 1:
             raise ValueError(f"give one of {', '.join(guides)}, not several")
@@ -398,7 +403,9 @@ def request_automaton(sp: SamplingParams, tokenizer: Any, vocab: int | None) -> 
     if vocab is None:
         raise ValueError("guided_regex / guided_json need the target's vocabulary size")
     compiler = grammars.compiler(tokenizer, vocab)
-    return compiler.regex(sp.guided_regex) if sp.guided_regex is not None else compiler.json_schema(sp.guided_json)
+    if sp.guided_regex is not None:
+        return compiler.regex(sp.guided_regex)
+    return compiler.json_schema(sp.guided_json, whitespace=sp.guided_whitespace_pattern)
 
 
 def bad_word_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:

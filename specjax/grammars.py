@@ -145,14 +145,16 @@ def enforceable_schema(schema: Any, path: str = "") -> Any:
     return out
 
 
-def json_schema_regex(schema: Any, field: str = "guided_json") -> str:
-    """The regular expression of a JSON schema (a dict or its JSON text, `enforceable_schema`);
-    GrammarError naming `field`."""
+def json_schema_regex(schema: Any, field: str = "guided_json", whitespace: str | None = None) -> str:
+    """The regular expression of a JSON schema (a dict or its JSON text, `enforceable_schema`) with
+    `whitespace` between its tokens (a regular expression; default JSON_WHITESPACE); GrammarError
+    naming `field`."""
     import outlines_core
     try:
         parsed = json.loads(schema) if isinstance(schema, str) else schema
         text = json.dumps(enforceable_schema(parsed))
-        return outlines_core.json_schema.build_regex_from_schema(text, JSON_WHITESPACE)
+        return outlines_core.json_schema.build_regex_from_schema(text, JSON_WHITESPACE if whitespace is None
+                                                                 else f"({whitespace})")
     except (ValueError, TypeError, RuntimeError) as e:
         raise GrammarError(f"{field}: not a JSON schema this server can follow: {e}", field) from e
 
@@ -190,9 +192,9 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return got if got.field == field else TokenAutomaton(got.next_nv, got.final_n, got.key, field)
 
-    def json_schema(self, schema: Any, field: str = "guided_json") -> TokenAutomaton:
-        """The token automaton of a JSON schema's regular expression."""
-        return self.regex(json_schema_regex(schema, field), field)
+    def json_schema(self, schema: Any, field: str = "guided_json", whitespace: str | None = None) -> TokenAutomaton:
+        """The token automaton of a JSON schema's regular expression (`json_schema_regex`)."""
+        return self.regex(json_schema_regex(schema, field, whitespace), field)
 
     def _compile(self, pattern: str, key: str, field: str) -> TokenAutomaton:
         import outlines_core

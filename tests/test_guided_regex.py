@@ -283,6 +283,8 @@ def test_regular_expressions_and_schemas_compile_to_their_matches(tok):
         s = js.walk(enc(text))
         assert s >= 0 and js.final_n[s], text
     assert js.walk(enc('{"ok": 1')) < 0 and js.field == "guided_json"
+    compact = gc.json_schema(schema, whitespace="")  # vLLM's guided_whitespace_pattern
+    assert compact.walk(enc('{"ok":true,"n":22}')) >= 0 and compact.walk(enc('{"ok": true')) < 0
     bounded = gc.json_schema({"type": "integer", "minimum": 3, "exclusiveMaximum": 13})  # bounds as an enum
     assert [t for t in range(-2, 20) if bounded.walk(enc(str(t))) >= 0 and bounded.final_n[bounded.walk(enc(str(t)))]] \
         == list(range(3, 13))
@@ -335,6 +337,10 @@ def test_the_python_api_and_the_server_serve_guided_regex_and_json(tok):
             answer = json.loads(r["choices"][0]["text"])
             assert set(answer) == {"ok", "n"} and answer["n"] in (1, 22), r
         status, r = http_json(server.url + "/v1/completions", "POST",
+                              {"prompt": "x", "max_tokens": 40, "temperature": 0, "guided_json": schema,
+                               "guided_whitespace_pattern": ""})
+        assert status == 200 and not re.search(r"\s", r["choices"][0]["text"]) and json.loads(r["choices"][0]["text"])
+        status, r = http_json(server.url + "/v1/completions", "POST",
                               {"prompt": "x", "max_tokens": 8, "seed": 1, "structured_outputs": {"regex": regex}})
         assert status == 200 and re.fullmatch(regex, r["choices"][0]["text"]), r
         for bad, param, fragment in [
@@ -343,7 +349,10 @@ def test_the_python_api_and_the_server_serve_guided_regex_and_json(tok):
                 ({"structured_outputs": {"grammar": "x"}}, "structured_outputs", "grammar not supported"),
                 ({"guided_regex": "(a", "max_tokens": 4}, "guided_regex", "cannot compile"),
                 ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "not several"),
-                ({"guided_regex": "a{0,5000}"}, "guided_regex", "more than the engine's table holds")]:
+                ({"guided_regex": "a{0,5000}"}, "guided_regex", "more than the engine's table holds"),
+                ({"guided_json": schema, "guided_whitespace_pattern": "("}, "guided_whitespace_pattern",
+                 "must be a regular expression"),
+                ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "without guided_json")]:
             status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": "x", **bad})
             assert status == 400 and r["error"]["param"] == param and fragment in r["error"]["message"], (bad, r)
     finally:

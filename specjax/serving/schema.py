@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any, Literal, Mapping
 
 import pydantic
@@ -23,7 +24,7 @@ _ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tok
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop", "stop_token_ids", "seed",
                    "num_speculative_tokens", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "guided_choice",
-                   "guided_regex", "guided_json", "response_format", "structured_outputs")
+                   "guided_regex", "guided_json", "guided_whitespace_pattern", "response_format", "structured_outputs")
 GUIDES = ("guided_choice", "guided_regex", "guided_json")  # SamplingParams' guides, at most one per request
 # vLLM's structured_outputs keys served, as the guide each sets (json_object: any JSON object)
 STRUCTURED_KEYS = {"choice": "guided_choice", "regex": "guided_regex", "json": "guided_json",
@@ -95,6 +96,10 @@ class SamplingFields(pydantic.BaseModel):
                                                                 "expression (a server with --guided-regex)")
     guided_json: dict[str, Any] | str | None = pydantic.Field(None, description="vLLM's: the answer is JSON of this "
                                                                                "schema (a server with --guided-regex)")
+    guided_whitespace_pattern: str | None = pydantic.Field(None, description="vLLM's: the whitespace guided_json "
+                                                                             "allows between JSON tokens (a regular "
+                                                                             "expression; default: none, one space, or "
+                                                                             "a line break and indentation)")
     response_format: dict[str, Any] | None = pydantic.Field(
         None, description="OpenAI's: {\"type\": \"text\"}, {\"type\": \"json_object\"} (any JSON object) or "
                           "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {...}}} (as guided_json)")
@@ -159,6 +164,15 @@ class SamplingFields(pydantic.BaseModel):
     def _guide_forms(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         if v is not None:
             guide_fields(info.field_name, v)  # raises naming the field
+        return v
+
+    @pydantic.field_validator("guided_whitespace_pattern", mode="before")
+    @classmethod
+    def _whitespace(cls, v: Any) -> Any:
+        try:
+            re.compile(v) if v is not None else None
+        except (re.error, TypeError):
+            raise ValueError(f"'guided_whitespace_pattern' must be a regular expression, got {v!r}") from None
         return v
 
     @pydantic.field_validator("guided_regex", "guided_json", mode="before")
@@ -284,8 +298,9 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
         if name in _ENGINE_MAX and v > _ENGINE_MAX[name]:
             raise FieldError(f"'{name}' must be at most {_ENGINE_MAX[name]:g}, got {v!r}", name)
         alone = {name: v}
-        if name == "min_tokens" and "max_tokens" in given:  # checked against the max_tokens asked
-            alone["max_tokens"] = given["max_tokens"]
+        partner = {"min_tokens": "max_tokens", "guided_whitespace_pattern": "guided_json"}.get(name)
+        if partner in given:  # checked beside the field it goes with
+            alone[partner] = given[partner]
         try:
             dataclasses.replace(defaults, **alone)
         except (ValueError, TypeError) as e:
