@@ -324,3 +324,16 @@ def sampled_with_rules(model: CausalLM, n: int, seed0: int, fields: dict, config
     eng.run(reqs, progress=False)
     assert sum(e == gamma for e in ells) > n // full_share  # full blocks were verified
     return reqs
+
+
+def refused_field(model: CausalLM, config: dict, prompt: list[int], request: dict, message: str,
+                  eos: Sequence[int] = (2,)) -> str | None:
+    """Asserts that an unwarmed 2-slot plain engine of `model` (more EngineConfig fields: `config`)
+    refuses a request with the fields `request`, its message matching `message`; returns the
+    refusal's field (RequestFieldError), else None."""
+    import pytest
+    eng = Engine(model, None, EngineConfig(max_slots=2, max_len=32, policy="plain", **config), eos_token_ids=eos,
+                 progress=False)
+    with pytest.raises(ValueError, match=message) as e:
+        eng.add_request(EngineRequest("a", prompt, max_tokens=4, **request))
+    return getattr(e.value, "field", None)

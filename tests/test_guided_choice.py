@@ -16,8 +16,8 @@ from specjax.decoding import logit_rules
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.decoding.logit_rules import CHOICE_TOKENS, ROW_CHOICES
 
-from engine_fixtures import (chain_drafter, chi_square_pvalue, exact_continuations, greedy_beside_free, ruled_greedy,
-                             sampled_with_rules, tiny_target)
+from engine_fixtures import (chain_drafter, chi_square_pvalue, exact_continuations, greedy_beside_free, refused_field,
+                             ruled_greedy, sampled_with_rules, tiny_target)
 from test_engine import greedy_reference
 
 V, GAMMA, N, EOS = 64, 3, 12, 2
@@ -219,16 +219,9 @@ def test_negative_control_forgetting_the_drafts_fails_the_law(small, monkeypatch
     (dict(guided_choice=((3,),), min_tokens=1), "min_tokens", "not served with guided_choice"),
 ])
 def test_bad_choices_are_refused_naming_the_field(case, kw, field, message):
-    from specjax.decoding.requests import RequestFieldError
-    eng = Engine(case[0], None, EngineConfig(max_slots=2, max_len=32, policy="plain", guided_choice=True),
-                 eos_token_ids=(EOS,), progress=False)
-    with pytest.raises(RequestFieldError, match=message) as e:
-        eng.add_request(EngineRequest("a", PROMPT, max_tokens=4, **kw))
-    assert e.value.field == field
-    plain = Engine(case[0], None, EngineConfig(max_slots=2, max_len=32, policy="plain"), eos_token_ids=(EOS,),
-                   progress=False)
-    with pytest.raises(ValueError, match="guided_choice needs an engine with guided choices"):
-        plain.add_request(EngineRequest("a", PROMPT, max_tokens=4, guided_choice=((3,),)))
+    assert refused_field(case[0], dict(guided_choice=True), PROMPT, kw, message, (EOS,)) == field
+    assert refused_field(case[0], {}, PROMPT, dict(guided_choice=((3,),)),
+                         "guided_choice needs an engine with guided choices") == "guided_choice"
 
 
 def test_the_python_api_and_the_server_serve_guided_choice(case):

@@ -18,8 +18,8 @@ from specjax.decoding import logit_rules
 from specjax.decoding.automata import AutomatonTable, TokenAutomaton
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 
-from engine_fixtures import chain_drafter, chi_square_pvalue, exact_continuations, ruled_greedy, sampled_with_rules, \
-    tiny_target
+from engine_fixtures import chain_drafter, chi_square_pvalue, exact_continuations, refused_field, ruled_greedy, \
+    sampled_with_rules, tiny_target
 from test_engine import greedy_reference
 
 V, GAMMA, N, EOS = 64, 3, 12, 2
@@ -210,16 +210,10 @@ def test_negative_control_forgetting_the_drafts_fails_the_law(small, monkeypatch
      "13 automaton states, more than the engine's table holds"),
 ])
 def test_bad_automata_are_refused_naming_the_field(case, kw, field, message):
-    from specjax.decoding.requests import RequestFieldError
-    eng = Engine(case[0], None, EngineConfig(max_slots=2, max_len=32, policy="plain", guided_regex=True,
-                                             logit_bias=True, automaton_states=12), eos_token_ids=(EOS,), progress=False)
-    with pytest.raises(RequestFieldError, match=message) as e:
-        eng.add_request(EngineRequest("a", PROMPT, max_tokens=4, **kw))
-    assert e.value.field == field
-    plain = Engine(case[0], None, EngineConfig(max_slots=2, max_len=32, policy="plain"), eos_token_ids=(EOS,),
-                   progress=False)
-    with pytest.raises(ValueError, match="guided_regex needs an engine with guided regular expressions"):
-        plain.add_request(EngineRequest("a", PROMPT, max_tokens=4, automaton=SIX))
+    config = dict(guided_regex=True, logit_bias=True, automaton_states=12)
+    assert refused_field(case[0], config, PROMPT, kw, message, (EOS,)) == field
+    assert refused_field(case[0], {}, PROMPT, dict(automaton=SIX),
+                         "guided_regex needs an engine with guided regular expressions") == "guided_regex"
 
 
 # ---------------------------------------------------------------------------- regular expressions over a tokenizer
