@@ -202,37 +202,44 @@ class GrammarCompiler:
             index = outlines_core.Index(pattern, self._vocabulary)
         except (ValueError, TypeError, RuntimeError) as e:
             raise GrammarError(f"{field}: cannot compile {pattern[:80]!r} over the vocabulary: {e}", field) from e
-        edges = {s: {t: n for t, n in out.items() if t != self._marker} for s, out in index.get_transitions().items()}
-        finals = set(index.get_final_states())
-        live = _live_states(edges, finals, index.get_initial_state())
-        if index.get_initial_state() not in live:
+        edges = index.get_transitions()
+        for out in edges.values():
+            out.pop(self._marker, None)  # eos: allowed in accepting states by the engine itself
+        finals, initial = set(index.get_final_states()), index.get_initial_state()
+        live = _live_states({s: set(out.values()) for s, out in edges.items()}, finals, initial)
+        if initial not in live:
             raise GrammarError(f"{field}: no output of this vocabulary's tokens matches {pattern[:80]!r}", field)
-        order = [index.get_initial_state()] + sorted(live - {index.get_initial_state()})
+        order = [initial] + sorted(live - {initial})
         if len(order) > MAX_AUTOMATON_STATES:
             raise GrammarError(f"{field} compiles to {len(order)} automaton states; at most {MAX_AUTOMATON_STATES} "
                                f"are served", field)
-        ids = {s: i for i, s in enumerate(order)}
+        raw = np.array(sorted(live), np.int64)  # outlines-core's state ids, sorted, and their ids in `order`
+        dense = np.zeros(len(raw), np.int64)
+        dense[raw != initial] = np.arange(1, len(order))
         next_nv = np.full((len(order), self.vocab), -1, np.int16)
-        for s in order:
-            out = [(t, ids[n]) for t, n in edges.get(s, {}).items() if n in ids]
+        for i, s in enumerate(order):
+            out = edges.get(s)
             if out:
-                cols, dest = np.array(out, np.int64).T
-                next_nv[ids[s], cols] = dest
+                cols = np.fromiter(out.keys(), np.int64, len(out))
+                dest = np.fromiter(out.values(), np.int64, len(out))
+                at = np.clip(np.searchsorted(raw, dest), 0, len(raw) - 1)
+                kept = raw[at] == dest  # transitions into pruned states are dropped
+                next_nv[i, cols[kept]] = dense[at[kept]]
         final_n = np.array([s in finals for s in order])
         return TokenAutomaton(next_nv, final_n, key, field)
 
 
-def _live_states(edges: dict[int, dict[int, int]], finals: set[int], initial: int) -> set[int]:
+def _live_states(successors: dict[int, set[int]], finals: set[int], initial: int) -> set[int]:
     """States reachable from `initial` from which an accepting state is reachable."""
     reach, todo = {initial}, [initial]
     while todo:
-        for n in edges.get(todo.pop(), {}).values():
+        for n in successors.get(todo.pop(), ()):
             if n not in reach:
                 reach.add(n)
                 todo.append(n)
     back: dict[int, set[int]] = collections.defaultdict(set)
-    for s, out in edges.items():
-        for n in out.values():
+    for s, out in successors.items():
+        for n in out:
             back[n].add(s)
     live, todo = finals & reach, list(finals & reach)
     while todo:

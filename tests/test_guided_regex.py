@@ -296,8 +296,8 @@ def test_regular_expressions_and_schemas_compile_to_their_matches(tok):
 
 def test_states_that_reach_no_accepting_state_are_pruned():
     from specjax.grammars import _live_states
-    edges = {0: {1: 1, 2: 2, 3: 4}, 1: {}, 2: {3: 3}, 3: {4: 2}, 4: {5: 5}, 5: {}}
-    assert _live_states(edges, {3, 6}, 0) == {0, 2, 3}  # 1, 4, 5: dead ends; 6: unreachable
+    successors = {0: {1, 2, 4}, 1: set(), 2: {3}, 3: {2}, 4: {5}, 5: set()}
+    assert _live_states(successors, {3, 6}, 0) == {0, 2, 3}  # 1, 4, 5: dead ends; 6: unreachable
 
 
 def test_the_python_api_and_the_server_serve_guided_regex_and_json(tok):
