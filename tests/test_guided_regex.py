@@ -294,6 +294,21 @@ def test_regular_expressions_and_schemas_compile_to_their_matches(tok):
         assert e.value.field == field, bad
 
 
+def test_request_fields_become_one_guide():
+    from specjax.api import SamplingParams
+    from specjax.serving.schema import FieldError, parse_sampling
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    for fields, want in [({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}, schema),
+                         ({"response_format": {"type": "json_object"}}, {"type": "object"}),
+                         ({"structured_outputs": {"json_object": True}}, {"type": "object"}),
+                         ({"response_format": {"type": "text"}, "guided_json": schema}, schema)]:
+        assert parse_sampling(fields, SamplingParams()).guided_json == want, fields
+    assert parse_sampling({"structured_outputs": {"regex": "a+"}}, SamplingParams()).guided_regex == "a+"
+    with pytest.raises(FieldError) as e:
+        parse_sampling({"response_format": {"type": "json_object"}, "guided_regex": "a"}, SamplingParams())
+    assert e.value.field == "response_format"
+
+
 def test_states_that_reach_no_accepting_state_are_pruned():
     from specjax.grammars import _live_states
     successors = {0: {1, 2, 4}, 1: set(), 2: {3}, 3: {2}, 4: {5}, 5: set()}

@@ -285,7 +285,7 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
     for name in ("response_format", "structured_outputs"):  # each sets one of GUIDES
         if name in given:
             guide = guide_fields(name, given.pop(name))
-            if any(g in given for g in GUIDES):
+            if guide and any(g in given for g in GUIDES):
                 raise FieldError(f"give one of {', '.join(GUIDES)}, response_format and structured_outputs, "
                                  f"not several", name)
             given.update(guide)
