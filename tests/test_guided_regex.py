@@ -267,6 +267,10 @@ def test_regular_expressions_and_schemas_compile_to_their_matches(tok):
     assert set(a.allowed(0)) == {tok.convert_tokens_to_ids(x) for x in ["t", "tr", "tru", "true", "f", "fa", "fal", "fals",
                                                                    "false", *"0123456789"]}
     assert gc.regex(r"(true|false|[0-9]{2})") is a  # cached
+    small = GrammarCompiler(tok, len(tok), cache_bytes=a.next_nv.nbytes)  # room for one such table
+    first = small.regex("(true|false)")
+    assert small.regex("(true|false)") is first and small.regex("[0-9]+") is not None
+    assert small.regex("(true|false)") is not first  # dropped for the second, compiled again
     digits = {tok.convert_tokens_to_ids(x) for x in "0123456789"}
     assert set(gc.regex(r"\d").allowed(0)) == digits  # ASCII: not the first bytes of other scripts' digits
     assert set(gc.regex(r"[\d]").allowed(0)) == digits and len(gc.regex(r"\p{Nd}").allowed(0)) > len(digits)
