@@ -334,7 +334,8 @@ def encode_text(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *, enable_thinking: bool | None = False,
-                add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of one conversation through the tokenizer's chat template: the generation prompt
     added, or (`continue_final_message`, vLLM's) the last message, an assistant's, left open so the
     answer continues it.
@@ -359,6 +360,8 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *, enable_th
     kw: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     if continue_final_message:
         kw["continue_final_message"] = True
+    if tools:
+        kw["tools"] = list(tools)
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                         tokenize=True, **kw)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

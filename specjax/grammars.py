@@ -156,7 +156,9 @@ def json_schema_regex(schema: Any, field: str = "guided_json", whitespace: str |
         text = json.dumps(enforceable_schema(parsed))
         return outlines_core.json_schema.build_regex_from_schema(text, JSON_WHITESPACE if whitespace is None
                                                                  else f"({whitespace})")
-    except (ValueError, TypeError, RuntimeError) as e:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # a request's schema: outlines-core's panics derive from BaseException
         raise GrammarError(f"{field}: not a JSON schema this server can follow: {e}", field) from e
 
 
@@ -201,7 +203,9 @@ class GrammarCompiler:
         import outlines_core
         try:
             index = outlines_core.Index(pattern, self._vocabulary)
-        except (ValueError, TypeError, RuntimeError) as e:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a request's pattern: outlines-core's panics derive from BaseException
             raise GrammarError(f"{field}: cannot compile {pattern[:80]!r} over the vocabulary: {e}", field) from e
         edges = index.get_transitions()
         for out in edges.values():

@@ -372,3 +372,65 @@ def test_the_python_api_and_the_server_serve_guided_regex_and_json(tok):
         server.stop()
         api.engine.drain(60)
         api.engine.shutdown()
+
+
+def test_tool_choice_is_answered_as_tool_calls(tok):
+    """A named tool_choice answers that function's arguments (JSON of its parameters) as one tool call,
+    "required" a list of calls; "none" answers text (the control: unguided, no valid arguments);
+    "auto", a function not listed, streaming and tool_choice without tools are refused naming the field."""
+    from specjax.api import LLM
+    from specjax.serving.http_server import ServerThread
+    from specjax.serving.openai_api import OpenAIApp
+    from serving_fixtures import http_json
+    chat_tok = byte_level_tokenizer()
+    chat_tok.chat_template = ("{% for m in messages %}{{ m['content'] or '' }}\n{% endfor %}"
+                              "{% if tools %}[{{ tools | length }} tools]{% endif %}")
+    model = tiny_target(len(chat_tok), seed=11, init_scale=2.0)
+    llm = LLM(target=(model, dataclasses.replace(model.config, eos_token_ids=(chat_tok.eos_token_id,))),
+              max_num_seqs=2, max_model_len=192, max_prefill=64, guided_regex=True, sampling_variants=("greedy",))
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}}}
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_time", "arguments": "{\"utc\": true}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    api = OpenAIApp.from_llm(llm, model_name="tiny", tokenizer=chat_tok)
+    server = ServerThread(api)
+
+    def ask(**kw):
+        return http_json(server.url + "/v1/chat/completions", "POST",
+                         {"messages": history, "tools": [weather, clock], "temperature": 0, "max_tokens": 60, **kw})
+    try:
+        status, r = ask(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        c = r["choices"][0]
+        assert status == 200 and c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, r
+        (call,) = c["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] in (
+            "Paris", "Rome"), r
+        status, r = ask(tool_choice="required", max_tokens=120)
+        calls = r["choices"][0]["message"]["tool_calls"]
+        assert status == 200 and calls and all(x["function"]["name"] in ("get_weather", "get_time") for x in calls), r
+        for x in calls:
+            assert set(json.loads(x["function"]["arguments"])) == {"city" if x["function"]["name"] == "get_weather"
+                                                                   else "utc"}, x
+        status, r = ask(tool_choice="none", max_tokens=12)
+        text = r["choices"][0]["message"]["content"]
+        assert status == 200 and not r["choices"][0]["message"].get("tool_calls"), r
+        with pytest.raises(ValueError):
+            json.loads(text)  # unguided: not the arguments of a call
+        for kw, param, fragment in [({}, "tool_choice", "needs a parser"),
+                                    ({"tool_choice": "auto"}, "tool_choice", "needs a parser"),
+                                    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+                                     "one of ['get_time', 'get_weather']"),
+                                    ({"tool_choice": "required", "stream": True}, "stream", "not streamed"),
+                                    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]",
+                                     "must be"),
+                                    ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs 'tools'")]:
+            status, r = ask(**kw)
+            assert status == 400 and r["error"]["param"] == param and fragment in r["error"]["message"], (kw, r)
+    finally:
+        server.stop()
+        api.engine.drain(60)
+        api.engine.shutdown()

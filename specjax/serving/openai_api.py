@@ -52,6 +52,7 @@ from specjax.serving.errors import ENGINE_REJECTED, APIError
 from specjax.serving.logprob_blocks import logprobs_block, prompt_logprobs_list
 from specjax.serving.prompts import chat_prompt_ids, completion_prompts
 from specjax.serving.streams import ChoiceStream, Waiter
+from specjax.serving.tool_calls import ToolMode, tool_guide, tool_message
 from specjax.serving.request_metrics import (check_spec_decode_metrics_level, combined_spec_metrics,
                                              request_spec_metrics, response_metrics)
 from specjax.serving.schema import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -97,6 +98,7 @@ class _Parsed:
     prompt_texts: tuple[str | None, ...] = ()  # string prompts as sent (echo)
     continuous_usage: bool = False  # streamed: every chunk carries its choice's usage so far
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' log-probabilities with this many alternatives
+    tools: ToolMode | None = None  # chat: the answer is tool calls (`tool_calls.tool_guide`)
 
 
 class OpenAIApp:
@@ -157,15 +159,16 @@ class OpenAIApp:
         stream = bool(body.get("stream"))
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage"))
+        tools = tool_guide(body) if chat else (None, None, None)  # (mode, guided_json, template tools)
         if chat:
-            pairs, what = [(chat_prompt_ids(self.tokenizer, body), None)], "messages"
+            pairs, what = [(chat_prompt_ids(self.tokenizer, body, tools[2]), None)], "messages"
         else:
             pairs, what = completion_prompts(self.tokenizer, self.vocab_size, body), "prompt"
         n_prompt = max(len(ids) for ids, _ in pairs)
         if n_prompt > self.max_prompt_tokens:
             raise APIError(400, f"'{what}' has {n_prompt} tokens; the limit is {self.max_prompt_tokens} "
                                 f"(max_model_len {self.max_model_len})", param=what, code="context_length_exceeded")
-        fields = {k: body[k] for k in SAMPLING_FIELDS if k in body}
+        fields = {k: body[k] for k in SAMPLING_FIELDS if k in body} | ({"guided_json": tools[1]} if tools[0] else {})
         echo = False if chat else self._echo_asked(body, fields, n_prompt, logprobs)
         prompt_logprobs = self._prompt_logprobs_asked(body, n_prompt, what)
         mt_name = "max_tokens"
@@ -199,7 +202,7 @@ class OpenAIApp:
                            param=outside[0])
         return _Parsed([ids for ids, _ in pairs], sp, stream, include_usage, n, logprobs, echo,
                        body.get("max_tokens") != 0, tuple(text for _, text in pairs),
-                       include_usage and bool(options.get("continuous_usage_stats")), prompt_logprobs)
+                       include_usage and bool(options.get("continuous_usage_stats")), prompt_logprobs, tools[0])
 
     def _echo_asked(self, body: dict[str, Any], fields: dict[str, Any], n_prompt: int, logprobs: int | None) -> bool:
         """Completions' `echo`: not streamed; with logprobs the prompt must fit the largest prefill
@@ -394,7 +397,7 @@ class OpenAIApp:
                 choice["prompt_logprobs"] = prompt_lps[k]
             text = self._decode(ids)
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"], choice["finish_reason"] = tool_message(text, parsed.tools, r.finish_reason)
             else:
                 choice["text"] = prefixes[k] + text
             choices.append(choice)

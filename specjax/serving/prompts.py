@@ -59,7 +59,7 @@ def message_text(i: int, content: Any) -> str:
     return "\n".join(texts)
 
 
-def chat_prompt_ids(tokenizer: Any, body: dict[str, Any]) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, body: dict[str, Any], tools: list[dict] | None = None) -> list[int]:
     """A chat body's `messages` through the tokenizer's chat template (vLLM's `add_generation_prompt`,
     default true, and `continue_final_message`; the `chat_template_kwargs` enable_thinking honoured);
     APIError 400 naming the field otherwise."""
@@ -78,7 +78,8 @@ def chat_prompt_ids(tokenizer: Any, body: dict[str, Any]) -> list[int]:
         gen = False  # continuing the last message: no new turn unless asked (then refused)
     try:
         return encode_chat(tokenizer, msgs, enable_thinking=think.get("enable_thinking", False),
-                           add_generation_prompt=True if gen is None else bool(gen), continue_final_message=cont)
+                           add_generation_prompt=True if gen is None else bool(gen), continue_final_message=cont,
+                           tools=tools)
     except (ValueError, TypeError, KeyError) as e:
         param = "continue_final_message" if "continue_final_message" in str(e) else "messages"
         raise APIError(400, f"'{param}': {e}", param=param) from None

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 import pydantic
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class Usage(pydantic.BaseModel):
@@ -47,9 +47,21 @@ class ResponseMetrics(pydantic.BaseModel):
     speculative_decoding: SpeculativeDecodingStats | None
 
 
+class ToolCallFunction(pydantic.BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(pydantic.BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class AssistantMessage(pydantic.BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(pydantic.BaseModel):

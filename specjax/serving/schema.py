@@ -35,7 +35,7 @@ JSON_OBJECT_SCHEMA = {"type": "object"}
 # the values that mean "off" pass, anything else is refused naming the field (never ignored)
 UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False),
-    "logits_processors": (None, []), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "logits_processors": (None, []), "functions": (None, []),
     "guided_grammar": (None,)}
 
 
@@ -198,7 +198,8 @@ def guide_source(body: Mapping[str, Any], field: str) -> str:
     """The body field that set SamplingParams' `field`: itself, or the response_format /
     structured_outputs that asked for that guide."""
     if field in GUIDES and body.get(field) is None:
-        return next((f for f in ("response_format", "structured_outputs") if body.get(f) is not None), field)
+        return next((f for f in ("response_format", "structured_outputs", "tool_choice") if body.get(f) is not None),
+                    field)
     return field
 
 
@@ -466,6 +467,9 @@ class ChatCompletionRequest(_GenerationRequest):
         None, description="vLLM's: open the assistant's turn (default true)")
     continue_final_message: pydantic.StrictBool | None = pydantic.Field(
         None, description="vLLM's: continue the last message, an assistant's (add_generation_prompt then false)")
+    tools: list[dict[str, Any]] | None = pydantic.Field(None, description="OpenAI's functions (passed to the chat template)")
+    tool_choice: str | dict[str, Any] | None = pydantic.Field(
+        None, description="\"none\", \"required\" or a named function (a server with --guided-regex; \"auto\" is refused)")
 
 
 

@@ -1,0 +1,89 @@
+"""OpenAI tool calling on the chat route, served by guided_json (a server with --guided-regex).
+
+A named `tool_choice` ({"type": "function", "function": {"name": ...}}) makes the answer that
+function's arguments: JSON of its `parameters` schema, returned as one `tool_calls` entry. "required"
+makes the answer a JSON array of one or more {"name", "parameters"} objects, each a listed function
+with its schema, returned as that many entries. "none" answers as without tools. "auto" (OpenAI's
+default when tools are given) would need a parser of the model's own tool-call format: it is refused
+naming `tool_choice`. The tools are passed to the chat template. Not streamed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from typing import Any, Mapping
+
+from specjax.serving.errors import APIError
+
+ANY_PARAMETERS = {"type": "object"}  # a function listed without a `parameters` schema
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolMode:
+    """How a chat request's answer becomes tool calls: one named function's arguments, or a list."""
+
+    function: str | None  # the named function; None: "required" (a list of calls)
+
+
+def tool_guide(body: Mapping[str, Any]) -> tuple[ToolMode | None, dict[str, Any] | None, list[dict] | None]:
+    """(mode, the guided_json schema of the answer, the tools for the chat template) of a chat body's
+    `tools` / `tool_choice`; (None, None, None) without tools or with "none". APIError 400 naming the
+    field of what is not served."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+        return None, None, None
+    functions = _functions(tools)
+    if choice == "none":
+        return None, None, None
+    if choice in (None, "auto"):
+        raise APIError(400, "'tool_choice' \"auto\" (the default with tools) needs a parser of the model's tool-call "
+                            "format, which this server does not have: name a function or use \"required\"",
+                       param="tool_choice")
+    for guide in ("guided_choice", "guided_regex", "guided_json", "response_format", "structured_outputs"):
+        if body.get(guide) is not None:
+            raise APIError(400, f"'{guide}' is not served with a tool_choice (it guides the answer itself)", param=guide)
+    if body.get("stream"):
+        raise APIError(400, "tool calls are not streamed: send 'stream': false", param="stream")
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
+                  "required": ["name", "parameters"]} for name, params in functions.items()]
+        return ToolMode(None), {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, list(tools)
+    name = ((choice or {}).get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or name not in functions:
+        raise APIError(400, f"'tool_choice' must be \"none\", \"required\" or {{\"type\": \"function\", \"function\": "
+                            f"{{\"name\": one of {sorted(functions)}}}}}, got {choice!r}", param="tool_choice")
+    return ToolMode(name), functions[name], list(tools)
+
+
+def _functions(tools: Any) -> dict[str, dict[str, Any]]:
+    """Name -> parameters schema of `tools` (OpenAI's list of {"type": "function", "function": ...})."""
+    out: dict[str, dict[str, Any]] = {}
+    for i, t in enumerate(tools if isinstance(tools, list) else [None]):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise APIError(400, f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                           param=f"tools[{i}]")
+        params = f.get("parameters", ANY_PARAMETERS)
+        if not isinstance(params, dict):
+            raise APIError(400, f"'tools[{i}].function.parameters' must be a JSON schema object",
+                           param=f"tools[{i}].function.parameters")
+        out[f["name"]] = params
+    return out
+
+
+def tool_message(text: str, mode: ToolMode | None, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """(the assistant message, the finish reason) of an answer under `mode`: its tool calls and
+    "tool_calls" when it ended whole; its text as content (and the engine's reason) when cut short,
+    or without a mode."""
+    if mode is None or finish_reason != "stop":
+        return {"role": "assistant", "content": text}, finish_reason
+    if mode.function is not None:
+        calls = [(mode.function, text)]
+    else:
+        calls = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": name, "arguments": args}} for name, args in calls]}, "tool_calls"
