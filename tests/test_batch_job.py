@@ -153,6 +153,8 @@ def test_openai_batch_lines_answer_openai_objects_resume_by_custom_id_and_name_b
             {"custom_id": "bad-top-p", "url": "/v1/completions", "body": {"prompt": [5], "top_p": 2}},
             {"custom_id": "bad-n", "url": "/v1/chat/completions", "body": {**chat, "n": 2}},
             {"custom_id": "unserved", "url": "/v1/completions", "body": {"prompt": [5], "best_of": 3}},
+            {"custom_id": "tools", "url": "/v1/chat/completions", "body": {**chat, "tool_choice": "required", "tools": [
+                {"type": "function", "function": {"name": "f"}}]}},
             {"custom_id": "bias", "url": "/v1/completions", "body": {"prompt": [5], "logit_bias": {"5": 1}}},
             {"custom_id": "penalty", "url": "/v1/completions", "body": {"prompt": [5], "presence_penalty": 0.5}},
             {"custom_id": "wrong-key", "url": "/v1/completions", "body": {"messages": chat["messages"]}},
@@ -162,7 +164,7 @@ def test_openai_batch_lines_answer_openai_objects_resume_by_custom_id_and_name_b
         inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         write_jsonl(inp, rows)
         s = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)
-        assert (s.completed, s.errors) == (3, 9)
+        assert (s.completed, s.errors) == (3, 10)
         outs = read_jsonl(out)
         native = next(r for r in outs if r.get("id") == "native")
         by_cid = {r["custom_id"]: r for r in outs if "custom_id" in r}
@@ -177,7 +179,7 @@ def test_openai_batch_lines_answer_openai_objects_resume_by_custom_id_and_name_b
             assert r["body"]["spec_metrics"]["num_drafts"] >= 0
         errs = {e["id"]: e for e in read_jsonl(default_errors_path(str(out)))}
         assert {k: e["field"] for k, e in errs.items()} == {
-            "bad-url": "url", "bad-top-p": "body.top_p", "bad-n": "body.n", "unserved": "body.best_of", "bias": "body.logit_bias",
+            "bad-url": "url", "bad-top-p": "body.top_p", "bad-n": "body.n", "unserved": "body.best_of", "tools": "body.tools", "bias": "body.logit_bias",
             "penalty": "body.presence_penalty",
             "wrong-key": "body.messages", "c": "id", "extra": "id"}
         assert "duplicate id" in errs["c"]["error"] and "unknown field" in errs["extra"]["error"]
@@ -186,7 +188,7 @@ def test_openai_batch_lines_answer_openai_objects_resume_by_custom_id_and_name_b
         lost = json.loads(lines[-1])
         out.write_text("".join(lines[:-1]))
         s2 = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)
-        assert s2.completed == 1 and s2.skipped_done == 11
+        assert s2.completed == 1 and s2.skipped_done == 12
         again = read_jsonl(out)[-1]
         assert again.get("custom_id", again.get("id")) == lost.get("custom_id", lost.get("id"))
     finally:

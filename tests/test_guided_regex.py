@@ -430,6 +430,9 @@ def test_tool_choice_is_answered_as_tool_calls(tok):
                                     ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs 'tools'")]:
             status, r = ask(**kw)
             assert status == 400 and r["error"]["param"] == param and fragment in r["error"]["message"], (kw, r)
+        status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": "x", "tools": [weather],
+                                                                        "tool_choice": "required"})
+        assert status == 400 and r["error"]["param"] == "tools", r  # the chat route's only
     finally:
         server.stop()
         api.engine.drain(60)

@@ -4,7 +4,8 @@ An input line that carries `custom_id` is an OpenAI batch request:
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
     (url "/v1/completions": body {"prompt": ...}). The body takes the server's fields: the sampling
     fields, `max_completion_tokens` (chat), `model`, `stream`, `user`, `n` = 1; fields that change the
-    output and are not served (`schema.UNSERVED_FIELDS`) make it an error row, other fields are ignored.
+    output and are not served (`schema.UNSERVED_FIELDS`, and tool calls: `schema.TOOL_FIELDS`) make it an
+    error row, other fields are ignored.
 Its output line:
     {"id": "batch-...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "...",
      "body": {a chat.completion or text_completion object with usage and spec_metrics}}, "error": null}

@@ -147,7 +147,7 @@ class OpenAIApp:
         chat = isinstance(req, ChatCompletionRequest)
         body = self._body(req)
         try:
-            check_served(body)
+            check_served(body, tools=chat)
         except FieldError as e:
             raise APIError(400, str(e), param=e.field) from None
         n = body.get("n")

@@ -37,6 +37,7 @@ UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "suffix": (None,), "use_beam_search": (None, False),
     "logits_processors": (None, []), "functions": (None, []),
     "guided_grammar": (None,)}
+TOOL_FIELDS = {"tools": (None, []), "tool_choice": (None, "none")}  # the chat route's (serving.tool_calls)
 
 
 class FieldError(ValueError):
@@ -251,9 +252,10 @@ def _guide(name: str, v: Any, schema: bool) -> Any:
     return v
 
 
-def check_served(body: Mapping[str, Any]) -> None:
-    """FieldError naming the first of `UNSERVED_FIELDS` that `body` sets to a value other than off."""
-    for name, off in UNSERVED_FIELDS.items():
+def check_served(body: Mapping[str, Any], *, tools: bool = False) -> None:
+    """FieldError naming the first of `UNSERVED_FIELDS` (and `TOOL_FIELDS` unless `tools`: the chat
+    route serves them) that `body` sets to a value other than off."""
+    for name, off in (UNSERVED_FIELDS if tools else {**UNSERVED_FIELDS, **TOOL_FIELDS}).items():
         v = body.get(name)
         if v is not None and not any(v == o and isinstance(v, bool) == isinstance(o, bool) for o in off):
             raise FieldError(f"'{name}' is not supported (accepted: {_offs(off)})", name)
