@@ -18,6 +18,9 @@ from specjax.sampling import VARIANTS, validate_sampling
 from specjax.serving.detokenize import StopStringChecker
 
 
+GUIDES = ("guided_choice", "guided_regex", "guided_json")  # SamplingParams' guides: at most one per request
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters (vLLM names). temperature 0 = greedy; top_k 0 = off."""
@@ -127,7 +130,7 @@ class SamplingParams:
         if ws is not None and (not isinstance(ws, str) or self.guided_json is None):
             raise ValueError(f"guided_whitespace_pattern must be a regular expression and comes with guided_json, "
                              f"got {ws!r}" + ("" if self.guided_json is not None else " without guided_json"))
-        guides = [f for f in ("guided_choice", "guided_regex", "guided_json") if getattr(self, f) is not None]
+        guides = [f for f in GUIDES if getattr(self, f) is not None]
         if len(guides) > 1:
             raise ValueError(f"give one of {', '.join(guides)}, not several")
 

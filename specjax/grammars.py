@@ -150,16 +150,22 @@ def json_schema_regex(schema: Any, field: str = "guided_json", whitespace: str |
     """The regular expression of a JSON schema (a dict or its JSON text, `enforceable_schema`) with
     `whitespace` between its tokens (a regular expression; default JSON_WHITESPACE); GrammarError
     naming `field`."""
-    import outlines_core
     try:
-        parsed = json.loads(schema) if isinstance(schema, str) else schema
-        text = json.dumps(enforceable_schema(parsed))
-        return outlines_core.json_schema.build_regex_from_schema(text, JSON_WHITESPACE if whitespace is None
-                                                                 else f"({whitespace})")
+        return _schema_regex(schema if isinstance(schema, str) else json.dumps(schema), whitespace)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # a request's schema: outlines-core's panics derive from BaseException
         raise GrammarError(f"{field}: not a JSON schema this server can follow: {e}", field) from e
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_regex(text: str, whitespace: str | None) -> str:
+    """A schema's (JSON text) regular expression, built once per text: a request's schema is checked
+    where it is parsed and compiled where its request is built."""
+    import outlines_core
+    schema = json.dumps(enforceable_schema(json.loads(text)))
+    return outlines_core.json_schema.build_regex_from_schema(schema, JSON_WHITESPACE if whitespace is None
+                                                             else f"({whitespace})")
 
 
 class GrammarCompiler:

@@ -17,7 +17,7 @@ from typing import Any, Literal, Mapping
 
 import pydantic
 
-from specjax.api import SamplingParams
+from specjax.api import GUIDES, SamplingParams
 
 # what the engine's per-row float32 / int32 arrays hold: larger values are refused, naming the field
 _ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tokens": (1 << 31) - 1}
@@ -25,7 +25,6 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop
                    "num_speculative_tokens", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "guided_choice",
                    "guided_regex", "guided_json", "guided_whitespace_pattern", "response_format", "structured_outputs")
-GUIDES = ("guided_choice", "guided_regex", "guided_json")  # SamplingParams' guides, at most one per request
 # vLLM's structured_outputs keys served, as the guide each sets (json_object: any JSON object)
 STRUCTURED_KEYS = {"choice": "guided_choice", "regex": "guided_regex", "json": "guided_json",
                    "json_object": "guided_json"}

@@ -14,6 +14,7 @@ import json
 import uuid
 from typing import Any, Mapping
 
+from specjax.api import GUIDES
 from specjax.serving.errors import APIError
 
 ANY_PARAMETERS = {"type": "object"}  # a function listed without a `parameters` schema
@@ -42,7 +43,7 @@ def tool_guide(body: Mapping[str, Any]) -> tuple[ToolMode | None, dict[str, Any]
         raise APIError(400, "'tool_choice' \"auto\" (the default with tools) needs a parser of the model's tool-call "
                             "format, which this server does not have: name a function or use \"required\"",
                        param="tool_choice")
-    for guide in ("guided_choice", "guided_regex", "guided_json", "response_format", "structured_outputs"):
+    for guide in (*GUIDES, "response_format", "structured_outputs"):
         if body.get(guide) is not None:
             raise APIError(400, f"'{guide}' is not served with a tool_choice (it guides the answer itself)", param=guide)
     if body.get("stream"):
