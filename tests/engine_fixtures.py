@@ -12,8 +12,9 @@ from scipy import stats
 
 from specjax.config import TargetConfig
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
-from specjax.sampling import SamplingArrays, probs_from_logits, round_key, sample
+from specjax.sampling import SamplingArrays, probs_from_logits
 from specjax.drafters.base import ContextUpdate, DraftBlock
+from specjax.drafters.drafting import DraftGuide, draft_loop, loop_q
 from specjax.models.decoder import CausalLM
 
 
@@ -62,17 +63,17 @@ class BigramDrafter(nnx.Module):
     def commit(self, state, update: ContextUpdate):
         return state
 
-    def propose(self, state, anchor_b, position_b, sampling: SamplingArrays, key_b, kv_len=None) -> DraftBlock:
-        """A bigram block (no context state: kv_len is not needed)."""
-        def step(prev, k):
-            logits = self.table[...][prev]
-            q = probs_from_logits(logits, sampling)
-            tok = sample(round_key(key_b, k), q)
+    def propose(self, state, anchor_b, position_b, sampling: SamplingArrays, key_b, kv_len=None,
+                guide: DraftGuide | None = None) -> DraftBlock:
+        """A bigram block (no context state: kv_len is not needed), drawn by the library's drafting
+        loop (`drafting.draft_loop`: under the rows' automata with a `guide`)."""
+        def step(k, prev, draw):
+            tok, q = draw(self.table[...][prev])
             conf = self.conf_table[...][prev] if self.conf_table is not None else jnp.ones_like(prev, jnp.float32)
-            return tok, (tok, q, conf)
-        _, (toks, qs, confs) = jax.lax.scan(step, anchor_b.astype(jnp.int32), jnp.arange(self.gamma))
-        conf = jnp.moveaxis(confs, 0, 1) if self.conf_table is not None else None
-        return DraftBlock(jnp.moveaxis(toks, 0, 1), jnp.moveaxis(qs, 0, 1), conf)
+            return tok, tok, {**({} if q is None else {"q": q}), "conf": conf}
+        _, toks, outs = draft_loop(step, anchor_b.astype(jnp.int32), self.gamma, sampling, key_b, jnp.float32, guide)
+        conf = outs["conf"] if self.conf_table is not None else None
+        return DraftBlock(toks, loop_q(outs, toks, self.vocab, jnp.float32), conf)
 
 
 def chain_drafter(vocab: int, gamma: int, chain: list[int]) -> "BigramDrafter":

@@ -110,11 +110,11 @@ def case():
     return model, plain, guided
 
 
-def _engine(model, drafter, states: int = 12) -> Engine:
+def _engine(model, drafter, states: int = 12, **config) -> Engine:
     config = EngineConfig(max_slots=2, max_len=32, policy="plain" if drafter is None else "fixed", gamma=GAMMA,
                           slots_buckets=(2,), tokens_buckets=(1, GAMMA + 1), prefill_buckets=(8,), max_prefill=8,
                           prefill_batch_buckets=(2,), sampling_variants=("greedy",), guided_regex=True,
-                          automaton_states=states)
+                          automaton_states=states, **config)
     eng = Engine(model, drafter, config, eos_token_ids=(EOS,), progress=False)
     eng.warmup()
     return eng

@@ -72,7 +72,7 @@ class Engine:
                              stop_ids=self.eos_token_ids, verifier=verifier, cache_dtype=config.cache_dtype,
                              mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap,
                              attention=config.attention, mlp=config.mlp, automaton_states=config.automaton_states,
-                             **config.logit_rules)
+                             guided_drafts=config.guided_drafts, **config.logit_rules)
         self.automata = AutomatonTable(config.automaton_states, target.config.vocab_size) if config.guided_regex \
             else None
         self.lengths = np.zeros((slots,), np.int64)  # committed cache rows per slot

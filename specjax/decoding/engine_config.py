@@ -64,6 +64,9 @@ class EngineConfig:
     # only the tokens its row's automaton allows, or eos in an accepting state
     guided_regex: bool = False
     automaton_states: int = 2048  # vLLM's json_object (any JSON object) takes ~1,600
+    # with guided_regex: drafters draw only the tokens each row's automaton allows (q renormalised over them,
+    # so verification stays exact); False proposes free drafts, which verification rejects where not allowed
+    guided_drafts: bool = True
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,

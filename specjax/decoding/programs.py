@@ -12,7 +12,8 @@ its rows [0:attn] only: the static `attn`, an attention bucket the host picks to
 participating row's length plus the tokens it writes (writes still reach the whole cache).
 A round, for the rows [0:sb] of the slots:
   draft   -> tokens, q (float32, over the drafter's draft vocabulary when it has one: see
-             decoding/verify.py) and confidences for every row, from its anchor;
+             decoding/verify.py) and confidences for every row, from its anchor (with automata and
+             `Context.guided_drafts`, drawn only from what each row's automaton allows);
   verify  -> one target pass over [anchor, d_1..d_{tb-1}] (tb = tokens bucket >= 1 + max ell),
              exact chain rejection sampling, commit: cache lengths += accepted + 1, drafter context
              appended with the anchor and accepted drafts, new anchor = the corrected/bonus token.
@@ -61,6 +62,7 @@ from specjax.decoding import row_state as rs
 from specjax.decoding.row_state import RowState
 from specjax.decoding.verify import VerifyResult
 from specjax.drafters.base import ContextUpdate, DraftBlock
+from specjax.drafters.drafting import DraftGuide
 from specjax.models import cache as kvc
 from specjax.sampling import DEFAULT_TOP_K_CAP, SamplingArrays, probs_from_logits, round_key, sample
 
@@ -86,6 +88,7 @@ class Context:
     top_k_cap: int = DEFAULT_TOP_K_CAP  # the filtered variant's lax.top_k size
     attention: str = "xla"  # cached attention (the target's, and a drafter's that has it): XLA's ops or Pallas kernels
     mlp: str = "xla"  # gate/up products and SiLU gate (the target's, and a drafter's that has it): XLA's ops or the kernel
+    guided_drafts: bool = False  # drafters draw only tokens the rows' automata allow (drafting.DraftGuide)
     cache_shardings: Any = None  # state shardings under a mesh (None without one)
     dstate_shardings: Any = None
     replicated: Any = None
@@ -298,7 +301,8 @@ def fused(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, ell_b,
     conf = jnp.zeros((sb, max(ctx.gamma, 1)), jnp.float32)
     draft_bg, q_bgn = None, None
     if tokens > 1:
-        block = _block(ctx, d_params, dstate, anchors[:sb], cache.lengths[:sb], sa, kd, attn, rows)
+        block = _block(ctx, d_params, dstate, anchors[:sb], cache.lengths[:sb], sa, kd, attn, rows,
+                       _row_stops(stop_ids, rows.ints_7s[5, :sb]))
         draft_bg, q_bgn = block.tokens, _carried_q(block)
         if block.confidence is not None:
             conf = ctx.gamma_columns(block.confidence)
@@ -324,35 +328,41 @@ def _q_ids(ctx: Context, d_params) -> Array | None:
     return None if vocab is None else vocab.d2t[...]
 
 
-def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: int, rows: RowState) -> DraftBlock:
+def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: int, rows: RowState,
+           stop_be: Array) -> DraftBlock:
     """The drafter's block for rows [0:B], its context read from rows [0:attn), with the engine's
     attention and MLP implementations when the drafter has them (`attention_implementations`,
-    `mlp_implementations`); with guided choices, the drafts they force (`row_state.guide_drafts`)."""
+    `mlp_implementations`); with automata (`ctx.guided_drafts`) drawn under each row's from its state
+    and stop ids stop_be [B, E]; with guided choices, the drafts they force (`row_state.guide_drafts`)."""
     drafter = ctx.drafter(d_params)
     kw = {name: choice for name, choice in (("attention", ctx.attention), ("mlp", ctx.mlp))
           if choice in getattr(drafter, f"{name}_implementations", ())}
+    if ctx.guided_drafts and rows.automaton:
+        b = anchor_b.shape[0]
+        kw["guide"] = DraftGuide(rows.fsm_next_nv, rows.fsm_final_n, stop_be, rows.fsm_state_s[:b])
     block = drafter.propose(dstate, anchor_b, lengths_b, sa, kd, kv_len=attn, **kw)
     return rs.guide_drafts(rows, block, _q_ids(ctx, d_params)) if rows.guided else block
 
 
 def _propose(ctx: Context, d_params, dstate, anchors, cache_lengths, sa, kd, sb: int,
-             attn: int, variant: str, rows: RowState) -> tuple[Array, Array, Array]:
+             attn: int, variant: str, rows: RowState, stop_ids: Array) -> tuple[Array, Array, Array]:
     """A block for rows [0:sb]: (tokens [sb, G], carried q [sb, G, N], gamma confidences [sb, gamma];
     all ones from a drafter without a confidence head). The drafter reads its context from rows
     [0:attn) (the attention bucket covers every row's committed length). A greedy round carries q
     without columns (`carried_q_columns`), so it is never built."""
-    block = _block(ctx, d_params, dstate, anchors[:sb], cache_lengths[:sb], sa, kd, attn, rows)
+    block = _block(ctx, d_params, dstate, anchors[:sb], cache_lengths[:sb], sa, kd, attn, rows,
+                   _row_stops(stop_ids, rows.ints_7s[5, :sb]))
     conf = block.confidence if block.confidence is not None else jnp.ones(block.tokens.shape, jnp.float32)
     q = _carried_q(block)
     return block.tokens, q[:, :, :carried_q_columns(variant, q.shape[-1])], ctx.gamma_columns(conf)
 
 
-def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, rows, ell_b, *, attn: int, variant: str):
+def draft(ctx: Context, d_params, dstate, cache_lengths, anchors, rows, ell_b, stop_ids, *, attn: int, variant: str):
     """Propose a block for every row: (tokens [sb, G], q [sb, G, N] over the drafter's draft vocabulary
     (N = V without one), gamma confidences [sb, gamma]); context read from rows [0:attn)."""
     sb = ell_b.shape[0]
     _, _, sa, kd, _ = _unpack(ctx, rows, ell_b, cache_lengths[:sb], variant)
-    return _propose(ctx, d_params, dstate, anchors, cache_lengths, sa, kd, sb, attn, variant, rows)
+    return _propose(ctx, d_params, dstate, anchors, cache_lengths, sa, kd, sb, attn, variant, rows, stop_ids)
 
 
 def verify(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell_b, stop_ids, *,
@@ -372,7 +382,8 @@ def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, e
     lengths (column "ell") and the gamma confidences."""
     sb = ell_b.shape[0]
     ell_b, active_b, sa, kd, kv = _unpack(ctx, rows, ell_b, cache.lengths[:sb], variant)
-    draft_bg, q_bgn, conf = _propose(ctx, d_params, dstate, anchors, cache.lengths, sa, kd, sb, attn, variant, rows)
+    draft_bg, q_bgn, conf = _propose(ctx, d_params, dstate, anchors, cache.lengths, sa, kd, sb, attn, variant, rows,
+                                     stop_ids)
     filled = topk_prefix_fill(conf, k_total_1[0], active_b & (ell_b > 0), tokens - 1)  # capped rows take none
     ell = jnp.where(active_b, jnp.minimum(filled, ell_b), 0)
     return _verify_commit(ctx, t_params, d_params, cache, dstate, anchors, rows, draft_bg, q_bgn, ell, active_b, sa,

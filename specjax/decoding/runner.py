@@ -61,7 +61,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            ("t_params", "d_params", *_STATE, "ell_b", "stop_ids"),
            (*_STATE, "outs"), _ROUND, donate=_STATE, static=_ROUND[1:]),
     Family("draft", programs.draft,
-           ("d_params", "dstate", "cache_lengths", "anchors", "row_state", "ell_b"),
+           ("d_params", "dstate", "cache_lengths", "anchors", "row_state", "ell_b", "stop_ids"),
            ("draft_bg", "q_bgn", "conf_bg"), ("rows", "attn", "variant"), static=("attn", "variant")),
     Family("verify", programs.verify,
            ("t_params", "d_params", *_STATE, "draft_bg", "q_bgn", "ell_b", "stop_ids"),
@@ -179,10 +179,11 @@ class Runner:
                  mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, top_k_cap: int = DEFAULT_TOP_K_CAP,
                  attention: str = "xla", mlp: str = "xla", penalties: bool = False, logit_bias: bool = False,
                  guided_choice: bool = False, guided_regex: bool = False, automaton_states: int = 0,
-                 allocate: bool = True):
+                 guided_drafts: bool = True, allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
         # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops;
-        # guided_regex: a table of `automaton_states` states over the target's vocabulary (`set_automata`)
+        # guided_regex: a table of `automaton_states` states over the target's vocabulary (`set_automata`),
+        # drafts drawn under the rows' automata unless guided_drafts is False
         self.mesh, self.gamma, self.max_len = mesh, gamma, max_len
         vocab = getattr(drafter, "draft_vocab", None)  # q travels over it from draft to verify
         self.q_cols = target.config.vocab_size if vocab is None else vocab.size
@@ -228,7 +229,7 @@ class Runner:
         if mlp == "pallas":
             check_mlp_sizes(target.config.hidden_size, target.config.intermediate_size)
         ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
-                               top_k_cap, attention, mlp, **shardings)
+                               top_k_cap, attention, mlp, guided_regex and guided_drafts, **shardings)
         self.exes = {name: Executables(name, ctx) for name in FAMILIES}
 
     @property

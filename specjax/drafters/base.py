@@ -66,9 +66,11 @@ class Drafter(Protocol):
     def init_state(self, slots: int, max_len: int) -> Any: ...
 
     def propose(self, state: Any, anchor_b: Array, position_b: Array, sampling: Any,
-                key_b: Array, kv_len: int | None = None) -> DraftBlock:
+                key_b: Array, kv_len: int | None = None, guide: Any = None) -> DraftBlock:
         """A block for rows [0:B]. `kv_len` (static): every row's committed context lies in state
-        rows [0:kv_len) (the target's attention bucket), so a drafter may read only those; None: all."""
+        rows [0:kv_len) (the target's attention bucket), so a drafter may read only those; None: all.
+        `guide` (a `drafting.DraftGuide`, rows following token automata): a drafter may draw from its
+        q renormalised over the tokens each row's automaton allows (the q it returns)."""
         ...
 
     def commit(self, state: Any, update: ContextUpdate) -> Any: ...

@@ -26,11 +26,11 @@ from specjax.checkpoints.common import KeyMap
 from specjax.config import ConfigError, TargetConfig, check_layer_dims, check_positive, coerce_floats
 from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate, DraftBlock
-from specjax.drafters.drafting import draft_loop, loop_q, step_outputs
+from specjax.drafters.drafting import DraftGuide, Draw, draft_loop, loop_q, step_outputs
 from specjax.models import cache as kvc
 from specjax.models.layers import RMSNorm, gqa_attention
 from specjax.models.unfused import Attention
-from specjax.sampling import SamplingArrays, draft_draw, round_key
+from specjax.sampling import SamplingArrays
 
 Array = jax.Array
 _INIT_STD = 0.02
@@ -437,10 +437,11 @@ class PairCacheDrafter(nnx.Module):
                             kv_len: int | None = None) -> tuple[DraftBlock, Array]:
         """`propose`, also returning the draft logits [B, gamma, V] (float32) each q came from
         (-inf outside a draft vocabulary)."""
-        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, with_logits=True)
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, None, with_logits=True)
 
     def _draft(self, state: PairCacheState, anchor_b: Array, position_b: Array, sampling: SamplingArrays,
-               key_b: Array, kv_len: int | None, *, with_logits: bool) -> tuple[DraftBlock, Array | None]:
+               key_b: Array, kv_len: int | None, guide: DraftGuide | None, *,
+               with_logits: bool) -> tuple[DraftBlock, Array | None]:
         b = anchor_b.shape[0]
         vocab = self.draft_vocab
         g = self.gamma
@@ -452,7 +453,7 @@ class PairCacheDrafter(nnx.Module):
         attn = self._attention()
         buf = jnp.zeros((b, g, self.num_kv_heads, self.head_dim), k_ctx.dtype)
 
-        def step(k: Array, carry: tuple[Array, Array, Array, Array]) -> tuple[tuple, Array, Array, Array]:
+        def step(k: Array, carry: tuple[Array, Array, Array, Array], draw: Draw) -> tuple[tuple, Array, dict]:
             feat_bh, tok_b, dk, dv_ = carry
             pos = (base_pos + k)[:, None]
             x_in, res = self._attn_input(feat_bh[:, None, :], tok_b[:, None])
@@ -464,20 +465,24 @@ class PairCacheDrafter(nnx.Module):
             a = attend_context_and_block(q, k_ctx, v_ctx, mask_ctx, dk, dv_, mask_blk)
             out = self._finish(res, a)  # [B, 1, H]
             z = self._logits(out)[:, 0]  # [B, N] float32
-            d, q_bn = draft_draw(round_key(key_b, k), z, sampling, self.dtype)
-            nxt = dv.target_ids(vocab, d)
-            return (out[:, 0].astype(feat_bh.dtype), nxt, dk, dv_), nxt, step_outputs(q_bn, z, with_logits)
+            d, q_bn = draw(z)
+            carry = (out[:, 0].astype(feat_bh.dtype), dv.target_ids(vocab, d), dk, dv_)
+            return carry, d, step_outputs(q_bn, z, with_logits)
 
         carry0 = (state.pending[:b], anchor_b.astype(jnp.int32), buf, buf)
-        _, tokens, outs = draft_loop(step, carry0, g)
-        q_bgn = loop_q(outs, dv.draft_index(vocab, tokens), self.config.out_vocab_size, self.dtype)
+        _, d_bg, outs = draft_loop(step, carry0, g, sampling, key_b, self.dtype, guide,
+                                   None if vocab is None else vocab.d2t[...])
+        tokens = dv.target_ids(vocab, d_bg)
+        q_bgn = loop_q(outs, d_bg, self.config.out_vocab_size, self.dtype)
         block = DraftBlock(tokens=tokens, q=dv.full_probs(vocab, q_bgn), confidence=None,
                            q_draft=None if vocab is None else q_bgn)
         return block, (dv.full_logits(vocab, outs["z"]) if with_logits else None)
 
     def propose(self, state: PairCacheState, anchor_b: Array, position_b: Array,
-                sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:
-        """Propose gamma tokens for rows [0:B] (anchor at position_b), sampled from the q returned;
-        committed pairs are read from rows [0:kv_len) when given."""
-        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, with_logits=False)[0]
+                sampling: SamplingArrays, key_b: Array, kv_len: int | None = None,
+                guide: DraftGuide | None = None) -> DraftBlock:
+        """Propose gamma tokens for rows [0:B] (anchor at position_b), sampled from the q returned
+        (under the rows' automata with a `guide`: `drafting.draft_loop`); committed pairs are read from
+        rows [0:kv_len) when given."""
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, guide, with_logits=False)[0]
 

@@ -1,4 +1,11 @@
-"""A drafter's sequential steps: the loop that runs them (`draft_loop`) and what it keeps.
+"""A drafter's sequential steps: the loop that runs them (`draft_loop`), the draws it makes and what it keeps.
+
+Each step computes its logits z over the drafter's columns (its draft vocabulary, or the target's) and
+draws from them with the `draw` the loop hands it. With a `DraftGuide` (rows following a token automaton:
+guided_regex / guided_json) the loop walks each row's automaton over the drafts and a draw sees only the
+columns the row's state allows (or a stop id where it accepts), so q is the drafter's distribution
+renormalised over them: verification stays exact (every draft is drawn from the q it carries) and drafts
+the target could never accept are not proposed.
 
 In a greedy round (`SamplingArrays.greedy`) a step's q is the one-hot of its draw, which the greedy
 verifier does not read: the loop keeps none and `loop_q` builds it after the loop where a program
@@ -6,32 +13,70 @@ returns it (the separate draft program); a fused round's compiler then drops it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import one_hot_q
+from specjax.sampling import SamplingArrays, draft_draw, one_hot_q, round_key
 
 Array = jax.Array
+Draw = Callable[[Array], tuple[Array, Array | None]]  # logits z [B, N] float32 -> (draft index [B], q [B, N] | None)
 
 
-def draft_loop(step: Callable[[Array, Any], tuple[Any, Array, dict[str, Array]]], carry0: Any, gamma: int
-               ) -> tuple[Any, Array, dict[str, Array]]:
-    """Run a drafter's `gamma` sequential steps, `step(k, carry) -> (carry, token_b, outs)` with
-    `outs` a dict of per-step arrays [B, ...] (`step_outputs`), writing each step's token and outs
-    into [B, gamma, ...] buffers in place (no per-step stack to transpose after the loop). Returns
-    the last carry, tokens [B, gamma] (int32) and each out as [B, gamma, ...] in its step's dtype."""
-    _, tok, outs = jax.eval_shape(step, jnp.int32(0), carry0)
+class DraftGuide(NamedTuple):
+    """The rows' token automata a drafting loop follows (an engine serving guided_regex)."""
 
-    def body(k: Array, c: tuple[Any, Array, dict[str, Array]]) -> tuple[Any, Array, dict[str, Array]]:
-        carry, tok_bg, outs_bg = c
-        carry, tok_b, outs_b = step(k, carry)
+    next_nv: Array  # int16 [S, V]: the engine's automaton table, the state after each token, -1: not allowed
+    final_n: Array  # bool [S]: accepting states (a stop id is allowed there)
+    stop_be: Array  # int32 [B, E]: each row's stop ids, -1 padding
+    state_b: Array  # int32 [B]: each row's state after its committed output (the anchor included), -1: none
+
+
+def _guide_columns(guide: DraftGuide, state_b: Array, cols_n: Array | None) -> tuple[Array, Array]:
+    """(next state after each column [B, N] int32 (-1: not allowed), allowed [B, N] bool) of rows in
+    state_b; columns `cols_n` (target ids of a draft vocabulary) or all V. A row without a state, or
+    whose state allows none of the columns, allows all of them."""
+    s, v = guide.next_nv.shape
+    ids = jnp.arange(v, dtype=jnp.int32) if cols_n is None else cols_n.astype(jnp.int32)
+    st = jnp.clip(state_b, 0, s - 1)
+    nxt = guide.next_nv[st].astype(jnp.int32)  # [B, V]
+    nxt = nxt if cols_n is None else jnp.take(nxt, ids, axis=1)
+    stop = jnp.any((guide.stop_be[:, :, None] == ids[None, None, :]) & (guide.stop_be[:, :, None] >= 0), axis=1)
+    allowed = (nxt >= 0) | (guide.final_n[st][:, None] & stop)
+    on = (state_b >= 0) & jnp.any(allowed, axis=1)
+    return jnp.where((state_b >= 0)[:, None], nxt, -1), allowed | ~on[:, None]
+
+
+def draft_loop(step: Callable[[Array, Any, Draw], tuple[Any, Array, dict[str, Array]]], carry0: Any, gamma: int,
+               sampling: SamplingArrays, key_b: Array, dtype: Any, guide: DraftGuide | None = None,
+               cols_n: Array | None = None) -> tuple[Any, Array, dict[str, Array]]:
+    """Run a drafter's `gamma` sequential steps, `step(k, carry, draw) -> (carry, d_b, outs)`: d_b the
+    draft index [B] `draw(z_bn)` returned, `outs` a dict of per-step arrays [B, ...] (`step_outputs`),
+    each step's index and outs written into [B, gamma, ...] buffers in place (no per-step stack to
+    transpose after the loop). `draw` is `sampling.draft_draw` with step k's keys (`round_key(key_b, k)`,
+    q in `dtype`), under `guide` when given (`cols_n`: the target ids of z's columns, None: all V).
+    Returns the last carry, draft indices [B, gamma] (int32) and each out as [B, gamma, ...]."""
+    def draw_at(k: Array, allowed_bn: Array | None) -> Draw:
+        def draw(z_bn: Array) -> tuple[Array, Array | None]:
+            z_bn = z_bn if allowed_bn is None else jnp.where(allowed_bn, z_bn, -jnp.inf)
+            return draft_draw(round_key(key_b, k), z_bn, sampling, dtype)
+        return draw
+    _, tok, outs = jax.eval_shape(lambda k, c: step(k, c, draw_at(k, None)), jnp.int32(0), carry0)
+
+    def body(k: Array, c: tuple[Any, Array, dict[str, Array], Array | None]) -> tuple:
+        carry, tok_bg, outs_bg, state_b = c
+        nxt_bn, allowed_bn = (None, None) if guide is None else _guide_columns(guide, state_b, cols_n)
+        carry, tok_b, outs_b = step(k, carry, draw_at(k, allowed_bn))
+        if guide is not None:
+            state_b = jnp.take_along_axis(nxt_bn, tok_b.astype(jnp.int32)[:, None], axis=1)[:, 0]
         put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=k, axis=1)
-        return carry, put(tok_bg, tok_b.astype(jnp.int32)), {n: put(outs_bg[n], x) for n, x in outs_b.items()}
+        return carry, put(tok_bg, tok_b.astype(jnp.int32)), {n: put(outs_bg[n], x) for n, x in outs_b.items()}, state_b
     tok_bg = jnp.zeros((tok.shape[0], gamma), jnp.int32)
     outs_bg = {n: jnp.zeros((x.shape[0], gamma, *x.shape[1:]), x.dtype) for n, x in outs.items()}
-    return jax.lax.fori_loop(0, gamma, body, (carry0, tok_bg, outs_bg))
+    state0 = None if guide is None else guide.state_b.astype(jnp.int32)
+    carry, tok_bg, outs_bg, _ = jax.lax.fori_loop(0, gamma, body, (carry0, tok_bg, outs_bg, state0))
+    return carry, tok_bg, outs_bg
 
 
 def step_outputs(q_bn: Array | None, z_bn: Array, with_logits: bool) -> dict[str, Array]:

@@ -40,13 +40,13 @@ from specjax.drafters import vocab as dv
 from specjax.drafters.base import ContextUpdate, DraftBlock
 from specjax.drafters.block_layout import block_attention_mask, block_positions
 from specjax.drafters.common import Calibration, FrozenEmbed, FrozenLMHead, TapDims, copy_frozen_from_target
-from specjax.drafters.drafting import draft_loop, loop_q, step_outputs
+from specjax.drafters.drafting import DraftGuide, Draw, draft_loop, loop_q, step_outputs
 from specjax.drafters.dspark_layers import ConfidenceHead, DraftDecoderLayer, MarkovHead, RNNHead
 from specjax.models import cache as kvc
 from specjax.models.layers import Linear, RMSNorm
 from specjax.models.pallas_attention import ATTENTION_IMPLEMENTATIONS
 from specjax.models.pallas_mlp import MLP_IMPLEMENTATIONS
-from specjax.sampling import SamplingArrays, draft_draw, round_key
+from specjax.sampling import SamplingArrays
 
 Array = jax.Array
 MARKOV_HEAD_TYPES = ("vanilla", "rnn")
@@ -297,18 +297,22 @@ class DSparkDrafter(nnx.Module):
                             attention: str = "xla", mlp: str = "xla") -> tuple[DraftBlock, Array]:
         """`propose`, also returning the draft logits z [B, K, V] (float32) the q came from
         (-inf outside a draft vocabulary)."""
-        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, attention, mlp, with_logits=True)
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, attention, mlp, None,
+                           with_logits=True)
 
     def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array, sampling: SamplingArrays,
-                key_b: Array, kv_len: int | None = None, attention: str = "xla", mlp: str = "xla") -> DraftBlock:
+                key_b: Array, kv_len: int | None = None, attention: str = "xla", mlp: str = "xla",
+                guide: DraftGuide | None = None) -> DraftBlock:
         """Propose gamma tokens per row [0:B]: the anchor at position_b sees cached context
         j < lengths[b] (read from rows [0:kv_len) when given; its attention in XLA's ops or, with
         `attention` "pallas", one kernel per layer; likewise its MLP's gate with `mlp`); tokens are
-        sampled left to right from q = draft_probs(z_k) (probs_from_logits in the drafter's dtype)."""
-        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, attention, mlp, with_logits=False)[0]
+        sampled left to right from q = draft_probs(z_k) (probs_from_logits in the drafter's dtype), under
+        the rows' automata with a `guide` (`drafting.draft_loop`)."""
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, attention, mlp, guide,
+                           with_logits=False)[0]
 
     def _draft(self, state: kvc.KVCache, anchor_b: Array, position_b: Array, sampling: SamplingArrays,
-               key_b: Array, kv_len: int | None, attention: str, mlp: str, *,
+               key_b: Array, kv_len: int | None, attention: str, mlp: str, guide: DraftGuide | None, *,
                with_logits: bool) -> tuple[DraftBlock, Array | None]:
         b = anchor_b.shape[0]
         vocab = self.draft_vocab
@@ -317,17 +321,18 @@ class DSparkDrafter(nnx.Module):
         head = self.markov_head
         carry0 = (head.init_carry((b,), h.dtype) if head is not None else None, dv.draft_index(vocab, anchor_b))
 
-        def step(k: Array, carry: tuple) -> tuple[tuple, Array, dict[str, Array]]:
+        def step(k: Array, carry: tuple, draw: Draw) -> tuple[tuple, Array, dict[str, Array]]:
             head_carry, prev_b = carry  # prev_b: draft index of the previous token
             z = jax.lax.dynamic_index_in_dim(u, k, axis=1, keepdims=False).astype(jnp.float32)
             if head is not None:
                 head_carry, bias = head.step(head_carry, jax.lax.dynamic_index_in_dim(h, k, axis=1, keepdims=False),
                                              prev_b)
                 z = z + bias
-            d, q = draft_draw(round_key(key_b, k), z, sampling, self.dtype)  # d: a draft index
+            d, q = draw(z)  # d: a draft index
             return (head_carry, d), d, step_outputs(q, z, with_logits)
 
-        _, d_bk, outs = draft_loop(step, carry0, self.gamma)
+        _, d_bk, outs = draft_loop(step, carry0, self.gamma, sampling, key_b, self.dtype, guide,
+                                   None if vocab is None else vocab.d2t[...])
         q_bkn = loop_q(outs, d_bk, u.shape[-1], self.dtype)
         tokens = dv.target_ids(vocab, d_bk)
         conf = None

@@ -55,8 +55,9 @@ class NGramDrafter(nnx.Module):
         return NGramState(hist, state.lengths.at[:b].add(update.n_valid.astype(jnp.int32)))
 
     def propose(self, state: NGramState, anchor_b: Array, position_b: Array, sampling, key_b: Array,
-                kv_len: int | None = None) -> DraftBlock:
-        """Continue the latest earlier match of the longest suffix n-gram (history rows [0:kv_len))."""
+                kv_len: int | None = None, guide: Any = None) -> DraftBlock:
+        """Continue the latest earlier match of the longest suffix n-gram (history rows [0:kv_len)).
+        The proposals are copies of earlier text: a `guide` (rows' automata) does not change them."""
         b = anchor_b.shape[0]
         hist = state.history[:b, :kv_len]  # kv_len None: every row
         m = hist.shape[1]

@@ -37,10 +37,10 @@ from specjax.config import (SUPPORTED_ARCHITECTURES, ConfigError, TargetConfig,
 from specjax.drafters import losses
 from specjax.drafters.base import ContextUpdate, DraftBlock, Kind, TargetView
 from specjax.drafters.common import TrainingSection, shift_left
-from specjax.drafters.drafting import draft_loop, loop_q, step_outputs
+from specjax.drafters.drafting import DraftGuide, Draw, draft_loop, loop_q, step_outputs
 from specjax.models import cache as kvc
 from specjax.models.decoder import CausalLM
-from specjax.sampling import SamplingArrays, draft_draw, round_key
+from specjax.sampling import SamplingArrays
 
 Array = jax.Array
 ARCHITECTURE = "SpecjaxStandaloneDrafter"
@@ -97,30 +97,34 @@ class StandaloneDrafter(nnx.Module):
                             sampling: SamplingArrays, key_b: Array,
                             kv_len: int | None = None) -> tuple[DraftBlock, Array]:
         """`propose`, also returning the draft logits [B, gamma, V] (float32) each q came from."""
-        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, with_logits=True)
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, None, with_logits=True)
 
     def propose(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
-                sampling: SamplingArrays, key_b: Array, kv_len: int | None = None) -> DraftBlock:
+                sampling: SamplingArrays, key_b: Array, kv_len: int | None = None,
+                guide: DraftGuide | None = None) -> DraftBlock:
         """Propose gamma tokens for rows [0:B] autoregressively from the anchor at position_b
-        (its cache read up to the context bound kv_len plus the block's gamma entries)."""
-        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, with_logits=False)[0]
+        (its cache read up to the context bound kv_len plus the block's gamma entries), under the
+        rows' automata with a `guide` (`drafting.draft_loop`)."""
+        return self._draft(state, anchor_b, position_b, sampling, key_b, kv_len, guide, with_logits=False)[0]
 
     def _draft(self, state: kvc.KVCache, anchor_b: Array, position_b: Array, sampling: SamplingArrays,
-               key_b: Array, kv_len: int | None, *, with_logits: bool) -> tuple[DraftBlock, Array | None]:
+               key_b: Array, kv_len: int | None, guide: DraftGuide | None, *,
+               with_logits: bool) -> tuple[DraftBlock, Array | None]:
         b = anchor_b.shape[0]
         # the block's own gamma entries follow the committed context: read rows [0:kv_len + gamma)
         read = None if kv_len is None or kv_len + self.gamma >= state.max_len else kv_len + self.gamma
         sub = kvc.KVCache(kv=tuple(x[:, :b] for x in state.kv), lengths=state.lengths[:b])
         pos0 = position_b.astype(jnp.int32)
 
-        def step(k: Array, carry: tuple[kvc.KVCache, Array]) -> tuple[tuple, Array, dict[str, Array]]:
+        def step(k: Array, carry: tuple[kvc.KVCache, Array], draw: Draw) -> tuple[tuple, Array, dict[str, Array]]:
             cache, tok_b = carry
             out = self.model.forward(tok_b[:, None], (pos0 + k)[:, None], cache, logits="all", kv_len=read)
             z = out.logits[:, 0]  # [B, V] float32
-            nxt, q = draft_draw(round_key(key_b, k), z, sampling, self.dtype)
+            nxt, q = draw(z)
             return (out.cache, nxt), nxt, step_outputs(q, z, with_logits)
 
-        _, tokens, outs = draft_loop(step, (sub, anchor_b.astype(jnp.int32)), self.gamma)
+        _, tokens, outs = draft_loop(step, (sub, anchor_b.astype(jnp.int32)), self.gamma, sampling, key_b,
+                                     self.dtype, guide)
         q_bgv = loop_q(outs, tokens, self.model.config.vocab_size, self.dtype)
         return DraftBlock(tokens=tokens, q=q_bgv, confidence=None), outs.get("z")
 
