@@ -377,11 +377,12 @@ def test_the_python_api_and_the_server_serve_guided_regex_and_json(tok):
 def test_tool_choice_is_answered_as_tool_calls(tok):
     """A named tool_choice answers that function's arguments (JSON of its parameters) as one tool call,
     "required" a list of calls; "none" answers text (the control: unguided, no valid arguments);
-    "auto", a function not listed, streaming and tool_choice without tools are refused naming the field."""
+    "auto", a function not listed, streaming "required" and tool_choice without tools are refused naming the
+    field. A named call streams: its first delta names it, the next carry its arguments in pieces."""
     from specjax.api import LLM
     from specjax.serving.http_server import ServerThread
     from specjax.serving.openai_api import OpenAIApp
-    from serving_fixtures import http_json
+    from serving_fixtures import http_json, http_request, sse_events
     chat_tok = byte_level_tokenizer()
     chat_tok.chat_template = ("{% for m in messages %}{{ m['content'] or '' }}\n{% endfor %}"
                               "{% if tools %}[{{ tools | length }} tools]{% endif %}")
@@ -409,6 +410,15 @@ def test_tool_choice_is_answered_as_tool_calls(tok):
         (call,) = c["message"]["tool_calls"]
         assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] in (
             "Paris", "Rome"), r
+        status, _, data = http_request(server.url + "/v1/chat/completions", "POST", {
+            "messages": history, "tools": [weather, clock], "temperature": 0, "max_tokens": 60, "stream": True,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+        chunks = [e["choices"][0] for e in sse_events(data) if e != "[DONE]" and e["choices"]]
+        (first,) = chunks[0]["delta"]["tool_calls"]
+        assert status == 200 and first["function"]["name"] == "get_weather" and first["id"].startswith("call_")
+        pieces = [d["function"]["arguments"] for c in chunks for d in c["delta"].get("tool_calls", [])]
+        assert "".join(pieces) == call["function"]["arguments"] and len(pieces) > 2, pieces  # streamed in pieces
+        assert [c["finish_reason"] for c in chunks][-1] == "tool_calls" and "content" not in chunks[-1]["delta"]
         status, r = ask(tool_choice="required", max_tokens=120)
         calls = r["choices"][0]["message"]["tool_calls"]
         assert status == 200 and calls and all(x["function"]["name"] in ("get_weather", "get_time") for x in calls), r

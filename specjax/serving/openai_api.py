@@ -27,10 +27,11 @@ with `echo` (the prompt alone). Echo with logprobs needs the prompt to fit the e
 prefill bucket (no chunking: 400 naming the limit); echo is not streamed. vLLM's `prompt_logprobs`
 k (completions: in each choice; chat: at the top of the answer) gives each prompt token after the
 first its log-probability, rank and the top k alternatives, scored as echo's (not streamed). Not
-served (400 naming the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, tools,
-`response_format` and guided decoding but for choices. vLLM's `ignore_eos`, `min_p` and `min_tokens` are served; the presence, frequency and
-repetition penalties by a server started with `--penalties`; `logit_bias`, `allowed_token_ids` and
-`bad_words` by one started with `--logit-bias`; `guided_choice` by one started with `--guided-choice`.
+served (400 naming the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, `guided_grammar`. vLLM's
+`ignore_eos`, `min_p` and `min_tokens` are served; the presence, frequency and repetition penalties by a
+server started with `--penalties`; `logit_bias`, `allowed_token_ids` and `bad_words` by one started with
+`--logit-bias`; `guided_choice` by one started with `--guided-choice`; `guided_regex`, `guided_json`,
+`response_format` and tool calls (`tool_calls`) by one started with `--guided-regex`.
 
 Status codes: 400 bad or unsupported fields, prompts or max_tokens over the limits; 404 unknown
 model; 503 when the engine's waiting queue is full or the engine is not running; 504 when a request

@@ -8,6 +8,7 @@ from typing import Any, Awaitable, Callable
 from specjax.serving.async_engine import AsyncEngine, RequestStream, StreamEvent
 from specjax.serving.detokenize import StreamDetokenizer
 from specjax.serving.errors import APIError
+from specjax.serving.tool_calls import call_id, tool_delta
 
 _POLL_S = 1.0  # how often a waiting non-streamed request checks whether its client is still there
 
@@ -49,7 +50,8 @@ class Waiter:
 
 
 class ChoiceStream:
-    """One choice's streamed deltas: incremental text and token ids; the final chunk completes the text."""
+    """One choice's streamed deltas: incremental text and token ids (a chat answer that is a named
+    function's call: pieces of its arguments, `tool_calls.tool_delta`); the final chunk completes the text."""
 
     def __init__(self, app: Any, index: int, stream: RequestStream, chat: bool):
         self.app, self.index, self.stream, self.chat = app, index, stream, chat
@@ -58,6 +60,7 @@ class ChoiceStream:
         self.sent_text: list[str] = []
         self.token_chars = 0  # completions' `text_offset` of the next token
         self.first = True
+        self.call = call_id()  # a streamed tool call's id
 
     def chunk(self, ev: StreamEvent, parsed: Any) -> dict[str, Any]:
         start = len(self.sent_ids)
@@ -80,7 +83,10 @@ class ChoiceStream:
         if logprobs is not None and not self.chat:
             self.token_chars += sum(len(t) for t in logprobs["tokens"])
         c: dict[str, Any] = {"index": self.index, "finish_reason": finish, "token_ids": ids, "logprobs": logprobs}
-        if self.chat:
+        tools = getattr(parsed, "tools", None)
+        if self.chat and tools is not None:  # a named function's call (tool_calls.tool_delta)
+            c["delta"], c["finish_reason"] = tool_delta(tools, self.call, text, self.first, finish)
+        elif self.chat:
             c["delta"] = ({"role": "assistant", "content": text} if self.first else
                           ({"content": text} if text or finish is None else {}))
         else:

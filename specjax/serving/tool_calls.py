@@ -5,7 +5,9 @@ function's arguments: JSON of its `parameters` schema, returned as one `tool_cal
 makes the answer a JSON array of one or more {"name", "parameters"} objects, each a listed function
 with its schema, returned as that many entries. "none" answers as without tools. "auto" (OpenAI's
 default when tools are given) would need a parser of the model's own tool-call format: it is refused
-naming `tool_choice`. The tools are passed to the chat template. Not streamed.
+naming `tool_choice`. The tools are passed to the chat template. A named function's call streams as
+OpenAI's do (the first delta names the call, the next ones carry pieces of its arguments, the last
+chunk's finish_reason is "tool_calls"); "required" is not streamed (refused naming `stream`).
 """
 from __future__ import annotations
 
@@ -46,9 +48,10 @@ def tool_guide(body: Mapping[str, Any]) -> tuple[ToolMode | None, dict[str, Any]
     for guide in (*GUIDES, "response_format", "structured_outputs"):
         if body.get(guide) is not None:
             raise APIError(400, f"'{guide}' is not served with a tool_choice (it guides the answer itself)", param=guide)
-    if body.get("stream"):
-        raise APIError(400, "tool calls are not streamed: send 'stream': false", param="stream")
     if choice == "required":
+        if body.get("stream"):
+            raise APIError(400, "tool_choice \"required\" is not streamed: send 'stream': false or name a function",
+                           param="stream")
         calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
                   "required": ["name", "parameters"]} for name, params in functions.items()]
         return ToolMode(None), {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, list(tools)
@@ -75,6 +78,23 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_delta(mode: ToolMode, call: str, text: str, first: bool, finish_reason: str | None
+               ) -> tuple[dict[str, Any], str | None]:
+    """(a streamed chat delta, its chunk's finish reason) of a named function's call `call` (its id):
+    the first delta names the call, each carries the next piece of its arguments `text`; an answer that
+    ended whole finishes with "tool_calls", one cut short with the engine's reason."""
+    if first:
+        delta = {"role": "assistant", "content": None, "tool_calls": [
+            {"index": 0, "id": call, "type": "function", "function": {"name": mode.function, "arguments": text}}]}
+    else:
+        delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+    return delta, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def tool_message(text: str, mode: ToolMode | None, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     """(the assistant message, the finish reason) of an answer under `mode`: its tool calls and
     "tool_calls" when it ended whole; its text as content (and the engine's reason) when cut short,
@@ -86,5 +106,5 @@ def tool_message(text: str, mode: ToolMode | None, finish_reason: str | None) ->
     else:
         calls = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
     return {"role": "assistant", "content": None,
-            "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "tool_calls": [{"id": call_id(), "type": "function",
                             "function": {"name": name, "arguments": args}} for name, args in calls]}, "tool_calls"
