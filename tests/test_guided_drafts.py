@@ -19,7 +19,7 @@ from specjax.sampling import SamplingArrays, draft_probs
 
 from engine_fixtures import BigramDrafter, chi_square_pvalue
 from test_drafters_lossless import make
-from test_guided_regex import EOS, GAMMA, LAW, PROMPT, SIX, V, _engine, _law, _sampled, automaton, case, small  # noqa: F401
+from test_guided_regex import GAMMA, PROMPT, SIX, V, _engine, _law, _sampled, automaton, guided_case, small_target
 
 KINDS = ["dspark", "dspark-vocab", "dspark-rnn", "dflash", "eagle3", "mtp1", "standalone"]
 # over 8 tokens, stop id 0: 0 -{3,4}-> 1 -{2,6}-> 2 (accepting) -{5}-> 2; state 3 allows only 4
@@ -35,6 +35,16 @@ def _drafter(kind: str, target):
                                          block_size=GAMMA, markov_rank=8, confidence_head=True,
                                          draft_vocab_size=len(DRAFT_IDS))
     return make_block_drafter(target, target.config, cfg, nnx.Rngs(4), draft_ids=DRAFT_IDS)
+
+
+@pytest.fixture(scope="module")
+def case():
+    return guided_case()
+
+
+@pytest.fixture(scope="module")
+def small():
+    return small_target()
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +130,7 @@ def _decoy_drafter(guided_ref: list[int]) -> BigramDrafter:
 
 
 @pytest.mark.parametrize("guided_drafts", [True, False])
-def test_guided_drafts_are_accepted_where_free_ones_never_are(case, guided_drafts):  # noqa: F811
+def test_guided_drafts_are_accepted_where_free_ones_never_are(case, guided_drafts):
     from specjax.decoding.engine import EngineRequest
     model, plain, guided_ref = case
     eng = _engine(model, _decoy_drafter(guided_ref), guided_drafts=guided_drafts)
@@ -148,7 +158,7 @@ _draft_draw = drafting.draft_draw
 
 
 def test_sampled_outputs_with_guided_drafts_follow_the_law_and_a_q_that_forgets_the_automaton_does_not(
-        small, monkeypatch):  # noqa: F811
+        small, monkeypatch):
     """The law test of test_guided_regex runs with guided drafts (the engine's default); here its
     control: a drafter reporting q without the automaton's mask biases the output."""
     monkeypatch.setattr(drafting, "draft_draw", _q_forgets_the_automaton)

@@ -100,14 +100,19 @@ def test_the_table_shares_evicts_and_makes_a_request_wait():
         table.acquire(automaton({s: {1: s + 1} for s in range(9)}, {9}, 8, "big"))
 
 
-@pytest.fixture(scope="module")
-def case():
+def guided_case():
+    """(a tiny target, its plain greedy answer to PROMPT, its greedy answer under SIX then eos)."""
     model = tiny_target(V, seed=5, init_scale=2.0)
     plain = greedy_reference(model, PROMPT, N)
     guided = ruled_greedy(model, PROMPT, N, _rule(SIX))
     guided = guided[:guided.index(EOS) + 1] if EOS in guided else guided
     assert SIX.walk(guided[:-1]) >= 0 and guided[-1] == EOS and guided[:3] != plain[:3], (guided, plain)
     return model, plain, guided
+
+
+@pytest.fixture(scope="module")
+def case():
+    return guided_case()
 
 
 def _engine(model, drafter, states: int = 12, **config) -> Engine:
@@ -170,9 +175,13 @@ def test_negative_control_states_that_forget_the_drafts(case, monkeypatch):
     assert guided.output_ids != guided_ref
 
 
+def small_target():
+    return tiny_target(8, seed=3, init_scale=3.0)
+
+
 @pytest.fixture(scope="module")
 def small():
-    return tiny_target(8, seed=3, init_scale=3.0)
+    return small_target()
 
 
 # over 8 tokens, eos 0: three tokens, then eos or one of 1 2 (then eos)
@@ -377,7 +386,8 @@ def test_the_python_api_and_the_server_serve_guided_regex_and_json(tok):
 def test_tool_choice_is_answered_as_tool_calls(tok):
     """A named tool_choice answers that function's arguments (JSON of its parameters) as one tool call,
     "required" a list of calls; "none" answers text (the control: unguided, no valid arguments);
-    "auto", a function not listed, streaming "required" and tool_choice without tools are refused naming the
+    "auto" (a server with --tool-call-parser hermes) the model's own text, and its calls where it writes them;
+    a function not listed, streaming "required" or "auto" and tool_choice without tools are refused naming the
     field. A named call streams: its first delta names it, the next carry its arguments in pieces."""
     from specjax.api import LLM
     from specjax.serving.http_server import ServerThread
@@ -388,7 +398,8 @@ def test_tool_choice_is_answered_as_tool_calls(tok):
                               "{% if tools %}[{{ tools | length }} tools]{% endif %}")
     model = tiny_target(len(chat_tok), seed=11, init_scale=2.0)
     llm = LLM(target=(model, dataclasses.replace(model.config, eos_token_ids=(chat_tok.eos_token_id,))),
-              max_num_seqs=2, max_model_len=192, max_prefill=64, guided_regex=True, sampling_variants=("greedy",))
+              max_num_seqs=2, max_model_len=192, max_prefill=64, guided_regex=True, sampling_variants=("greedy",),
+              logit_bias=True)  # logit_bias: an answer that ends at once (eos), read as the model's calls
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
     clock = {"type": "function", "function": {"name": "get_time", "parameters": {
@@ -397,7 +408,7 @@ def test_tool_choice_is_answered_as_tool_calls(tok):
                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                    "name": "get_time", "arguments": "{\"utc\": true}"}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
-    api = OpenAIApp.from_llm(llm, model_name="tiny", tokenizer=chat_tok)
+    api = OpenAIApp.from_llm(llm, model_name="tiny", tokenizer=chat_tok, tool_parser="hermes")
     server = ServerThread(api)
 
     def ask(**kw):
@@ -430,8 +441,18 @@ def test_tool_choice_is_answered_as_tool_calls(tok):
         assert status == 200 and not r["choices"][0]["message"].get("tool_calls"), r
         with pytest.raises(ValueError):
             json.loads(text)  # unguided: not the arguments of a call
-        for kw, param, fragment in [({}, "tool_choice", "needs a parser"),
-                                    ({"tool_choice": "auto"}, "tool_choice", "needs a parser"),
+        status, r = ask(max_tokens=12)  # "auto": the model's own text; this one holds no call
+        assert status == 200 and r["choices"][0]["message"]["content"] and "tool_calls" not in r["choices"][0]["message"]
+        said = '<tool_call>\n{"name": "get_time", "arguments": {"utc": false}}\n</tool_call>'
+        decode, api._decode = api._decode, lambda ids: "Checking. " + said  # as if the model wrote a hermes call
+        try:
+            status, r = ask(tool_choice="auto", max_tokens=12, logit_bias={str(chat_tok.eos_token_id): 100})
+        finally:
+            api._decode = decode
+        m, reason = r["choices"][0]["message"], r["choices"][0]["finish_reason"]
+        assert (m["content"], reason, m["tool_calls"][0]["function"]) == (
+            "Checking.", "tool_calls", {"name": "get_time", "arguments": '{"utc": false}'}), r
+        for kw, param, fragment in [({"stream": True}, "stream", "\"auto\" is not streamed"),
                                     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
                                      "one of ['get_time', 'get_weather']"),
                                     ({"tool_choice": "required", "stream": True}, "stream", "not streamed"),

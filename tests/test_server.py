@@ -30,7 +30,8 @@ from specjax.decoding.engine import Engine
 from specjax.serving import http_server
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError
 from specjax.serving.http_server import ServerThread
-from specjax.serving.openai_api import OpenAIApp, ServerLimits
+from specjax.serving.limits import ServerLimits
+from specjax.serving.openai_api import OpenAIApp
 from specjax.serving.request_metrics import response_metrics
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7]

@@ -26,7 +26,8 @@ except ImportError:  # tests/ itself on sys.path
     from serving_fixtures import http_json, shared_tiny_llm, tiny_chat_tokenizer
 
 from specjax.serving.http_server import ServerThread  # noqa: E402
-from specjax.serving.openai_api import OpenAIApp, ServerLimits  # noqa: E402
+from specjax.serving.limits import ServerLimits  # noqa: E402
+from specjax.serving.openai_api import OpenAIApp  # noqa: E402
 
 EXAMPLES = 300  # generated requests per run (positive and negative together)
 

@@ -20,7 +20,8 @@ except ImportError:  # tests/ itself on sys.path
 
 from specjax.cli import serve as serve_cli
 from specjax.serving.http_server import ServedApp, ServerThread
-from specjax.serving.openai_api import OpenAIApp, ServerLimits
+from specjax.serving.limits import ServerLimits
+from specjax.serving.openai_api import OpenAIApp
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import sys
 
 from specjax.serving.cli import add_llm_args, build_llm
 from specjax.serving.http_server import DEFAULT_HOST
-from specjax.serving.openai_api import DEFAULT_MAX_WAITING
+from specjax.serving.limits import DEFAULT_MAX_WAITING
+from specjax.serving.tool_calls import PARSERS
 from specjax.serving.request_metrics import SPEC_DECODE_METRICS_LEVELS
 
 
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-request-spec-decode-metrics", choices=SPEC_DECODE_METRICS_LEVELS, default="none",
                    help="add vLLM's per-request metrics.speculative_decoding to responses: summary (counts and "
                         "acceptance histograms) or detailed (also every round's drafted / accepted counts)")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="serve tool_choice \"auto\" (OpenAI's default with tools): read calls in this model "
+                        "family's format from the answer (hermes: <tool_call> JSON blocks, Qwen2.5 / Qwen3)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     add_llm_args(p)
     return p
@@ -43,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from specjax.serving.http_server import ServedApp, bind_socket, run_server
-    from specjax.serving.openai_api import OpenAIApp, ServerLimits
+    from specjax.serving.limits import ServerLimits
+    from specjax.serving.openai_api import OpenAIApp
 
     try:
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
@@ -61,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def load() -> OpenAIApp:
         return OpenAIApp.from_llm(build_llm(args, progress=True), model_name=name, limits=limits,
-                                  spec_decode_metrics=args.per_request_spec_decode_metrics)
+                                  spec_decode_metrics=args.per_request_spec_decode_metrics,
+                                  tool_parser=args.tool_call_parser)
     host, port = sock.getsockname()[:2]
     print(f"specjax server: model '{name}' on http://{host}:{port} (warming up: /health answers 200 when ready)",
           flush=True)

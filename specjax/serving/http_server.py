@@ -44,7 +44,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specjax.serving.metrics import CONTENT_TYPE
 from specjax.serving.errors import APIError, rejection_reason, validation_error
-from specjax.serving.openai_api import OpenAIApp, ServerLimits
+from specjax.serving.limits import ServerLimits
+from specjax.serving.openai_api import OpenAIApp
 from specjax.serving.streams import ClientGone
 from specjax.serving.responses import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ErrorResponse,
                                        Health, ModelList, TokenizeResponse, Version)

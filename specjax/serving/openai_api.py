@@ -31,7 +31,8 @@ served (400 naming the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, `g
 `ignore_eos`, `min_p` and `min_tokens` are served; the presence, frequency and repetition penalties by a
 server started with `--penalties`; `logit_bias`, `allowed_token_ids` and `bad_words` by one started with
 `--logit-bias`; `guided_choice` by one started with `--guided-choice`; `guided_regex`, `guided_json`,
-`response_format` and tool calls (`tool_calls`) by one started with `--guided-regex`.
+`response_format` and tool calls (`tool_calls`) by one started with `--guided-regex`, and `tool_choice` "auto"
+by one started with `--tool-call-parser`.
 
 Status codes: 400 bad or unsupported fields, prompts or max_tokens over the limits; 404 unknown
 model; 503 when the engine's waiting queue is full or the engine is not running; 504 when a request
@@ -50,42 +51,17 @@ from specjax.decoding.requests import EngineRequest, RequestMetrics, missing_rul
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent
 from specjax.serving.errors import ENGINE_REJECTED, APIError
+from specjax.serving.limits import ServerLimits
 from specjax.serving.logprob_blocks import logprobs_block, prompt_logprobs_list
 from specjax.serving.prompts import chat_prompt_ids, completion_prompts
 from specjax.serving.streams import ChoiceStream, Waiter
-from specjax.serving.tool_calls import ToolMode, tool_guide, tool_message
+from specjax.serving.tool_calls import ToolMode, check_tool_parser, tool_guide, tool_message
 from specjax.serving.request_metrics import (check_spec_decode_metrics_level, combined_spec_metrics,
                                              request_spec_metrics, response_metrics)
 from specjax.serving.schema import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     FieldError, TokenizeRequest, check_served, guide_source, parse_sampling)
 
 _FROM_LLM = object()  # sentinel: use the LLM's own tokenizer
-DEFAULT_MAX_WAITING = 512
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerLimits:
-    """Request limits. None: derived from the engine (max_model_len - 1); max_waiting None: unbounded."""
-
-    max_body_bytes: int = 1 << 20
-    max_prompt_tokens: int | None = None
-    max_tokens: int | None = None
-    request_timeout_s: float = 600.0
-    max_waiting: int | None = DEFAULT_MAX_WAITING
-
-    def __post_init__(self) -> None:
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
-        for name in ("max_prompt_tokens", "max_tokens"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"{name} must be >= 1 or None, got {v}")
-        if self.max_waiting is not None and self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0 or None, got {self.max_waiting}")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-
-
 @dataclasses.dataclass
 class _Parsed:
     prompts: list[list[int]]  # one, or a completion's batch (choice i answers prompt i // n)
@@ -114,8 +90,9 @@ class OpenAIApp:
 
     def __init__(self, engine: AsyncEngine, *, model_name: str, max_model_len: int, vocab_size: int,
                  tokenizer: Any = None, limits: ServerLimits | None = None, metrics: ServingMetrics | None = None,
-                 spec_decode_metrics: str = "none"):
+                 spec_decode_metrics: str = "none", tool_parser: str | None = None):
         self.spec_decode_metrics = check_spec_decode_metrics_level(spec_decode_metrics)
+        self.tool_parser = check_tool_parser(tool_parser)
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = int(max_model_len)
@@ -131,9 +108,11 @@ class OpenAIApp:
 
     @classmethod
     def from_llm(cls, llm: Any, *, model_name: str = "specjax", limits: ServerLimits | None = None,
-                 tokenizer: Any = _FROM_LLM, spec_decode_metrics: str = "none") -> "OpenAIApp":
+                 tokenizer: Any = _FROM_LLM, spec_decode_metrics: str = "none",
+                 tool_parser: str | None = None) -> "OpenAIApp":
         """Metrics + a started `AsyncEngine` over `llm.engine` + the app (tokenizer: the LLM's by default)."""
         check_spec_decode_metrics_level(spec_decode_metrics)  # before the engine starts
+        check_tool_parser(tool_parser)
         limits = limits or ServerLimits()
         eng = llm.engine
         metrics = ServingMetrics(model_name=model_name, gamma=eng.gamma, max_tokens_bucket=eng.buckets.tokens[-1],
@@ -141,7 +120,7 @@ class OpenAIApp:
         async_engine = AsyncEngine(eng, metrics=metrics, max_waiting=limits.max_waiting).start()
         return cls(async_engine, model_name=model_name, max_model_len=eng.cfg.max_len,
                    vocab_size=llm.config.vocab_size, tokenizer=llm.tokenizer if tokenizer is _FROM_LLM else tokenizer,
-                   limits=limits, metrics=metrics, spec_decode_metrics=spec_decode_metrics)
+                   limits=limits, metrics=metrics, spec_decode_metrics=spec_decode_metrics, tool_parser=tool_parser)
 
     # ------------------------------------------------------------------ parsing
     def _parse_common(self, req: CompletionRequest | ChatCompletionRequest) -> _Parsed:
@@ -160,7 +139,7 @@ class OpenAIApp:
         stream = bool(body.get("stream"))
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage"))
-        tools = tool_guide(body) if chat else (None, None, None)  # (mode, guided_json, template tools)
+        tools = tool_guide(body, self.tool_parser) if chat else (None, None, None)  # (mode, guided_json, tools)
         if chat:
             pairs, what = [(chat_prompt_ids(self.tokenizer, body, tools[2]), None)], "messages"
         else:
@@ -169,7 +148,7 @@ class OpenAIApp:
         if n_prompt > self.max_prompt_tokens:
             raise APIError(400, f"'{what}' has {n_prompt} tokens; the limit is {self.max_prompt_tokens} "
                                 f"(max_model_len {self.max_model_len})", param=what, code="context_length_exceeded")
-        fields = {k: body[k] for k in SAMPLING_FIELDS if k in body} | ({"guided_json": tools[1]} if tools[0] else {})
+        fields = {k: body[k] for k in SAMPLING_FIELDS if k in body} | ({"guided_json": tools[1]} if tools[1] else {})
         echo = False if chat else self._echo_asked(body, fields, n_prompt, logprobs)
         prompt_logprobs = self._prompt_logprobs_asked(body, n_prompt, what)
         mt_name = "max_tokens"

@@ -1,18 +1,22 @@
-"""OpenAI tool calling on the chat route, served by guided_json (a server with --guided-regex).
+"""OpenAI tool calling on the chat route: calls guided by the tools' schemas (guided_json, a server with
+--guided-regex), or parsed from the model's own format (`--tool-call-parser`).
 
 A named `tool_choice` ({"type": "function", "function": {"name": ...}}) makes the answer that
 function's arguments: JSON of its `parameters` schema, returned as one `tool_calls` entry. "required"
 makes the answer a JSON array of one or more {"name", "parameters"} objects, each a listed function
 with its schema, returned as that many entries. "none" answers as without tools. "auto" (OpenAI's
-default when tools are given) would need a parser of the model's own tool-call format: it is refused
-naming `tool_choice`. The tools are passed to the chat template. A named function's call streams as
-OpenAI's do (the first delta names the call, the next ones carry pieces of its arguments, the last
-chunk's finish_reason is "tool_calls"); "required" is not streamed (refused naming `stream`).
+default when tools are given) lets the model answer text or calls in its own format, which a server
+started with `--tool-call-parser NAME` (`PARSERS`) reads from the finished answer (without one, "auto"
+is refused naming `tool_choice`). The tools are passed to the chat template. A named function's call
+streams as OpenAI's do (the first delta names the call, the next ones carry pieces of its arguments,
+the last chunk's finish_reason is "tool_calls"); "required" and "auto" are not streamed (refused
+naming `stream`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from typing import Any, Mapping
 
@@ -22,17 +26,51 @@ from specjax.serving.errors import APIError
 ANY_PARAMETERS = {"type": "object"}  # a function listed without a `parameters` schema
 
 
+def hermes_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """Hermes-style calls (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+    blocks, one per call. (the text before the first block or None, [(name, arguments JSON)]), or None
+    when the text holds no call or a block that is not such JSON."""
+    blocks = _HERMES.findall(text)
+    if not blocks:
+        return None
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        args = call.get("arguments", {})
+        calls.append((call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+    return text[:text.index("<tool_call>")].strip() or None, calls
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+PARSERS = {"hermes": hermes_calls}  # --tool-call-parser NAME: a model family's tool-call format (vLLM's names)
+
+
+def check_tool_parser(name: str | None) -> str | None:
+    """`name` if it is None or one of PARSERS, else ValueError naming --tool-call-parser."""
+    if name is not None and name not in PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {sorted(PARSERS)}, got {name!r}")
+    return name
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolMode:
-    """How a chat request's answer becomes tool calls: one named function's arguments, or a list."""
+    """How a chat request's answer becomes tool calls: one named function's arguments, a list of
+    calls ("required"), or the model's own format read by a parser ("auto")."""
 
-    function: str | None  # the named function; None: "required" (a list of calls)
+    function: str | None  # the named function; None: a list of calls
+    parser: str | None = None  # "auto": the PARSERS entry that reads the answer
 
 
-def tool_guide(body: Mapping[str, Any]) -> tuple[ToolMode | None, dict[str, Any] | None, list[dict] | None]:
-    """(mode, the guided_json schema of the answer, the tools for the chat template) of a chat body's
-    `tools` / `tool_choice`; (None, None, None) without tools or with "none". APIError 400 naming the
-    field of what is not served."""
+def tool_guide(body: Mapping[str, Any], parser: str | None = None
+               ) -> tuple[ToolMode | None, dict[str, Any] | None, list[dict] | None]:
+    """(mode, the guided_json schema of the answer or None, the tools for the chat template) of a chat
+    body's `tools` / `tool_choice` (`parser`: the server's PARSERS name, which serves "auto"); (None,
+    None, None) without tools. APIError 400 naming the field of what is not served."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none"):
@@ -40,18 +78,21 @@ def tool_guide(body: Mapping[str, Any]) -> tuple[ToolMode | None, dict[str, Any]
         return None, None, None
     functions = _functions(tools)
     if choice == "none":
-        return None, None, None
-    if choice in (None, "auto"):
-        raise APIError(400, "'tool_choice' \"auto\" (the default with tools) needs a parser of the model's tool-call "
-                            "format, which this server does not have: name a function or use \"required\"",
-                       param="tool_choice")
+        return None, None, list(tools)
     for guide in (*GUIDES, "response_format", "structured_outputs"):
         if body.get(guide) is not None:
-            raise APIError(400, f"'{guide}' is not served with a tool_choice (it guides the answer itself)", param=guide)
+            raise APIError(400, f"'{guide}' is not served with tools (tool calls guide or parse the answer)",
+                           param=guide)
+    if choice in (None, "auto", "required") and body.get("stream"):
+        raise APIError(400, f"tool_choice {json.dumps(choice or 'auto')} is not streamed: send 'stream': false or name "
+                            f"a function", param="stream")
+    if choice in (None, "auto"):
+        if parser is None:
+            raise APIError(400, "'tool_choice' \"auto\" (the default with tools) needs a parser of the model's "
+                                "tool-call format (a server started with --tool-call-parser): name a function or use "
+                                "\"required\"", param="tool_choice")
+        return ToolMode(None, parser), None, list(tools)
     if choice == "required":
-        if body.get("stream"):
-            raise APIError(400, "tool_choice \"required\" is not streamed: send 'stream': false or name a function",
-                           param="stream")
         calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
                   "required": ["name", "parameters"]} for name, params in functions.items()]
         return ToolMode(None), {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, list(tools)
@@ -97,14 +138,20 @@ def tool_delta(mode: ToolMode, call: str, text: str, first: bool, finish_reason:
 
 def tool_message(text: str, mode: ToolMode | None, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     """(the assistant message, the finish reason) of an answer under `mode`: its tool calls and
-    "tool_calls" when it ended whole; its text as content (and the engine's reason) when cut short,
-    or without a mode."""
+    "tool_calls" when it ended whole (with "auto", the text before them as content, and only when the
+    parser found calls); its text as content (and the engine's reason) when cut short, or without a mode."""
     if mode is None or finish_reason != "stop":
         return {"role": "assistant", "content": text}, finish_reason
-    if mode.function is not None:
+    content = None
+    if mode.parser is not None:
+        parsed = PARSERS[mode.parser](text)
+        if parsed is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        content, calls = parsed
+    elif mode.function is not None:
         calls = [(mode.function, text)]
     else:
         calls = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
-    return {"role": "assistant", "content": None,
+    return {"role": "assistant", "content": content,
             "tool_calls": [{"id": call_id(), "type": "function",
                             "function": {"name": name, "arguments": args}} for name, args in calls]}, "tool_calls"
