@@ -387,8 +387,8 @@ def test_tool_choice_is_answered_as_tool_calls(tok):
     """A named tool_choice answers that function's arguments (JSON of its parameters) as one tool call,
     "required" a list of calls; "none" answers text (the control: unguided, no valid arguments);
     "auto" (a server with --tool-call-parser hermes) the model's own text, and its calls where it writes them;
-    a function not listed, streaming "required" or "auto" and tool_choice without tools are refused naming the
-    field. A named call streams: its first delta names it, the next carry its arguments in pieces."""
+    a function not listed, streaming "required" and tool_choice without tools are refused naming the field. A
+    named call streams: its first delta names it, the next carry its arguments in pieces; "auto" streams."""
     from specjax.api import LLM
     from specjax.serving.http_server import ServerThread
     from specjax.serving.openai_api import OpenAIApp
@@ -452,8 +452,12 @@ def test_tool_choice_is_answered_as_tool_calls(tok):
         m, reason = r["choices"][0]["message"], r["choices"][0]["finish_reason"]
         assert (m["content"], reason, m["tool_calls"][0]["function"]) == (
             "Checking.", "tool_calls", {"name": "get_time", "arguments": '{"utc": false}'}), r
-        for kw, param, fragment in [({"stream": True}, "stream", "\"auto\" is not streamed"),
-                                    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+        status, _, data = http_request(server.url + "/v1/chat/completions", "POST", {
+            "messages": history, "tools": [weather, clock], "temperature": 0, "max_tokens": 12, "stream": True})
+        chunks = [e["choices"][0] for e in sse_events(data) if e != "[DONE]" and e["choices"]]
+        assert status == 200 and chunks[0]["delta"]["role"] == "assistant"  # "auto" streamed: text, no call
+        assert not any("tool_calls" in c["delta"] for c in chunks) and chunks[-1]["finish_reason"] in ("stop", "length")
+        for kw, param, fragment in [({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
                                      "one of ['get_time', 'get_weather']"),
                                     ({"tool_choice": "required", "stream": True}, "stream", "not streamed"),
                                     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]",

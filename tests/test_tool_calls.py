@@ -1,27 +1,46 @@
-"""Tool calls read from the model's own format (`serving.tool_calls`, a server's --tool-call-parser):
-hermes blocks become OpenAI tool calls with the text before them as content; text without a call, or
-with a block that is not a call, stays text; "auto" without a parser, and an unknown parser, are
-refused naming what to set."""
+"""Tool calls read from the model's own format (`serving.tool_parsers`, a server's --tool-call-parser):
+hermes blocks become OpenAI tool calls with the text outside them as content; text without a call, or
+a block that is not a call, stays text; an answer streamed in pieces, split anywhere, gives the same
+calls and content as the whole answer; "auto" without a parser and an unknown parser are refused
+naming what to set; "required" is not streamed."""
 import json
 
 import pytest
 
 from specjax.serving.errors import APIError
-from specjax.serving.tool_calls import ToolMode, check_tool_parser, hermes_calls, tool_guide, tool_message
+from specjax.serving.tool_calls import ToolMode, ToolStream, check_tool_parser, tool_guide, tool_message
+from specjax.serving.tool_parsers import HermesCalls, read_calls
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+ANSWER = ('<think>ok</think>Let me look.\n<tool_call>\n{"name": "f", "arguments": {"q": "Zürich", "n": 2}}\n'
+          '</tool_call>\n<tool_call>{"name": "g", "arguments": "{}"}</tool_call>\n')
 
 
-def test_hermes_blocks_are_calls_and_the_text_before_them_content():
-    text = ('<think>ok</think>Let me look.\n<tool_call>\n{"name": "f", "arguments": {"q": "Zürich", "n": 2}}\n'
-            '</tool_call>\n<tool_call>{"name": "g", "arguments": "{}"}</tool_call>')
-    content, calls = hermes_calls(text)
+def test_hermes_blocks_are_calls_and_the_text_outside_them_content():
+    content, calls = read_calls("hermes", ANSWER)
     assert content == "<think>ok</think>Let me look." and [n for n, _ in calls] == ["f", "g"]
     assert json.loads(calls[0][1]) == {"q": "Zürich", "n": 2} and calls[1][1] == "{}"
-    assert hermes_calls('<tool_call>{"name": "f"}</tool_call>') == (None, [("f", "{}")])
-    for plain in ["no call here", "<tool_call>{not json}</tool_call>", '<tool_call>["f"]</tool_call>',
-                  '<tool_call>{"arguments": {}}</tool_call>']:
-        assert hermes_calls(plain) is None, plain
+    assert read_calls("hermes", '<tool_call>{"name": "f"}</tool_call>') == (None, [("f", "{}")])
+    bad = '<tool_call>{not json}</tool_call>'
+    assert read_calls("hermes", "a " + bad + ' <tool_call>{"name": "f"}</tool_call>') == ("a " + bad, [("f", "{}")])
+    for plain in ["no call here", bad, '<tool_call>["f"]</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+                  'unclosed <tool_call>{"name": "f"}', "a < b <tool_"]:
+        assert read_calls("hermes", plain) == (plain.strip(), []), plain
+
+
+@pytest.mark.parametrize("text", [ANSWER, "plain text < with a <tool_ tail", 'x<tool_call>{"name": "f"}'])
+def test_hermes_streamed_in_pieces_split_anywhere_equals_the_whole_answer(text):
+    whole = read_calls("hermes", text)
+    for step in (1, 2, 3, 7):
+        reader, content, calls = HermesCalls(), [], []
+        pieces = [text[i:i + step] for i in range(0, len(text), step)] + [""]
+        for i, piece in enumerate(pieces):
+            c, found = reader.push(piece, final=i == len(pieces) - 1)
+            content.append(c)
+            calls += found
+            if found:
+                assert "<tool_call>" not in "".join(content)  # a block's text never leaks as content
+        assert ("".join(content).strip() or None, calls) == whole, step
 
 
 def test_auto_answers_are_calls_only_when_whole_and_parsed():
@@ -33,12 +52,28 @@ def test_auto_answers_are_calls_only_when_whole_and_parsed():
     assert tool_message("hello", auto, "stop") == ({"role": "assistant", "content": "hello"}, "stop")
 
 
-def test_auto_needs_a_parser_and_is_not_streamed():
+def test_streamed_auto_deltas_carry_the_content_then_each_call_with_its_index():
+    stream = ToolStream(ToolMode(None, "hermes"))
+    cut = ANSWER.index("Zürich")
+    deltas = [stream.delta(piece, i == 0, "stop" if i == 2 else None) for i, piece in
+              enumerate([ANSWER[:cut], ANSWER[cut:], ""])]
+    assert deltas[0][0] == {"role": "assistant", "content": "<think>ok</think>Let me look.\n"}
+    calls = [c for d, _ in deltas for c in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "f"), (1, "g")]
+    assert len({c["id"] for c in calls}) == 2
+    assert [r for _, r in deltas] == [None, None, "tool_calls"]
+    assert ToolStream(ToolMode(None, "hermes")).delta("hi", True, "stop") == ({"role": "assistant", "content": "hi"},
+                                                                             "stop")
+
+
+def test_auto_needs_a_parser_and_required_is_not_streamed():
     assert tool_guide({"tools": TOOLS}, "hermes")[:2] == (ToolMode(None, "hermes"), None)  # no guide: the model's text
+    assert tool_guide({"tools": TOOLS, "stream": True}, "hermes")[0] == ToolMode(None, "hermes")
     assert tool_guide({"tools": TOOLS, "tool_choice": "none"}, None) == (None, None, TOOLS)
     for body, parser, param, fragment in [({"tools": TOOLS}, None, "tool_choice", "--tool-call-parser"),
                                           ({"tools": TOOLS, "tool_choice": "auto"}, None, "tool_choice", "parser"),
-                                          ({"tools": TOOLS, "stream": True}, "hermes", "stream", "not streamed"),
+                                          ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "hermes",
+                                           "stream", "not streamed"),
                                           ({"tools": TOOLS, "guided_regex": "a"}, "hermes", "guided_regex", "not served")]:
         with pytest.raises(APIError) as e:
             tool_guide(body, parser)

@@ -16,7 +16,7 @@ import sys
 from specjax.serving.cli import add_llm_args, build_llm
 from specjax.serving.http_server import DEFAULT_HOST
 from specjax.serving.limits import DEFAULT_MAX_WAITING
-from specjax.serving.tool_calls import PARSERS
+from specjax.serving.tool_parsers import PARSERS
 from specjax.serving.request_metrics import SPEC_DECODE_METRICS_LEVELS
 
 

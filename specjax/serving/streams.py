@@ -8,7 +8,7 @@ from typing import Any, Awaitable, Callable
 from specjax.serving.async_engine import AsyncEngine, RequestStream, StreamEvent
 from specjax.serving.detokenize import StreamDetokenizer
 from specjax.serving.errors import APIError
-from specjax.serving.tool_calls import call_id, tool_delta
+from specjax.serving.tool_calls import ToolStream
 
 _POLL_S = 1.0  # how often a waiting non-streamed request checks whether its client is still there
 
@@ -50,8 +50,8 @@ class Waiter:
 
 
 class ChoiceStream:
-    """One choice's streamed deltas: incremental text and token ids (a chat answer that is a named
-    function's call: pieces of its arguments, `tool_calls.tool_delta`); the final chunk completes the text."""
+    """One choice's streamed deltas: incremental text and token ids (a chat answer under a tool mode: its
+    calls, `tool_calls.ToolStream`); the final chunk completes the text."""
 
     def __init__(self, app: Any, index: int, stream: RequestStream, chat: bool):
         self.app, self.index, self.stream, self.chat = app, index, stream, chat
@@ -60,7 +60,7 @@ class ChoiceStream:
         self.sent_text: list[str] = []
         self.token_chars = 0  # completions' `text_offset` of the next token
         self.first = True
-        self.call = call_id()  # a streamed tool call's id
+        self.tools: ToolStream | None = None  # a chat answer's tool calls, once the first chunk is made
 
     def chunk(self, ev: StreamEvent, parsed: Any) -> dict[str, Any]:
         start = len(self.sent_ids)
@@ -84,8 +84,9 @@ class ChoiceStream:
             self.token_chars += sum(len(t) for t in logprobs["tokens"])
         c: dict[str, Any] = {"index": self.index, "finish_reason": finish, "token_ids": ids, "logprobs": logprobs}
         tools = getattr(parsed, "tools", None)
-        if self.chat and tools is not None:  # a named function's call (tool_calls.tool_delta)
-            c["delta"], c["finish_reason"] = tool_delta(tools, self.call, text, self.first, finish)
+        if self.chat and tools is not None:  # tool calls (tool_calls.ToolStream)
+            self.tools = self.tools or ToolStream(tools)
+            c["delta"], c["finish_reason"] = self.tools.delta(text, self.first, finish)
         elif self.chat:
             c["delta"] = ({"role": "assistant", "content": text} if self.first else
                           ({"content": text} if text or finish is None else {}))

@@ -9,45 +9,21 @@ default when tools are given) lets the model answer text or calls in its own for
 started with `--tool-call-parser NAME` (`PARSERS`) reads from the finished answer (without one, "auto"
 is refused naming `tool_choice`). The tools are passed to the chat template. A named function's call
 streams as OpenAI's do (the first delta names the call, the next ones carry pieces of its arguments,
-the last chunk's finish_reason is "tool_calls"); "required" and "auto" are not streamed (refused
-naming `stream`).
+the last chunk's finish_reason is "tool_calls"), an "auto" answer as its content and each call once it
+has closed; "required" is not streamed (refused naming `stream`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import uuid
 from typing import Any, Mapping
 
 from specjax.api import GUIDES
 from specjax.serving.errors import APIError
+from specjax.serving.tool_parsers import PARSERS, read_calls
 
 ANY_PARAMETERS = {"type": "object"}  # a function listed without a `parameters` schema
-
-
-def hermes_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
-    """Hermes-style calls (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-    blocks, one per call. (the text before the first block or None, [(name, arguments JSON)]), or None
-    when the text holds no call or a block that is not such JSON."""
-    blocks = _HERMES.findall(text)
-    if not blocks:
-        return None
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block)
-        except ValueError:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        args = call.get("arguments", {})
-        calls.append((call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
-    return text[:text.index("<tool_call>")].strip() or None, calls
-
-
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-PARSERS = {"hermes": hermes_calls}  # --tool-call-parser NAME: a model family's tool-call format (vLLM's names)
 
 
 def check_tool_parser(name: str | None) -> str | None:
@@ -83,9 +59,9 @@ def tool_guide(body: Mapping[str, Any], parser: str | None = None
         if body.get(guide) is not None:
             raise APIError(400, f"'{guide}' is not served with tools (tool calls guide or parse the answer)",
                            param=guide)
-    if choice in (None, "auto", "required") and body.get("stream"):
-        raise APIError(400, f"tool_choice {json.dumps(choice or 'auto')} is not streamed: send 'stream': false or name "
-                            f"a function", param="stream")
+    if choice == "required" and body.get("stream"):
+        raise APIError(400, "tool_choice \"required\" is not streamed: send 'stream': false or name a function",
+                       param="stream")
     if choice in (None, "auto"):
         if parser is None:
             raise APIError(400, "'tool_choice' \"auto\" (the default with tools) needs a parser of the model's "
@@ -123,17 +99,38 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_delta(mode: ToolMode, call: str, text: str, first: bool, finish_reason: str | None
-               ) -> tuple[dict[str, Any], str | None]:
-    """(a streamed chat delta, its chunk's finish reason) of a named function's call `call` (its id):
-    the first delta names the call, each carries the next piece of its arguments `text`; an answer that
-    ended whole finishes with "tool_calls", one cut short with the engine's reason."""
-    if first:
-        delta = {"role": "assistant", "content": None, "tool_calls": [
-            {"index": 0, "id": call, "type": "function", "function": {"name": mode.function, "arguments": text}}]}
-    else:
-        delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
-    return delta, "tool_calls" if finish_reason == "stop" else finish_reason
+class ToolStream:
+    """One streamed chat choice's deltas under a tool mode: a named function's call (the first delta
+    names it, the next carry pieces of its arguments), or with "auto" the parser's content and each call
+    once it has closed (whole, with its index). The last chunk's finish_reason is "tool_calls" when the
+    answer ended whole with calls; cut short, the engine's reason."""
+
+    def __init__(self, mode: ToolMode):
+        self.mode = mode
+        self.reader = PARSERS[mode.parser]() if mode.parser is not None else None
+        self.calls = 0
+        self.id = call_id()
+
+    def delta(self, text: str, first: bool, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """(the delta of the answer's next piece `text`, its chunk's finish reason)."""
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if self.reader is None:
+            self.calls = 1
+            if first:
+                delta.update(content=None, tool_calls=[{"index": 0, "id": self.id, "type": "function", "function": {
+                    "name": self.mode.function, "arguments": text}}])
+            elif text:
+                delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
+        else:
+            content, calls = self.reader.push(text, final=finish_reason is not None)
+            if content or first:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = [{"index": self.calls + i, "id": call_id(), "type": "function",
+                                        "function": {"name": name, "arguments": args}}
+                                       for i, (name, args) in enumerate(calls)]
+                self.calls += len(calls)
+        return delta, "tool_calls" if finish_reason == "stop" and self.calls else finish_reason
 
 
 def tool_message(text: str, mode: ToolMode | None, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
@@ -144,10 +141,9 @@ def tool_message(text: str, mode: ToolMode | None, finish_reason: str | None) ->
         return {"role": "assistant", "content": text}, finish_reason
     content = None
     if mode.parser is not None:
-        parsed = PARSERS[mode.parser](text)
-        if parsed is None:
+        content, calls = read_calls(mode.parser, text)
+        if not calls:
             return {"role": "assistant", "content": text}, finish_reason
-        content, calls = parsed
     elif mode.function is not None:
         calls = [(mode.function, text)]
     else:
