@@ -387,8 +387,9 @@ def test_tool_choice_is_answered_as_tool_calls(tok):
     """A named tool_choice answers that function's arguments (JSON of its parameters) as one tool call,
     "required" a list of calls; "none" answers text (the control: unguided, no valid arguments);
     "auto" (a server with --tool-call-parser hermes) the model's own text, and its calls where it writes them;
-    a function not listed, streaming "required" and tool_choice without tools are refused naming the field. A
-    named call streams: its first delta names it, the next carry its arguments in pieces; "auto" streams."""
+    a function not listed and tool_choice without tools are refused naming the field. A named call streams:
+    its first delta names it, the next carry its arguments in pieces; "required" streams each call whole,
+    "auto" its text."""
     from specjax.api import LLM
     from specjax.serving.http_server import ServerThread
     from specjax.serving.openai_api import OpenAIApp
@@ -436,6 +437,12 @@ def test_tool_choice_is_answered_as_tool_calls(tok):
         for x in calls:
             assert set(json.loads(x["function"]["arguments"])) == {"city" if x["function"]["name"] == "get_weather"
                                                                    else "utc"}, x
+        status, _, data = http_request(server.url + "/v1/chat/completions", "POST", {
+            "messages": history, "tools": [weather, clock], "temperature": 0, "max_tokens": 120, "stream": True,
+            "tool_choice": "required"})
+        chunks = [e["choices"][0] for e in sse_events(data) if e != "[DONE]" and e["choices"]]
+        streamed = [d["function"] for c in chunks for d in c["delta"].get("tool_calls", [])]
+        assert streamed == [x["function"] for x in calls] and chunks[-1]["finish_reason"] == "tool_calls", chunks
         status, r = ask(tool_choice="none", max_tokens=12)
         text = r["choices"][0]["message"]["content"]
         assert status == 200 and not r["choices"][0]["message"].get("tool_calls"), r
@@ -459,7 +466,6 @@ def test_tool_choice_is_answered_as_tool_calls(tok):
         assert not any("tool_calls" in c["delta"] for c in chunks) and chunks[-1]["finish_reason"] in ("stop", "length")
         for kw, param, fragment in [({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
                                      "one of ['get_time', 'get_weather']"),
-                                    ({"tool_choice": "required", "stream": True}, "stream", "not streamed"),
                                     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]",
                                      "must be"),
                                     ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs 'tools'")]:

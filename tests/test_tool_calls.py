@@ -1,15 +1,15 @@
 """Tool calls read from the model's own format (`serving.tool_parsers`, a server's --tool-call-parser):
 hermes blocks become OpenAI tool calls with the text outside them as content; text without a call, or
 a block that is not a call, stays text; an answer streamed in pieces, split anywhere, gives the same
-calls and content as the whole answer; "auto" without a parser and an unknown parser are refused
-naming what to set; "required" is not streamed."""
+calls and content as the whole answer, and a "required" answer its calls as their objects close;
+"auto" without a parser and an unknown parser are refused naming what to set."""
 import json
 
 import pytest
 
 from specjax.serving.errors import APIError
 from specjax.serving.tool_calls import ToolMode, ToolStream, check_tool_parser, tool_guide, tool_message
-from specjax.serving.tool_parsers import HermesCalls, read_calls
+from specjax.serving.tool_parsers import HermesCalls, ListedCalls, read_calls
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 ANSWER = ('<think>ok</think>Let me look.\n<tool_call>\n{"name": "f", "arguments": {"q": "Zürich", "n": 2}}\n'
@@ -43,6 +43,24 @@ def test_hermes_streamed_in_pieces_split_anywhere_equals_the_whole_answer(text):
         assert ("".join(content).strip() or None, calls) == whole, step
 
 
+def test_a_required_answer_streamed_in_pieces_gives_its_calls_as_their_objects_close():
+    text = '[\n  {"name": "f", "parameters": {"a": [1, {"b": "}]"}]}},\n  {"name": "g", "parameters": {}}\n]'
+    whole = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+    assert ListedCalls().push(text, final=True) == ("", whole)
+    ends = [text.index(',\n  {"name": "g"'), text.rindex("}") + 1]  # where each call's object closes
+    for step in (1, 4):
+        reader, calls = ListedCalls(), []
+        for i in range(0, len(text), step):
+            calls += reader.push(text[i:i + step])[1]
+            assert len(calls) == sum(e <= i + step for e in ends), (step, i)  # each call as its object closes
+        assert calls == whole, step
+    stream = ToolStream(ToolMode(None))
+    first, _ = stream.delta(text[:30], True, None)
+    rest, reason = stream.delta(text[30:], False, "stop")
+    assert first == {"role": "assistant", "content": None} and reason == "tool_calls"
+    assert [c["index"] for c in rest["tool_calls"]] == [0, 1]
+
+
 def test_auto_answers_are_calls_only_when_whole_and_parsed():
     auto = ToolMode(None, "hermes")
     call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
@@ -66,14 +84,12 @@ def test_streamed_auto_deltas_carry_the_content_then_each_call_with_its_index():
                                                                              "stop")
 
 
-def test_auto_needs_a_parser_and_required_is_not_streamed():
+def test_auto_needs_a_parser():
     assert tool_guide({"tools": TOOLS}, "hermes")[:2] == (ToolMode(None, "hermes"), None)  # no guide: the model's text
     assert tool_guide({"tools": TOOLS, "stream": True}, "hermes")[0] == ToolMode(None, "hermes")
     assert tool_guide({"tools": TOOLS, "tool_choice": "none"}, None) == (None, None, TOOLS)
     for body, parser, param, fragment in [({"tools": TOOLS}, None, "tool_choice", "--tool-call-parser"),
                                           ({"tools": TOOLS, "tool_choice": "auto"}, None, "tool_choice", "parser"),
-                                          ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "hermes",
-                                           "stream", "not streamed"),
                                           ({"tools": TOOLS, "guided_regex": "a"}, "hermes", "guided_regex", "not served")]:
         with pytest.raises(APIError) as e:
             tool_guide(body, parser)

@@ -10,18 +10,17 @@ started with `--tool-call-parser NAME` (`PARSERS`) reads from the finished answe
 is refused naming `tool_choice`). The tools are passed to the chat template. A named function's call
 streams as OpenAI's do (the first delta names the call, the next ones carry pieces of its arguments,
 the last chunk's finish_reason is "tool_calls"), an "auto" answer as its content and each call once it
-has closed; "required" is not streamed (refused naming `stream`).
+has closed, a "required" one as each call once its object has closed.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 from typing import Any, Mapping
 
 from specjax.api import GUIDES
 from specjax.serving.errors import APIError
-from specjax.serving.tool_parsers import PARSERS, read_calls
+from specjax.serving.tool_parsers import PARSERS, ListedCalls, read_calls
 
 ANY_PARAMETERS = {"type": "object"}  # a function listed without a `parameters` schema
 
@@ -59,9 +58,6 @@ def tool_guide(body: Mapping[str, Any], parser: str | None = None
         if body.get(guide) is not None:
             raise APIError(400, f"'{guide}' is not served with tools (tool calls guide or parse the answer)",
                            param=guide)
-    if choice == "required" and body.get("stream"):
-        raise APIError(400, "tool_choice \"required\" is not streamed: send 'stream': false or name a function",
-                       param="stream")
     if choice in (None, "auto"):
         if parser is None:
             raise APIError(400, "'tool_choice' \"auto\" (the default with tools) needs a parser of the model's "
@@ -101,13 +97,14 @@ def call_id() -> str:
 
 class ToolStream:
     """One streamed chat choice's deltas under a tool mode: a named function's call (the first delta
-    names it, the next carry pieces of its arguments), or with "auto" the parser's content and each call
-    once it has closed (whole, with its index). The last chunk's finish_reason is "tool_calls" when the
+    names it, the next carry pieces of its arguments), with "auto" the parser's content and each call
+    once it has closed (whole, with its index), with "required" each call once its object has closed. The last chunk's finish_reason is "tool_calls" when the
     answer ended whole with calls; cut short, the engine's reason."""
 
     def __init__(self, mode: ToolMode):
         self.mode = mode
-        self.reader = PARSERS[mode.parser]() if mode.parser is not None else None
+        self.reader = PARSERS[mode.parser]() if mode.parser is not None else \
+            (ListedCalls() if mode.function is None else None)
         self.calls = 0
         self.id = call_id()
 
@@ -124,7 +121,7 @@ class ToolStream:
         else:
             content, calls = self.reader.push(text, final=finish_reason is not None)
             if content or first:
-                delta["content"] = content
+                delta["content"] = content if content or self.mode.parser is not None else None
             if calls:
                 delta["tool_calls"] = [{"index": self.calls + i, "id": call_id(), "type": "function",
                                         "function": {"name": name, "arguments": args}}
@@ -147,7 +144,7 @@ def tool_message(text: str, mode: ToolMode | None, finish_reason: str | None) ->
     elif mode.function is not None:
         calls = [(mode.function, text)]
     else:
-        calls = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+        calls = ListedCalls().push(text, final=True)[1]
     return {"role": "assistant", "content": content,
             "tool_calls": [{"id": call_id(), "type": "function",
                             "function": {"name": name, "arguments": args}} for name, args in calls]}, "tool_calls"

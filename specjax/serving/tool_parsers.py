@@ -8,6 +8,8 @@ around the calls).
 hermes (Qwen2.5, Qwen3, Hermes): each call is a block `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
 text outside the blocks is content (whitespace between and after calls dropped); a block that is not
 such JSON stays content; text that may begin a block is held until it does or cannot.
+
+`ListedCalls` reads the JSON array of calls a "required" tool_choice answers (guided: always such JSON).
 """
 from __future__ import annotations
 
@@ -79,6 +81,37 @@ def _call(block: str) -> Call | None:
     return call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
+class ListedCalls:
+    """A streaming reader of a "required" answer, the JSON array of {"name", "parameters"} objects its
+    guide allows (serving.tool_calls): each call once its object has closed; no content."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.at: int | None = None  # where the next element (or a comma or the closing bracket) begins
+
+    def push(self, piece: str, final: bool = False) -> tuple[str, list[Call]]:
+        self.text += piece
+        if self.at is None:
+            if "[" not in self.text:
+                return "", []
+            self.at = self.text.index("[") + 1
+        calls: list[Call] = []
+        while True:
+            at = len(self.text[self.at:]) - len(self.text[self.at:].lstrip()) + self.at
+            if at >= len(self.text) or self.text[at] == "]":
+                break
+            if self.text[at] == ",":
+                self.at = at + 1
+                continue
+            try:
+                obj, self.at = _DECODER.raw_decode(self.text, at)
+            except ValueError:  # an object still arriving
+                break
+            calls.append((obj["name"], json.dumps(obj["parameters"], ensure_ascii=False)))
+        return "", calls
+
+
+_DECODER = json.JSONDecoder()
 PARSERS = {"hermes": HermesCalls}  # --tool-call-parser NAME (vLLM's names)
 
 
@@ -88,4 +121,4 @@ def read_calls(parser: str, text: str) -> tuple[str | None, list[Call]]:
     return content.strip() or None, calls
 
 
-__all__ = ["Call", "HermesCalls", "PARSERS", "read_calls"]
+__all__ = ["Call", "HermesCalls", "ListedCalls", "PARSERS", "read_calls"]
