@@ -1,6 +1,6 @@
 """Tool calls read from the model's own format (`serving.tool_parsers`, a server's --tool-call-parser):
-hermes blocks become OpenAI tool calls with the text outside them as content; text without a call, or
-a block that is not a call, stays text; an answer streamed in pieces, split anywhere, gives the same
+hermes blocks become OpenAI tool calls with the text outside them as content, and so do the JSON
+objects a llama3_json answer begins with; text without a call, or a block that is not a call, stays text; an answer streamed in pieces, split anywhere, gives the same
 calls and content as the whole answer, and a "required" answer its calls as their objects close;
 "auto" without a parser and an unknown parser are refused naming what to set."""
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from specjax.serving.errors import APIError
 from specjax.serving.tool_calls import ToolMode, ToolStream, check_tool_parser, tool_guide, tool_message
-from specjax.serving.tool_parsers import HermesCalls, ListedCalls, read_calls
+from specjax.serving.tool_parsers import PARSERS, ListedCalls, read_calls
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 ANSWER = ('<think>ok</think>Let me look.\n<tool_call>\n{"name": "f", "arguments": {"q": "Zürich", "n": 2}}\n'
@@ -28,11 +28,23 @@ def test_hermes_blocks_are_calls_and_the_text_outside_them_content():
         assert read_calls("hermes", plain) == (plain.strip(), []), plain
 
 
-@pytest.mark.parametrize("text", [ANSWER, "plain text < with a <tool_ tail", 'x<tool_call>{"name": "f"}'])
-def test_hermes_streamed_in_pieces_split_anywhere_equals_the_whole_answer(text):
-    whole = read_calls("hermes", text)
+LLAMA = ' {"name": "f", "parameters": {"q": "a;b}"}}; {"name": "g", "arguments": {}} ;{"x": 1}'
+
+
+def test_llama3_json_answers_beginning_with_an_object_are_calls():
+    assert read_calls("llama3_json", LLAMA) == ('{"x": 1}', [("f", '{"q": "a;b}"}'), ("g", "{}")])
+    assert read_calls("llama3_json", 'Sure: {"name": "f", "parameters": {}}') == (
+        'Sure: {"name": "f", "parameters": {}}', [])  # text first: content
+    assert read_calls("llama3_json", '{"name": "f", "parameters": {') == ('{"name": "f", "parameters": {', [])
+
+
+@pytest.mark.parametrize("parser, text", [("hermes", ANSWER), ("hermes", "plain text < with a <tool_ tail"),
+                                          ("hermes", 'x<tool_call>{"name": "f"}'), ("llama3_json", LLAMA),
+                                          ("llama3_json", "No call; {here}"), ("llama3_json", '{"name": "f"} tail')])
+def test_streamed_in_pieces_split_anywhere_equals_the_whole_answer(parser, text):
+    whole = read_calls(parser, text)
     for step in (1, 2, 3, 7):
-        reader, content, calls = HermesCalls(), [], []
+        reader, content, calls = PARSERS[parser](), [], []
         pieces = [text[i:i + step] for i in range(0, len(text), step)] + [""]
         for i, piece in enumerate(pieces):
             c, found = reader.push(piece, final=i == len(pieces) - 1)

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "acceptance histograms) or detailed (also every round's drafted / accepted counts)")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="serve tool_choice \"auto\" (OpenAI's default with tools): read calls in this model "
-                        "family's format from the answer (hermes: <tool_call> JSON blocks, Qwen2.5 / Qwen3)")
+                        "family's format from the answer (hermes: <tool_call> JSON blocks, Qwen2.5 / Qwen3; "
+                        "llama3_json: JSON objects the answer begins with, Llama 3.1-3.3)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     add_llm_args(p)
     return p

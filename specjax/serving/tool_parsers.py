@@ -9,6 +9,9 @@ hermes (Qwen2.5, Qwen3, Hermes): each call is a block `<tool_call>{"name": ..., 
 text outside the blocks is content (whitespace between and after calls dropped); a block that is not
 such JSON stays content; text that may begin a block is held until it does or cannot.
 
+llama3_json (Llama 3.1-3.3): an answer that begins with "{" is calls, JSON objects {"name", "parameters"}
+separated by ";" (vLLM's reading; Llama's <|python_tag|> is a special token, not in the text).
+
 `ListedCalls` reads the JSON array of calls a "required" tool_choice answers (guided: always such JSON).
 """
 from __future__ import annotations
@@ -72,47 +75,96 @@ def _partial_tail(text: str, tag: str) -> int:
 
 def _call(block: str) -> Call | None:
     try:
-        call: Any = json.loads(block)
+        return _call_of(json.loads(block), "arguments")
     except ValueError:
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+
+
+def _call_of(obj: Any, key: str) -> Call | None:
+    """(name, arguments JSON) of a call object {"name", key: {...} or its JSON}; None if it is not one
+    (key "parameters" also takes "arguments")."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = call.get("arguments", {})
-    return call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    args = obj.get(key, obj.get("arguments", {}))
+    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-class ListedCalls:
-    """A streaming reader of a "required" answer, the JSON array of {"name", "parameters"} objects its
-    guide allows (serving.tool_calls): each call once its object has closed; no content."""
+class _JSONObjects:
+    """Reads successive JSON objects from where `at` is set, skipping whitespace and `SEPARATORS`,
+    stopping at `END`: `_objects` returns those that have closed, with their text."""
+
+    SEPARATORS, END = ",", "]"
 
     def __init__(self) -> None:
         self.text = ""
-        self.at: int | None = None  # where the next element (or a comma or the closing bracket) begins
+        self.at: int | None = None  # where the next object (or a separator or the end) begins
+        self.ended = False
+
+    def _objects(self) -> list[tuple[Any, str]]:
+        out = []
+        while self.at is not None and not self.ended:
+            at = len(self.text) - len(self.text[self.at:].lstrip())
+            if at < len(self.text) and self.text[at] in self.SEPARATORS:
+                self.at = at + 1
+                continue
+            self.ended = at < len(self.text) and self.text[at] == self.END
+            if at >= len(self.text) or self.ended:
+                break
+            try:
+                obj, end = _DECODER.raw_decode(self.text, at)
+            except ValueError:  # an object still arriving (or not JSON: left where it is)
+                break
+            out.append((obj, self.text[at:end]))
+            self.at = end
+        return out
+
+
+class ListedCalls(_JSONObjects):
+    """A streaming reader of a "required" answer, the JSON array of {"name", "parameters"} objects its
+    guide allows (serving.tool_calls): each call once its object has closed; no content."""
 
     def push(self, piece: str, final: bool = False) -> tuple[str, list[Call]]:
         self.text += piece
-        if self.at is None:
-            if "[" not in self.text:
-                return "", []
+        if self.at is None and "[" in self.text:
             self.at = self.text.index("[") + 1
-        calls: list[Call] = []
-        while True:
-            at = len(self.text[self.at:]) - len(self.text[self.at:].lstrip()) + self.at
-            if at >= len(self.text) or self.text[at] == "]":
-                break
-            if self.text[at] == ",":
-                self.at = at + 1
-                continue
-            try:
-                obj, self.at = _DECODER.raw_decode(self.text, at)
-            except ValueError:  # an object still arriving
-                break
-            calls.append((obj["name"], json.dumps(obj["parameters"], ensure_ascii=False)))
-        return "", calls
+        return "", [(o["name"], json.dumps(o["parameters"], ensure_ascii=False)) for o, _ in self._objects()]
+
+
+class Llama3JSONCalls(_JSONObjects):
+    """llama3_json (Llama 3.1-3.3): an answer that begins with "{" (after whitespace) is calls, JSON
+    objects {"name", "parameters" (or "arguments")} separated by ";"; any other answer is content. An
+    object that is not a call, and text that is not JSON, stay content."""
+
+    SEPARATORS, END = ";", ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.content = False  # the answer is text
+        self.released = 0  # characters released as content (text mode)
+
+    def push(self, piece: str, final: bool = False) -> tuple[str, list[Call]]:
+        self.text += piece
+        if self.at is None and not self.content and self.text.strip():
+            if self.text.lstrip().startswith("{"):
+                self.at = 0
+            else:
+                self.content = True
+        if self.content:
+            out, self.released = self.text[self.released:], len(self.text)
+            return out, []
+        calls, content = [], []
+        for obj, raw in self._objects():
+            call = _call_of(obj, "parameters")
+            calls += [call] if call else []
+            content += [] if call else [raw]
+        if final and self.at is not None and self.text[self.at:].strip():
+            content.append(self.text[self.at:])  # what never became an object
+            self.at = len(self.text)
+        return " ".join(content), calls
 
 
 _DECODER = json.JSONDecoder()
-PARSERS = {"hermes": HermesCalls}  # --tool-call-parser NAME (vLLM's names)
+PARSERS = {"hermes": HermesCalls, "llama3_json": Llama3JSONCalls}  # --tool-call-parser NAME (vLLM's names)
 
 
 def read_calls(parser: str, text: str) -> tuple[str | None, list[Call]]:
@@ -121,4 +173,4 @@ def read_calls(parser: str, text: str) -> tuple[str | None, list[Call]]:
     return content.strip() or None, calls
 
 
-__all__ = ["Call", "HermesCalls", "ListedCalls", "PARSERS", "read_calls"]
+__all__ = ["Call", "HermesCalls", "ListedCalls", "Llama3JSONCalls", "PARSERS", "read_calls"]
