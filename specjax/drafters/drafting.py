@@ -40,8 +40,8 @@ def _guide_columns(guide: DraftGuide, state_b: Array, cols_n: Array | None) -> t
     s, v = guide.next_nv.shape
     ids = jnp.arange(v, dtype=jnp.int32) if cols_n is None else cols_n.astype(jnp.int32)
     st = jnp.clip(state_b, 0, s - 1)
-    nxt = guide.next_nv[st].astype(jnp.int32)  # [B, V]
-    nxt = nxt if cols_n is None else jnp.take(nxt, ids, axis=1)
+    rows_bn = guide.next_nv[st] if cols_n is None else guide.next_nv[st[:, None], ids[None, :]]  # only N columns read
+    nxt = rows_bn.astype(jnp.int32)  # [B, N]
     stop = jnp.any((guide.stop_be[:, :, None] == ids[None, None, :]) & (guide.stop_be[:, :, None] >= 0), axis=1)
     allowed = (nxt >= 0) | (guide.final_n[st][:, None] & stop)
     on = (state_b >= 0) & jnp.any(allowed, axis=1)
