@@ -179,10 +179,11 @@ def test_openai_batch_lines_answer_openai_objects_resume_by_custom_id_and_name_b
             assert r["body"]["spec_metrics"]["num_drafts"] >= 0
         errs = {e["id"]: e for e in read_jsonl(default_errors_path(str(out)))}
         assert {k: e["field"] for k, e in errs.items()} == {
-            "bad-url": "url", "bad-top-p": "body.top_p", "bad-n": "body.n", "unserved": "body.best_of", "tools": "body.tools", "bias": "body.logit_bias",
+            "bad-url": "url", "bad-top-p": "body.top_p", "bad-n": "body.n", "unserved": "body.best_of", "tools": "body.tool_choice", "bias": "body.logit_bias",
             "penalty": "body.presence_penalty",
             "wrong-key": "body.messages", "c": "id", "extra": "id"}
         assert "duplicate id" in errs["c"]["error"] and "unknown field" in errs["extra"]["error"]
+        assert "--guided-regex" in errs["tools"]["error"]  # tool calls are guided: this job serves none
         # resume: the output's last line lost, the rerun redoes that row alone
         lines = out.read_text().splitlines(keepends=True)
         lost = json.loads(lines[-1])

@@ -383,7 +383,7 @@ def test_the_python_api_and_the_server_serve_guided_regex_and_json(tok):
         api.engine.shutdown()
 
 
-def test_tool_choice_is_answered_as_tool_calls(tok):
+def test_tool_choice_is_answered_as_tool_calls(tok, tmp_path):
     """A named tool_choice answers that function's arguments (JSON of its parameters) as one tool call,
     "required" a list of calls; "none" answers text (the control: unguided, no valid arguments);
     "auto" (a server with --tool-call-parser hermes) the model's own text, and its calls where it writes them;
@@ -478,3 +478,31 @@ def test_tool_choice_is_answered_as_tool_calls(tok):
         server.stop()
         api.engine.drain(60)
         api.engine.shutdown()
+    llm.tokenizer = chat_tok
+    _batch_lines_answer_tool_calls(llm, tmp_path, history, [weather, clock], call)
+
+
+def _batch_lines_answer_tool_calls(llm, tmp_path, history, tools, server_call):
+    """OpenAI batch lines on the chat url answer tool calls as the server does (the same greedy
+    arguments); "auto" needs the job's --tool-call-parser, "required" and a named call its guide."""
+    from specjax.serving.batch_job import Shard, run_batch_job
+    from specjax.jobs import default_errors_path
+    from serving_fixtures import read_jsonl, write_jsonl
+    body = {"messages": history, "tools": tools, "temperature": 0, "max_tokens": 60}
+    lines = [{"custom_id": "named", "url": "/v1/chat/completions",
+              "body": {**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}},
+             {"custom_id": "required", "url": "/v1/chat/completions", "body": {**body, "tool_choice": "required",
+                                                                              "max_tokens": 120}},
+             {"custom_id": "auto", "url": "/v1/chat/completions", "body": {**body, "max_tokens": 8}}]
+    inp, out = tmp_path / "tools.jsonl", tmp_path / "tools.out.jsonl"
+    write_jsonl(inp, lines)
+    s = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False, tool_parser="hermes")
+    by_id = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in read_jsonl(out)}
+    assert s.errors == 0 and by_id["named"]["finish_reason"] == "tool_calls", by_id
+    assert by_id["named"]["message"]["tool_calls"][0]["function"] == server_call["function"]
+    assert by_id["required"]["finish_reason"] == "tool_calls" and by_id["required"]["message"]["tool_calls"]
+    assert by_id["auto"]["message"]["content"] and "tool_calls" not in by_id["auto"]["message"]
+    out.unlink()
+    s = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)  # no parser: "auto" is an error
+    errors = read_jsonl(default_errors_path(str(out)))
+    assert (s.completed, [e["field"] for e in errors if e["id"] == "auto"]) == (2, ["body.tool_choice"]), errors

@@ -18,7 +18,7 @@ import json
 import sys
 
 from specjax import distributed as dist
-from specjax.serving.cli import add_llm_args, build_llm
+from specjax.serving.cli import add_llm_args, add_tool_parser_flag, build_llm
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens past eos (a row's ignore_eos wins)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_tool_parser_flag(p)
     add_llm_args(p)
     dist.add_distributed_args(p)
     return p
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     llm = build_llm(args, progress=not args.no_progress)
     summary = run_batch_job(llm, args.input, args.output, errors_path=args.errors, shard=shard, defaults=defaults,
-                            window=args.window, progress=not args.no_progress)
+                            window=args.window, progress=not args.no_progress, tool_parser=args.tool_call_parser)
     print(json.dumps(summary.as_dict()), flush=True)
     return 0
 

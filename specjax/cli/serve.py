@@ -13,10 +13,9 @@ import argparse
 import os
 import sys
 
-from specjax.serving.cli import add_llm_args, build_llm
+from specjax.serving.cli import add_llm_args, add_tool_parser_flag, build_llm
 from specjax.serving.http_server import DEFAULT_HOST
 from specjax.serving.limits import DEFAULT_MAX_WAITING
-from specjax.serving.tool_parsers import PARSERS
 from specjax.serving.request_metrics import SPEC_DECODE_METRICS_LEVELS
 
 
@@ -36,10 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-request-spec-decode-metrics", choices=SPEC_DECODE_METRICS_LEVELS, default="none",
                    help="add vLLM's per-request metrics.speculative_decoding to responses: summary (counts and "
                         "acceptance histograms) or detailed (also every round's drafted / accepted counts)")
-    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
-                   help="serve tool_choice \"auto\" (OpenAI's default with tools): read calls in this model "
-                        "family's format from the answer (hermes: <tool_call> JSON blocks, Qwen2.5 / Qwen3; "
-                        "llama3_json: JSON objects the answer begins with, Llama 3.1-3.3)")
+    add_tool_parser_flag(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     add_llm_args(p)
     return p

@@ -32,6 +32,7 @@ from specjax.decoding.requests import missing_rule
 from specjax.io import JsonlLine
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
 from specjax.serving import batch_openai
+from specjax.serving.tool_calls import check_tool_parser
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.request_metrics import request_spec_metrics
 from specjax.serving.schema import SAMPLING_FIELDS, FieldError, is_int, parse_sampling
@@ -62,15 +63,18 @@ class Row:
     openai: batch_openai.OpenAIRequest | None = None  # an OpenAI batch line: how to answer it
 
     def field(self, name: str | None) -> str | None:
-        """A native field's name as this row's input line spells it."""
+        """A native field's name as this row's input line spells it (the guide of tool calls: tool_choice)."""
+        if self.openai is not None and self.openai.tool_mode is not None and name == "guided_json":
+            name = "tool_choice"
         return batch_openai.native_field(name) if self.openai is not None else name
 
 
-def parse_row(obj: Any, line: int, defaults: SamplingParams) -> Row:
-    """Validate one decoded input row (native, or an OpenAI batch line); RowError names the field."""
+def parse_row(obj: Any, line: int, defaults: SamplingParams, tool_parser: str | None = None) -> Row:
+    """Validate one decoded input row (native, or an OpenAI batch line; `tool_parser`: the job's
+    --tool-call-parser); RowError names the field."""
     if batch_openai.is_openai_line(obj):
         try:
-            native, request = batch_openai.native_row(obj)
+            native, request = batch_openai.native_row(obj, tool_parser)
         except batch_openai.OpenAIRowError as e:
             raise RowError(str(e), e.field) from None
         try:
@@ -118,8 +122,8 @@ class BatchRows:
 
     resume = "by_id"
 
-    def __init__(self, llm: Any, defaults: SamplingParams, metrics: ServingMetrics):
-        self.tokenizer, self.defaults, self.metrics = llm.tokenizer, defaults, metrics
+    def __init__(self, llm: Any, defaults: SamplingParams, metrics: ServingMetrics, tool_parser: str | None = None):
+        self.tokenizer, self.defaults, self.metrics, self.tool_parser = llm.tokenizer, defaults, metrics, tool_parser
         self.engine, self.max_len = llm.engine, llm.engine.cfg.max_len
         self.rows: dict[int, Row] = {}  # rows with a request in the engine
 
@@ -140,7 +144,7 @@ class BatchRows:
         if row.error is not None:
             return self.error(index, row, f"malformed JSON: {row.error}", None)
         try:
-            parsed = parse_row(row.value, row.line, self.defaults)
+            parsed = parse_row(row.value, row.line, self.defaults, self.tool_parser)
         except RowError as e:
             return self.error(index, row, str(e), e.field)
         missing = missing_rule(parsed.sp, self.engine.cfg.logit_rules)
@@ -166,7 +170,7 @@ class BatchRows:
 
     def _prompt_ids(self, row: Row) -> list[int]:
         if row.prompt is None:
-            ids = encode_chat(self.tokenizer, row.messages)
+            ids = encode_chat(self.tokenizer, row.messages, tools=row.openai.tools if row.openai is not None else None)
         else:
             ids = encode_text(self.tokenizer, row.prompt) if isinstance(row.prompt, str) else list(row.prompt)
         if len(ids) + 1 > self.max_len:
@@ -194,14 +198,16 @@ class BatchRows:
 
 def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: str | None = None,
                   shard: Shard | None = None, defaults: SamplingParams | None = None, window: int | None = None,
-                  progress: bool = True) -> JobSummary:
+                  progress: bool = True, tool_parser: str | None = None) -> JobSummary:
     """Run (or resume) a batch job over `input_path` with `llm` (an `specjax.LLM`); see module docstring.
 
     output_path: the job's output (a shard suffix is added when `shard.count > 1`); errors_path:
     default `<stem>.errors.jsonl` of the shard's output; shard: default jax.process_index()/count();
     defaults: sampling for fields a row leaves out (default SamplingParams()); window: requests in
-    flight (default 2 x max_num_seqs). The summary's `metrics` are the job's serving metrics.
+    flight (default 2 x max_num_seqs); tool_parser: `serving.tool_parsers.PARSERS` name that serves OpenAI
+    lines' tool_choice "auto". The summary's `metrics` are the job's serving metrics.
     """
+    check_tool_parser(tool_parser)
     engine = llm.engine
     metrics = ServingMetrics(model_name="batch", gamma=engine.gamma, max_tokens_bucket=engine.buckets.tokens[-1],
                              max_slots=engine.cfg.max_slots)
@@ -213,7 +219,7 @@ def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: s
             prev_hook(info)
         metrics.observe_round(info)
 
-    kind = BatchRows(llm, defaults or SamplingParams(), metrics)
+    kind = BatchRows(llm, defaults or SamplingParams(), metrics, tool_parser)
     engine.on_round = hook
     try:
         summary = run_jsonl_job(kind, engine, input_path, output_path, errors_path=errors_path,

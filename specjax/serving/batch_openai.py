@@ -3,9 +3,10 @@
 An input line that carries `custom_id` is an OpenAI batch request:
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
     (url "/v1/completions": body {"prompt": ...}). The body takes the server's fields: the sampling
-    fields, `max_completion_tokens` (chat), `model`, `stream`, `user`, `n` = 1; fields that change the
-    output and are not served (`schema.UNSERVED_FIELDS`, and tool calls: `schema.TOOL_FIELDS`) make it an
-    error row, other fields are ignored.
+    fields, `max_completion_tokens` (chat), `model`, `stream`, `user`, `n` = 1, and on the chat url
+    `tools` / `tool_choice` as the server serves them (`serving.tool_calls`: a named function or
+    "required" with --guided-regex, "auto" with --tool-call-parser); fields that change the output and
+    are not served (`schema.UNSERVED_FIELDS`) make it an error row, other fields are ignored.
 Its output line:
     {"id": "batch-...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "...",
      "body": {a chat.completion or text_completion object with usage and spec_metrics}}, "error": null}
@@ -19,7 +20,9 @@ import time
 import uuid
 from typing import Any
 
+from specjax.serving.errors import APIError
 from specjax.serving.schema import SAMPLING_FIELDS, FieldError, check_served
+from specjax.serving.tool_calls import ToolMode, tool_guide, tool_message
 
 # url -> the body field that holds the prompt
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
@@ -36,18 +39,22 @@ class OpenAIRowError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class OpenAIRequest:
-    """What an OpenAI batch line's answer needs: its url (the response object's kind) and model name."""
+    """What an OpenAI batch line's answer needs: its url (the response object's kind), model name, and
+    the chat template's tools and how its answer becomes tool calls (`tool_calls.tool_guide`)."""
 
     url: str
     model: str
+    tools: list[dict[str, Any]] | None = None
+    tool_mode: ToolMode | None = None
 
 
 def is_openai_line(obj: Any) -> bool:
     return isinstance(obj, dict) and "custom_id" in obj
 
 
-def native_row(obj: dict[str, Any]) -> tuple[dict[str, Any], OpenAIRequest]:
-    """The native row (`id`, `prompt` or `messages`, sampling fields) an OpenAI batch line asks for."""
+def native_row(obj: dict[str, Any], tool_parser: str | None = None) -> tuple[dict[str, Any], OpenAIRequest]:
+    """The native row (`id`, `prompt` or `messages`, sampling fields) an OpenAI batch line asks for
+    (`tool_parser`: the job's --tool-call-parser, which serves tool_choice "auto")."""
     unknown = sorted(set(obj) - _LINE_FIELDS)
     if unknown:
         raise OpenAIRowError(f"unknown field(s) {unknown} in an OpenAI batch line (allowed: "
@@ -60,10 +67,14 @@ def native_row(obj: dict[str, Any]) -> tuple[dict[str, Any], OpenAIRequest]:
     body = obj.get("body")
     if not isinstance(body, dict):
         raise OpenAIRowError(f"'body' must be a JSON object, got {type(body).__name__}", "body")
+    chat = url == "/v1/chat/completions"
     try:
-        check_served(body)
+        check_served(body, tools=chat)
+        mode, guide, tools = tool_guide(body, tool_parser) if chat else (None, None, None)
     except FieldError as e:
         raise OpenAIRowError(str(e), f"body.{e.field}") from None
+    except APIError as e:
+        raise OpenAIRowError(e.message, f"body.{e.param}") from None
     if body.get("n") not in (None, 1):
         raise OpenAIRowError(f"'n' is {body['n']!r}: a batch line answers one choice (send one line per choice)",
                              "body.n")
@@ -74,9 +85,9 @@ def native_row(obj: dict[str, Any]) -> tuple[dict[str, Any], OpenAIRequest]:
     row = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     if key == "messages" and body.get("max_completion_tokens") is not None:
         row["max_tokens"] = body["max_completion_tokens"]
-    row.update({"id": obj["custom_id"], key: body.get(key)})
+    row.update({"id": obj["custom_id"], key: body.get(key)}, **({"guided_json": guide} if guide else {}))
     model = body.get("model")
-    return row, OpenAIRequest(url, model if isinstance(model, str) and model else "specjax")
+    return row, OpenAIRequest(url, model if isinstance(model, str) and model else "specjax", tools, mode)
 
 
 def native_field(field: str | None) -> str | None:
@@ -89,7 +100,8 @@ def output_line(custom_id: Any, req: OpenAIRequest, text: str | None, token_ids:
     """The OpenAI batch output line of a finished request."""
     if req.url == "/v1/chat/completions":
         kind, prefix = "chat.completion", "chatcmpl"
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        message, finish_reason = tool_message(text, req.tool_mode, finish_reason)  # chat rows have a tokenizer
+        choice = {"index": 0, "message": message}
     else:
         kind, prefix = "text_completion", "cmpl"
         choice = {"index": 0, "text": text}
