@@ -296,16 +296,17 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              enable_thinking: bool | None = False, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[Output]:
+             continue_final_message: bool = False, tools: Sequence[dict[str, Any]] | None = None) -> list[Output]:
         """Apply the tokenizer's chat template and generate (vLLM's options: the generation prompt is
         added unless `add_generation_prompt` is False; `continue_final_message` continues the last,
-        assistant message instead of starting a new one)."""
+        assistant message instead of starting a new one; `tools`, OpenAI's function list, are rendered
+        by the template)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this target has none")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [encode_chat(self.tokenizer, conv, enable_thinking=enable_thinking,
                                add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message) for conv in convs]
+                               continue_final_message=continue_final_message, tools=tools) for conv in convs]
         return self.generate(prompts, sampling_params)
 
     def _metrics(self, req: EngineRequest) -> dict[str, Any]:
