@@ -33,19 +33,27 @@ class DraftGuide(NamedTuple):
     state_b: Array  # int32 [B]: each row's state after its committed output (the anchor included), -1: none
 
 
-def _guide_columns(guide: DraftGuide, state_b: Array, cols_n: Array | None) -> tuple[Array, Array]:
-    """(next state after each column [B, N] int32 (-1: not allowed), allowed [B, N] bool) of rows in
-    state_b; columns `cols_n` (target ids of a draft vocabulary) or all V. A row without a state, or
-    whose state allows none of the columns, allows all of them."""
+def _allowed_columns(guide: DraftGuide, state_b: Array, cols_n: Array | None) -> Array:
+    """allowed [B, N] bool: the columns (`cols_n`, target ids of a draft vocabulary, or all V) rows in
+    state_b may draw: their automaton's tokens, and a stop id where it accepts. A row without a state, or
+    whose state allows none of the columns, allows all of them. Only the rows' int16 table entries at
+    those columns are read."""
     s, v = guide.next_nv.shape
-    ids = jnp.arange(v, dtype=jnp.int32) if cols_n is None else cols_n.astype(jnp.int32)
     st = jnp.clip(state_b, 0, s - 1)
-    rows_bn = guide.next_nv[st] if cols_n is None else guide.next_nv[st[:, None], ids[None, :]]  # only N columns read
-    nxt = rows_bn.astype(jnp.int32)  # [B, N]
-    stop = jnp.any((guide.stop_be[:, :, None] == ids[None, None, :]) & (guide.stop_be[:, :, None] >= 0), axis=1)
-    allowed = (nxt >= 0) | (guide.final_n[st][:, None] & stop)
+    ids = jnp.arange(v, dtype=jnp.int32) if cols_n is None else cols_n.astype(jnp.int32)
+    rows_bn = guide.next_nv[st] if cols_n is None else guide.next_nv[st[:, None], ids[None, :]]
+    stop_bn = jnp.any((guide.stop_be[:, :, None] == ids[None, None, :]) & (guide.stop_be[:, :, None] >= 0), axis=1)
+    allowed = (rows_bn >= 0) | (guide.final_n[st][:, None] & stop_bn)
     on = (state_b >= 0) & jnp.any(allowed, axis=1)
-    return jnp.where((state_b >= 0)[:, None], nxt, -1), allowed | ~on[:, None]
+    return allowed | ~on[:, None]
+
+
+def _next_state(guide: DraftGuide, state_b: Array, token_b: Array) -> Array:
+    """Rows' states after target tokens token_b from state_b (-1: none, or a token the state does not
+    allow, such as a stop id)."""
+    s, v = guide.next_nv.shape
+    nxt = guide.next_nv[jnp.clip(state_b, 0, s - 1), jnp.clip(token_b, 0, v - 1)].astype(jnp.int32)
+    return jnp.where(state_b >= 0, nxt, -1)
 
 
 def draft_loop(step: Callable[[Array, Any, Draw], tuple[Any, Array, dict[str, Array]]], carry0: Any, gamma: int,
@@ -66,10 +74,11 @@ def draft_loop(step: Callable[[Array, Any, Draw], tuple[Any, Array, dict[str, Ar
 
     def body(k: Array, c: tuple[Any, Array, dict[str, Array], Array | None]) -> tuple:
         carry, tok_bg, outs_bg, state_b = c
-        nxt_bn, allowed_bn = (None, None) if guide is None else _guide_columns(guide, state_b, cols_n)
+        allowed_bn = None if guide is None else _allowed_columns(guide, state_b, cols_n)
         carry, tok_b, outs_b = step(k, carry, draw_at(k, allowed_bn))
         if guide is not None:
-            state_b = jnp.take_along_axis(nxt_bn, tok_b.astype(jnp.int32)[:, None], axis=1)[:, 0]
+            tok_b = tok_b.astype(jnp.int32)
+            state_b = _next_state(guide, state_b, tok_b if cols_n is None else cols_n.astype(jnp.int32)[tok_b])
         put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=k, axis=1)
         return carry, put(tok_bg, tok_b.astype(jnp.int32)), {n: put(outs_bg[n], x) for n, x in outs_b.items()}, state_b
     tok_bg = jnp.zeros((tok.shape[0], gamma), jnp.int32)
