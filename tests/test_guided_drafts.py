@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.decoding.automata import pack_allowed
 from specjax.drafters import drafting
 from specjax.drafters.base import ContextUpdate
 from specjax.drafters.drafting import DraftGuide
@@ -65,7 +66,8 @@ def _proposals(kind: str, target, sa: SamplingArrays):
     state = drafter.commit(drafter.init_state(b, 32), ContextUpdate(toks, pos, taps, out.hidden, n_valid))
     keys = jax.random.split(jax.random.key(7), b)
     anchor = toks[jnp.arange(b), n_valid - 1]
-    guide = DraftGuide(jnp.asarray(GUIDE_A.next_nv), jnp.asarray(GUIDE_A.final_n), jnp.zeros((b, 1), jnp.int32),
+    guide = DraftGuide(jnp.asarray(GUIDE_A.next_nv), jnp.asarray(pack_allowed(GUIDE_A.next_nv)),
+                       jnp.asarray(GUIDE_A.final_n), jnp.zeros((b, 1), jnp.int32),
                        jnp.asarray(STATES))
     guided = drafter.propose(state, anchor, n_valid, sa, keys, guide=guide)
     free, z = drafter.propose_with_logits(state, anchor, n_valid, sa, keys)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specjax.decoding import logit_rules
-from specjax.decoding.automata import AutomatonTable, TokenAutomaton
+from specjax.decoding.automata import AutomatonTable, TokenAutomaton, pack_allowed
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 
 from engine_fixtures import chain_drafter, chi_square_pvalue, exact_continuations, refused_field, ruled_greedy, \
@@ -72,7 +72,8 @@ def test_automaton_rules_equal_the_reference_at_every_position():
     logits = rng.normal(size=(b, t, v))
     nxt, fin = jnp.asarray(table.next_nv), jnp.asarray(table.final_n)
     path = logit_rules.automaton_path(nxt, jnp.asarray(state), jnp.asarray(drafts))
-    got = np.asarray(logit_rules.guide_automaton(jnp.asarray(logits, jnp.float32), nxt, fin, path,
+    allowed = jnp.asarray(table.allowed_nw)
+    got = np.asarray(logit_rules.guide_automaton(jnp.asarray(logits, jnp.float32), allowed, fin, path,
                                                  jnp.tile(jnp.asarray(eos, jnp.int32), (b, 1))))
     masked = 0
     for i, (a, out) in enumerate(rows):
@@ -96,6 +97,10 @@ def test_the_table_shares_evicts_and_makes_a_request_wait():
     table.release(b)
     assert table.acquire(c) == 4 and "b" not in table.users()  # b was unused: evicted for c
     np.testing.assert_array_equal(table.next_nv[4:8, 1:4], [[5, -1, -1], [-1, 6, -1], [-1, -1, 7], [-1, -1, -1]])
+    np.testing.assert_array_equal(table.allowed_nw[4:8, 0], [2, 4, 8, 0])  # token t is bit t of word 0
+    big = np.full((3, 70), -1, np.int16)
+    big[1, [0, 31, 32, 69]] = 0  # the packed bits across words: 70 tokens in 3 words
+    np.testing.assert_array_equal(pack_allowed(big), [[0, 0, 0], [1 | 1 << 31, 1, 1 << 5], [0, 0, 0]])
     with pytest.raises(ValueError, match="does not fit the engine's table of 9 states"):
         table.acquire(automaton({s: {1: s + 1} for s in range(9)}, {9}, 8, "big"))
 
@@ -449,7 +454,8 @@ def test_tool_choice_is_answered_as_tool_calls(tok, tmp_path):
         with pytest.raises(ValueError):
             json.loads(text)  # unguided: not the arguments of a call
         status, r = ask(max_tokens=12)  # "auto": the model's own text; this one holds no call
-        assert status == 200 and r["choices"][0]["message"]["content"] and "tool_calls" not in r["choices"][0]["message"]
+        m = r["choices"][0]["message"]
+        assert status == 200 and m["content"] and "tool_calls" not in m, r
         said = '<tool_call>\n{"name": "get_time", "arguments": {"utc": false}}\n</tool_call>'
         decode, api._decode = api._decode, lambda ids: "Checking. " + said  # as if the model wrote a hermes call
         try:
@@ -480,7 +486,7 @@ def test_tool_choice_is_answered_as_tool_calls(tok, tmp_path):
         api.engine.shutdown()
     llm.tokenizer = chat_tok
     from specjax.api import SamplingParams, encode_chat
-    (out,) = llm.chat(history, SamplingParams(max_tokens=1, temperature=0), tools=[weather])  # the Python API renders tools
+    (out,) = llm.chat(history, SamplingParams(max_tokens=1, temperature=0), tools=[weather])  # the API renders tools
     assert out.prompt_token_ids == encode_chat(chat_tok, history, tools=[weather]) != encode_chat(chat_tok, history)
     _batch_lines_answer_tool_calls(llm, tmp_path, history, [weather, clock], call)
 

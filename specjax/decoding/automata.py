@@ -6,7 +6,9 @@ allowed where the table gives a next state, and eos where the state accepts. An 
 `EngineConfig.guided_regex` keeps one `AutomatonTable` of a fixed number of states for the automata
 of its live requests: each is loaded once at its offset (its state ids shifted by it), shared by
 every request with the same key, and kept after its last request ends while room allows (the least
-recently used unused one is evicted first). The device holds a copy (`Runner.set_automata`).
+recently used unused one is evicted first). The device holds a copy (`Runner.set_automata`), with
+each state's allowed tokens also packed 32 to a uint32 word (`pack_allowed`): a sampled position reads
+its state's V/32 words, not its V int16 next states (those are read one token at a time).
 """
 from __future__ import annotations
 
@@ -64,6 +66,16 @@ class TokenAutomaton:
         return np.flatnonzero(self.next_nv[state] >= 0)
 
 
+def pack_allowed(next_nv: np.ndarray) -> np.ndarray:
+    """uint32 [n, ceil(V/32)]: bit t % 32 of word t // 32 is set where token t is allowed (next_nv >= 0)."""
+    n, v = next_nv.shape
+    packed = np.packbits(next_nv >= 0, axis=1, bitorder="little")  # [n, ceil(V/8)] uint8
+    words = -(-v // 32)
+    out = np.zeros((n, words * 4), np.uint8)
+    out[:, :packed.shape[1]] = packed
+    return out.view("<u4").astype(np.uint32, copy=False)
+
+
 @dataclasses.dataclass
 class _Loaded:
     offset: int
@@ -77,6 +89,7 @@ class AutomatonTable:
     def __init__(self, states: int, vocab: int):
         self.next_nv = np.full((states, vocab), -1, np.int16)
         self.final_n = np.zeros((states,), bool)
+        self.allowed_nw = np.zeros((states, -(-vocab // 32)), np.uint32)  # next_nv >= 0, packed (`pack_allowed`)
         self._loaded: collections.OrderedDict[str, _Loaded] = collections.OrderedDict()  # least recent first
         self.changed = False  # written since `changes` last handed it to the device (`Runner.set_automata`)
 
@@ -104,6 +117,7 @@ class AutomatonTable:
             nxt = automaton.next_nv
             self.next_nv[offset:offset + automaton.states] = np.where(nxt >= 0, nxt + offset, -1)
             self.final_n[offset:offset + automaton.states] = automaton.final_n
+            self.allowed_nw[offset:offset + automaton.states] = pack_allowed(nxt)
             entry = self._loaded[automaton.key] = _Loaded(offset, automaton.states)
             self.changed = True
         entry.users += 1
@@ -128,12 +142,13 @@ class AutomatonTable:
         if req.automaton is not None:
             self.release(req.automaton)
 
-    def changes(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The table (next states, accepting states) when written since the last call, else None."""
+    def changes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The table (next states, accepting states, allowed tokens packed) when written since the last
+        call, else None."""
         if not self.changed:
             return None
         self.changed = False
-        return self.next_nv, self.final_n
+        return self.next_nv, self.final_n, self.allowed_nw
 
     def users(self) -> dict[str, int]:
         """Requests per loaded automaton key."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.drafting import allowed_tokens
+
 Array = jax.Array
 
 ROW_BAD_WORDS = 16  # multi-token bad words a row holds on the device (each tokenization counts)
@@ -183,15 +185,16 @@ def automaton_path(next_nv: Array, state_b: Array, drafts_bk: Array) -> Array:
     return jnp.stack(path, axis=1)
 
 
-def guide_automaton(logits_btv: Array, next_nv: Array, final_n: Array, state_bt: Array, stop_be: Array) -> Array:
+def guide_automaton(logits_btv: Array, allowed_nw: Array, final_n: Array, state_bt: Array, stop_be: Array) -> Array:
     """guided_regex / guided_json: position j keeps only the tokens the row's automaton allows from
-    state_bt [b, t], and the stop ids stop_be [b, E] where that state accepts (final_n [N]); every
-    other logit is -inf. A position without a state (-1: a row without an automaton, or after a
-    draft it does not allow: never sampled) is left alone, as is a state that allows nothing (the
-    table's automata have none; a row that ended may still run a round on a reused state)."""
-    n, v = next_nv.shape
+    state_bt [b, t] (allowed_nw [N, ceil(V/32)]: the table's allowed tokens packed, `automata.pack_allowed`),
+    and the stop ids stop_be [b, E] where that state accepts (final_n [N]); every other logit is -inf.
+    A position without a state (-1: a row without an automaton, or after a draft it does not allow:
+    never sampled) is left alone, as is a state that allows nothing (the table's automata have none; a
+    row that ended may still run a round on a reused state)."""
+    n, v = allowed_nw.shape[0], logits_btv.shape[-1]
     s = jnp.clip(state_bt, 0, n - 1)
-    allowed = next_nv[s] >= 0  # [b, t, V]
+    allowed = allowed_tokens(allowed_nw[s], None, v)  # [b, t, V]
     stop_bv = jnp.any(stop_be[:, :, None] == jnp.arange(v, dtype=jnp.int32), axis=1)
     allowed = allowed | (final_n[s][:, :, None] & stop_bv[:, None, :])
     guided_bt = (state_bt >= 0) & jnp.any(allowed, axis=-1)  # never all -inf (a stale row after its end)

@@ -339,7 +339,8 @@ def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: in
           if choice in getattr(drafter, f"{name}_implementations", ())}
     if ctx.guided_drafts and rows.automaton:
         b = anchor_b.shape[0]
-        kw["guide"] = DraftGuide(rows.fsm_next_nv, rows.fsm_final_n, stop_be, rows.fsm_state_s[:b])
+        kw["guide"] = DraftGuide(rows.fsm_next_nv, rows.fsm_allowed_nw, rows.fsm_final_n, stop_be,
+                                 rows.fsm_state_s[:b])
     block = drafter.propose(dstate, anchor_b, lengths_b, sa, kd, kv_len=attn, **kw)
     return rs.guide_drafts(rows, block, _q_ids(ctx, d_params)) if rows.guided else block
 

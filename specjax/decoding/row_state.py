@@ -45,6 +45,7 @@ class RowState(NamedTuple):
     # offset; `decoding.automata`) and each row's state in it
     fsm_next_nv: Array | None = None  # int16 [N, V]: the state after each token, -1 where not allowed
     fsm_final_n: Array | None = None  # bool [N]: accepting states (a stop id is allowed there)
+    fsm_allowed_nw: Array | None = None  # uint32 [N, ceil(V/32)]: fsm_next_nv >= 0 packed (automata.pack_allowed)
     fsm_state_s: Array | None = None  # int32 [slots]: the state after the row's output, -1: none
 
     @classmethod
@@ -71,6 +72,8 @@ class RowState(NamedTuple):
         if automaton_shape[0]:
             rows = rows._replace(fsm_next_nv=jnp.full(automaton_shape, -1, jnp.int16),
                                  fsm_final_n=jnp.zeros(automaton_shape[:1], bool),
+                                 fsm_allowed_nw=jnp.zeros((automaton_shape[0], -(-automaton_shape[1] // 32)),
+                                                          jnp.uint32),
                                  fsm_state_s=jnp.full((slots,), -1, jnp.int32))
         return rows
 
@@ -105,7 +108,7 @@ def target_rules(rows: RowState, logits_btv: Array, toks_bt: Array, stop_be: Arr
                                       toks_bt[:, 1:], stop_be)
     if rows.automaton:
         path_bt = lr.automaton_path(rows.fsm_next_nv, rows.fsm_state_s[:b], toks_bt[:, 1:])
-        logits_btv = lr.guide_automaton(logits_btv, rows.fsm_next_nv, rows.fsm_final_n, path_bt, stop_be)
+        logits_btv = lr.guide_automaton(logits_btv, rows.fsm_allowed_nw, rows.fsm_final_n, path_bt, stop_be)
     if rows.penalties:
         logits_btv = lr.penalize(logits_btv, rows.counts_sv[:b], rows.prompt_sv[:b], rows.pens_3s[:, :b], toks_bt)
     return lr.hold_stops(logits_btv, jnp.concatenate([stop_be, rows.stops_sk[:b]], 1), rows.ints_7s[6, :b])
@@ -165,7 +168,8 @@ def prefill_logits(rows: RowState, logits_p1v: Array, tokens_bt: Array, ints_4b:
         logits_p1v = lr.guide_choices(logits_p1v, choices_bcl, choices_bcl[:, :, 0] >= 0, jnp.zeros((pb,), jnp.int32),
                                       jnp.zeros((pb, 0), jnp.int32), stop_pe)
     if rows.automaton:
-        logits_p1v = lr.guide_automaton(logits_p1v, rows.fsm_next_nv, rows.fsm_final_n, fsm_start_b[:, None], stop_pe)
+        logits_p1v = lr.guide_automaton(logits_p1v, rows.fsm_allowed_nw, rows.fsm_final_n, fsm_start_b[:, None],
+                                        stop_pe)
     if not rows.penalties:
         return logits_p1v, None
     (pb, plen), v = tokens_bt.shape, logits_p1v.shape[-1]

@@ -236,13 +236,16 @@ class Runner:
     def cache_lengths(self) -> jax.Array:
         return self.cache.lengths
 
-    def set_automata(self, next_nv: np.ndarray, final_n: np.ndarray) -> None:
-        """Replace the automaton table (`decoding.automata.AutomatonTable`'s host copy): later calls
-        read it; a call already dispatched keeps the one it was given."""
-        if next_nv.shape != self.automaton_shape:
-            raise ValueError(f"automaton table {next_nv.shape} differs from the engine's {self.automaton_shape}")
+    def set_automata(self, next_nv: np.ndarray, final_n: np.ndarray, allowed_nw: np.ndarray) -> None:
+        """Replace the automaton table (`decoding.automata.AutomatonTable`'s host copy: next states,
+        accepting states, allowed tokens packed): later calls read it; a call already dispatched keeps
+        the one it was given."""
+        if next_nv.shape != self.automaton_shape or allowed_nw.shape != self.row_state.fsm_allowed_nw.shape:
+            raise ValueError(f"automaton table {next_nv.shape} / {allowed_nw.shape} differs from the engine's "
+                             f"{self.automaton_shape}")
         self.row_state = self.row_state._replace(fsm_next_nv=self._resident(next_nv.astype(np.int16)),
-                                                 fsm_final_n=self._resident(final_n.astype(bool)))
+                                                 fsm_final_n=self._resident(final_n.astype(bool)),
+                                                 fsm_allowed_nw=self._resident(allowed_nw.astype(np.uint32)))
 
     def run(self, family: str, key: tuple[Any, ...], **inputs: Any) -> Any:
         """Call `family`'s executable for bucket `key` with the resident state and `inputs` (numpy

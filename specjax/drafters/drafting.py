@@ -28,22 +28,32 @@ class DraftGuide(NamedTuple):
     """The rows' token automata a drafting loop follows (an engine serving guided_regex)."""
 
     next_nv: Array  # int16 [S, V]: the engine's automaton table, the state after each token, -1: not allowed
+    allowed_sw: Array  # uint32 [S, ceil(V/32)]: next_nv >= 0, 32 tokens to a word (decoding.automata.pack_allowed)
     final_n: Array  # bool [S]: accepting states (a stop id is allowed there)
     stop_be: Array  # int32 [B, E]: each row's stop ids, -1 padding
     state_b: Array  # int32 [B]: each row's state after its committed output (the anchor included), -1: none
 
 
+def allowed_tokens(words_xw: Array, ids_n: Array | None, v: int) -> Array:
+    """bool [..., N]: the bits of packed allowed-token words [..., ceil(V/32)] (bit t % 32 of word
+    t // 32: token t) at token ids ids_n, or at every token 0..v-1 (N = v) when ids_n is None."""
+    if ids_n is None:
+        shifts = jnp.arange(32, dtype=jnp.uint32)
+        bits = (words_xw[..., :, None] >> shifts) & jnp.uint32(1)  # [..., W, 32]
+        return bits.reshape(*words_xw.shape[:-1], -1)[..., :v] != 0
+    ids = ids_n.astype(jnp.int32)
+    return ((jnp.take(words_xw, ids // 32, axis=-1) >> (ids % 32).astype(jnp.uint32)) & jnp.uint32(1)) != 0
+
+
 def _allowed_columns(guide: DraftGuide, state_b: Array, cols_n: Array | None) -> Array:
     """allowed [B, N] bool: the columns (`cols_n`, target ids of a draft vocabulary, or all V) rows in
     state_b may draw: their automaton's tokens, and a stop id where it accepts. A row without a state, or
-    whose state allows none of the columns, allows all of them. Only the rows' int16 table entries at
-    those columns are read."""
+    whose state allows none of the columns, allows all of them. Only each row's packed words are read."""
     s, v = guide.next_nv.shape
     st = jnp.clip(state_b, 0, s - 1)
     ids = jnp.arange(v, dtype=jnp.int32) if cols_n is None else cols_n.astype(jnp.int32)
-    rows_bn = guide.next_nv[st] if cols_n is None else guide.next_nv[st[:, None], ids[None, :]]
     stop_bn = jnp.any((guide.stop_be[:, :, None] == ids[None, None, :]) & (guide.stop_be[:, :, None] >= 0), axis=1)
-    allowed = (rows_bn >= 0) | (guide.final_n[st][:, None] & stop_bn)
+    allowed = allowed_tokens(guide.allowed_sw[st], cols_n, v) | (guide.final_n[st][:, None] & stop_bn)
     on = (state_b >= 0) & jnp.any(allowed, axis=1)
     return allowed | ~on[:, None]
 
