@@ -59,9 +59,10 @@ class EngineConfig:
     guided_choice: bool = False
     # guided_regex served (vLLM's guided_regex, guided_json and response_format json_schema, each a regular
     # expression compiled on the host to a token automaton, `decoding.automata`): one table of
-    # automaton_states states x vocab (int16) holds the automata of the live requests, each loaded once and
-    # kept while room allows (a request waits while its automaton does not fit); every sampled position allows
-    # only the tokens its row's automaton allows, or eos in an accepting state
+    # automaton_states states x vocab (int16 next states, and allowed tokens one bit each) holds the automata
+    # of the live requests, each loaded once and kept while room allows (a request waits while its automaton
+    # does not fit); every sampled position allows only the tokens its row's automaton allows, or eos in an
+    # accepting state
     guided_regex: bool = False
     automaton_states: int = 2048  # vLLM's json_object (any JSON object) takes ~1,600
     # with guided_regex: drafters draw only the tokens each row's automaton allows (q renormalised over them,

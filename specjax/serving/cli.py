@@ -62,7 +62,7 @@ def add_logit_rule_flags(group: Any, verb: str) -> None:
     for name, (_, serves) in LOGIT_RULES.items():
         group.add_argument("--" + name.replace("_", "-"), action="store_true", help=verb + serves)
     group.add_argument("--automaton-states", type=int, default=EngineConfig.automaton_states,
-                       help="states of the automaton table with --guided-regex (int16 x vocab each; vLLM's "
+                       help="states of the automaton table with --guided-regex (int16 + 1 bit x vocab each; vLLM's "
                             "json_object takes ~1,600)")
 
 
