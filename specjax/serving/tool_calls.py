@@ -98,8 +98,9 @@ def call_id() -> str:
 class ToolStream:
     """One streamed chat choice's deltas under a tool mode: a named function's call (the first delta
     names it, the next carry pieces of its arguments), with "auto" the parser's content and each call
-    once it has closed (whole, with its index), with "required" each call once its object has closed. The last chunk's finish_reason is "tool_calls" when the
-    answer ended whole with calls; cut short, the engine's reason."""
+    once it has closed (whole, with its index), with "required" each call once its object has closed.
+    The last chunk's finish_reason is "tool_calls" when the answer ended whole with calls; cut short,
+    the engine's reason."""
 
     def __init__(self, mode: ToolMode):
         self.mode = mode
@@ -132,7 +133,7 @@ class ToolStream:
 
 def tool_message(text: str, mode: ToolMode | None, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     """(the assistant message, the finish reason) of an answer under `mode`: its tool calls and
-    "tool_calls" when it ended whole (with "auto", the text before them as content, and only when the
+    "tool_calls" when it ended whole (with "auto", the text outside them as content, and only when the
     parser found calls); its text as content (and the engine's reason) when cut short, or without a mode."""
     if mode is None or finish_reason != "stop":
         return {"role": "assistant", "content": text}, finish_reason
