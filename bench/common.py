@@ -166,6 +166,20 @@ class BenchTarget:
     path: str | None = None
 
 
+def batch1_decode(llm: Any, prompts: Sequence[Sequence[int]], sampling_params: Any) -> tuple[list[Any], dict[str, Any]]:
+    """Decode `prompts` one after another at batch 1 with `llm` (a specjax.LLM, warm): (the outputs,
+    {tokens, seconds, tokens_per_s, load (1-minute, at the start), tau, token_ids})."""
+    load0 = load_average()[0]
+    t0 = time.perf_counter()
+    outs = [llm.generate([p], sampling_params)[0] for p in prompts]
+    sec = time.perf_counter() - t0
+    toks = sum(len(o.token_ids) for o in outs)
+    drafts = sum(o.metrics["num_drafts"] for o in outs)
+    acc = sum(o.metrics["num_accepted_tokens"] for o in outs)
+    return outs, {"tokens": toks, "seconds": sec, "tokens_per_s": toks / sec, "load": load0,
+                  "tau": 1 + acc / drafts if drafts else 1.0, "token_ids": [o.token_ids for o in outs]}
+
+
 def load_bench_target(*, use_embedded: bool = True, seed: int = 0) -> BenchTarget:
     """The embedded default target (SmolLM2-135M-Instruct from its GGUF, dequantized to float32,
     with its tokenizer) when its package is installed and `use_embedded`; otherwise a random model

@@ -27,7 +27,7 @@ import os
 import re
 import time
 
-from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, write_results
+from bench.common import batch1_decode, command_line, log, machine_info, md_table, pyplot, write_results
 
 EVAL_DIR = os.path.join("..", "shared", "data", "eval")
 EVAL_SETS = ("mt-bench", "gsm8k", "humaneval", "math500", "mbpp")
@@ -85,15 +85,7 @@ def _speed(name: str | None, prompts: list[list[int]], max_tokens: int, temperat
     llm.engine.warmup()
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
     llm.generate([prompts[0]], SamplingParams(temperature=temperature, max_tokens=8))
-    load0 = load_average()[0]
-    t0 = time.perf_counter()
-    outs = [llm.generate([p], sp)[0] for p in prompts]
-    sec = time.perf_counter() - t0
-    toks = sum(len(o.token_ids) for o in outs)
-    drafts = sum(o.metrics["num_drafts"] for o in outs)
-    acc = sum(o.metrics["num_accepted_tokens"] for o in outs)
-    return {"tokens": toks, "seconds": sec, "tokens_per_s": toks / sec, "load": load0,
-            "tau": 1 + acc / drafts if drafts else 1.0, "token_ids": [o.token_ids for o in outs]}
+    return batch1_decode(llm, prompts, sp)[1]
 
 
 def _peers(prompts: list[list[int]], max_tokens: int, threads: int) -> dict[str, float]:

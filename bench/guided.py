@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
-from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, write_results
+from bench.common import batch1_decode, command_line, log, machine_info, md_table, pyplot, write_results
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string"},
@@ -47,17 +46,8 @@ def _decode(llm, prompts: list[list[int]], max_tokens: int, temperature: float) 
     from specjax.api import SamplingParams
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0, guided_json=SCHEMA)
     llm.generate([prompts[0]], sp)  # compiles the schema's automaton, loads it
-    load0 = load_average()[0]
-    t0 = time.perf_counter()
-    outs = [llm.generate([p], sp)[0] for p in prompts]
-    sec = time.perf_counter() - t0
-    toks = sum(len(o.token_ids) for o in outs)
-    drafts = sum(o.metrics["num_drafts"] for o in outs)
-    acc = sum(o.metrics["num_accepted_tokens"] for o in outs)
-    valid = sum(_valid(o.text) for o in outs)
-    cut = sum(o.finish_reason == "length" for o in outs)
-    return {"tokens": toks, "seconds": sec, "tokens_per_s": toks / sec, "load": load0, "valid": valid, "cut": cut,
-            "tau": 1 + acc / drafts if drafts else 1.0, "token_ids": [o.token_ids for o in outs]}
+    outs, record = batch1_decode(llm, prompts, sp)
+    return {**record, "valid": sum(_valid(o.text) for o in outs), "cut": sum(o.finish_reason == "length" for o in outs)}
 
 
 def _valid(text: str) -> bool:
@@ -106,7 +96,8 @@ def _report(args, argv, plan, res, n: int) -> None:
             rows.append([label, f"{temp:g}", f"{r['tau']:.2f}", f"{r['tokens_per_s']:.1f}",
                          f"{r['tokens_per_s'] / base:.2f}x", same, f"{r['valid']}/{n} ({r['cut']})",
                          f"{r['load']:.1f}"])
-    md = (f"# Structured outputs under speculation: guided drafts\n\nCommand: `{command_line('bench.guided', argv)}`\n\n"
+    md = (f"# Structured outputs under speculation: guided drafts\n\n"
+          f"Command: `{command_line('bench.guided', argv)}`\n\n"
           f"{n} JSON records to one schema (guided_json: name, age, city, hobbies), batch 1, at most {args.max_tokens} "
           f"tokens, SmolLM2-135M-Instruct on this CPU. *free*: the drafter proposes as without a schema and "
           f"verification rejects what the schema's automaton does not allow; *guided*: it draws only the tokens the "
@@ -116,8 +107,9 @@ def _report(args, argv, plan, res, n: int) -> None:
     for d in args.drafters:
         for temp in (0.0, 1.0):
             free, guided = res[(f"{d} free", temp)], res[(f"{d} guided", temp)]
+            speed = guided['tokens_per_s'] / free['tokens_per_s']
             md += (f"- {d} at T={temp:g}: τ {free['tau']:.2f} -> {guided['tau']:.2f} with guided drafts "
-                   f"({guided['tau'] / free['tau']:.2f}x), tokens/s {guided['tokens_per_s'] / free['tokens_per_s']:.2f}x\n")
+                   f"({guided['tau'] / free['tau']:.2f}x), tokens/s {speed:.2f}x\n")
     clean = {f"{k[0]}@T{k[1]:g}": {kk: vv for kk, vv in v.items() if kk != "token_ids"} for k, v in res.items()}
     write_results("guided", {"machine": machine_info(), "schema": SCHEMA, "prompts": PEOPLE,
                              "max_tokens": args.max_tokens, "runs": clean}, md, out_dir=args.out_dir,
