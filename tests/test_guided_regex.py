@@ -442,6 +442,8 @@ def test_tool_choice_is_answered_as_tool_calls(tok, tmp_path):
         for x in calls:
             assert set(json.loads(x["function"]["arguments"])) == {"city" if x["function"]["name"] == "get_weather"
                                                                    else "utc"}, x
+        status, r = ask(tool_choice="required", max_tokens=120, parallel_tool_calls=False)
+        assert status == 200 and len(r["choices"][0]["message"]["tool_calls"]) == 1, r  # guided to one call
         status, _, data = http_request(server.url + "/v1/chat/completions", "POST", {
             "messages": history, "tools": [weather, clock], "temperature": 0, "max_tokens": 120, "stream": True,
             "tool_choice": "required"})

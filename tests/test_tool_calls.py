@@ -96,6 +96,23 @@ def test_streamed_auto_deltas_carry_the_content_then_each_call_with_its_index():
                                                                              "stop")
 
 
+def test_parallel_tool_calls_false_makes_one_call():
+    mode, schema, _ = tool_guide({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, None)
+    assert mode.single and (schema["minItems"], schema["maxItems"]) == (1, 1)
+    assert "maxItems" not in tool_guide({"tools": TOOLS, "tool_choice": "required"}, None)[1]  # the control
+    auto = tool_guide({"tools": TOOLS, "parallel_tool_calls": False}, "hermes")[0]
+    assert [c["function"]["name"] for c in tool_message(ANSWER, auto, "stop")[0]["tool_calls"]] == ["f"]
+    assert [c["function"]["name"] for c in tool_message(ANSWER, ToolMode(None, "hermes"), "stop")[0]["tool_calls"]] == [
+        "f", "g"]
+    stream = ToolStream(auto)
+    deltas = [stream.delta(ANSWER[i:i + 9], i == 0, "stop" if i + 9 >= len(ANSWER) else None)
+              for i in range(0, len(ANSWER), 9)]
+    assert [c["function"]["name"] for d, _ in deltas for c in d.get("tool_calls", [])] == ["f"]
+    with pytest.raises(APIError) as e:
+        tool_guide({"tools": TOOLS, "parallel_tool_calls": "no"}, "hermes")
+    assert e.value.param == "parallel_tool_calls"
+
+
 def test_auto_needs_a_parser():
     assert tool_guide({"tools": TOOLS}, "hermes")[:2] == (ToolMode(None, "hermes"), None)  # no guide: the model's text
     assert tool_guide({"tools": TOOLS, "stream": True}, "hermes")[0] == ToolMode(None, "hermes")

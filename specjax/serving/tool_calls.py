@@ -7,7 +7,8 @@ makes the answer a JSON array of one or more {"name", "parameters"} objects, eac
 with its schema, returned as that many entries. "none" answers as without tools. "auto" (OpenAI's
 default when tools are given) lets the model answer text or calls in its own format, which a server
 started with `--tool-call-parser NAME` (`PARSERS`) reads from the finished answer (without one, "auto"
-is refused naming `tool_choice`). The tools are passed to the chat template. A named function's call
+is refused naming `tool_choice`). `parallel_tool_calls` false: "required" answers exactly one call
+(guided), "auto" keeps the first. The tools are passed to the chat template. A named function's call
 streams as OpenAI's do (the first delta names the call, the next ones carry pieces of its arguments,
 the last chunk's finish_reason is "tool_calls"), an "auto" answer as its content and each call once it
 has closed, a "required" one as each call once its object has closed.
@@ -39,6 +40,7 @@ class ToolMode:
 
     function: str | None  # the named function; None: a list of calls
     parser: str | None = None  # "auto": the PARSERS entry that reads the answer
+    single: bool = False  # OpenAI's parallel_tool_calls false: at most one call ("auto" keeps the first)
 
 
 def tool_guide(body: Mapping[str, Any], parser: str | None = None
@@ -58,16 +60,22 @@ def tool_guide(body: Mapping[str, Any], parser: str | None = None
         if body.get(guide) is not None:
             raise APIError(400, f"'{guide}' is not served with tools (tool calls guide or parse the answer)",
                            param=guide)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool) and parallel is not None:
+        raise APIError(400, f"'parallel_tool_calls' must be true or false, got {parallel!r}",
+                       param="parallel_tool_calls")
+    single = parallel is False
     if choice in (None, "auto"):
         if parser is None:
             raise APIError(400, "'tool_choice' \"auto\" (the default with tools) needs a parser of the model's "
                                 "tool-call format (a server started with --tool-call-parser): name a function or use "
                                 "\"required\"", param="tool_choice")
-        return ToolMode(None, parser), None, list(tools)
+        return ToolMode(None, parser, single), None, list(tools)
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
                   "required": ["name", "parameters"]} for name, params in functions.items()]
-        return ToolMode(None), {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, list(tools)
+        schema = {"type": "array", "minItems": 1, **({"maxItems": 1} if single else {}), "items": {"anyOf": calls}}
+        return ToolMode(None, None, single), schema, list(tools)
     name = ((choice or {}).get("function") or {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in functions:
         raise APIError(400, f"'tool_choice' must be \"none\", \"required\" or {{\"type\": \"function\", \"function\": "
@@ -121,6 +129,7 @@ class ToolStream:
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
         else:
             content, calls = self.reader.push(text, final=finish_reason is not None)
+            calls = calls[:max(0, 1 - self.calls)] if self.mode.single else calls
             if content or first:
                 delta["content"] = content if content or self.mode.parser is not None else None
             if calls:
@@ -142,6 +151,7 @@ def tool_message(text: str, mode: ToolMode | None, finish_reason: str | None) ->
         content, calls = read_calls(mode.parser, text)
         if not calls:
             return {"role": "assistant", "content": text}, finish_reason
+        calls = calls[:1] if mode.single else calls
     elif mode.function is not None:
         calls = [(mode.function, text)]
     else:
