@@ -279,3 +279,17 @@ def test_program_defaults_reach_the_job(monkeypatch, tmp_path):
     assert seen["defaults"] == SamplingParams(max_tokens=7, ignore_eos=True)
     batch_cli.main(argv)
     assert seen["defaults"].ignore_eos is False
+
+
+def test_an_openai_lines_guide_is_named_by_the_body_field_that_set_it():
+    """A guide a batch line asked for through response_format or tool_choice is named by that field
+    (schema.guide_source, as the server names it), not by the SamplingParams field it became."""
+    from specjax.api import SamplingParams
+    from specjax.serving.batch_job import parse_row
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    lines = {"response_format": {**chat, "response_format": {"type": "json_object"}},
+             "tool_choice": {**chat, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+             "guided_json": {**chat, "guided_json": {"type": "object"}}}
+    for field, body in lines.items():
+        row = parse_row({"custom_id": "a", "url": "/v1/chat/completions", "body": body}, 1, SamplingParams())
+        assert (row.field("guided_json"), row.field("temperature")) == (f"body.{field}", "body.temperature")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.drafting import allowed_tokens
+from specjax.drafters.drafting import automaton_mask, next_state
 
 Array = jax.Array
 
@@ -166,22 +166,13 @@ def advance_choices(choices_bcl: Array, alive_bc: Array, pos_b: Array, tokens_bt
     return alive_bc & jnp.all(same, axis=1), pos_b + emitted_b
 
 
-def _step(next_nv: Array, state_b: Array, token_b: Array) -> Array:
-    """The automaton state after token_b from state_b ([b]); -1 (none) from -1, after a token the
-    state does not allow, or after a token id outside the table (a stop id)."""
-    n, v = next_nv.shape
-    ok = (state_b >= 0) & (token_b >= 0) & (token_b < v)
-    nxt = next_nv[jnp.clip(state_b, 0, n - 1), jnp.clip(token_b, 0, v - 1)].astype(jnp.int32)
-    return jnp.where(ok, nxt, -1)
-
-
 def automaton_path(next_nv: Array, state_b: Array, drafts_bk: Array) -> Array:
     """[b, k+1]: each row's automaton state before position j of a verify pass: state_b [b] (after
     its committed output), then after each of the drafts d_1..d_j (-1 once a draft is not allowed:
     such a position is never sampled). next_nv [N, V]: the engine's table, -1 where not allowed."""
     path = [state_b]
     for j in range(drafts_bk.shape[1]):
-        path.append(_step(next_nv, path[-1], drafts_bk[:, j]))
+        path.append(next_state(next_nv, path[-1], drafts_bk[:, j]))
     return jnp.stack(path, axis=1)
 
 
@@ -192,17 +183,12 @@ def guide_automaton(logits_btv: Array, allowed_nw: Array, final_n: Array, state_
     A position without a state (-1: a row without an automaton, or after a draft it does not allow:
     never sampled) is left alone, as is a state that allows nothing (the table's automata have none; a
     row that ended may still run a round on a reused state)."""
-    n, v = allowed_nw.shape[0], logits_btv.shape[-1]
-    s = jnp.clip(state_bt, 0, n - 1)
-    allowed = allowed_tokens(allowed_nw[s], None, v)  # [b, t, V]
-    stop_bv = jnp.any(stop_be[:, :, None] == jnp.arange(v, dtype=jnp.int32), axis=1)
-    allowed = allowed | (final_n[s][:, :, None] & stop_bv[:, None, :])
-    guided_bt = (state_bt >= 0) & jnp.any(allowed, axis=-1)  # never all -inf (a stale row after its end)
+    allowed, guided_bt = automaton_mask(allowed_nw, final_n, state_bt, stop_be, None, logits_btv.shape[-1])
     return jnp.where(guided_bt[:, :, None] & ~allowed, -jnp.inf, logits_btv)
 
 
 def advance_automaton(next_nv: Array, state_b: Array, tokens_bt: Array, emitted_b: Array) -> Array:
     """Rows [0:b]'s automaton states after emitting their first emitted_b tokens of tokens_bt."""
     for j in range(tokens_bt.shape[1]):
-        state_b = jnp.where(j < emitted_b, _step(next_nv, state_b, tokens_bt[:, j]), state_b)
+        state_b = jnp.where(j < emitted_b, next_state(next_nv, state_b, tokens_bt[:, j]), state_b)
     return state_b

@@ -45,25 +45,29 @@ def allowed_tokens(words_xw: Array, ids_n: Array | None, v: int) -> Array:
     return ((jnp.take(words_xw, ids // 32, axis=-1) >> (ids % 32).astype(jnp.uint32)) & jnp.uint32(1)) != 0
 
 
-def _allowed_columns(guide: DraftGuide, state_b: Array, cols_n: Array | None) -> Array:
-    """allowed [B, N] bool: the columns (`cols_n`, target ids of a draft vocabulary, or all V) rows in
-    state_b may draw: their automaton's tokens, and a stop id where it accepts. A row without a state, or
-    whose state allows none of the columns, allows all of them. Only each row's packed words are read."""
-    s, v = guide.next_nv.shape
-    st = jnp.clip(state_b, 0, s - 1)
-    ids = jnp.arange(v, dtype=jnp.int32) if cols_n is None else cols_n.astype(jnp.int32)
-    stop_bn = jnp.any((guide.stop_be[:, :, None] == ids[None, None, :]) & (guide.stop_be[:, :, None] >= 0), axis=1)
-    allowed = allowed_tokens(guide.allowed_sw[st], cols_n, v) | (guide.final_n[st][:, None] & stop_bn)
-    on = (state_b >= 0) & jnp.any(allowed, axis=1)
-    return allowed | ~on[:, None]
+def automaton_mask(allowed_sw: Array, final_n: Array, state_bx: Array, stop_be: Array, ids_n: Array | None,
+                   v: int) -> tuple[Array, Array]:
+    """(allowed [b, ..., N], guided [b, ...]) at states state_bx [b, ...] (-1: none): the tokens
+    `ids_n` (or all v) a state allows (packed table allowed_sw, `allowed_tokens`), and the row's stop
+    ids stop_be [b, E] (-1 padding) where it accepts (final_n); guided where there is a state and it
+    allows one of them (a position that is not guided is left free)."""
+    s = allowed_sw.shape[0]
+    st = jnp.clip(state_bx, 0, s - 1)
+    ids = jnp.arange(v, dtype=jnp.int32) if ids_n is None else ids_n.astype(jnp.int32)
+    stop_bn = jnp.any((stop_be[:, :, None] == ids[None, None, :]) & (stop_be[:, :, None] >= 0), axis=1)
+    stop = stop_bn.reshape(stop_bn.shape[:1] + (1,) * (state_bx.ndim - 1) + stop_bn.shape[1:])
+    allowed = allowed_tokens(allowed_sw[st], ids_n, v) | (final_n[st][..., None] & stop)
+    return allowed, (state_bx >= 0) & jnp.any(allowed, axis=-1)
 
 
-def _next_state(guide: DraftGuide, state_b: Array, token_b: Array) -> Array:
-    """Rows' states after target tokens token_b from state_b (-1: none, or a token the state does not
-    allow, such as a stop id)."""
-    s, v = guide.next_nv.shape
-    nxt = guide.next_nv[jnp.clip(state_b, 0, s - 1), jnp.clip(token_b, 0, v - 1)].astype(jnp.int32)
-    return jnp.where(state_b >= 0, nxt, -1)
+def next_state(next_nv: Array, state_x: Array, token_x: Array) -> Array:
+    """The automaton states after tokens token_x from state_x (next_nv [S, V], -1 where not allowed);
+    -1 (none) from -1, after a token the state does not allow, or after a token id outside the table
+    (a stop id)."""
+    s, v = next_nv.shape
+    ok = (state_x >= 0) & (token_x >= 0) & (token_x < v)
+    nxt = next_nv[jnp.clip(state_x, 0, s - 1), jnp.clip(token_x, 0, v - 1)].astype(jnp.int32)
+    return jnp.where(ok, nxt, -1)
 
 
 def draft_loop(step: Callable[[Array, Any, Draw], tuple[Any, Array, dict[str, Array]]], carry0: Any, gamma: int,
@@ -84,11 +88,15 @@ def draft_loop(step: Callable[[Array, Any, Draw], tuple[Any, Array, dict[str, Ar
 
     def body(k: Array, c: tuple[Any, Array, dict[str, Array], Array | None]) -> tuple:
         carry, tok_bg, outs_bg, state_b = c
-        allowed_bn = None if guide is None else _allowed_columns(guide, state_b, cols_n)
+        allowed_bn = None
+        if guide is not None:  # a row with no state, or none of the columns allowed, drafts freely
+            allowed, guided = automaton_mask(guide.allowed_sw, guide.final_n, state_b, guide.stop_be, cols_n,
+                                             guide.next_nv.shape[1])
+            allowed_bn = allowed | ~guided[:, None]
         carry, tok_b, outs_b = step(k, carry, draw_at(k, allowed_bn))
         if guide is not None:
             tok_b = tok_b.astype(jnp.int32)
-            state_b = _next_state(guide, state_b, tok_b if cols_n is None else cols_n.astype(jnp.int32)[tok_b])
+            state_b = next_state(guide.next_nv, state_b, tok_b if cols_n is None else cols_n.astype(jnp.int32)[tok_b])
         put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=k, axis=1)
         return carry, put(tok_bg, tok_b.astype(jnp.int32)), {n: put(outs_bg[n], x) for n, x in outs_b.items()}, state_b
     tok_bg = jnp.zeros((tok.shape[0], gamma), jnp.int32)

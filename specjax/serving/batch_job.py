@@ -63,10 +63,11 @@ class Row:
     openai: batch_openai.OpenAIRequest | None = None  # an OpenAI batch line: how to answer it
 
     def field(self, name: str | None) -> str | None:
-        """A native field's name as this row's input line spells it (the guide of tool calls: tool_choice)."""
-        if self.openai is not None and self.openai.tool_mode is not None and name == "guided_json":
-            name = "tool_choice"
-        return batch_openai.native_field(name) if self.openai is not None else name
+        """A native field's name as this row's input line spells it (a guide: the body field that set it,
+        e.g. response_format or tool_choice)."""
+        if self.openai is None:
+            return name
+        return batch_openai.native_field(self.openai.guide_sources.get(name, name))
 
 
 def parse_row(obj: Any, line: int, defaults: SamplingParams, tool_parser: str | None = None) -> Row:

@@ -20,8 +20,9 @@ import time
 import uuid
 from typing import Any
 
+from specjax.api import GUIDES
 from specjax.serving.errors import APIError
-from specjax.serving.schema import SAMPLING_FIELDS, FieldError, check_served
+from specjax.serving.schema import SAMPLING_FIELDS, FieldError, check_served, guide_source
 from specjax.serving.tool_calls import ToolMode, tool_guide, tool_message
 
 # url -> the body field that holds the prompt
@@ -46,6 +47,7 @@ class OpenAIRequest:
     model: str
     tools: list[dict[str, Any]] | None = None
     tool_mode: ToolMode | None = None
+    guide_sources: dict[str, str] = dataclasses.field(default_factory=dict)  # a guide -> the body field that set it
 
 
 def is_openai_line(obj: Any) -> bool:
@@ -87,7 +89,8 @@ def native_row(obj: dict[str, Any], tool_parser: str | None = None) -> tuple[dic
         row["max_tokens"] = body["max_completion_tokens"]
     row.update({"id": obj["custom_id"], key: body.get(key)}, **({"guided_json": guide} if guide else {}))
     model = body.get("model")
-    return row, OpenAIRequest(url, model if isinstance(model, str) and model else "specjax", tools, mode)
+    return row, OpenAIRequest(url, model if isinstance(model, str) and model else "specjax", tools, mode,
+                              {g: guide_source(body, g) for g in GUIDES})
 
 
 def native_field(field: str | None) -> str | None:

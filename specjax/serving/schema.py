@@ -470,7 +470,8 @@ class ChatCompletionRequest(_GenerationRequest):
         None, description="vLLM's: continue the last message, an assistant's (add_generation_prompt then false)")
     tools: list[dict[str, Any]] | None = pydantic.Field(None, description="OpenAI's functions (passed to the chat template)")
     tool_choice: str | dict[str, Any] | None = pydantic.Field(
-        None, description="\"none\", \"required\" or a named function (a server with --guided-regex; \"auto\" is refused)")
+        None, description="\"none\", \"required\" or a named function (a server with --guided-regex), or \"auto\" "
+                          "(a server with --tool-call-parser)")
 
 
 

@@ -114,14 +114,13 @@ class ToolStream:
         self.mode = mode
         self.reader = PARSERS[mode.parser]() if mode.parser is not None else \
             (ListedCalls() if mode.function is None else None)
-        self.calls = 0
+        self.calls = 1 if self.reader is None else 0  # calls sent (a named function's is its only one)
         self.id = call_id()
 
     def delta(self, text: str, first: bool, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """(the delta of the answer's next piece `text`, its chunk's finish reason)."""
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if self.reader is None:
-            self.calls = 1
             if first:
                 delta.update(content=None, tool_calls=[{"index": 0, "id": self.id, "type": "function", "function": {
                     "name": self.mode.function, "arguments": text}}])
