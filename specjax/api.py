@@ -51,6 +51,9 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_whitespace_pattern: str | None = None  # vLLM's: guided_json's whitespace (a regular expression)
+    # OpenAI's predicted output (an LLM built with prediction_tokens): text (or token ids) the answer is
+    # expected to repeat, drafted while the answer follows it; the output is unchanged, only faster
+    prediction: str | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -130,6 +133,13 @@ class SamplingParams:
         if ws is not None and (not isinstance(ws, str) or self.guided_json is None):
             raise ValueError(f"guided_whitespace_pattern must be a regular expression and comes with guided_json, "
                              f"got {ws!r}" + ("" if self.guided_json is not None else " without guided_json"))
+        pred = self.prediction
+        if pred is not None and not isinstance(pred, str):
+            if not isinstance(pred, (list, tuple)):
+                raise ValueError(f"prediction must be a string or a list of token ids, got {pred!r}")
+            for i, t in enumerate(pred):
+                _check_int(f"prediction[{i}]", t, minimum=0)
+            object.__setattr__(self, "prediction", tuple(int(t) for t in pred))
         guides = [f for f in GUIDES if getattr(self, f) is not None]
         if len(guides) > 1:
             raise ValueError(f"give one of {', '.join(guides)}, not several")
@@ -189,6 +199,9 @@ class LLM:
     guided_regex: serve `SamplingParams.guided_regex` and `guided_json` (the answer is a full match of
         the expression, a schema's JSON, then eos; a token automaton in a table of `automaton_states`
         states); off, they are refused.
+    prediction_tokens: serve `SamplingParams.prediction` up to this many tokens (OpenAI's predicted
+        outputs: drafted while the answer follows them; needs a drafter, "ngram" for predictions and
+        prompt lookup alone); 0, it is refused.
     """
 
     def __init__(self, target: Any = None, drafter: Any = None, *, tokenizer: str | None = None,
@@ -198,7 +211,7 @@ class LLM:
                  cost_table: Any = None, threshold: float | None = None, max_logprobs: int = 0,
                  sampling_variants: Sequence[str] | None = None, penalties: bool = False,
                  logit_bias: bool = False, guided_choice: bool = False, guided_regex: bool = False,
-                 automaton_states: int = EngineConfig.automaton_states):
+                 automaton_states: int = EngineConfig.automaton_states, prediction_tokens: int = 0):
         from specjax import checkpoints
         self.tokenizer = None
         target_dir = None
@@ -227,7 +240,7 @@ class LLM:
                 max_prefill=max_prefill, threshold=threshold, max_logprobs=max_logprobs,
                 sampling_variants=VARIANTS if sampling_variants is None else tuple(sampling_variants),
                 penalties=penalties, logit_bias=logit_bias, guided_choice=guided_choice, guided_regex=guided_regex,
-                automaton_states=automaton_states)
+                automaton_states=automaton_states, prediction_tokens=prediction_tokens)
         if isinstance(cost_table, (str, os.PathLike)):
             from specjax.scheduling import CostTable
             cost_table = CostTable.from_json(cost_table)
@@ -383,7 +396,8 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
         raise ValueError("prompt is empty (no token ids)")
     stop_check = None
     texts = (("stop strings", sp.stop), ("bad_words", sp.bad_words), ("guided_choice", sp.guided_choice),
-             ("guided_regex", sp.guided_regex), ("guided_json", sp.guided_json))
+             ("guided_regex", sp.guided_regex), ("guided_json", sp.guided_json),
+             ("a prediction text", isinstance(sp.prediction, str)))
     needs = [name for name, v in texts if v]
     if needs and tokenizer is None:
         raise ValueError(f"{needs[0]} need a tokenizer; this target has none")
@@ -398,7 +412,15 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
                          guided_choice=tuple(dict.fromkeys(tuple(encode_text(tokenizer, c))
                                                            for c in sp.guided_choice or ())),
                          automaton=request_automaton(sp, tokenizer, vocab), stop_check=stop_check,
-                         max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs)
+                         max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs,
+                         prediction_ids=prediction_ids(tokenizer, sp.prediction))
+
+
+def prediction_ids(tokenizer: Any, prediction: str | tuple[int, ...] | None) -> tuple[int, ...]:
+    """Token ids of a predicted output: its text's (no special tokens added) or the ids given."""
+    if isinstance(prediction, str):
+        return tuple(tokenizer(prediction, add_special_tokens=False)["input_ids"]) if prediction else ()
+    return tuple(prediction or ())
 
 
 def request_automaton(sp: SamplingParams, tokenizer: Any, vocab: int | None) -> Any:

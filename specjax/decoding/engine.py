@@ -51,6 +51,9 @@ class Engine:
             raise ValueError(f"gamma {self.gamma} exceeds the drafter's block size {drafter.gamma}")
         planner = RoundPlanner(config.policy, self.gamma, config.max_slots, threshold=config.threshold,
                                schedule_fn=schedule_fn, cost_table=cost_table)  # validates the policy
+        if drafter is None and config.prediction_tokens:
+            raise ValueError("prediction_tokens needs a drafter (predicted tokens are drafted in its rounds; "
+                             "drafter='ngram' for predictions and prompt lookup alone)")
         if drafter is None and config.policy != "plain":
             config = dataclasses.replace(config, policy="plain")
             planner = RoundPlanner("plain", 0, config.max_slots)
@@ -72,7 +75,8 @@ class Engine:
                              stop_ids=self.eos_token_ids, verifier=verifier, cache_dtype=config.cache_dtype,
                              mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap,
                              attention=config.attention, mlp=config.mlp, automaton_states=config.automaton_states,
-                             guided_drafts=config.guided_drafts, **config.logit_rules)
+                             guided_drafts=config.guided_drafts, prediction_tokens=config.prediction_tokens,
+                             **config.logit_rules)
         self.automata = AutomatonTable(config.automaton_states, target.config.vocab_size) if config.guided_regex \
             else None
         self.lengths = np.zeros((slots,), np.int64)  # committed cache rows per slot
@@ -216,9 +220,7 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineRequest) -> None:
-        check_request(req, max_len=self.cfg.max_len, vocab=self.target_config.vocab_size,
-                      top_k_cap=self.cfg.top_k_cap, max_logprobs=self.cfg.max_logprobs, rules=self.cfg.logit_rules,
-                      stop_ids=self.eos_token_ids, automaton_states=self.cfg.automaton_states)
+        check_request(req, self.cfg, vocab=self.target_config.vocab_size, stop_ids=self.eos_token_ids)
         self.round_variant(req.temperature, req.top_k, req.top_p, req.min_p)  # refuses a variant not compiled
         req.metrics.start_time = time.perf_counter()
         self.queue.append(req)
@@ -290,7 +292,7 @@ class Engine:
                       for i, n in zip(todo, chunk_lens)]
             attn = self._attention_bucket(max(offsets[i] + n for i, n in zip(todo, chunk_lens)))
             inputs = prefill_inputs(chunks, pb, plen, self.cfg.max_slots, self.runner.bias_cols,
-                                    self.runner.choice_shape)
+                                    self.runner.choice_shape, self.runner.pred_cols)
             outs = self.runner.run("prefill", (pb, plen, attn), **inputs)
             for row, (i, n) in enumerate(zip(todo, chunk_lens)):
                 offsets[i] += n
@@ -435,6 +437,7 @@ class Engine:
             r = launched.reqs[i]
             r.rounds += 1
             r.metrics.record_round(int(col["ell"][i]), int(col["num_accepted"][i]), self.gamma)
+            r.metrics.record_prediction(int(col["pred_drafted"][i]), int(col["pred_accepted"][i]))
             self.lengths[i] += int(col["num_accepted"][i]) + 1
             n0 = len(r.output_ids)
             self._append(r, toks[i, : int(col["num_emitted"][i])].tolist())

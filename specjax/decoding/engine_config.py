@@ -68,6 +68,10 @@ class EngineConfig:
     # with guided_regex: drafters draw only the tokens each row's automaton allows (q renormalised over them,
     # so verification stays exact); False proposes free drafts, which verification rejects where not allowed
     guided_drafts: bool = True
+    # OpenAI's predicted outputs served (`prediction`): each slot keeps up to this many predicted tokens, and a
+    # row whose output follows its prediction drafts the next predicted tokens instead of the drafter's (q
+    # one-hot: exact); needs a drafter (the n-gram drafter for predictions alone). 0: predictions refused
+    prediction_tokens: int = 0
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,
@@ -86,6 +90,9 @@ class EngineConfig:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if not 1 <= self.automaton_states <= MAX_AUTOMATON_STATES:
             raise ValueError(f"automaton_states must be in [1, {MAX_AUTOMATON_STATES}], got {self.automaton_states}")
+        if isinstance(self.prediction_tokens, bool) or not isinstance(self.prediction_tokens, int) \
+                or self.prediction_tokens < 0:
+            raise ValueError(f"prediction_tokens must be an int >= 0, got {self.prediction_tokens!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         variants = tuple(self.sampling_variants)

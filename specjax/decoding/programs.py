@@ -39,13 +39,16 @@ While a row has emitted fewer than min_tokens tokens, every program that samples
 Prefill also takes pens_3b = (presence, frequency, repetition penalty), bias_bv [P, V] (logit_bias,
 -inf outside allowed_token_ids and at one-token bad words), words_bwl [P, ROW_BAD_WORDS,
 BAD_WORD_TOKENS] (multi-token bad words), choices_bcl [P, ROW_CHOICES, CHOICE_TOKENS] (guided
-choices) and fsm_start_b [P] (the initial state of the row's automaton in the table, -1: none), read
-when the row state holds penalties / logit bias / choices / an automaton table (an engine built with
-them; zero-width otherwise): every sampled position's logits then get the row's bias and bad words,
+choices), fsm_start_b [P] (the initial state of the row's automaton in the table, -1: none) and
+pred_bl [P, L] (the row's predicted tokens, -1 padding), read when the row state holds penalties /
+logit bias / choices / an automaton table / predictions (an engine built with them; zero-width
+otherwise): every sampled position's logits then get the row's bias and bad words,
 its choices (only a token that continues one, or a stop id after a whole one), its automaton (only
 a token it allows, or a stop id in an accepting state), then vLLM's
 penalties from its prompt tokens and its output up to that position (its committed output and the
-drafts before it; `row_state.target_rules`).
+drafts before it; `row_state.target_rules`). A row with a prediction drafts its next predicted tokens
+while its output follows them (`decoding.prediction`); every round counts the predicted drafts it
+verified and accepted.
 """
 from __future__ import annotations
 
@@ -69,8 +72,9 @@ from specjax.sampling import DEFAULT_TOP_K_CAP, SamplingArrays, probs_from_logit
 Array = jax.Array
 
 # the leading columns of a round's packed int32 outputs [sb, C]; tokens [tb] follow, then (drafting
-# families) the float32 bits of the gamma confidences. "live": the row is still active afterwards.
-ROUND_COLUMNS = ("num_emitted", "num_accepted", "stopped", "ell", "live")
+# families) the float32 bits of the gamma confidences. "live": the row is still active afterwards;
+# "pred_accepted" / "pred_drafted": predicted drafts accepted / verified (row_state.tally_predictions)
+ROUND_COLUMNS = ("num_emitted", "num_accepted", "stopped", "ell", "live", "pred_accepted", "pred_drafted")
 @dataclasses.dataclass(frozen=True, eq=False)
 class Context:
     """What the programs close over: static for the life of an engine. Compared and hashed by value
@@ -196,9 +200,11 @@ def _advance(ctx: Context, rows: RowState, res: VerifyResult, active_b: Array, n
     return ctx.replicate(rows._replace(ints_7s=ints)), emitted, live
 
 
-def _pack(emitted, res: VerifyResult, ell_b, live_b, conf_bg: Array | None = None) -> Array:
+def _pack(emitted, res: VerifyResult, ell_b, live_b, predicted_2b: tuple[Array, Array],
+          conf_bg: Array | None = None) -> Array:
     """A round's int outputs as one int32 [sb, C] array (ROUND_COLUMNS, tokens, confidence bits)."""
-    cols = jnp.stack([emitted, res.num_accepted, res.stopped_on_draft, ell_b, live_b], axis=1).astype(jnp.int32)
+    cols = jnp.stack([emitted, res.num_accepted, res.stopped_on_draft, ell_b, live_b, *predicted_2b],
+                     axis=1).astype(jnp.int32)
     parts = [cols, res.tokens.astype(jnp.int32)]
     if conf_bg is not None:
         parts.append(jax.lax.bitcast_convert_type(conf_bg.astype(jnp.float32), jnp.int32))
@@ -258,8 +264,9 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     new_anchor = jnp.where(active_b & (res.next_token >= 0), res.next_token, anchor_b)
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors.at[:sb].set(new_anchor))
     rows, emitted, live = _advance(ctx, rows, res, active_b, start_b + n_commit, stop_be)
+    rows, *predicted = rs.tally_predictions(rows, draft_bg if tb > 1 else None, ell_b, res.num_accepted)
     rows = ctx.replicate(rs.record_output(rows, res.tokens, emitted))
-    outs = {"packed": _pack(emitted, res, ell_b, live, conf_bg)}
+    outs = {"packed": _pack(emitted, res, ell_b, live, predicted, conf_bg)}
     if logprobs:
         outs.update(_logprobs(ctx, logits, sa, res.tokens))
     return cache, dstate, anchors, rows, outs
@@ -333,7 +340,8 @@ def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: in
     """The drafter's block for rows [0:B], its context read from rows [0:attn), with the engine's
     attention and MLP implementations when the drafter has them (`attention_implementations`,
     `mlp_implementations`); with automata (`ctx.guided_drafts`) drawn under each row's from its state
-    and stop ids stop_be [B, E]; with guided choices, the drafts they force (`row_state.guide_drafts`)."""
+    and stop ids stop_be [B, E]; with predictions, an aligned row's predicted tokens
+    (`row_state.predict_drafts`); with guided choices, the drafts they force (`row_state.guide_drafts`)."""
     drafter = ctx.drafter(d_params)
     kw = {name: choice for name, choice in (("attention", ctx.attention), ("mlp", ctx.mlp))
           if choice in getattr(drafter, f"{name}_implementations", ())}
@@ -342,6 +350,8 @@ def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: in
         kw["guide"] = DraftGuide(rows.fsm_next_nv, rows.fsm_allowed_nw, rows.fsm_final_n, stop_be,
                                  rows.fsm_state_s[:b])
     block = drafter.propose(dstate, anchor_b, lengths_b, sa, kd, kv_len=attn, **kw)
+    if rows.predicted:
+        block = rs.predict_drafts(rows, block, _q_ids(ctx, d_params))
     return rs.guide_drafts(rows, block, _q_ids(ctx, d_params)) if rows.guided else block
 
 
@@ -392,7 +402,8 @@ def fused_fill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, e
 
 
 def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, tokens_bt, ints_4b, floats_3b, keys_b2,
-            limits_4b, stops_bk, pens_3b, bias_bv, words_bwl, choices_bcl, fsm_start_b, stop_ids, *, attn: int):
+            limits_4b, stops_bk, pens_3b, bias_bv, words_bwl, choices_bcl, fsm_start_b, pred_bl, stop_ids, *,
+            attn: int):
     """Prefill P prompt chunks into slots (an id >= slots marks a padding row); samples each first token
     and writes each row's state (active unless the first token ends the request, counter 0, tokens
     still wanted, draft cap, whether eos ends it, min_tokens still to emit, own stop ids, sampling
@@ -435,7 +446,7 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
                          keys_s2=rows.keys_s2.at[slot_p].set(keys_b2, mode="drop"),
                          stops_sk=rows.stops_sk.at[slot_p].set(stops_bk, mode="drop"))
     rows = ctx.replicate(rs.admit_rules(rows, slot_p, tok, pens_3b, prompt_pv, bias_bv, words_bwl, choices_bcl,
-                                        fsm_start_b))
+                                        fsm_start_b, pred_bl))
     return cache, dstate, anchors, rows, {"tokens": tok[:, None], "live": live,
                                           **_logprobs(ctx, logits, sa, tok[:, None])}
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from specjax.decoding.automata import TokenAutomaton
-from specjax.decoding.engine_config import LOGIT_RULES
+from specjax.decoding.engine_config import LOGIT_RULES, EngineConfig
 from specjax.decoding.logit_rules import BAD_WORD_TOKENS, CHOICE_TOKENS, ROW_BAD_WORDS, ROW_CHOICES
 from specjax.decoding.row_state import ROW_STOP_IDS
 
@@ -68,6 +68,10 @@ class RequestMetrics:
     # per drafting round, in order: drafts verified (ell > 0) and drafts accepted of them
     per_step_drafted: list[int] = dataclasses.field(default_factory=list)
     per_step_accepted: list[int] = dataclasses.field(default_factory=list)
+    # predicted outputs (OpenAI's usage.completion_tokens_details names): predicted drafts verification
+    # accepted, and those it verified and did not accept
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     first_token_time: float | None = None
     start_time: float = 0.0
     finish_time: float | None = None
@@ -90,7 +94,8 @@ class RequestMetrics:
                 "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
-                "num_rounds": self.num_rounds}
+                "num_rounds": self.num_rounds, "accepted_prediction_tokens": self.accepted_prediction_tokens,
+                "rejected_prediction_tokens": self.rejected_prediction_tokens}
 
     def speculative_decoding(self, num_spec_tokens: int, *, detailed: bool = False) -> dict[str, Any]:
         """vLLM's per-request `speculative_decoding` block for a request whose rounds verified at most
@@ -116,6 +121,11 @@ class RequestMetrics:
         if detailed:
             out["per_step_drafted"], out["per_step_accepted"] = list(drafted), list(accepted)
         return out
+
+    def record_prediction(self, drafted: int, accepted: int) -> None:
+        """One round's predicted drafts: `drafted` verified, `accepted` of them accepted."""
+        self.accepted_prediction_tokens += accepted
+        self.rejected_prediction_tokens += drafted - accepted
 
     def record_round(self, ell: int, accepted: int, gamma: int) -> None:
         """One round of this request that verified `ell` drafts and accepted `accepted` of them."""
@@ -161,6 +171,7 @@ class EngineRequest:
     automaton_start: int = -1  # filled by the engine: its initial state's id in the engine's table
     stop_check: Callable[[list[int], int], int | None] | None = None  # (output, min_tokens) -> tokens to keep, if a stop hit
     max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
+    prediction_ids: tuple[int, ...] = ()  # predicted output tokens, drafted while the output follows them
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
     # filled by the engine
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -180,12 +191,11 @@ def token_logprobs(req: EngineRequest, outs: dict[str, Any], row: int, n: int
              outs["top_logprob"][row, j, :k].tolist()) for j in range(n)]
 
 
-def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: int, max_logprobs: int,
-                  rules: Mapping[str, bool] | None = None, stop_ids: Sequence[int] = (),
-                  automaton_states: int = 0) -> None:
-    """Refuse a request an engine of these limits (`rules`: the opt-in logit rules it serves, none by
-    default; `automaton_states`: its automaton table's) cannot serve (a ValueError naming the field; a
-    RequestFieldError for the logit rules' fields)."""
+def check_request(req: EngineRequest, cfg: EngineConfig, *, vocab: int, stop_ids: Sequence[int] = ()) -> None:
+    """Refuse a request an engine of config `cfg` cannot serve (its max_len, top_k_cap, max_logprobs,
+    logit rules, automaton table and prediction_tokens; a ValueError naming the field, a
+    RequestFieldError for the logit rules' fields and the prediction)."""
+    max_len, top_k_cap, max_logprobs = cfg.max_len, cfg.top_k_cap, cfg.max_logprobs
     n = len(req.prompt_ids)
     if n == 0:
         raise ValueError(f"request {req.request_id}: prompt is empty")
@@ -200,7 +210,7 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
     if not 0 <= req.min_tokens <= req.max_tokens:
         raise ValueError(f"request {req.request_id}: min_tokens must be in [0, max_tokens = {req.max_tokens}], "
                          f"got {req.min_tokens}")
-    missing = missing_rule(req, rules or {})
+    missing = missing_rule(req, cfg.logit_rules)
     if missing:
         field, rule = missing
         raise RequestFieldError(f"request {req.request_id}: {field} needs an engine with {LOGIT_RULES[rule][0]} "
@@ -210,7 +220,9 @@ def check_request(req: EngineRequest, *, max_len: int, vocab: int, top_k_cap: in
     if req.guided_choice:
         _check_choices(req, vocab, stop_ids)
     if req.automaton is not None:
-        _check_automaton(req, vocab, stop_ids, automaton_states)
+        _check_automaton(req, vocab, stop_ids, cfg.automaton_states)
+    if req.prediction_ids:
+        _check_prediction(req, vocab, cfg.prediction_tokens)
     if req.min_tokens and len(req.stop_token_ids) > ROW_STOP_IDS:
         raise ValueError(f"request {req.request_id}: with min_tokens at most {ROW_STOP_IDS} stop_token_ids are "
                          f"held back (the device's per-row limit), got {len(req.stop_token_ids)}")
@@ -295,6 +307,23 @@ def _check_automaton(req: EngineRequest, vocab: int, eos_ids: Sequence[int], sta
             refuse(f"{field} is not served with {a.field} (they could leave no token to sample)", field)
 
 
+def _check_prediction(req: EngineRequest, vocab: int, prediction_tokens: int) -> None:
+    """Refuse a prediction the engine holds no room for, longer than a row holds, or of ids outside
+    the vocabulary."""
+    def refuse(message: str) -> None:
+        raise RequestFieldError(f"request {req.request_id}: prediction {message}", "prediction")
+    n = len(req.prediction_ids)
+    if not prediction_tokens:
+        refuse("needs an engine with predicted outputs (EngineConfig.prediction_tokens; the server's "
+               "--prediction-tokens)")
+    if n > prediction_tokens:
+        refuse(f"is {n} tokens, more than a slot holds (EngineConfig.prediction_tokens = {prediction_tokens}; "
+               f"the server's --prediction-tokens)")
+    bad = [t for t in req.prediction_ids if not 0 <= int(t) < vocab]
+    if bad:
+        refuse(f"token id {bad[0]} outside the vocabulary [0, {vocab})")
+
+
 def bias_row(req: EngineRequest, vocab: int) -> np.ndarray:
     """The request's per-token bias float32 [vocab]: -inf outside allowed_token_ids and at one-token
     bad words, its logit_bias added."""
@@ -327,11 +356,13 @@ def held_stop_ids(req: EngineRequest) -> np.ndarray:
 
 
 def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]], pb: int, plen: int,
-                   slots: int, bias_cols: int = 0, choice_shape: tuple[int, int] = (0, 0)) -> dict[str, np.ndarray]:
+                   slots: int, bias_cols: int = 0, choice_shape: tuple[int, int] = (0, 0),
+                   pred_cols: int = 0) -> dict[str, np.ndarray]:
     """The prefill program's per-call inputs for prompt chunks (request, offset, length, draft cap,
     key data), padded to `pb` rows (padding rows point past the last of `slots`: dropped) of `plen`;
     `bias_cols` the vocabulary with logit bias, else 0 (zero-width bias and bad words); `choice_shape`
-    (ROW_CHOICES, CHOICE_TOKENS) with guided choices, else zero."""
+    (ROW_CHOICES, CHOICE_TOKENS) with guided choices, else zero; `pred_cols` predicted tokens a row
+    holds (0: none)."""
     toks = np.zeros((pb, plen), np.int32)
     ints = np.zeros((4, pb), np.int32)  # n_valid, slot, start, top_k
     ints[1] = slots
@@ -344,6 +375,7 @@ def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]]
     words = np.full((pb, ROW_BAD_WORDS, BAD_WORD_TOKENS) if bias_cols else (pb, 0, 0), -1, np.int32)
     choices = np.full((pb,) + tuple(choice_shape), -1, np.int32)
     starts = np.full((pb,), -1, np.int32)  # automaton initial states in the engine's table
+    pred = np.full((pb, pred_cols), -1, np.int32)
     for row, (r, offset, n, draft_cap, key) in enumerate(chunks):
         toks[row, :n] = r.prompt_ids[offset:offset + n]
         ints[:, row] = n, r.slot, offset, r.top_k
@@ -355,11 +387,13 @@ def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]]
         if bias_cols:
             bias[row], words[row] = bias_row(r, bias_cols), bad_word_rows(r)
         starts[row] = r.automaton_start
+        if pred_cols:
+            pred[row, :len(r.prediction_ids)] = r.prediction_ids
         for i, c in enumerate(r.guided_choice if choice_shape[0] else ()):
             choices[row, i, :len(c)] = c
     return {"tokens_bt": toks, "ints_4b": ints, "floats_3b": floats, "keys_b2": key_data, "limits_4b": limits,
             "stops_bk": stops, "pens_3b": pens, "bias_bv": bias, "words_bwl": words,
-            "choices_bcl": choices, "fsm_start_b": starts}
+            "choices_bcl": choices, "fsm_start_b": starts, "pred_bl": pred}
 
 
 def seed_key_data(seed: int) -> np.ndarray:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.decoding import logit_rules as lr
+from specjax.decoding import prediction as pr
 
 Array = jax.Array
 
@@ -47,13 +48,18 @@ class RowState(NamedTuple):
     fsm_final_n: Array | None = None  # bool [N]: accepting states (a stop id is allowed there)
     fsm_allowed_nw: Array | None = None  # uint32 [N, ceil(V/32)]: fsm_next_nv >= 0 packed (automata.pack_allowed)
     fsm_state_s: Array | None = None  # int32 [slots]: the state after the row's output, -1: none
+    # with prediction_tokens only (`decoding.prediction`)
+    pred_sl: Array | None = None  # int32 [slots, L]: the row's predicted tokens, -1 padding
+    pred_ints_4s: Array | None = None  # int32 [4, slots]: prediction.PRED_INTS
+    pred_last_s: Array | None = None  # int32 [slots]: the row's last output token
 
     @classmethod
     def init(cls, slots: int, penalty_vocab: int = 0, bias_vocab: int = 0, guided: bool = False,
-             automaton_shape: tuple[int, int] = (0, 0)) -> "RowState":
+             automaton_shape: tuple[int, int] = (0, 0), prediction_tokens: int = 0) -> "RowState":
         """Empty rows; `penalty_vocab` / `bias_vocab` the target's vocabulary with penalties / logit
         bias, else 0 (no state for them); `guided`: state for guided choices; `automaton_shape`
-        (states, V) of the automaton table with guided_regex, else (0, 0): an empty table."""
+        (states, V) of the automaton table with guided_regex, else (0, 0): an empty table;
+        `prediction_tokens`: predicted tokens a row holds (0: none)."""
         floats = jnp.asarray([[1.0], [1.0], [0.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
         rows = cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), floats,
                    jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots, ROW_STOP_IDS), -1, jnp.int32))
@@ -75,6 +81,10 @@ class RowState(NamedTuple):
                                  fsm_allowed_nw=jnp.zeros((automaton_shape[0], -(-automaton_shape[1] // 32)),
                                                           jnp.uint32),
                                  fsm_state_s=jnp.full((slots,), -1, jnp.int32))
+        if prediction_tokens:
+            rows = rows._replace(pred_sl=jnp.full((slots, prediction_tokens), -1, jnp.int32),
+                                 pred_ints_4s=pr.admit(jnp.zeros((slots,), bool)),
+                                 pred_last_s=jnp.full((slots,), -1, jnp.int32))
         return rows
 
     @property
@@ -92,6 +102,10 @@ class RowState(NamedTuple):
     @property
     def automaton(self) -> bool:
         return self.fsm_next_nv is not None
+
+    @property
+    def predicted(self) -> bool:
+        return self.pred_sl is not None
 
 
 def target_rules(rows: RowState, logits_btv: Array, toks_bt: Array, stop_be: Array) -> Array:
@@ -129,7 +143,60 @@ def record_output(rows: RowState, tokens_bt: Array, emitted_b: Array) -> RowStat
         b = tokens_bt.shape[0]
         state = lr.advance_automaton(rows.fsm_next_nv, rows.fsm_state_s[:b], tokens_bt, emitted_b)
         rows = rows._replace(fsm_state_s=rows.fsm_state_s.at[:b].set(state))
+    if rows.predicted:
+        b = tokens_bt.shape[0]
+        ints, last = pr.advance(rows.pred_sl[:b], rows.pred_ints_4s[:, :b], rows.pred_last_s[:b], tokens_bt, emitted_b)
+        rows = rows._replace(pred_ints_4s=rows.pred_ints_4s.at[:, :b].set(ints), pred_last_s=rows.pred_last_s.at[:b].set(last))
     return rows
+
+
+def tally_predictions(rows: RowState, draft_bg: Array, ell_b: Array, accepted_b: Array
+                      ) -> tuple[RowState, Array, Array]:
+    """Rows [0:b] after a verified round, with their predicted drafts counted (`prediction.tally`; before
+    `record_output` moves the rows on). Returns (rows, accepted predicted drafts [b], predicted drafts
+    verified [b]); zeros without predictions."""
+    b = ell_b.shape[0]
+    if not rows.predicted or draft_bg is None:
+        zero = jnp.zeros((b,), jnp.int32)
+        return rows, zero, zero
+    ints, accepted, drafted = pr.tally(rows.pred_sl[:b], rows.pred_ints_4s[:, :b], draft_bg, ell_b, accepted_b)
+    return rows._replace(pred_ints_4s=rows.pred_ints_4s.at[:, :b].set(ints)), accepted, drafted
+
+
+def _holdable(tokens_bg: Array, q_ids: Array | None) -> Array:
+    """Whether the carried q can hold each token (all can without a draft vocabulary `q_ids`)."""
+    held = tokens_bg >= 0
+    if q_ids is not None:
+        held = held & jnp.any(q_ids[None, None, :] == tokens_bg[:, :, None], axis=-1)
+    return held
+
+
+def _force(block: Any, tokens_bg: Array, keep_bg: Array, q_ids: Array | None, conf_bg: Array) -> Any:
+    """`block` with tokens_bg where keep_bg (q one-hot there, confidence conf_bg), the drafter's elsewhere."""
+    def one_hot(q: Array | None, ids: Array) -> Array | None:
+        if q is None:
+            return None
+        return jnp.where(keep_bg[:, :, None], (ids[None, None, :] == tokens_bg[:, :, None]).astype(q.dtype), q)
+    conf = None if block.confidence is None else jnp.where(keep_bg, conf_bg, block.confidence)
+    q_draft = None if q_ids is None else one_hot(block.q_draft, q_ids)
+    return block._replace(tokens=jnp.where(keep_bg, tokens_bg, block.tokens), confidence=conf, q_draft=q_draft,
+                          q=one_hot(block.q, jnp.arange(block.q.shape[-1])))
+
+
+def predict_drafts(rows: RowState, block: Any, q_ids: Array | None) -> Any:
+    """A DraftBlock for rows [0:b] whose drafts are each aligned row's next predicted tokens
+    (`prediction.drafts`; q one-hot there, confidence the row's record), up to the first one q cannot
+    hold (outside the draft vocabulary `q_ids`), then the drafter's (confidence PAST_CONFIDENCE in a
+    row that drafted predicted tokens). Any proposal keeps verification exact."""
+    b, g = block.tokens.shape
+    predicted = pr.drafts(rows.pred_sl[:b], rows.pred_ints_4s[0, :b], g)
+    keep = jnp.cumprod(_holdable(predicted, q_ids), axis=1).astype(bool)
+    conf = jnp.broadcast_to(pr.confidence(rows.pred_ints_4s[:, :b])[:, None], keep.shape)
+    block = _force(block, predicted, keep, q_ids, conf)
+    if block.confidence is None:
+        return block
+    past = ~keep & keep[:, :1]
+    return block._replace(confidence=jnp.where(past, pr.PAST_CONFIDENCE, block.confidence))
 
 
 def guide_drafts(rows: RowState, block: Any, q_ids: Array | None) -> Any:
@@ -139,19 +206,8 @@ def guide_drafts(rows: RowState, block: Any, q_ids: Array | None) -> Any:
     keeps verification exact; a forced one is always accepted."""
     b, g = block.tokens.shape
     forced = lr.forced_choice_tokens(rows.choices_scl[:b], rows.alive_sc[:b], rows.pos_s[:b], g)
-    held = forced >= 0
-    if q_ids is not None:
-        held = held & jnp.any(q_ids[None, None, :] == forced[:, :, None], axis=-1)
-    keep = jnp.cumprod(held, axis=1).astype(bool)
-
-    def one_hot(q: Array | None, ids: Array) -> Array | None:
-        if q is None:
-            return None
-        return jnp.where(keep[:, :, None], (ids[None, None, :] == forced[:, :, None]).astype(q.dtype), q)
-    conf = None if block.confidence is None else jnp.where(keep, 0.999, block.confidence)
-    q_draft = None if q_ids is None else one_hot(block.q_draft, q_ids)
-    return block._replace(tokens=jnp.where(keep, forced, block.tokens), confidence=conf, q_draft=q_draft,
-                          q=one_hot(block.q, jnp.arange(block.q.shape[-1])))
+    keep = jnp.cumprod(_holdable(forced, q_ids), axis=1).astype(bool)
+    return _force(block, forced, keep, q_ids, jnp.full(forced.shape, 0.999, jnp.float32))
 
 
 def prefill_logits(rows: RowState, logits_p1v: Array, tokens_bt: Array, ints_4b: Array, pens_3b: Array,
@@ -181,15 +237,19 @@ def prefill_logits(rows: RowState, logits_p1v: Array, tokens_bt: Array, ints_4b:
 
 
 def admit_rules(rows: RowState, slot_p: Array, tok_p: Array, pens_3b: Array, prompt_pv: Array | None,
-                bias_bv: Array, words_bwl: Array, choices_bcl: Array, fsm_start_b: Array) -> RowState:
+                bias_bv: Array, words_bwl: Array, choices_bcl: Array, fsm_start_b: Array, pred_bl: Array
+                ) -> RowState:
     """The admitted rows' rule state (slots slot_p; an id past the last is dropped): penalties and
-    prompt tokens, bias and bad words, choices, automaton states (from fsm_start_b), and the first
-    token tok_p as the output so far."""
+    prompt tokens, bias and bad words, choices, automaton states (from fsm_start_b), predicted tokens
+    pred_bl [P, L] (-1 padding), and the first token tok_p as the output so far."""
     pb = tok_p.shape[0]
     fresh = RowState.init(pb, rows.counts_sv.shape[-1] if rows.penalties else 0,
                           rows.bias_sv.shape[-1] if rows.logit_bias else 0, rows.guided)
     if rows.guided:
         fresh = fresh._replace(choices_scl=choices_bcl, alive_sc=choices_bcl[:, :, 0] >= 0)
+    if rows.predicted:
+        fresh = fresh._replace(pred_sl=pred_bl, pred_ints_4s=pr.admit(pred_bl[:, 0] >= 0),
+                               pred_last_s=jnp.full((pb,), -1, jnp.int32))
     fresh = record_output(fresh, tok_p[:, None], jnp.ones_like(tok_p))
     if rows.automaton:
         first = lr.advance_automaton(rows.fsm_next_nv, fsm_start_b, tok_p[:, None], jnp.ones_like(tok_p))
@@ -206,4 +266,8 @@ def admit_rules(rows: RowState, slot_p: Array, tok_p: Array, pens_3b: Array, pro
         rows = rows._replace(choices_scl=rows.choices_scl.at[slot_p].set(choices_bcl, mode="drop"),
                              alive_sc=rows.alive_sc.at[slot_p].set(fresh.alive_sc, mode="drop"),
                              pos_s=rows.pos_s.at[slot_p].set(fresh.pos_s, mode="drop"))
+    if rows.predicted:
+        rows = rows._replace(pred_sl=rows.pred_sl.at[slot_p].set(pred_bl, mode="drop"),
+                             pred_ints_4s=rows.pred_ints_4s.at[:, slot_p].set(fresh.pred_ints_4s, mode="drop"),
+                             pred_last_s=rows.pred_last_s.at[slot_p].set(fresh.pred_last_s, mode="drop"))
     return rows

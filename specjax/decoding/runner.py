@@ -51,7 +51,7 @@ _ROUND = ("rows", "tokens", "logprobs", "attn", "variant")  # the bucket key of 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("prefill", programs.prefill,
            ("t_params", "d_params", *_STATE, "tokens_bt", "ints_4b", "floats_3b", "keys_b2", "limits_4b", "stops_bk",
-            "pens_3b", "bias_bv", "words_bwl", "choices_bcl", "fsm_start_b", "stop_ids"),
+            "pens_3b", "bias_bv", "words_bwl", "choices_bcl", "fsm_start_b", "pred_bl", "stop_ids"),
            (*_STATE, "first"), ("rows", "plen", "attn"), donate=_STATE, static=("attn",)),
     Family("lite", programs.lite,
            ("t_params", "cache", "anchors", "row_state", "ell_b", "stop_ids"),
@@ -88,7 +88,8 @@ STATE = ("t_params", "d_params", "cache", "dstate", "anchors", "row_state", "cac
 # the q a draft carries to verify, the drafter's draft vocabulary or the target's, none in a greedy
 # round; "q_dtype": its dtype; "bias_cols" / "words": a row's logit bias columns and bad words' shape,
 # V and (ROW_BAD_WORDS, BAD_WORD_TOKENS) with logit bias, else zero; "choices": a row's guided choices
-# shape, (ROW_CHOICES, CHOICE_TOKENS) with guided choices, else zero)
+# shape, (ROW_CHOICES, CHOICE_TOKENS) with guided choices, else zero; "pred_cols": predicted tokens a row
+# holds, zero without predictions)
 INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "ell_b": lambda d: ((d["rows"],), jnp.int32),
     "limits_4b": lambda d: ((4, d["rows"]), jnp.int32),
@@ -98,6 +99,7 @@ INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "words_bwl": lambda d: ((d["rows"],) + d["words"], jnp.int32),
     "choices_bcl": lambda d: ((d["rows"],) + d["choices"], jnp.int32),
     "fsm_start_b": lambda d: ((d["rows"],), jnp.int32),
+    "pred_bl": lambda d: ((d["rows"], d["pred_cols"]), jnp.int32),
     "free_s": lambda d: ((d["rows"],), jnp.int32),
     "ints_4b": lambda d: ((4, d["rows"]), jnp.int32),
     "floats_3b": lambda d: ((3, d["rows"]), jnp.float32),
@@ -179,11 +181,12 @@ class Runner:
                  mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, top_k_cap: int = DEFAULT_TOP_K_CAP,
                  attention: str = "xla", mlp: str = "xla", penalties: bool = False, logit_bias: bool = False,
                  guided_choice: bool = False, guided_regex: bool = False, automaton_states: int = 0,
-                 guided_drafts: bool = True, allocate: bool = True):
+                 guided_drafts: bool = True, prediction_tokens: int = 0, allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
         # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops;
         # guided_regex: a table of `automaton_states` states over the target's vocabulary (`set_automata`),
-        # drafts drawn under the rows' automata unless guided_drafts is False
+        # drafts drawn under the rows' automata unless guided_drafts is False; prediction_tokens: predicted
+        # tokens each row holds (0: no predictions)
         self.mesh, self.gamma, self.max_len = mesh, gamma, max_len
         vocab = getattr(drafter, "draft_vocab", None)  # q travels over it from draft to verify
         self.q_cols = target.config.vocab_size if vocab is None else vocab.size
@@ -202,9 +205,10 @@ class Runner:
             raise ValueError(f"guided_regex needs automaton_states >= 1, got {automaton_states}")
         self.automaton_shape = (automaton_states, vocab_size) if guided_regex else (0, 0)
         row_state = make(lambda: RowState.init(slots, vocab_size if penalties else 0, vocab_size if logit_bias else 0,
-                                               guided_choice, self.automaton_shape))
+                                               guided_choice, self.automaton_shape, prediction_tokens))
         self.bias_cols = vocab_size if logit_bias else 0
         self.choice_shape = (ROW_CHOICES, CHOICE_TOKENS) if guided_choice else (0, 0)
+        self.pred_cols = prediction_tokens
         shardings: dict[str, Any] = {}
         if mesh is not None:
             t_params = shd.shard_state(t_params, mesh, "serve")
@@ -330,7 +334,8 @@ class Runner:
         None when that key is compiled already."""
         fam = FAMILIES[family]
         dims = dict(zip(fam.bucket, key), gamma=max(self.gamma, 1), q_dtype=self.q_dtype, bias_cols=self.bias_cols,
-                    words=(ROW_BAD_WORDS, BAD_WORD_TOKENS) if self.bias_cols else (0, 0), choices=self.choice_shape)
+                    words=(ROW_BAD_WORDS, BAD_WORD_TOKENS) if self.bias_cols else (0, 0), choices=self.choice_shape,
+                    pred_cols=self.pred_cols)
         dims["q_cols"] = programs.carried_q_columns(dims.get("variant"), self.q_cols)
         sharding = None if self.mesh is None else shd.replicated(self.mesh)
 

@@ -3,11 +3,14 @@
 Input rows (one JSON object a line):
     {"id": "a1", "prompt": "text" | [token ids], ...}   or   {"id": 7, "messages": [{"role": ..., "content": ...}]}
     optional: temperature, top_k, top_p, min_p, max_tokens, stop, stop_token_ids, seed,
-    num_speculative_tokens, ignore_eos, min_tokens (sampling; defaults from the job), metadata (copied to the output).
+    num_speculative_tokens, ignore_eos, min_tokens (sampling; defaults from the job), the server's other
+    request fields (logit rules, guides, OpenAI's `prediction`; the job's options serve them), metadata
+    (copied to the output).
     A line with `custom_id` is an OpenAI batch request and gets an OpenAI batch output line
     (`specjax.serving.batch_openai`); both kinds may share a file.
 Output rows (in completion order, not input order):
-    {"id", "token_ids", "text", "finish_reason", "prompt_tokens", "completion_tokens", "metrics", ["metadata"]}
+    {"id", "token_ids", "text", "finish_reason", "prompt_tokens", "completion_tokens", "metrics", ["metadata"],
+     ["completion_tokens_details": a row with a prediction: accepted / rejected_prediction_tokens]}
 Error rows (`<output stem>.errors.jsonl` unless given):
     {"line": 1-based input line, "id": id or null, "field": offending field or null, "error": reason}
 
@@ -34,7 +37,7 @@ from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, vali
 from specjax.serving import batch_openai
 from specjax.serving.tool_calls import check_tool_parser
 from specjax.serving.metrics import ServingMetrics
-from specjax.serving.request_metrics import request_spec_metrics
+from specjax.serving.request_metrics import request_spec_metrics, usage
 from specjax.serving.schema import SAMPLING_FIELDS, FieldError, is_int, parse_sampling
 
 ROW_FIELDS = frozenset(("id", "prompt", "messages", "metadata") + SAMPLING_FIELDS)
@@ -184,12 +187,14 @@ class BatchRows:
         ids = list(request.output_ids)
         text = None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
         reason, n_prompt = request.finish_reason or "length", len(request.prompt_ids)
-        spec = request_spec_metrics(request.metrics)
+        spec, counts = request_spec_metrics(request.metrics), usage(n_prompt, len(ids), [request])
         if row.openai is not None:
-            rec = batch_openai.output_line(row.id, row.openai, text, ids, reason, n_prompt, spec)
+            rec = batch_openai.output_line(row.id, row.openai, text, ids, reason, counts, spec)
         else:
             rec = {"id": row.id, "token_ids": ids, "text": text, "finish_reason": reason, "prompt_tokens": n_prompt,
                    "completion_tokens": len(ids), "metrics": spec}
+            if "completion_tokens_details" in counts:
+                rec["completion_tokens_details"] = counts["completion_tokens_details"]
             if row.metadata is not None:
                 rec["metadata"] = row.metadata
         self.metrics.tokens_generated(len(ids))

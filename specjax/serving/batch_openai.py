@@ -99,8 +99,8 @@ def native_field(field: str | None) -> str | None:
 
 
 def output_line(custom_id: Any, req: OpenAIRequest, text: str | None, token_ids: list[int], finish_reason: str,
-                prompt_tokens: int, spec_metrics: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAI batch output line of a finished request."""
+                usage: dict[str, Any], spec_metrics: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI batch output line of a finished request (`usage`: `request_metrics.usage`'s)."""
     if req.url == "/v1/chat/completions":
         kind, prefix = "chat.completion", "chatcmpl"
         message, finish_reason = tool_message(text, req.tool_mode, finish_reason)  # chat rows have a tokenizer
@@ -111,9 +111,7 @@ def output_line(custom_id: Any, req: OpenAIRequest, text: str | None, token_ids:
     choice.update(finish_reason=finish_reason, token_ids=token_ids)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     body = {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
-                      "total_tokens": prompt_tokens + len(token_ids)},
-            "spec_metrics": spec_metrics}
+            "usage": usage, "spec_metrics": spec_metrics}
     return {"id": f"batch-{uuid.uuid4().hex}", "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 

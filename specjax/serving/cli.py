@@ -52,6 +52,10 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    help="round programs compiled per sampling kind, from greedy,plain,filtered (default: all)")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most top log-probabilities a request may ask for (0: none computed, a little faster)")
+    g.add_argument("--prediction-tokens", type=int, default=0,
+                   help="serve OpenAI's predicted outputs (`prediction`) of up to this many tokens: each slot keeps "
+                        "them and drafts them while the answer follows them (needs --drafter; ngram for predictions "
+                        "and prompt lookup alone)")
     add_logit_rule_flags(g, "serve ")
 
 
@@ -102,10 +106,12 @@ def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
             policy=policy, max_prefill=args.max_prefill, seed=args.seed, threshold=args.threshold,
             slots_buckets=args.slots_buckets,
             tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets, max_logprobs=args.max_logprobs,
-            attention_buckets=args.attention_buckets, **logit_rule_args(args),
+            attention_buckets=args.attention_buckets, prediction_tokens=args.prediction_tokens,
+            **logit_rule_args(args),
             **({"sampling_variants": args.sampling_variants} if args.sampling_variants else {}))
     return LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                policy=args.policy, dtype=args.dtype, seed=args.seed, max_prefill=args.max_prefill,
                engine_config=engine_config, progress=progress, cost_table=args.cost_table,
-               threshold=args.threshold, max_logprobs=args.max_logprobs, **logit_rule_args(args))
+               threshold=args.threshold, max_logprobs=args.max_logprobs, prediction_tokens=args.prediction_tokens,
+               **logit_rule_args(args))

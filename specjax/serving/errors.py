@@ -8,7 +8,8 @@ from typing import Any, Sequence
 
 import pydantic
 
-from specjax.serving.schema import ChatCompletionRequest, CompletionRequest, FieldError
+from specjax.serving.bodies import ChatCompletionRequest, CompletionRequest
+from specjax.serving.schema import FieldError
 
 ENGINE_REJECTED = "rejected_by_engine"  # the engine refused the request (and counted it as invalid_request)
 _UNION_TAG = re.compile(r"^(str|int|bool|float|none)$|\[")  # pydantic's names of union members in an error's loc

@@ -49,7 +49,7 @@ from specjax.serving.openai_api import OpenAIApp
 from specjax.serving.streams import ClientGone
 from specjax.serving.responses import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ErrorResponse,
                                        Health, ModelList, TokenizeResponse, Version)
-from specjax.serving.schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from specjax.serving.bodies import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
 

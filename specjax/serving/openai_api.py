@@ -57,9 +57,9 @@ from specjax.serving.prompts import chat_prompt_ids, completion_prompts
 from specjax.serving.streams import ChoiceStream, Waiter
 from specjax.serving.tool_calls import ToolMode, check_tool_parser, tool_guide, tool_message
 from specjax.serving.request_metrics import (check_spec_decode_metrics_level, combined_spec_metrics,
-                                             request_spec_metrics, response_metrics)
-from specjax.serving.schema import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                    FieldError, TokenizeRequest, check_served, guide_source, parse_sampling)
+                                             request_spec_metrics, response_metrics, usage)
+from specjax.serving.bodies import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from specjax.serving.schema import SAMPLING_FIELDS, FieldError, check_served, guide_source, parse_sampling
 
 _FROM_LLM = object()  # sentinel: use the LLM's own tokenizer
 @dataclasses.dataclass
@@ -282,10 +282,12 @@ class OpenAIApp:
     def _decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _usage(self, parsed: _Parsed, n_out: int, choice: int | None = None) -> dict[str, int]:
-        """OpenAI's usage: every prompt once (or one choice's prompt) and `n_out` completion tokens."""
+    def _usage(self, parsed: _Parsed, n_out: int, streams: list[RequestStream], choice: int | None = None
+               ) -> dict[str, Any]:
+        """OpenAI's usage: every prompt once (or one choice's prompt) and `n_out` completion tokens (of
+        `streams`' requests: their predicted outputs' counts)."""
         n = sum(map(len, parsed.prompts)) if choice is None else len(parsed.prompts[choice // parsed.n])
-        return {"prompt_tokens": n, "completion_tokens": n_out, "total_tokens": n + n_out}
+        return usage(n, n_out, [s.request for s in streams])
 
     def _failed(self, ev: StreamEvent) -> APIError:
         if ev.rejected:
@@ -335,7 +337,7 @@ class OpenAIApp:
         spec = combined_spec_metrics([request_spec_metrics(s.request.metrics) for s in streams]
                                      or [request_spec_metrics(RequestMetrics())])
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": self._usage(parsed, n_out),
+                "model": self.model_name, "choices": choices, "usage": self._usage(parsed, n_out, streams),
                 "spec_metrics": spec}
         if chat and parsed.prompt_logprobs is not None:  # vLLM's chat answer holds its one prompt's at the top
             body["prompt_logprobs"] = [c.pop("prompt_logprobs") for c in choices][0]
@@ -407,9 +409,9 @@ class OpenAIApp:
                     sent[i] += len(c.get("token_ids") or [])
                     out = wrap(c)
                     if parsed.continuous_usage and not ev.finished:
-                        out["usage"] = self._usage(parsed, sent[i], choice=i)
+                        out["usage"] = self._usage(parsed, sent[i], streams[i:i + 1], choice=i)
                     if ev.finished:
-                        out["usage"] = self._usage(parsed, len(ev.output_ids or []), choice=i)
+                        out["usage"] = self._usage(parsed, len(ev.output_ids or []), streams[i:i + 1], choice=i)
                         out["spec_metrics"] = request_spec_metrics(streams[i].request.metrics)
                         out = self._with_metrics(out, streams)
                         finals.append(out)
@@ -434,7 +436,7 @@ class OpenAIApp:
         if parsed.include_usage:
             n_out = sum(f["usage"]["completion_tokens"] for f in finals)
             yield self._with_metrics({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                      "choices": [], "usage": self._usage(parsed, n_out),
+                                      "choices": [], "usage": self._usage(parsed, n_out, streams),
                                       "spec_metrics": combined_spec_metrics([f["spec_metrics"] for f in finals])},
                                      streams)
 

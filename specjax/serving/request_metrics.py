@@ -55,6 +55,20 @@ def combined_spec_metrics(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "num_rounds": sum(b["num_rounds"] for b in blocks)}
 
 
+def usage(prompt_tokens: int, completion_tokens: int, requests: Sequence[EngineRequest] = ()) -> dict[str, Any]:
+    """OpenAI's `usage` object; with a predicted output among `requests`, its `completion_tokens_details`:
+    accepted_prediction_tokens (predicted drafts verification accepted) and rejected_prediction_tokens
+    (predicted drafts it verified and did not accept)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    predicted = [r.metrics for r in requests if r.prediction_ids]
+    if predicted:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(m.accepted_prediction_tokens for m in predicted),
+            "rejected_prediction_tokens": sum(m.rejected_prediction_tokens for m in predicted)}
+    return out
+
+
 def response_metrics(level: str, requests: Sequence[EngineRequest], engine: Any) -> dict[str, Any] | None:
     """A response's `metrics` object at `level` (None at "none": the response carries none):
     `speculative_decoding` of its one request, or null for several choices (n > 1), none generated,

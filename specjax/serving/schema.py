@@ -13,18 +13,19 @@ import dataclasses
 import json
 import math
 import re
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 import pydantic
 
 from specjax.api import GUIDES, SamplingParams
 
 # what the engine's per-row float32 / int32 arrays hold: larger values are refused, naming the field
-_ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tokens": (1 << 31) - 1}
+ENGINE_MAX = {"temperature": 1e30, "top_k": (1 << 31) - 1, "num_speculative_tokens": (1 << 31) - 1}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop", "stop_token_ids", "seed",
                    "num_speculative_tokens", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "guided_choice",
-                   "guided_regex", "guided_json", "guided_whitespace_pattern", "response_format", "structured_outputs")
+                   "guided_regex", "guided_json", "guided_whitespace_pattern", "response_format", "structured_outputs",
+                   "prediction")
 # vLLM's structured_outputs keys served, as the guide each sets (json_object: any JSON object)
 STRUCTURED_KEYS = {"choice": "guided_choice", "regex": "guided_regex", "json": "guided_json",
                    "json_object": "guided_json"}
@@ -108,6 +109,10 @@ class SamplingFields(pydantic.BaseModel):
                           "{\"json_object\": true}")
     ignore_eos: bool | None = pydantic.Field(None, description="vLLM's: generate past the model's eos ids (max_tokens, "
                                                               "stop and stop_token_ids still end the answer)")
+    prediction: dict[str, Any] | None = pydantic.Field(
+        None, description="OpenAI's predicted output: {\"type\": \"content\", \"content\": text or [{\"type\": \"text\", "
+                          "\"text\": ...}]}, text the answer is expected to repeat, drafted while the answer follows "
+                          "it (a server with --prediction-tokens); the answer is unchanged, only faster")
 
     @pydantic.field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                               "repetition_penalty", mode="before")
@@ -180,6 +185,13 @@ class SamplingFields(pydantic.BaseModel):
     def _guides(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         return None if v is None else _guide(info.field_name, v, info.field_name == "guided_json")
 
+    @pydantic.field_validator("prediction", mode="before")
+    @classmethod
+    def _prediction(cls, v: Any) -> Any:
+        if v is not None:
+            prediction_text(v)  # raises naming the field
+        return v
+
     @pydantic.field_validator("logit_bias", mode="before")
     @classmethod
     def _bias(cls, v: Any) -> Any:
@@ -192,6 +204,23 @@ class SamplingFields(pydantic.BaseModel):
     def given(self) -> dict[str, Any]:
         """The fields that were set (not None)."""
         return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+def prediction_text(v: Any) -> str:
+    """The text of OpenAI's `prediction` object ({"type": "content", "content": a string or text parts,
+    concatenated}); ValueError naming the part of it that is not so."""
+    if not isinstance(v, dict) or v.get("type") != "content":
+        raise ValueError(f"'prediction' must be an object with \"type\": \"content\", got {v!r}")
+    content = v.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"'prediction.content' must be a string or a list of text parts, got {content!r}")
+    for i, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ValueError(f"'prediction.content[{i}]' must be {{\"type\": \"text\", \"text\": a string}}, "
+                             f"got {part!r}")
+    return "".join(part["text"] for part in content)
 
 
 def guide_source(body: Mapping[str, Any], field: str) -> str:
@@ -291,14 +320,16 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
                 raise FieldError(f"give one of {', '.join(GUIDES)}, response_format and structured_outputs, "
                                  f"not several", name)
             given.update(guide)
+    if "prediction" in given:
+        given["prediction"] = prediction_text(given["prediction"])
     guides = [g for g in GUIDES if g in given]
     if len(guides) > 1:
         raise FieldError(f"give one of {', '.join(guides)}, not several", guides[-1])
     if given.get("stop") and not has_tokenizer:
         raise FieldError("'stop' strings need a tokenizer; this model has none (use 'stop_token_ids')", "stop")
     for name, v in given.items():  # each field alone, so that the error names it
-        if name in _ENGINE_MAX and v > _ENGINE_MAX[name]:
-            raise FieldError(f"'{name}' must be at most {_ENGINE_MAX[name]:g}, got {v!r}", name)
+        if name in ENGINE_MAX and v > ENGINE_MAX[name]:
+            raise FieldError(f"'{name}' must be at most {ENGINE_MAX[name]:g}, got {v!r}", name)
         alone = {name: v}
         partner = {"min_tokens": "max_tokens", "guided_whitespace_pattern": "guided_json"}.get(name)
         if partner in given:  # checked beside the field it goes with
@@ -311,185 +342,3 @@ def parse_sampling(obj: Mapping[str, Any], defaults: SamplingParams, *, has_toke
         return dataclasses.replace(defaults, **given)
     except (ValueError, TypeError) as e:
         raise FieldError(str(e)) from None
-
-
-# ---------------------------------------------------------------------------- request bodies
-# The HTTP routes take these models (and answer `responses`' models), so /openapi.json describes them. The models check JSON
-# types (strictly: no "1" for 1, no 1.0 for a token id); the values are checked by `parse_sampling` and
-# `OpenAIApp`, whose refusals name the field as well.
-
-MAX_TOP_LOGPROBS = 20
-LOGPROBS_DOC = ("log-probabilities of the output tokens under the target's distribution after the request's "
-                "logit bias, bad words, penalties and min_tokens hold, temperature, min-p, top-k and top-p (temperature 0 read as 1; "
-                "echo's prompt tokens: without those rules); -9999 stands for -inf")
-_SEED_MAX = (1 << 63) - 1
-
-
-def first_surrogate(obj: Any, path: str = "") -> str | None:
-    """The path (`messages[0].content`) of the first string in `obj` holding a lone surrogate, or None."""
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(obj, dict):
-        items = ((f"{path}.{k}" if path else str(k), v) for k, v in obj.items())
-    elif isinstance(obj, (list, tuple)):
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
-    else:
-        return None
-    for p, v in items:
-        found = first_surrogate(v, p)
-        if found is not None:
-            return found
-    return None
-
-
-def _refuse_surrogates(data: Any) -> Any:
-    bad = first_surrogate(data)
-    if bad is not None:
-        raise FieldError(f"'{bad}' is not valid Unicode (it holds a lone surrogate code point)", bad)
-    return data
-
-
-class _Body(pydantic.BaseModel):
-    """Unknown fields are ignored (as OpenAI's API does); lone surrogates anywhere are refused."""
-
-    model_config = pydantic.ConfigDict(extra="allow")
-
-    @pydantic.model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        return _refuse_surrogates(data)
-
-
-class StreamOptions(pydantic.BaseModel):
-    include_usage: pydantic.StrictBool | None = None
-    continuous_usage_stats: pydantic.StrictBool | None = pydantic.Field(
-        None, description="vLLM's: with include_usage, every chunk carries its choice's usage so far")
-
-
-class ContentPart(_Body):
-    """One part of a message's content; only `"type": "text"` parts are served (text concatenated)."""
-
-    type: pydantic.StrictStr
-    text: pydantic.StrictStr | None = None
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: pydantic.StrictStr | list[ContentPart] | None = None
-    name: pydantic.StrictStr | None = None
-
-
-class _GenerationRequest(SamplingFields):
-    """Fields shared by completions and chat completions (sampling fields from `SamplingFields`)."""
-
-    model_config = pydantic.ConfigDict(extra="allow", frozen=True)
-
-    model: pydantic.StrictStr | None = None
-    n: pydantic.StrictInt | None = pydantic.Field(None, description="choices per prompt (at most the engine's slots)")
-    stream: pydantic.StrictBool | None = None
-    stream_options: StreamOptions | None = None
-    user: pydantic.StrictStr | None = None
-    stop: str | tuple[str, ...] | None = None  # one string or a list (the `SamplingFields` check applies)
-    prompt_logprobs: pydantic.StrictInt | None = pydantic.Field(
-        None, description="vLLM's: the prompt tokens' log-probabilities with this many alternatives (not streamed)")
-
-    @pydantic.model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        return _refuse_surrogates(data)
-
-
-_LIMITS = {"temperature": {"minimum": 0, "maximum": _ENGINE_MAX["temperature"]},
-           "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "min_p": {"minimum": 0, "maximum": 1},
-           "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
-           "repetition_penalty": {"exclusiveMinimum": 0}, "top_k": {"minimum": -1, "maximum": _ENGINE_MAX["top_k"]},
-           "max_tokens": {"minimum": 1}, "min_tokens": {"minimum": 0}, "seed": {"minimum": 0, "maximum": _SEED_MAX},
-           "num_speculative_tokens": {"minimum": 0, "maximum": _ENGINE_MAX["num_speculative_tokens"]}, "n": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
-           "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}, "logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
-           "prompt_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}}
-
-
-def _document_limits(schema: dict[str, Any]) -> None:
-    for name, limits in _LIMITS.items():
-        prop = schema.get("properties", {}).get(name)
-        if prop is not None:
-            for alt in prop.get("anyOf", [prop]):
-                if alt.get("type") in ("integer", "number"):
-                    alt.update(limits)
-
-
-def _document_completion_limits(schema: dict[str, Any]) -> None:
-    _document_limits(schema)
-    for alt in schema["properties"]["max_tokens"].get("anyOf", []):
-        if alt.get("type") == "integer":
-            alt["minimum"] = 0  # with echo only
-
-
-_Prompt = pydantic.StrictStr | list[pydantic.StrictInt] | list[pydantic.StrictStr] | list[list[pydantic.StrictInt]]
-
-
-class CompletionRequest(_GenerationRequest):
-    """POST /v1/completions: `prompt` is a string (needs a tokenizer) or a list of token ids."""
-
-    model_config = pydantic.ConfigDict(extra="allow", frozen=True, json_schema_extra=_document_completion_limits)
-
-    prompt: _Prompt = pydantic.Field(description="a string (needs a tokenizer) or token ids, or a list of up to 64 "
-                                                 "of either: choice k * n + j answers prompt k")
-    echo: pydantic.StrictBool | None = pydantic.Field(
-        None, description="the prompt before the completion, in the text and (with logprobs: the first prompt "
-                          "token's null) in the logprobs; not streamed; allows max_tokens 0")
-    logprobs: pydantic.StrictInt | None = pydantic.Field(
-        None, description=f"top alternatives per token, with the {LOGPROBS_DOC}")
-
-    @pydantic.field_validator("max_tokens", mode="before")
-    @classmethod
-    def _max_tokens(cls, v: Any) -> Any:
-        """0 passes here: it is served with `echo` only (the handler refuses it otherwise)."""
-        if v is not None and not (is_int(v) and v >= 0):
-            raise ValueError(f"'max_tokens' must be a positive integer (0 with 'echo'), got {v!r}")
-        return v
-
-
-class ChatCompletionRequest(_GenerationRequest):
-    """POST /v1/chat/completions: `messages` through the tokenizer's chat template."""
-
-    model_config = pydantic.ConfigDict(extra="allow", frozen=True, json_schema_extra=_document_limits)
-
-    messages: list[ChatMessage] = pydantic.Field(json_schema_extra={"minItems": 1})
-    max_completion_tokens: pydantic.StrictInt | None = pydantic.Field(None, description="alias of max_tokens")
-    logprobs: pydantic.StrictBool | None = pydantic.Field(None, description=f"answer the {LOGPROBS_DOC}")
-    top_logprobs: pydantic.StrictInt | None = pydantic.Field(None, description="top alternatives per token")
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: pydantic.StrictBool | None = pydantic.Field(
-        None, description="vLLM's: open the assistant's turn (default true)")
-    continue_final_message: pydantic.StrictBool | None = pydantic.Field(
-        None, description="vLLM's: continue the last message, an assistant's (add_generation_prompt then false)")
-    tools: list[dict[str, Any]] | None = pydantic.Field(None, description="OpenAI's functions (passed to the chat template)")
-    tool_choice: str | dict[str, Any] | None = pydantic.Field(
-        None, description="\"none\", \"required\" or a named function (a server with --guided-regex), or \"auto\" "
-                          "(a server with --tool-call-parser)")
-
-
-
-
-class TokenizeRequest(_Body):
-    """POST /tokenize (vLLM's): exactly one of `prompt`, read as /v1/completions reads it, or
-    `messages`, rendered as /v1/chat/completions renders them (with the same template options)."""
-
-    model: pydantic.StrictStr | None = None
-    prompt: pydantic.StrictStr | list[pydantic.StrictInt] | None = None
-    messages: list[ChatMessage] | None = pydantic.Field(None, json_schema_extra={"minItems": 1})
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: pydantic.StrictBool | None = None
-    continue_final_message: pydantic.StrictBool | None = None
-
-
-class DetokenizeRequest(_Body):
-    """POST /detokenize (vLLM's): token ids in the vocabulary."""
-
-    model: pydantic.StrictStr | None = None
-    tokens: list[pydantic.StrictInt]
