@@ -306,3 +306,24 @@ def test_the_api_server_and_batch_lines_serve_predictions(model, plain, tmp_path
     assert s.completed == 1 and body["choices"][0]["token_ids"] == plain
     assert body["usage"]["completion_tokens_details"] == details
     assert [e["field"] for e in read_jsonl(default_errors_path(str(dst)))] == ["body.prediction"]
+
+
+def test_the_benchmark_s_edit_tasks_come_from_humaneval():
+    from bench.decode import eval_dir
+    from bench.prediction import edit_tasks
+    tasks = edit_tasks(f"{eval_dir()}/humaneval.jsonl", 3)
+    assert len(tasks) == 3 and tasks[0][0].startswith("Rename the function `has_close_elements` to `solution`")
+    assert all(code.startswith("```python\n") and code.endswith("\n```") and code in q for q, code in tasks)
+
+
+def test_predicted_drafts_stop_where_the_row_s_automaton_disallows_them():
+    """A row following an automaton drafts its predicted tokens up to the first one the automaton does
+    not allow after the ones before (verification would reject it); a row without one drafts them all."""
+    next_nv = np.full((2, 8), -1, np.int16)
+    next_nv[0, [3, 4]], next_nv[1, 5] = 1, 0  # state 0: 3 or 4 -> state 1; state 1: 5 -> state 0
+    rows = row_state.RowState.init(2, automaton_shape=(2, 8), prediction_tokens=4)
+    rows = rows._replace(fsm_next_nv=jnp.asarray(next_nv), fsm_state_s=jnp.asarray([0, -1], jnp.int32),
+                         pred_sl=jnp.asarray([[3, 5, 4, 6], [3, 5, 4, 6]], jnp.int32),
+                         pred_ints_4s=jnp.asarray([[0, 0], [0, 0], [0, 0], [0, 0]], jnp.int32))
+    out = row_state.predict_drafts(rows, _block(2, 4, 8), None)
+    assert np.asarray(out.tokens).tolist() == [[3, 5, 4, 0], [3, 5, 4, 6]]

@@ -186,11 +186,17 @@ def _force(block: Any, tokens_bg: Array, keep_bg: Array, q_ids: Array | None, co
 def predict_drafts(rows: RowState, block: Any, q_ids: Array | None) -> Any:
     """A DraftBlock for rows [0:b] whose drafts are each aligned row's next predicted tokens
     (`prediction.drafts`; q one-hot there, confidence the row's record), up to the first one q cannot
-    hold (outside the draft vocabulary `q_ids`), then the drafter's (confidence PAST_CONFIDENCE in a
+    hold (outside the draft vocabulary `q_ids`) or the row's automaton does not allow (a row
+    following one: verification would reject it), then the drafter's (confidence PAST_CONFIDENCE in a
     row that drafted predicted tokens). Any proposal keeps verification exact."""
     b, g = block.tokens.shape
     predicted = pr.drafts(rows.pred_sl[:b], rows.pred_ints_4s[0, :b], g)
-    keep = jnp.cumprod(_holdable(predicted, q_ids), axis=1).astype(bool)
+    held = _holdable(predicted, q_ids)
+    if rows.automaton:
+        state_b = rows.fsm_state_s[:b]
+        path = lr.automaton_path(rows.fsm_next_nv, state_b, predicted)[:, 1:]
+        held = held & ((path >= 0) | (state_b[:, None] < 0))
+    keep = jnp.cumprod(held, axis=1).astype(bool)
     conf = jnp.broadcast_to(pr.confidence(rows.pred_ints_4s[:, :b])[:, None], keep.shape)
     block = _force(block, predicted, keep, q_ids, conf)
     if block.confidence is None:
