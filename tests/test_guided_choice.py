@@ -163,7 +163,7 @@ def test_the_drafts_a_choice_forces_are_accepted(case):
 
 def test_negative_control_drafts_left_to_the_drafter(case, monkeypatch):
     from specjax.decoding import row_state
-    monkeypatch.setattr(row_state, "guide_drafts", lambda rows, block, q_ids: block)
+    monkeypatch.setattr(row_state, "guide_drafts", lambda rows, block, q_ids, greedy=False: block)
     model, plain, _ = case
     assert _one_choice_run(model, plain).metrics.as_dict()["num_accepted_tokens"] < GAMMA + 1
 

@@ -146,6 +146,8 @@ def test_predicted_drafts_replace_the_drafters_up_to_the_prediction_end():
     out = row_state.predict_drafts(rows, blk, ids)
     assert np.asarray(out.tokens)[0].tolist() == [4, 0, 0, 0]
     assert np.asarray(out.q_draft)[0, 0].tolist() == [0, 0, 0, 0, 1, 0, 0]
+    # a greedy round carries no q: every predicted token is a draft
+    assert np.asarray(row_state.predict_drafts(rows, blk, ids, greedy=True).tokens)[0].tolist() == [4, 5, 6, 7]
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +215,35 @@ def _sampled(model, n: int, seed0: int) -> tuple[list[tuple[int, ...]], int]:
     return [tuple(r.output_ids[:3]) for r in reqs], sum(r.metrics.accepted_prediction_tokens for r in reqs)
 
 
+def _outside_vocabulary_run(small) -> EngineRequest:
+    """A greedy request whose prediction is its answer, drafted by a drafter whose draft vocabulary
+    lacks the answer's tokens."""
+    from test_draft_vocab import make
+    draft_ids = np.array([0, 1, 2, 3])
+    plain_eng = small_engine(small, None, slots=2, max_len=32, prefill=4)
+    ref = EngineRequest("p", [1, 5, 2], max_tokens=13, temperature=0.0)
+    plain_eng.run([ref], progress=False)
+    assert set(ref.output_ids) - set(draft_ids.tolist())  # the answer has tokens outside the draft vocabulary
+    eng = small_engine(small, make("dspark", small, draft_ids), slots=2, max_len=32, prefill=4, gamma=3,
+                       config=dict(prediction_tokens=16))
+    req = EngineRequest("q", [1, 5, 2], max_tokens=13, temperature=0.0, prediction_ids=tuple(ref.output_ids))
+    eng.run([req], progress=False)
+    assert req.output_ids == ref.output_ids
+    return req
+
+
+def test_greedy_rounds_draft_predicted_tokens_outside_a_draft_vocabulary(small):
+    m = _outside_vocabulary_run(small).metrics
+    assert m.num_rounds == 3 and (m.accepted_prediction_tokens, m.rejected_prediction_tokens) == (12 - 3, 0)
+
+
+def test_negative_control_holding_greedy_drafts_to_the_draft_vocabulary(small, monkeypatch):
+    honest = row_state.predict_drafts
+    monkeypatch.setattr(row_state, "predict_drafts", lambda rows, block, q_ids, greedy=False: honest(
+        rows, block, q_ids, False))
+    assert _outside_vocabulary_run(small).metrics.accepted_prediction_tokens < 12 - 3
+
+
 def test_sampled_outputs_with_predictions_follow_the_target_law(small):
     firsts, accepted = _sampled(small, 6000, 0)
     assert accepted > 400  # predicted drafts were verified and accepted
@@ -222,8 +253,8 @@ def test_sampled_outputs_with_predictions_follow_the_target_law(small):
 
 def test_negative_control_predicted_drafts_with_the_drafters_q_fail_the_law(small, monkeypatch):
     honest = row_state.predict_drafts
-    monkeypatch.setattr(row_state, "predict_drafts", lambda rows, block, q_ids: honest(rows, block, q_ids)._replace(
-        q=block.q, q_draft=block.q_draft))
+    monkeypatch.setattr(row_state, "predict_drafts", lambda rows, block, q_ids, greedy=False: honest(
+        rows, block, q_ids, greedy)._replace(q=block.q, q_draft=block.q_draft))
     firsts, _ = _sampled(small, 6000, 10**6)
     assert chi_square_pvalue(firsts, exact_continuations(small, [1, 5, 2], 3)) < 1e-3
 
@@ -263,7 +294,7 @@ def test_the_api_server_and_batch_lines_serve_predictions(model, plain, tmp_path
     from specjax.serving.batch_job import Shard, run_batch_job
     from specjax.serving.http_server import ServerThread
     from specjax.serving.openai_api import OpenAIApp
-    from serving_fixtures import http_json, read_jsonl, tiny_chat_tokenizer, write_jsonl
+    from serving_fixtures import http_json, http_request, read_jsonl, sse_events, tiny_chat_tokenizer, write_jsonl
     assert min(plain) >= 3  # words of the tiny tokenizer
     tok, text = tiny_chat_tokenizer(), " ".join(f"w{t}" for t in plain)
     llm = LLM(target=(model, model.config), drafter=BigramDrafter(V, GAMMA), max_num_seqs=2, max_model_len=64,
@@ -283,7 +314,14 @@ def test_the_api_server_and_batch_lines_serve_predictions(model, plain, tmp_path
                 "prompt": PROMPT, "max_tokens": N, "temperature": 0, "prediction": prediction})
             assert status == 200 and r["choices"][0]["token_ids"] == plain, r
             assert r["usage"]["completion_tokens_details"] == details, r["usage"]
-        status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        status, _, data = http_request(server.url + "/v1/completions", "POST", {
+            "prompt": PROMPT, "max_tokens": N, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "prediction": {"type": "content", "content": text}})
+        events = [e for e in sse_events(data) if e != "[DONE]"]
+        assert status == 200 and [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == plain
+        assert events[-1]["usage"]["completion_tokens_details"] == details  # the streamed answer's usage
+        status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": PROMPT, "max_tokens": 4,
+                                                                        "temperature": 0})
         assert status == 200 and "completion_tokens_details" not in r["usage"]
         for bad, fragment in [({"type": "text", "content": text}, '"type": "content"'),
                               ({"type": "content", "content": [{"type": "image"}]}, "prediction.content[0]"),

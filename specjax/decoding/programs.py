@@ -350,9 +350,10 @@ def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: in
         kw["guide"] = DraftGuide(rows.fsm_next_nv, rows.fsm_allowed_nw, rows.fsm_final_n, stop_be,
                                  rows.fsm_state_s[:b])
     block = drafter.propose(dstate, anchor_b, lengths_b, sa, kd, kv_len=attn, **kw)
+    greedy = sa.variant == "greedy"  # the round carries no q: any token may be a draft
     if rows.predicted:
-        block = rs.predict_drafts(rows, block, _q_ids(ctx, d_params))
-    return rs.guide_drafts(rows, block, _q_ids(ctx, d_params)) if rows.guided else block
+        block = rs.predict_drafts(rows, block, _q_ids(ctx, d_params), greedy)
+    return rs.guide_drafts(rows, block, _q_ids(ctx, d_params), greedy) if rows.guided else block
 
 
 def _propose(ctx: Context, d_params, dstate, anchors, cache_lengths, sa, kd, sb: int,

@@ -183,15 +183,16 @@ def _force(block: Any, tokens_bg: Array, keep_bg: Array, q_ids: Array | None, co
                           q=one_hot(block.q, jnp.arange(block.q.shape[-1])))
 
 
-def predict_drafts(rows: RowState, block: Any, q_ids: Array | None) -> Any:
+def predict_drafts(rows: RowState, block: Any, q_ids: Array | None, greedy: bool = False) -> Any:
     """A DraftBlock for rows [0:b] whose drafts are each aligned row's next predicted tokens
     (`prediction.drafts`; q one-hot there, confidence the row's record), up to the first one q cannot
-    hold (outside the draft vocabulary `q_ids`) or the row's automaton does not allow (a row
-    following one: verification would reject it), then the drafter's (confidence PAST_CONFIDENCE in a
-    row that drafted predicted tokens). Any proposal keeps verification exact."""
+    hold (outside the draft vocabulary `q_ids`; any in a `greedy` round, which reads no q) or the
+    row's automaton does not allow (a row following one: verification would reject it), then the
+    drafter's (confidence PAST_CONFIDENCE in a row that drafted predicted tokens). Any proposal keeps
+    verification exact."""
     b, g = block.tokens.shape
     predicted = pr.drafts(rows.pred_sl[:b], rows.pred_ints_4s[0, :b], g)
-    held = _holdable(predicted, q_ids)
+    held = _holdable(predicted, None if greedy else q_ids)
     if rows.automaton:
         state_b = rows.fsm_state_s[:b]
         path = lr.automaton_path(rows.fsm_next_nv, state_b, predicted)[:, 1:]
@@ -205,14 +206,14 @@ def predict_drafts(rows: RowState, block: Any, q_ids: Array | None) -> Any:
     return block._replace(confidence=jnp.where(past, pr.PAST_CONFIDENCE, block.confidence))
 
 
-def guide_drafts(rows: RowState, block: Any, q_ids: Array | None) -> Any:
+def guide_drafts(rows: RowState, block: Any, q_ids: Array | None, greedy: bool = False) -> Any:
     """A DraftBlock for rows [0:b] with the drafts its rows' guided choices force
     (`logit_rules.forced_choice_tokens`; q one-hot there, confidence 0.999), up to the first forced
-    token q cannot hold (outside the draft vocabulary `q_ids`); the drafter's beyond. Any proposal
-    keeps verification exact; a forced one is always accepted."""
+    token q cannot hold (outside the draft vocabulary `q_ids`; any in a `greedy` round, which reads
+    no q); the drafter's beyond. Any proposal keeps verification exact; a forced one is always accepted."""
     b, g = block.tokens.shape
     forced = lr.forced_choice_tokens(rows.choices_scl[:b], rows.alive_sc[:b], rows.pos_s[:b], g)
-    keep = jnp.cumprod(_holdable(forced, q_ids), axis=1).astype(bool)
+    keep = jnp.cumprod(_holdable(forced, None if greedy else q_ids), axis=1).astype(bool)
     return _force(block, forced, keep, q_ids, jnp.full(forced.shape, 0.999, jnp.float32))
 
 
