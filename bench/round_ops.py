@@ -458,6 +458,7 @@ def _markdown(res: dict[str, Any]) -> str:
              f"Compiled for `{res['backend']}`; attention `{res.get('attention', 'xla')}`; mlp `{res.get('mlp', 'xla')}`"
              + ("; penalties on" if res.get("penalties") else "") + ("; logit bias on" if res.get("logit_bias") else "")
              + ("; guided choice on" if res.get("guided_choice") else "")
+             + (f"; predictions of up to {res['prediction_tokens']} tokens" if res.get("prediction_tokens") else "")
              + f"; max_len {res['max_len']}"
              + "".join(f"; `{options_text({k: v})}`" for k, v in res.get("compiler_options", {}).items()) + ". Each row is one compiled program of the "
              "engine's runner at that slots bucket and sampling variant (verify and fused with gamma + 1 tokens per slot; `filtered` is the variant of a round in which some row uses top-k or top-p, its one conditional the exact fallback for a kept set past the top-k cap). `ops/layer` "
@@ -576,6 +577,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--mlp", default="xla", choices=["xla", "pallas"],
                     help="the target's gate/up product and SiLU gate (EngineConfig.mlp)")
     add_logit_rule_flags(ap, "an engine serving ")
+    ap.add_argument("--prediction-tokens", type=int, default=0,
+                    help="an engine serving predicted outputs of up to this many tokens (EngineConfig.prediction_tokens)")
     ap.add_argument("--target", default="host", choices=compile_target.targets(),
                     help="compile for this machine's backend (host) or for a GPU it does not have (make gpu-compiler)")
     ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
@@ -588,7 +591,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               families=args.families, variants=args.variants, draft_vocabs=args.draft_vocab,
               max_logprobs=args.max_logprobs, target=args.target, attention=args.attention,
               mlp=args.mlp, compiler_options=options,
-              rules=logit_rule_args(args))
+              rules={**logit_rule_args(args), **({"prediction_tokens": args.prediction_tokens}
+                                                  if args.prediction_tokens else {})})
     res["suffix"] = args.suffix
     name = "round_ops" + (f"_{args.suffix}" if args.suffix else "")
     for p in write_results(name, res, _markdown(res), out_dir=args.out_dir):
