@@ -1,5 +1,5 @@
 """The response bodies of the HTTP routes (pydantic models, so /openapi.json describes them);
-the request bodies are `schema`'s."""
+the request bodies are `bodies`'."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -9,10 +9,18 @@ import pydantic
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
+class CompletionTokensDetails(pydantic.BaseModel):
+    """OpenAI's predicted-output counts (a request with `prediction`)."""
+
+    accepted_prediction_tokens: int = pydantic.Field(description="predicted drafts verification accepted")
+    rejected_prediction_tokens: int = pydantic.Field(description="predicted drafts verified and not accepted")
+
+
 class Usage(pydantic.BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class SpecMetrics(pydantic.BaseModel):
