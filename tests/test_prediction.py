@@ -365,3 +365,27 @@ def test_predicted_drafts_stop_where_the_row_s_automaton_disallows_them():
                          pred_ints_4s=jnp.asarray([[0, 0], [0, 0], [0, 0], [0, 0]], jnp.int32))
     out = row_state.predict_drafts(rows, _block(2, 4, 8), None)
     assert np.asarray(out.tokens).tolist() == [[3, 5, 4, 0], [3, 5, 4, 6]]
+
+
+@pytest.mark.parametrize("policy", ["confidence", "confidence_async"])
+def test_the_confidence_schedulers_verify_more_of_a_row_s_predicted_drafts(model, plain, policy):
+    """One request at a time under a cost table where drafting pays only for confident drafts: a
+    request whose prediction is its answer (predicted drafts' confidence from its record, >= 0.9)
+    verifies whole blocks (after the async policy's first two rounds, which have no confidences yet),
+    one without a prediction (the test drafter's confidences, 0.05-0.95) fewer drafts; both outputs
+    are plain's."""
+    from specjax.scheduling import CostTable
+    cfg = EngineConfig(max_slots=1, max_len=64, policy=policy, gamma=GAMMA, slots_buckets=(1,),
+                       prefill_buckets=(8,), max_prefill=8, prefill_batch_buckets=(1,),
+                       sampling_variants=("greedy",), prediction_tokens=32)
+    eng = Engine(model, BigramDrafter(V, GAMMA, confidence=True, seed=7), cfg, progress=False)
+    eng.cost_table = CostTable.from_seconds({(1, 1): 1.0, (1, 2): 1.5, (1, 4): 1.9}, meta=eng.cost_table_meta())
+    eng.warmup()
+    eng.plain_seconds = {1: 1.0}  # the table's scale, not this machine's
+    ell: dict[str, list[int]] = {"p": [], "n": []}
+    eng.on_round = lambda info: [ell[r].append(e) for r, e in zip(info["request_ids"], info["ell"])]
+    reqs = [EngineRequest("p", PROMPT, max_tokens=N, temperature=0.0, prediction_ids=tuple(plain)),
+            EngineRequest("n", PROMPT, max_tokens=N, temperature=0.0)]
+    eng.run(reqs, progress=False)
+    assert all(r.output_ids == plain for r in reqs) and reqs[0].metrics.accepted_prediction_tokens >= N // 2
+    assert ell["p"].count(GAMMA) >= 5 and np.mean(ell["p"]) > np.mean(ell["n"]) + 0.5, str(ell)
