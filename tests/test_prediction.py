@@ -336,13 +336,16 @@ def test_the_api_server_and_batch_lines_serve_predictions(model, plain, tmp_path
     lines = [{"custom_id": "p", "url": "/v1/completions", "body": {
                  "prompt": PROMPT, "max_tokens": N, "temperature": 0, "prediction": {"type": "content", "content": text}}},
              {"custom_id": "bad", "url": "/v1/completions", "body": {"prompt": PROMPT, "temperature": 0,
-                                                                      "prediction": "w5"}}]
+                                                                      "prediction": "w5"}},
+             {"id": "native", "prompt": PROMPT, "max_tokens": N, "temperature": 0,
+              "prediction": {"type": "content", "content": text}}]
     inp, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(inp, lines)
     s = run_batch_job(llm, str(inp), str(dst), shard=Shard(0, 1), progress=False)
-    body = read_jsonl(dst)[0]["response"]["body"]
-    assert s.completed == 1 and body["choices"][0]["token_ids"] == plain
-    assert body["usage"]["completion_tokens_details"] == details
+    rows = {r.get("custom_id", r.get("id")): r for r in read_jsonl(dst)}
+    body = rows["p"]["response"]["body"]
+    assert s.completed == 2 and body["choices"][0]["token_ids"] == plain == rows["native"]["token_ids"]
+    assert body["usage"]["completion_tokens_details"] == details == rows["native"]["completion_tokens_details"]
     assert [e["field"] for e in read_jsonl(default_errors_path(str(dst)))] == ["body.prediction"]
 
 
