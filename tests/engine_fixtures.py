@@ -57,6 +57,10 @@ class BigramDrafter(nnx.Module):
         self.conf_table = nnx.Param(jax.random.uniform(jax.random.fold_in(key, 1), (vocab,), minval=0.05,
                                                        maxval=0.95)) if confidence else None
 
+    @property
+    def has_confidence(self) -> bool:
+        return self.conf_table is not None
+
     def init_state(self, slots: int, max_len: int):
         return jnp.zeros((slots,), jnp.int32)
 

@@ -51,9 +51,6 @@ class Engine:
             raise ValueError(f"gamma {self.gamma} exceeds the drafter's block size {drafter.gamma}")
         planner = RoundPlanner(config.policy, self.gamma, config.max_slots, threshold=config.threshold,
                                schedule_fn=schedule_fn, cost_table=cost_table)  # validates the policy
-        if drafter is None and config.prediction_tokens:
-            raise ValueError("prediction_tokens needs a drafter (predicted tokens are drafted in its rounds; "
-                             "drafter='ngram' for predictions and prompt lookup alone)")
         if drafter is None and config.policy != "plain":
             config = dataclasses.replace(config, policy="plain")
             planner = RoundPlanner("plain", 0, config.max_slots)
@@ -76,6 +73,8 @@ class Engine:
                              mesh=mesh, max_logprobs=config.max_logprobs, top_k_cap=config.top_k_cap,
                              attention=config.attention, mlp=config.mlp, automaton_states=config.automaton_states,
                              guided_drafts=config.guided_drafts, prediction_tokens=config.prediction_tokens,
+                             acceptance_estimate=planner.reads_confidence and (
+                                 config.confidence_source == "online" or not getattr(drafter, "has_confidence", False)),
                              **config.logit_rules)
         self.automata = AutomatonTable(config.automaton_states, target.config.vocab_size) if config.guided_regex \
             else None

@@ -19,6 +19,7 @@ LOGIT_RULES = {
                                                    "request follows a token automaton in one shared table)"),
 }
 MAX_AUTOMATON_STATES = 32767  # the table holds state ids as int16
+CONFIDENCE_SOURCES = ("drafter", "online")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,11 @@ class EngineConfig:
     # row whose output follows its prediction drafts the next predicted tokens instead of the drafter's (q
     # one-hot: exact); needs a drafter (the n-gram drafter for predictions alone). 0: predictions refused
     prediction_tokens: int = 0
+    # where the confidence policies (threshold, confidence, confidence_async) read draft confidences: "drafter"
+    # from the drafter's confidence head, or the online acceptance estimate (`decoding.acceptance`: each
+    # request's moving average of what verification accepted at each draft position) for a drafter without
+    # one; "online" the estimate for every drafter (e.g. to compare it with a head)
+    confidence_source: str = "drafter"
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,
@@ -93,6 +99,8 @@ class EngineConfig:
         if isinstance(self.prediction_tokens, bool) or not isinstance(self.prediction_tokens, int) \
                 or self.prediction_tokens < 0:
             raise ValueError(f"prediction_tokens must be an int >= 0, got {self.prediction_tokens!r}")
+        if self.confidence_source not in CONFIDENCE_SOURCES:
+            raise ValueError(f"confidence_source must be one of {CONFIDENCE_SOURCES}, got {self.confidence_source!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         variants = tuple(self.sampling_variants)

@@ -265,6 +265,8 @@ def _verify_commit(ctx: Context, t_params, d_params, cache, dstate, anchors, row
     cache, dstate, anchors = ctx.constrain(cache, dstate, anchors.at[:sb].set(new_anchor))
     rows, emitted, live = _advance(ctx, rows, res, active_b, start_b + n_commit, stop_be)
     rows, *predicted = rs.tally_predictions(rows, draft_bg if tb > 1 else None, ell_b, res.num_accepted)
+    if rows.estimated and tb > 1:  # rounds of predicted drafts say nothing of the drafter's
+        rows = rs.observe_acceptance(rows, ell_b, res.num_accepted, active_b & (predicted[1] == 0))
     rows = ctx.replicate(rs.record_output(rows, res.tokens, emitted))
     outs = {"packed": _pack(emitted, res, ell_b, live, predicted, conf_bg)}
     if logprobs:
@@ -340,7 +342,8 @@ def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: in
     """The drafter's block for rows [0:B], its context read from rows [0:attn), with the engine's
     attention and MLP implementations when the drafter has them (`attention_implementations`,
     `mlp_implementations`); with automata (`ctx.guided_drafts`) drawn under each row's from its state
-    and stop ids stop_be [B, E]; with predictions, an aligned row's predicted tokens
+    and stop ids stop_be [B, E]; with the online acceptance estimate, its confidences
+    (`row_state.estimate_confidence`); with predictions, an aligned row's predicted tokens
     (`row_state.predict_drafts`); with guided choices, the drafts they force (`row_state.guide_drafts`)."""
     drafter = ctx.drafter(d_params)
     kw = {name: choice for name, choice in (("attention", ctx.attention), ("mlp", ctx.mlp))
@@ -351,6 +354,8 @@ def _block(ctx: Context, d_params, dstate, anchor_b, lengths_b, sa, kd, attn: in
                                  rows.fsm_state_s[:b])
     block = drafter.propose(dstate, anchor_b, lengths_b, sa, kd, kv_len=attn, **kw)
     greedy = sa.variant == "greedy"  # the round carries no q: any token may be a draft
+    if rows.estimated:
+        block = rs.estimate_confidence(rows, block)
     if rows.predicted:
         block = rs.predict_drafts(rows, block, _q_ids(ctx, d_params), greedy)
     return rs.guide_drafts(rows, block, _q_ids(ctx, d_params), greedy) if rows.guided else block

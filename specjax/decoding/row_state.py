@@ -1,9 +1,11 @@
 """Each slot's row state resident on the device (`RowState`), and the logit rules it carries applied
 to the target's logits: a row's logit bias and bad words (an engine with logit_bias), its guided
-choices (an engine with guided_choice), its token automaton (an engine with guided_regex), its penalties (an engine with penalties) and the min_tokens
-hold of its stop ids (every engine). A rule is on when its state is (an engine without it carries
-None there, a static part of the programs' pytrees), so the programs pass no flags. The rules'
-arithmetic is `logit_rules`.
+choices (an engine with guided_choice), its token automaton (an engine with guided_regex), its
+penalties (an engine with penalties) and the min_tokens hold of its stop ids (every engine); besides
+the rules, a row's predicted output (an engine with prediction_tokens: `prediction`) and its online
+acceptance estimate (an engine whose policy reads confidences its drafter does not give:
+`acceptance`). A rule is on when its state is (an engine without it carries None there, a static part
+of the programs' pytrees), so the programs pass no flags. The rules' arithmetic is `logit_rules`.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.decoding import acceptance as ac
 from specjax.decoding import logit_rules as lr
 from specjax.decoding import prediction as pr
 
@@ -52,14 +55,19 @@ class RowState(NamedTuple):
     pred_sl: Array | None = None  # int32 [slots, L]: the row's predicted tokens, -1 padding
     pred_ints_4s: Array | None = None  # int32 [4, slots]: prediction.PRED_INTS
     pred_last_s: Array | None = None  # int32 [slots]: the row's last output token
+    # with the online acceptance estimate only (`decoding.acceptance`)
+    accept_sg: Array | None = None  # float32 [slots, gamma]: each row's estimate per draft position
+    accept_g: Array | None = None  # float32 [gamma]: the engine's, from which admitted rows start
 
     @classmethod
     def init(cls, slots: int, penalty_vocab: int = 0, bias_vocab: int = 0, guided: bool = False,
-             automaton_shape: tuple[int, int] = (0, 0), prediction_tokens: int = 0) -> "RowState":
+             automaton_shape: tuple[int, int] = (0, 0), prediction_tokens: int = 0,
+             estimate_gamma: int = 0) -> "RowState":
         """Empty rows; `penalty_vocab` / `bias_vocab` the target's vocabulary with penalties / logit
         bias, else 0 (no state for them); `guided`: state for guided choices; `automaton_shape`
         (states, V) of the automaton table with guided_regex, else (0, 0): an empty table;
-        `prediction_tokens`: predicted tokens a row holds (0: none)."""
+        `prediction_tokens`: predicted tokens a row holds (0: none); `estimate_gamma`: draft positions of
+        the online acceptance estimate (0: none)."""
         floats = jnp.asarray([[1.0], [1.0], [0.0]], jnp.float32) * jnp.ones((1, slots), jnp.float32)
         rows = cls(jnp.zeros((len(ROW_INTS), slots), jnp.int32), floats,
                    jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots, ROW_STOP_IDS), -1, jnp.int32))
@@ -85,6 +93,9 @@ class RowState(NamedTuple):
             rows = rows._replace(pred_sl=jnp.full((slots, prediction_tokens), -1, jnp.int32),
                                  pred_ints_4s=pr.admit(jnp.zeros((slots,), bool)),
                                  pred_last_s=jnp.full((slots,), -1, jnp.int32))
+        if estimate_gamma:
+            rows_sg, engine_g = ac.init(slots, estimate_gamma)
+            rows = rows._replace(accept_sg=rows_sg, accept_g=engine_g)
         return rows
 
     @property
@@ -106,6 +117,10 @@ class RowState(NamedTuple):
     @property
     def predicted(self) -> bool:
         return self.pred_sl is not None
+
+    @property
+    def estimated(self) -> bool:
+        return self.accept_sg is not None
 
 
 def target_rules(rows: RowState, logits_btv: Array, toks_bt: Array, stop_be: Array) -> Array:
@@ -161,6 +176,23 @@ def tally_predictions(rows: RowState, draft_bg: Array, ell_b: Array, accepted_b:
         return rows, zero, zero
     ints, accepted, drafted = pr.tally(rows.pred_sl[:b], rows.pred_ints_4s[:, :b], draft_bg, ell_b, accepted_b)
     return rows._replace(pred_ints_4s=rows.pred_ints_4s.at[:, :b].set(ints)), accepted, drafted
+
+
+def observe_acceptance(rows: RowState, ell_b: Array, accepted_b: Array, counted_b: Array) -> RowState:
+    """Rows [0:b] and the engine after a verified round, with the online acceptance estimate updated
+    (`acceptance.observe`; rows with counted_b False leave it)."""
+    b = ell_b.shape[0]
+    rows_bg, engine_g = ac.observe(rows.accept_sg[:b], rows.accept_g, ell_b, accepted_b, counted_b)
+    return rows._replace(accept_sg=rows.accept_sg.at[:b].set(rows_bg), accept_g=engine_g)
+
+
+def estimate_confidence(rows: RowState, block: Any) -> Any:
+    """A DraftBlock for rows [0:b] whose confidences are the rows' online acceptance estimates (the
+    last position's for a block longer than the estimate)."""
+    b, g = block.tokens.shape
+    est = rows.accept_sg[:b]
+    est = jnp.concatenate([est, jnp.repeat(est[:, -1:], max(g - est.shape[1], 0), axis=1)], axis=1)[:, :g]
+    return block._replace(confidence=est)
 
 
 def _holdable(tokens_bg: Array, q_ids: Array | None) -> Array:
@@ -273,6 +305,9 @@ def admit_rules(rows: RowState, slot_p: Array, tok_p: Array, pens_3b: Array, pro
         rows = rows._replace(choices_scl=rows.choices_scl.at[slot_p].set(choices_bcl, mode="drop"),
                              alive_sc=rows.alive_sc.at[slot_p].set(fresh.alive_sc, mode="drop"),
                              pos_s=rows.pos_s.at[slot_p].set(fresh.pos_s, mode="drop"))
+    if rows.estimated:  # an admitted row starts at the engine's estimate
+        rows = rows._replace(accept_sg=rows.accept_sg.at[slot_p].set(
+            jnp.broadcast_to(rows.accept_g, (pb,) + rows.accept_g.shape), mode="drop"))
     if rows.predicted:
         rows = rows._replace(pred_sl=rows.pred_sl.at[slot_p].set(pred_bl, mode="drop"),
                              pred_ints_4s=rows.pred_ints_4s.at[:, slot_p].set(fresh.pred_ints_4s, mode="drop"),

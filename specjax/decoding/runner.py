@@ -181,13 +181,17 @@ class Runner:
                  mesh: jax.sharding.Mesh | None = None, max_logprobs: int = 0, top_k_cap: int = DEFAULT_TOP_K_CAP,
                  attention: str = "xla", mlp: str = "xla", penalties: bool = False, logit_bias: bool = False,
                  guided_choice: bool = False, guided_regex: bool = False, automaton_states: int = 0,
-                 guided_drafts: bool = True, prediction_tokens: int = 0, allocate: bool = True):
+                 guided_drafts: bool = True, prediction_tokens: int = 0, acceptance_estimate: bool = False,
+                 allocate: bool = True):
         # allocate False: the state is abstract (ShapeDtypeStructs; models from nnx.eval_shape and an
         # explicit cache_dtype): such a runner only lowers programs (`lower`), e.g. for bench.round_ops;
         # guided_regex: a table of `automaton_states` states over the target's vocabulary (`set_automata`),
         # drafts drawn under the rows' automata unless guided_drafts is False; prediction_tokens: predicted
-        # tokens each row holds (0: no predictions)
+        # tokens each row holds (0: no predictions); acceptance_estimate: draft confidences from the online
+        # acceptance estimate (`decoding.acceptance`)
         self.mesh, self.gamma, self.max_len = mesh, gamma, max_len
+        if guided_regex and automaton_states < 1:
+            raise ValueError(f"guided_regex needs automaton_states >= 1, got {automaton_states}")
         vocab = getattr(drafter, "draft_vocab", None)  # q travels over it from draft to verify
         self.q_cols = target.config.vocab_size if vocab is None else vocab.size
         self.q_dtype = jnp.dtype(getattr(drafter, "dtype", jnp.float32))  # ... in the drafter's dtype
@@ -200,15 +204,9 @@ class Runner:
         else:
             d_graph, d_params, dstate = None, nnx.State({}), ()
         anchors = make(lambda: jnp.zeros((slots,), jnp.int32))
-        vocab_size = target.config.vocab_size
-        if guided_regex and automaton_states < 1:
-            raise ValueError(f"guided_regex needs automaton_states >= 1, got {automaton_states}")
-        self.automaton_shape = (automaton_states, vocab_size) if guided_regex else (0, 0)
-        row_state = make(lambda: RowState.init(slots, vocab_size if penalties else 0, vocab_size if logit_bias else 0,
-                                               guided_choice, self.automaton_shape, prediction_tokens))
-        self.bias_cols = vocab_size if logit_bias else 0
-        self.choice_shape = (ROW_CHOICES, CHOICE_TOKENS) if guided_choice else (0, 0)
-        self.pred_cols = prediction_tokens
+        row_state = make(lambda: self._rows(slots, target.config.vocab_size, drafter is not None, penalties,
+                                            logit_bias, guided_choice, guided_regex and automaton_states,
+                                            prediction_tokens, max(gamma, 1) if acceptance_estimate else 0))
         shardings: dict[str, Any] = {}
         if mesh is not None:
             t_params = shd.shard_state(t_params, mesh, "serve")
@@ -235,6 +233,20 @@ class Runner:
         ctx = programs.Context(t_graph, d_graph, tap_layers, needs_hidden, gamma, max_len, verifier, max_logprobs,
                                top_k_cap, attention, mlp, guided_regex and guided_drafts, **shardings)
         self.exes = {name: Executables(name, ctx) for name in FAMILIES}
+
+    def _rows(self, slots: int, vocab: int, drafting: bool, penalties: bool, logit_bias: bool, guided_choice: bool,
+              automaton_states: int, prediction_tokens: int, estimate_gamma: int) -> RowState:
+        """The slots' row state for the rules served (automaton_states: the table's with guided_regex, else
+        0), predictions and the acceptance estimate; sets the per-call input widths they take."""
+        if not drafting and prediction_tokens:
+            raise ValueError("prediction_tokens needs a drafter (predicted tokens are drafted in its rounds; "
+                             "drafter='ngram' for predictions and prompt lookup alone)")
+        self.automaton_shape = (automaton_states, vocab) if automaton_states else (0, 0)
+        self.bias_cols = vocab if logit_bias else 0
+        self.choice_shape = (ROW_CHOICES, CHOICE_TOKENS) if guided_choice else (0, 0)
+        self.pred_cols = prediction_tokens
+        return RowState.init(slots, vocab if penalties else 0, self.bias_cols, guided_choice, self.automaton_shape,
+                             prediction_tokens, estimate_gamma)
 
     @property
     def cache_lengths(self) -> jax.Array:

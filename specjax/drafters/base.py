@@ -18,7 +18,10 @@ inside its jitted round, so every method must be traceable with static shapes:
   carries from draft to verify. A drafter whose `propose` also takes `attention=` (static: how it
   attends over its context, e.g. "pallas" for a kernel) lists the names it takes in the attribute
   `attention_implementations`; the engine passes its `EngineConfig.attention` when listed (likewise
-  `mlp=`, `mlp_implementations` and `EngineConfig.mlp`: how it computes its MLPs).
+  `mlp=`, `mlp_implementations` and `EngineConfig.mlp`: how it computes its MLPs). A drafter whose
+  blocks carry confidences (a confidence head) sets the attribute `has_confidence` True; for one
+  without, the confidence policies read the engine's online acceptance estimate
+  (`specjax.decoding.acceptance`).
 * `commit(state, update)` -> state: append committed positions (write, then mask: never copy), for
   rows [0:B] where B = update.tokens.shape[0].
 

@@ -103,7 +103,8 @@ class DSparkDrafter(nnx.Module):
     `confidence_head`. With markov_rank 0 and no confidence head it is the DFlash drafter.
 
     Protocol attributes: `gamma` (= block_size), `tap_layers` (= target_layer_ids),
-    `needs_hidden` (False), `attention_implementations`, `mlp_implementations`. State: a
+    `needs_hidden` (False), `has_confidence` (a confidence head), `attention_implementations`,
+    `mlp_implementations`. State: a
     `specjax.models.cache.KVCache` with one entry per draft layer holding the normed, rotated
     context keys/values [2, slots, nkv, max_len, hd] and `lengths[slots]`.
     """
@@ -145,6 +146,10 @@ class DSparkDrafter(nnx.Module):
             self.confidence_head = ConfidenceHead(width, **kw)
             self.confidence_temperatures = Calibration(jnp.ones((cfg.block_size,), jnp.float32),
                                                        logical_axes=(None,))
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.confidence_head is not None
 
     def set_confidence_temperatures(self, temps) -> None:
         """Set the STS temperatures [gamma] (finite, > 0) that divide confidence logits at inference."""

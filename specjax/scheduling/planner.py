@@ -86,6 +86,11 @@ class RoundPlanner:
         self._probed = False  # a round drafted before any confidences were known
 
     @property
+    def reads_confidence(self) -> bool:
+        """Whether this planner's rounds choose lengths from draft confidences."""
+        return self.mode in ("host", "device")
+
+    @property
     def families(self) -> dict[str, int | None]:
         """The runner families this planner's rounds call, each with the largest ell it verifies
         (None: no tokens bucket; "verify" and "fused_fill" may take any of the engine's tokens buckets)."""
