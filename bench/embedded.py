@@ -71,21 +71,39 @@ def _speed_prompts(per_set: int) -> list[list[int]]:
 def _speed(name: str | None, prompts: list[list[int]], max_tokens: int, temperature: float) -> dict:
     """Batch-1 decoding of `prompts` one after another: plain (name None), a shipped drafter with
     fixed verification, or one of SCHEDULED."""
+    policy = "plain" if name is None else SCHEDULED.get(name, "fixed")
+    return speed_run("dspark" if name in SCHEDULED else name, policy, prompts, max_tokens, temperature)
+
+
+def speed_run(drafter: str | None, policy: str, prompts: list[list[int]], max_tokens: int, temperature: float,
+              confidence_source: str = "drafter") -> dict:
+    """Batch-1 decoding of `prompts` one after another with a shipped drafter (None: plain) under
+    `policy` (a cost-aware one measures its cost table at start-up), after one untimed request; the
+    engine compiles the one sampling variant the temperature takes, and its programs are freed after
+    (XLA:CPU maps each compiled kernel: a process holds a bounded number)."""
+    import gc
+
+    import jax
+
     from specjax.api import LLM, SamplingParams
     from specjax.decoding.buckets import next_pow2
     from specjax.decoding.engine import EngineConfig
-    policy = "plain" if name is None else SCHEDULED.get(name, "fixed")
+    from specjax.sampling import sampling_variant
     longest = max(len(p) for p in prompts)
     prefill = next_pow2(longest)
     cfg = EngineConfig(max_slots=1, max_len=prefill + max_tokens + 16, policy=policy,
                        slots_buckets=(1,), tokens_buckets=None, prefill_buckets=(prefill,),
-                       max_prefill=prefill, prefill_batch_buckets=(1,))
-    drafter = "dspark" if name in SCHEDULED else name
+                       max_prefill=prefill, prefill_batch_buckets=(1,), confidence_source=confidence_source,
+                       sampling_variants=(sampling_variant(temperature, 0, 1.0),))
     llm = LLM(drafter=drafter, engine_config=cfg)
     llm.engine.warmup()
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
     llm.generate([prompts[0]], SamplingParams(temperature=temperature, max_tokens=8))
-    return batch1_decode(llm, prompts, sp)[1]
+    record = batch1_decode(llm, prompts, sp)[1]
+    del llm
+    gc.collect()
+    jax.clear_caches()
+    return record
 
 
 def _peers(prompts: list[list[int]], max_tokens: int, threads: int) -> dict[str, float]:

@@ -26,7 +26,8 @@ from typing import Any
 from bench.common import load_average, machine_info
 
 BENCHMARKS = ("decode", "verify_cost", "round_ops", "startup", "drafters", "draft_vocab", "scheduler", "training",
-              "frontier", "embedded", "guided", "prediction", "embedded_build", "server_load")
+              "frontier", "embedded", "online_confidence", "guided", "prediction", "embedded_build",
+              "server_load")
 GPU_BENCHMARKS = ("gpu_check",)
 SECTIONS = BENCHMARKS + GPU_BENCHMARKS  # the page's order
 HEADLINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "headline.md")
