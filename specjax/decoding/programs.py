@@ -48,7 +48,9 @@ a token it allows, or a stop id in an accepting state), then vLLM's
 penalties from its prompt tokens and its output up to that position (its committed output and the
 drafts before it; `row_state.target_rules`). A row with a prediction drafts its next predicted tokens
 while its output follows them (`decoding.prediction`); every round counts the predicted drafts it
-verified and accepted.
+verified and accepted. With the online acceptance estimate (`decoding.acceptance`: an engine whose
+policy reads confidences its drafter does not give) the drafts carry it as their confidences and
+every verified round updates it.
 """
 from __future__ import annotations
 
