@@ -49,11 +49,13 @@ class _PlantedBug(OpenAIApp):
     """The negative control: crashes on any request that sets one of a few sampling fields the schema
     allows. The generated sequence changes with the server's answers and its schema (seen: the same
     seed gave other requests after /metrics.json's body grew, and again after the schema gained the
-    guided fields), so the control keys on fields that valid requests carry often; one keyed on
-    `user`, then one on `num_speculative_tokens` alone, each went unfound in 300 examples."""
+    guided fields, and again after it gained `prediction`), so the control keys on fields that valid
+    requests carry often; one keyed on `user`, then one on `num_speculative_tokens` alone, then one on
+    it, max_tokens and temperature, each went unfound in 300 examples."""
 
     async def complete(self, req, is_disconnected=None):
-        if any(getattr(req, f, None) is not None for f in ("num_speculative_tokens", "max_tokens", "temperature")):
+        if any(getattr(req, f, None) is not None for f in ("num_speculative_tokens", "max_tokens", "temperature",
+                                                           "top_p", "top_k", "seed", "stop", "n")):
             raise RuntimeError("planted bug")
         return await super().complete(req, is_disconnected=is_disconnected)
 

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import pydantic
 
@@ -65,6 +65,18 @@ def _integer(name: str, v: Any) -> Any:
     return v
 
 
+class TextPart(pydantic.BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class PredictionContent(pydantic.BaseModel):
+    """OpenAI's predicted output: text the answer is expected to repeat (text parts are concatenated)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class SamplingFields(pydantic.BaseModel):
     """JSON types of the sampling fields (vLLM / OpenAI names); unknown keys are ignored here."""
 
@@ -109,7 +121,7 @@ class SamplingFields(pydantic.BaseModel):
                           "{\"json_object\": true}")
     ignore_eos: bool | None = pydantic.Field(None, description="vLLM's: generate past the model's eos ids (max_tokens, "
                                                               "stop and stop_token_ids still end the answer)")
-    prediction: dict[str, Any] | None = pydantic.Field(
+    prediction: PredictionContent | None = pydantic.Field(
         None, description="OpenAI's predicted output: {\"type\": \"content\", \"content\": text or [{\"type\": \"text\", "
                           "\"text\": ...}]}, text the answer is expected to repeat, drafted while the answer follows "
                           "it (a server with --prediction-tokens); the answer is unchanged, only faster")
