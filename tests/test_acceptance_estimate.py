@@ -136,6 +136,6 @@ def test_sampled_outputs_under_the_estimate_follow_the_target_law(small):
     eng.plain_seconds = {256: 1.0}
     lengths: list[int] = []
     eng.on_round = lambda info: lengths.extend(info["ell"])
-    samples = sample_continuations(eng, [1, 5, 2], 6000, 3, seed0=5 * 10**6)
+    samples = sample_continuations(eng, [1, 5, 2], 4000, 3, seed0=5 * 10**6)
     assert 0 < np.mean(lengths) < GAMMA  # it drafted, and not everything
     assert chi_square_pvalue(samples, exact_continuations(small, [1, 5, 2], 3)) > 1e-3

@@ -245,8 +245,8 @@ def test_negative_control_holding_greedy_drafts_to_the_draft_vocabulary(small, m
 
 
 def test_sampled_outputs_with_predictions_follow_the_target_law(small):
-    firsts, accepted = _sampled(small, 6000, 0)
-    assert accepted > 400  # predicted drafts were verified and accepted
+    firsts, accepted = _sampled(small, 4000, 0)
+    assert accepted > 300  # predicted drafts were verified and accepted
     p = chi_square_pvalue(firsts, exact_continuations(small, [1, 5, 2], 3))
     assert p > 1e-3, f"output with predictions differs from the target's law (chi-square p={p:.2e})"
 
@@ -255,7 +255,7 @@ def test_negative_control_predicted_drafts_with_the_drafters_q_fail_the_law(smal
     honest = row_state.predict_drafts
     monkeypatch.setattr(row_state, "predict_drafts", lambda rows, block, q_ids, greedy=False: honest(
         rows, block, q_ids, greedy)._replace(q=block.q, q_draft=block.q_draft))
-    firsts, _ = _sampled(small, 6000, 10**6)
+    firsts, _ = _sampled(small, 4000, 10**6)
     assert chi_square_pvalue(firsts, exact_continuations(small, [1, 5, 2], 3)) < 1e-3
 
 
