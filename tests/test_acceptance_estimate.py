@@ -15,7 +15,8 @@ from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.scheduling import CostTable
 
 from engine_fixtures import (BigramDrafter, chain_drafter, chi_square_pvalue, exact_continuations,
-                             sample_continuations, small_engine, tiny_target)
+                             sample_continuations, tiny_target)
+from test_engine import greedy_reference
 
 V, GAMMA, N = 64, 3, 24
 PROMPT = [5, 17, 42, 8, 33, 5]
@@ -40,10 +41,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def plain(model):
-    eng = small_engine(model, None, slots=2, max_len=64, prefill=8)
-    req = EngineRequest("p", PROMPT, max_tokens=N, temperature=0.0)
-    eng.run([req], progress=False)
-    return req.output_ids
+    return greedy_reference(model, PROMPT, N)  # plain greedy decoding, by full forwards
 
 
 def _decoy(plain: list[int]) -> BigramDrafter:

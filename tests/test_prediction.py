@@ -22,6 +22,7 @@ from specjax.drafters.base import DraftBlock
 
 from engine_fixtures import (BigramDrafter, chi_square_pvalue, exact_continuations, refused_field, sampled_with_rules,
                              small_engine, tiny_target)
+from test_engine import greedy_reference
 
 V, GAMMA, N = 64, 3, 24
 PROMPT = [5, 17, 42, 8, 33, 5]
@@ -157,10 +158,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def plain(model):
-    eng = small_engine(model, None, slots=2, max_len=64, prefill=8)
-    req = EngineRequest("p", PROMPT, max_tokens=N, temperature=0.0)
-    eng.run([req], progress=False)
-    return req.output_ids
+    return greedy_reference(model, PROMPT, N)  # plain greedy decoding, by full forwards
 
 
 def _accept_every_draft(key_b, p, q, d, ell, stop_ids, q_ids, greedy=False):
