@@ -167,11 +167,13 @@ class BenchTarget:
 
 
 def batch1_decode(llm: Any, prompts: Sequence[Sequence[int]], sampling_params: Any) -> tuple[list[Any], dict[str, Any]]:
-    """Decode `prompts` one after another at batch 1 with `llm` (a specjax.LLM, warm): (the outputs,
-    {tokens, seconds, tokens_per_s, load (1-minute, at the start), tau, token_ids})."""
+    """Decode `prompts` one after another at batch 1 with `llm` (a specjax.LLM, warm) and
+    `sampling_params` (one SamplingParams, or one per prompt): (the outputs, {tokens, seconds,
+    tokens_per_s, load (1-minute, at the start), tau, token_ids})."""
+    per_prompt = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
     load0 = load_average()[0]
     t0 = time.perf_counter()
-    outs = [llm.generate([p], sampling_params)[0] for p in prompts]
+    outs = [llm.generate([p], sp)[0] for p, sp in zip(prompts, per_prompt)]
     sec = time.perf_counter() - t0
     toks = sum(len(o.token_ids) for o in outs)
     drafts = sum(o.metrics["num_drafts"] for o in outs)

@@ -57,22 +57,10 @@ def _llm(drafter: str | None, max_tokens: int, prompt_len: int, prediction_token
 def _decode(llm, prompts: list[list[int]], predictions: list[str | None], max_tokens: int) -> dict:
     """Greedy batch-1 decoding of `prompts` one after another, each with its prediction."""
     from specjax.api import SamplingParams
-    outs, record = [], {"tokens": 0, "seconds": 0.0, "drafts": 0, "accepted": 0, "token_ids": [],
-                        "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0, "load": None}
-    for prompt, pred in zip(prompts, predictions):
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, prediction=pred)
-        (out,), r = batch1_decode(llm, [prompt], sp)
-        outs.append(out)
-        record["load"] = r["load"] if record["load"] is None else record["load"]
-        for k in ("tokens", "seconds"):
-            record[k] += r[k]
-        record["token_ids"] += r["token_ids"]
-        record["drafts"] += out.metrics["num_drafts"]
-        for k, src in (("accepted", "num_accepted_tokens"), ("accepted_prediction_tokens",) * 2,
-                       ("rejected_prediction_tokens",) * 2):
-            record[k] += out.metrics[src]
-    record["tokens_per_s"] = record["tokens"] / record["seconds"]
-    record["tau"] = 1 + record["accepted"] / record["drafts"] if record["drafts"] else 1.0
+    outs, record = batch1_decode(llm, prompts, [SamplingParams(temperature=0.0, max_tokens=max_tokens, prediction=p)
+                                                for p in predictions])
+    for k in ("accepted_prediction_tokens", "rejected_prediction_tokens"):
+        record[k] = sum(o.metrics[k] for o in outs)
     return record
 
 

@@ -419,7 +419,7 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
 def prediction_ids(tokenizer: Any, prediction: str | tuple[int, ...] | None) -> tuple[int, ...]:
     """Token ids of a predicted output: its text's (no special tokens added) or the ids given."""
     if isinstance(prediction, str):
-        return tuple(tokenizer(prediction, add_special_tokens=False)["input_ids"]) if prediction else ()
+        return tuple(encode_text(tokenizer, prediction)) if prediction else ()
     return tuple(prediction or ())
 
 

@@ -204,9 +204,9 @@ class Runner:
         else:
             d_graph, d_params, dstate = None, nnx.State({}), ()
         anchors = make(lambda: jnp.zeros((slots,), jnp.int32))
-        row_state = make(lambda: self._rows(slots, target.config.vocab_size, drafter is not None, penalties,
-                                            logit_bias, guided_choice, guided_regex and automaton_states,
-                                            prediction_tokens, max(gamma, 1) if acceptance_estimate else 0))
+        row_state = make(self._rows(slots, target.config.vocab_size, drafter is not None, penalties, logit_bias,
+                                    guided_choice, guided_regex and automaton_states, prediction_tokens,
+                                    max(gamma, 1) if acceptance_estimate else 0))
         shardings: dict[str, Any] = {}
         if mesh is not None:
             t_params = shd.shard_state(t_params, mesh, "serve")
@@ -235,9 +235,10 @@ class Runner:
         self.exes = {name: Executables(name, ctx) for name in FAMILIES}
 
     def _rows(self, slots: int, vocab: int, drafting: bool, penalties: bool, logit_bias: bool, guided_choice: bool,
-              automaton_states: int, prediction_tokens: int, estimate_gamma: int) -> RowState:
-        """The slots' row state for the rules served (automaton_states: the table's with guided_regex, else
-        0), predictions and the acceptance estimate; sets the per-call input widths they take."""
+              automaton_states: int, prediction_tokens: int, estimate_gamma: int) -> Callable[[], RowState]:
+        """Sets the per-call input widths of the rules served (automaton_states: the table's with
+        guided_regex, else 0) and predictions; returns what builds the slots' row state for them and the
+        acceptance estimate."""
         if not drafting and prediction_tokens:
             raise ValueError("prediction_tokens needs a drafter (predicted tokens are drafted in its rounds; "
                              "drafter='ngram' for predictions and prompt lookup alone)")
@@ -245,8 +246,8 @@ class Runner:
         self.bias_cols = vocab if logit_bias else 0
         self.choice_shape = (ROW_CHOICES, CHOICE_TOKENS) if guided_choice else (0, 0)
         self.pred_cols = prediction_tokens
-        return RowState.init(slots, vocab if penalties else 0, self.bias_cols, guided_choice, self.automaton_shape,
-                             prediction_tokens, estimate_gamma)
+        return lambda: RowState.init(slots, vocab if penalties else 0, self.bias_cols, guided_choice,
+                                     self.automaton_shape, prediction_tokens, estimate_gamma)
 
     @property
     def cache_lengths(self) -> jax.Array:
