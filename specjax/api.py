@@ -167,6 +167,7 @@ class Output:
     metrics: dict[str, Any]
     # with SamplingParams.logprobs: per token (its log-probability, top ids, their log-probabilities)
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens read from a freed slot's cache rows (prefix caching; vLLM's)
 
 
 def _target_id(target_dir: str | None, model: Any) -> str | None:
@@ -202,6 +203,9 @@ class LLM:
     prediction_tokens: serve `SamplingParams.prediction` up to this many tokens (OpenAI's predicted
         outputs: drafted while the answer follows them; needs a drafter, "ngram" for predictions and
         prompt lookup alone); 0, it is refused.
+    enable_prefix_caching: vLLM's prefix caching (default on): a freed slot keeps its cache rows, and a
+        prompt that begins with what one holds goes there and prefills only the rest
+        (`Output.num_cached_tokens`).
     """
 
     def __init__(self, target: Any = None, drafter: Any = None, *, tokenizer: str | None = None,
@@ -211,7 +215,8 @@ class LLM:
                  cost_table: Any = None, threshold: float | None = None, max_logprobs: int = 0,
                  sampling_variants: Sequence[str] | None = None, penalties: bool = False,
                  logit_bias: bool = False, guided_choice: bool = False, guided_regex: bool = False,
-                 automaton_states: int = EngineConfig.automaton_states, prediction_tokens: int = 0):
+                 automaton_states: int = EngineConfig.automaton_states, prediction_tokens: int = 0,
+                 enable_prefix_caching: bool = True):
         from specjax import checkpoints
         self.tokenizer = None
         target_dir = None
@@ -240,7 +245,8 @@ class LLM:
                 max_prefill=max_prefill, threshold=threshold, max_logprobs=max_logprobs,
                 sampling_variants=VARIANTS if sampling_variants is None else tuple(sampling_variants),
                 penalties=penalties, logit_bias=logit_bias, guided_choice=guided_choice, guided_regex=guided_regex,
-                automaton_states=automaton_states, prediction_tokens=prediction_tokens)
+                automaton_states=automaton_states, prediction_tokens=prediction_tokens,
+                prefix_caching=enable_prefix_caching)
         if isinstance(cost_table, (str, os.PathLike)):
             from specjax.scheduling import CostTable
             cost_table = CostTable.from_json(cost_table)
@@ -303,7 +309,8 @@ class LLM:
             outs.append(Output(request_id=req.request_id, prompt=text, prompt_token_ids=ids,
                                token_ids=list(req.output_ids), text=out_text,
                                finish_reason=req.finish_reason or "length", metrics=self._metrics(req),
-                               logprobs=list(req.output_logprobs) if req.logprobs is not None else None))
+                               logprobs=list(req.output_logprobs) if req.logprobs is not None else None,
+                               num_cached_tokens=req.metrics.cached_tokens))
         return outs
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

@@ -67,6 +67,9 @@ class BigramDrafter(nnx.Module):
     def commit(self, state, update: ContextUpdate):
         return state
 
+    def restart(self, state, start_b):
+        return state
+
     def propose(self, state, anchor_b, position_b, sampling: SamplingArrays, key_b, kv_len=None,
                 guide: DraftGuide | None = None) -> DraftBlock:
         """A bigram block (no context state: kv_len is not needed), drawn by the library's drafting

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens past eos (a row's ignore_eos wins)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="each row's usage carries prompt_tokens_details.cached_tokens (prefix caching)")
     add_tool_parser_flag(p)
     add_llm_args(p)
     dist.add_distributed_args(p)
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     llm = build_llm(args, progress=not args.no_progress)
     summary = run_batch_job(llm, args.input, args.output, errors_path=args.errors, shard=shard, defaults=defaults,
-                            window=args.window, progress=not args.no_progress, tool_parser=args.tool_call_parser)
+                            window=args.window, progress=not args.no_progress, tool_parser=args.tool_call_parser,
+                            prompt_tokens_details=args.enable_prompt_tokens_details)
     print(json.dumps(summary.as_dict()), flush=True)
     return 0
 

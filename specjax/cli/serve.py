@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-request-spec-decode-metrics", choices=SPEC_DECODE_METRICS_LEVELS, default="none",
                    help="add vLLM's per-request metrics.speculative_decoding to responses: summary (counts and "
                         "acceptance histograms) or detailed (also every round's drafted / accepted counts)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage carries OpenAI's prompt_tokens_details.cached_tokens: prompt tokens read from a "
+                        "freed slot's cache rows (prefix caching)")
     add_tool_parser_flag(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     add_llm_args(p)
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> OpenAIApp:
         return OpenAIApp.from_llm(build_llm(args, progress=True), model_name=name, limits=limits,
                                   spec_decode_metrics=args.per_request_spec_decode_metrics,
-                                  tool_parser=args.tool_call_parser)
+                                  tool_parser=args.tool_call_parser,
+                                  prompt_tokens_details=args.enable_prompt_tokens_details)
     host, port = sock.getsockname()[:2]
     print(f"specjax server: model '{name}' on http://{host}:{port} (warming up: /health answers 200 when ready)",
           flush=True)

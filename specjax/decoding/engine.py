@@ -21,9 +21,10 @@ from flax import nnx
 
 from specjax.decoding import buckets as bk, map_budget
 from specjax.decoding.automata import AutomatonTable
-from specjax.decoding.requests import (EngineRequest, Launched, check_request, prefill_inputs, seed_key_data,
-                                      token_logprobs)
+from specjax.decoding.requests import (EngineRequest, Launched, append_output, check_request, prefill_inputs,
+                                      seed_key_data, token_logprobs)
 from specjax.decoding.engine_config import EngineConfig
+from specjax.decoding.prefix_cache import SlotPrefixes
 from specjax.decoding.profiling import target_identity
 from specjax.decoding.programs import unpack_round
 from specjax.decoding.runner import Runner, bucket_key
@@ -79,6 +80,8 @@ class Engine:
         self.automata = AutomatonTable(config.automaton_states, target.config.vocab_size) if config.guided_regex \
             else None
         self.lengths = np.zeros((slots,), np.int64)  # committed cache rows per slot
+        self.prefixes = SlotPrefixes(slots) if config.prefix_caching and (drafter is None or hasattr(
+            drafter, "restart")) else None  # what freed slots' cache rows hold (a drafter must cut its state back)
         self.slot_req: list[EngineRequest | None] = [None] * slots
         self.queue: list[EngineRequest] = []
         self._key_data = np.zeros((slots, 2), np.uint32)
@@ -257,14 +260,15 @@ class Engine:
     def _admit_waiting(self) -> None:
         """Move queued requests into free slots and prefill them (up to `prefill_batches[-1]` prompts per
         call, long prompts chunked). First tokens stay on the device; the host reads them in `_collect`."""
-        free = [i for i, r in enumerate(self.slot_req) if r is None][::-1]  # lowest slot last: popped first
+        free = [i for i, r in enumerate(self.slot_req) if r is None]
         while self.queue and free:
             batch: list[EngineRequest] = []
             while self.queue and len(batch) < self.prefill_batches[-1] and free:
                 if self.automata is not None and not self.automata.admit(self.queue[0]):
                     break  # its automaton waits for room in the table (so do the requests behind it)
                 req = self.queue.pop(0)
-                req.slot = free.pop()
+                req.slot, req.metrics.cached_tokens = self._slot_for(req, free)
+                free.remove(req.slot)
                 self.slot_req[req.slot] = req
                 self._key_data[req.slot] = self._seed_key(req)
                 self.planner.admit(req.slot)
@@ -277,11 +281,19 @@ class Engine:
                 self.runner.set_automata(*table)
             self._unread += self._prefill(batch)
 
+    def _slot_for(self, req: EngineRequest, free: list[int]) -> tuple[int, int]:
+        """(slot, prompt tokens reused): the lowest free slot, or the one sharing the longest prefix (`prefix_cache`;
+        not under a repetition penalty, which counts the prompt's tokens as its prefill reads them)."""
+        if self.prefixes is None or (self.cfg.penalties and req.repetition_penalty != 1.0):
+            return free[0], 0
+        return self.prefixes.choose(req.prompt_ids, free)
+
     def _prefill(self, batch: list[EngineRequest]) -> list[tuple[EngineRequest, Any, int]]:
-        """Run prompt chunks of up to `prefill_batches[-1]` requests per call; the first token is sampled.
-        Returns, per request, the outputs (on the device) of the call holding its last chunk and its row."""
+        """Run prompt chunks of up to `prefill_batches[-1]` requests per call from each request's first
+        row not reused; the first token is sampled. Returns, per request, the outputs (on the device) of
+        the call holding its last chunk and its row."""
         biggest = self.buckets.prefill[-1]
-        offsets = [0] * len(batch)
+        offsets = [r.metrics.cached_tokens for r in batch]
         firsts: list[tuple[EngineRequest, Any, int]] = []
         while todo := [i for i, r in enumerate(batch) if offsets[i] < len(r.prompt_ids)]:
             pb = bk.pick(self.prefill_batches, len(todo), what="prefill batch")
@@ -303,31 +315,20 @@ class Engine:
         return self.gamma if r.max_draft_tokens is None else min(self.gamma, r.max_draft_tokens)
 
     def speculative_decoding(self, r: EngineRequest, *, detailed: bool = False) -> dict[str, Any] | None:
-        """vLLM's per-request block of `r` (`RequestMetrics.speculative_decoding`, its rounds capped at
-        gamma or the request's own cap); None without a drafter."""
+        """vLLM's per-request block of `r` (`RequestMetrics.speculative_decoding`); None without a drafter."""
         return r.metrics.speculative_decoding(self._draft_cap(r), detailed=detailed) if self.gamma > 0 else None
 
     def _append(self, req: EngineRequest, toks: Sequence[int]) -> None:
-        """Append emitted tokens and apply stop conditions (eos, stop ids, max_tokens, stop strings, length)."""
-        stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
-        for t in toks:
-            req.output_ids.append(int(t))
-            if int(t) in stops:
-                req.finish_reason = "stop"
-                break
-            if len(req.output_ids) >= req.max_tokens:
-                req.finish_reason = "length"
-                break
-        if req.finish_reason is None and req.stop_check is not None:
-            keep = req.stop_check(req.output_ids, req.min_tokens)
-            if keep is not None:
-                del req.output_ids[keep:]
-                req.finish_reason = "stop"
+        """Append emitted tokens under the stop rules (`append_output`, then the cache's length); a request
+        that ends frees its slot."""
+        append_output(req, toks, self.eos_token_ids)
         if req.finish_reason is None and self.lengths[req.slot] + 1 > self.cfg.max_len:
             req.finish_reason = "length"  # no room left for the anchor: the cache is full
         if req.finish_reason is not None:
             req.metrics.finish_time = time.perf_counter()
             self.slot_req[req.slot] = None
+            if self.prefixes is not None:
+                self.prefixes.keep(req.slot, [*req.prompt_ids, *req.output_ids], int(self.lengths[req.slot]))
             if self.automata is not None:
                 self.automata.end(req)
 

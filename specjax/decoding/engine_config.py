@@ -78,6 +78,9 @@ class EngineConfig:
     # request's moving average of what verification accepted at each draft position) for a drafter without
     # one; "online" the estimate for every drafter (e.g. to compare it with a head)
     confidence_source: str = "drafter"
+    # prefix caching (vLLM's, on by default there too): a freed slot keeps its cache rows, and a request whose
+    # prompt begins with what a free slot holds goes there and prefills only the rest (`decoding.prefix_cache`)
+    prefix_caching: bool = True
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,

@@ -49,6 +49,8 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
         raise ValueError("a cost table needs a drafter: plain decoding has no verification lengths to choose")
     if any(engine.slot_req):
         raise RuntimeError("profile the engine before it serves requests")
+    if engine.prefixes is not None:  # the timed rounds write the cache rows freed slots keep
+        engine.prefixes.forget_all()
     seconds: dict[tuple[int, int], float] = {}
     keys = [(sb, tb) for sb in engine.buckets.slots for tb in engine.buckets.tokens]
     run = engine.runner.run
@@ -78,6 +80,8 @@ def measure_cost_table(engine, *, repeats: int = 7, warmup: int = 2, progress: b
 def measure_plain_seconds(engine, *, repeats: int = 7, warmup: int = 2) -> dict[int, float]:
     """Median seconds of a lite round (no drafting, no drafter upkeep: plain decoding's cost) per slots
     bucket."""
+    if engine.prefixes is not None:  # the timed rounds write the cache rows freed slots keep
+        engine.prefixes.forget_all()
     out: dict[int, float] = {}
     for sb in engine.buckets.slots:
         ell = engine.runner.put(np.zeros((sb,), np.int32))  # all rows idle; copied in once

@@ -435,6 +435,8 @@ def prefill(ctx: Context, t_params, d_params, cache, dstate, anchors, rows, toke
         def renew(f: Array, o: Array, a: int) -> Array:  # fresh state for the rows that start at 0
             return jnp.where(first.reshape((1,) * a + (pb,) + (1,) * (f.ndim - a - 1)), f, o)
         sub = jax.tree.map(renew, fresh, old, axes)
+        if hasattr(drafter, "restart"):  # a row reusing a freed slot's rows (prefix caching) cuts back to start
+            sub = drafter.restart(sub, start_p)
         sub = drafter.commit(sub, _taps_update(ctx, out, tokens_bt, positions, n_valid_p))
         dstate = jax.tree.map(lambda x, s_, a: x.at[(slice(None),) * a + (slot_p,)].set(s_, mode="drop"),
                               dstate, sub, axes)

@@ -72,6 +72,7 @@ class RequestMetrics:
     # accepted, and those it verified and did not accept
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose cache rows a freed slot held (prefix caching): not prefilled
     first_token_time: float | None = None
     start_time: float = 0.0
     finish_time: float | None = None
@@ -353,6 +354,25 @@ def held_stop_ids(req: EngineRequest) -> np.ndarray:
     if req.min_tokens:
         out[:len(req.stop_token_ids)] = req.stop_token_ids
     return out
+
+
+def append_output(req: EngineRequest, toks: Sequence[int], eos_token_ids: Sequence[int]) -> None:
+    """Append emitted tokens to `req.output_ids` under its stop rules (eos unless ignore_eos, its stop ids,
+    max_tokens, its stop strings: `stop_check`), setting `finish_reason` when one ends it."""
+    stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_token_ids))
+    for t in toks:
+        req.output_ids.append(int(t))
+        if int(t) in stops:
+            req.finish_reason = "stop"
+            break
+        if len(req.output_ids) >= req.max_tokens:
+            req.finish_reason = "length"
+            break
+    if req.finish_reason is None and req.stop_check is not None:
+        keep = req.stop_check(req.output_ids, req.min_tokens)
+        if keep is not None:
+            del req.output_ids[keep:]
+            req.finish_reason = "stop"
 
 
 def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]], pb: int, plen: int,

@@ -78,6 +78,10 @@ class Drafter(Protocol):
 
     def commit(self, state: Any, update: ContextUpdate) -> Any: ...
 
+    # optional, for prefix caching (an engine turns it off for a drafter without it):
+    # restart(state, start_b [B]) -> state whose rows [0:B] continue with a prefill chunk at position start_b,
+    # keeping what they committed before it (the token at start_b is the one they committed there)
+
 
 class TargetView(Protocol):
     """What a kind's training objective sees of the frozen target for one batch (built by

@@ -432,6 +432,18 @@ class PairCacheDrafter(nnx.Module):
                               pending=state.pending.at[:b].set(pending),
                               has_pending=state.has_pending.at[:b].set(has | (n > 0)))
 
+    def restart(self, state: PairCacheState, start_b: Array) -> PairCacheState:
+        """Rows [0:B] set to continue with a prefill chunk at position start_b (prefix caching): a row
+        whose last commit ended just there (start_b - 1 pairs, the feature of start_b - 1 pending) is
+        kept; any other keeps its first start_b pairs and no pending feature (the chunk's first position
+        starts the next pair): valid where the token at start_b is the one the row committed there."""
+        b = start_b.shape[0]
+        start = start_b.astype(jnp.int32)
+        kept = state.has_pending[:b] & (state.lengths[:b] == start - 1)
+        count = jnp.where(kept, start - 1, start)
+        return PairCacheState(state.cache.with_lengths(state.cache.lengths.at[:b].set(count)),
+                              pending=state.pending, has_pending=state.has_pending.at[:b].set(kept))
+
     def propose_with_logits(self, state: PairCacheState, anchor_b: Array, position_b: Array,
                             sampling: SamplingArrays, key_b: Array,
                             kv_len: int | None = None) -> tuple[DraftBlock, Array]:

@@ -282,6 +282,10 @@ class DSparkDrafter(nnx.Module):
         n = jnp.clip(update.n_valid.astype(jnp.int32), 0, t)
         return kvc.KVCache(kv=kvs, lengths=state.lengths.at[:b].add(n))
 
+    def restart(self, state: kvc.KVCache, start_b: Array) -> kvc.KVCache:
+        """Rows [0:B] cut back to the context of their first start_b positions (prefix caching)."""
+        return state.with_lengths(state.lengths.at[:start_b.shape[0]].set(start_b.astype(jnp.int32)))
+
     def block_hidden(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
                      kv_len: int | None = None, attention: str = "xla", mlp: str = "xla") -> Array:
         """Backbone hidden [B, K, H] of one block per row over its cached context (rows [0:kv_len)

@@ -54,6 +54,10 @@ class NGramDrafter(nnx.Module):
         hist = kvc.write(state.history[:, None, :, None], update.tokens[:, :, None, None], lengths)[:, 0, :, 0]
         return NGramState(hist, state.lengths.at[:b].add(update.n_valid.astype(jnp.int32)))
 
+    def restart(self, state: NGramState, start_b: Array) -> NGramState:
+        """Rows [0:B] cut back to their first start_b history tokens (prefix caching)."""
+        return state._replace(lengths=state.lengths.at[:start_b.shape[0]].set(start_b.astype(jnp.int32)))
+
     def propose(self, state: NGramState, anchor_b: Array, position_b: Array, sampling, key_b: Array,
                 kv_len: int | None = None, guide: Any = None) -> DraftBlock:
         """Continue the latest earlier match of the longest suffix n-gram (history rows [0:kv_len)).

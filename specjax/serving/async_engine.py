@@ -373,6 +373,8 @@ class AsyncEngine:
                 e2e = None if m.finish_time is None else m.finish_time - m.start_time
                 self.metrics.request_finished(reason, ttft_s=ttft, e2e_s=e2e,
                                               tpot_s=m.time_per_output_token(len(req.output_ids)))
+                if self.engine.prefixes is not None and req.slot >= 0:  # it reached a slot
+                    self.metrics.prefix_cache_lookup(len(req.prompt_ids), m.cached_tokens)
             new = list(req.output_ids[stream._sent:])
             stream._sent = len(req.output_ids)
             stream._push(StreamEvent(new, finished=True, finish_reason=reason, output_ids=list(req.output_ids)))

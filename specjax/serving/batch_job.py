@@ -10,6 +10,7 @@ Input rows (one JSON object a line):
     (`specjax.serving.batch_openai`); both kinds may share a file.
 Output rows (in completion order, not input order):
     {"id", "token_ids", "text", "finish_reason", "prompt_tokens", "completion_tokens", "metrics", ["metadata"],
+     ["prompt_tokens_details": {"cached_tokens"}: with --enable-prompt-tokens-details (prefix caching)],
      ["completion_tokens_details": a row with a prediction: accepted / rejected_prediction_tokens]}
 Error rows (`<output stem>.errors.jsonl` unless given):
     {"line": 1-based input line, "id": id or null, "field": offending field or null, "error": reason}
@@ -126,8 +127,10 @@ class BatchRows:
 
     resume = "by_id"
 
-    def __init__(self, llm: Any, defaults: SamplingParams, metrics: ServingMetrics, tool_parser: str | None = None):
+    def __init__(self, llm: Any, defaults: SamplingParams, metrics: ServingMetrics, tool_parser: str | None = None,
+                 prompt_details: bool = False):
         self.tokenizer, self.defaults, self.metrics, self.tool_parser = llm.tokenizer, defaults, metrics, tool_parser
+        self.prompt_details = prompt_details
         self.engine, self.max_len = llm.engine, llm.engine.cfg.max_len
         self.rows: dict[int, Row] = {}  # rows with a request in the engine
 
@@ -187,31 +190,34 @@ class BatchRows:
         ids = list(request.output_ids)
         text = None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
         reason, n_prompt = request.finish_reason or "length", len(request.prompt_ids)
-        spec, counts = request_spec_metrics(request.metrics), usage(n_prompt, len(ids), [request])
+        spec, counts = request_spec_metrics(request.metrics), usage(n_prompt, len(ids), [request], prompt_details=self.prompt_details)
         if row.openai is not None:
             rec = batch_openai.output_line(row.id, row.openai, text, ids, reason, counts, spec)
         else:
             rec = {"id": row.id, "token_ids": ids, "text": text, "finish_reason": reason, "prompt_tokens": n_prompt,
                    "completion_tokens": len(ids), "metrics": spec}
-            if "completion_tokens_details" in counts:
-                rec["completion_tokens_details"] = counts["completion_tokens_details"]
+            rec.update({k: counts[k] for k in ("prompt_tokens_details", "completion_tokens_details") if k in counts})
             if row.metadata is not None:
                 rec["metadata"] = row.metadata
         self.metrics.tokens_generated(len(ids))
         self.metrics.request_finished(reason)
+        if self.engine.prefixes is not None:
+            self.metrics.prefix_cache_lookup(n_prompt, request.metrics.cached_tokens)
         return Outcome(index, rec)
 
 
 def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: str | None = None,
                   shard: Shard | None = None, defaults: SamplingParams | None = None, window: int | None = None,
-                  progress: bool = True, tool_parser: str | None = None) -> JobSummary:
+                  progress: bool = True, tool_parser: str | None = None,
+                  prompt_tokens_details: bool = False) -> JobSummary:
     """Run (or resume) a batch job over `input_path` with `llm` (an `specjax.LLM`); see module docstring.
 
     output_path: the job's output (a shard suffix is added when `shard.count > 1`); errors_path:
     default `<stem>.errors.jsonl` of the shard's output; shard: default jax.process_index()/count();
     defaults: sampling for fields a row leaves out (default SamplingParams()); window: requests in
     flight (default 2 x max_num_seqs); tool_parser: `serving.tool_parsers.PARSERS` name that serves OpenAI
-    lines' tool_choice "auto". The summary's `metrics` are the job's serving metrics.
+    lines' tool_choice "auto"; prompt_tokens_details: every row's usage carries prompt_tokens_details.cached_tokens
+    (prefix caching). The summary's `metrics` are the job's serving metrics.
     """
     check_tool_parser(tool_parser)
     engine = llm.engine
@@ -225,7 +231,7 @@ def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: s
             prev_hook(info)
         metrics.observe_round(info)
 
-    kind = BatchRows(llm, defaults or SamplingParams(), metrics, tool_parser)
+    kind = BatchRows(llm, defaults or SamplingParams(), metrics, tool_parser, prompt_tokens_details)
     engine.on_round = hook
     try:
         summary = run_jsonl_job(kind, engine, input_path, output_path, errors_path=errors_path,

@@ -56,6 +56,10 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    help="serve OpenAI's predicted outputs (`prediction`) of up to this many tokens: each slot keeps "
                         "them and drafts them while the answer follows them (needs --drafter; ngram for predictions "
                         "and prompt lookup alone)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's prefix caching (default on): a freed slot keeps its cache rows, and a request whose "
+                        "prompt begins with them (the next turn of a conversation, a shared system prompt) goes "
+                        "there and prefills only the rest")
     add_logit_rule_flags(g, "serve ")
 
 
@@ -107,11 +111,11 @@ def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
             slots_buckets=args.slots_buckets,
             tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets, max_logprobs=args.max_logprobs,
             attention_buckets=args.attention_buckets, prediction_tokens=args.prediction_tokens,
-            **logit_rule_args(args),
+            prefix_caching=args.enable_prefix_caching, **logit_rule_args(args),
             **({"sampling_variants": args.sampling_variants} if args.sampling_variants else {}))
     return LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                policy=args.policy, dtype=args.dtype, seed=args.seed, max_prefill=args.max_prefill,
                engine_config=engine_config, progress=progress, cost_table=args.cost_table,
                threshold=args.threshold, max_logprobs=args.max_logprobs, prediction_tokens=args.prediction_tokens,
-               **logit_rule_args(args))
+               enable_prefix_caching=args.enable_prefix_caching, **logit_rule_args(args))

@@ -9,6 +9,9 @@ vLLM-compatible (every series carries a `model_name` label, as in vLLM):
     vllm:prompt_tokens_total                           counter: prompt tokens admitted
     vllm:generation_tokens_total                       counter: tokens generated
     vllm:request_success_total{finished_reason=...}    counter: finished requests by reason
+    vllm:prefix_cache_queries_total                    counter: prompt tokens of requests that looked up the
+                                                       prefix cache (an engine with prefix caching)
+    vllm:prefix_cache_hits_total                       counter: of those, tokens whose cache rows were reused
     vllm:spec_decode_num_drafts_total                  counter: request-rounds that verified >= 1 draft
     vllm:spec_decode_num_draft_tokens_total            counter: draft tokens sent to verification
     vllm:spec_decode_num_accepted_tokens_total         counter: draft tokens accepted
@@ -80,6 +83,8 @@ class ServingMetrics:
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a cache slot.", lbl, registry=r)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens whose cache rows were reused.")
         self.request_success = counter("vllm:request_success", "Finished requests by finish reason.",
                                        ["finished_reason"])
         self.num_drafts = counter("vllm:spec_decode_num_drafts",
@@ -109,11 +114,14 @@ class ServingMetrics:
                                       buckets=_int_buckets(max_slots), registry=r)
         self.round_seconds = Histogram("specjax:round_seconds", "Wall time of one engine round.", lbl,
                                        buckets=_ROUND_BUCKETS, registry=r)
-        m = model_name
-        # create the label children up front so every series is exposed (at 0) from the start
-        for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.num_drafts,
-                       self.num_draft_tokens, self.num_accepted, self.ttft, self.e2e, self.tpot, self.ell,
-                       self.tokens_bucket, self.slots_bucket, self.round_seconds):
+        self._expose_all()
+
+    def _expose_all(self) -> None:
+        """Create the label children up front, so that every series is exposed (at 0) from the start."""
+        m = self.model_name
+        for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
+                       self.prefix_hits, self.num_drafts, self.num_draft_tokens, self.num_accepted, self.ttft,
+                       self.e2e, self.tpot, self.ell, self.tokens_bucket, self.slots_bucket, self.round_seconds):
             metric.labels(m)
         for k in range(self.gamma):
             self.accepted_per_pos.labels(m, str(k))
@@ -154,6 +162,11 @@ class ServingMetrics:
     def request_admitted(self, prompt_tokens: int) -> None:
         """A request was accepted by the engine (its prompt tokens count now)."""
         self.prompt_tokens.labels(self.model_name).inc(int(prompt_tokens))
+
+    def prefix_cache_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request looked up the prefix cache with its prompt and reused `cached_tokens` of it."""
+        self.prefix_queries.labels(self.model_name).inc(int(prompt_tokens))
+        self.prefix_hits.labels(self.model_name).inc(int(cached_tokens))
 
     def tokens_generated(self, n: int) -> None:
         if n > 0:
@@ -223,7 +236,9 @@ class ServingMetrics:
                 ("ttft", "vllm:time_to_first_token_seconds"), ("tpot", "vllm:request_time_per_output_token_seconds"),
                 ("e2e", "vllm:e2e_request_latency_seconds"))},
             "tokens": {"prompt": int(self._value("vllm:prompt_tokens_total")),
-                       "generation": int(self._value("vllm:generation_tokens_total"))},
+                       "generation": int(self._value("vllm:generation_tokens_total")),
+                       "prefix_cache_queries": int(self._value("vllm:prefix_cache_queries_total")),
+                       "prefix_cache_hits": int(self._value("vllm:prefix_cache_hits_total"))},
             "spec_decode": {
                 "num_drafts": int(drafts), "num_draft_tokens": int(draft_tokens),
                 "num_accepted_tokens": int(accepted), "num_accepted_tokens_per_pos": per_pos_list,

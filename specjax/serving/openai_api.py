@@ -85,12 +85,15 @@ class OpenAIApp:
     token-id prompts only); max_model_len / vocab_size: the engine's context length and vocabulary;
     spec_decode_metrics: "none" (default), "summary" or "detailed": responses then carry vLLM's
     per-request `metrics.speculative_decoding` (`specjax.serving.request_metrics`; null for n > 1 and
-    without a drafter).
+    without a drafter); prompt_tokens_details: usage carries OpenAI's prompt_tokens_details.cached_tokens
+    (vLLM's --enable-prompt-tokens-details).
     """
 
     def __init__(self, engine: AsyncEngine, *, model_name: str, max_model_len: int, vocab_size: int,
                  tokenizer: Any = None, limits: ServerLimits | None = None, metrics: ServingMetrics | None = None,
-                 spec_decode_metrics: str = "none", tool_parser: str | None = None):
+                 spec_decode_metrics: str = "none", tool_parser: str | None = None,
+                 prompt_tokens_details: bool = False):
+        self.prompt_tokens_details = bool(prompt_tokens_details)
         self.spec_decode_metrics = check_spec_decode_metrics_level(spec_decode_metrics)
         self.tool_parser = check_tool_parser(tool_parser)
         self.engine = engine
@@ -109,7 +112,7 @@ class OpenAIApp:
     @classmethod
     def from_llm(cls, llm: Any, *, model_name: str = "specjax", limits: ServerLimits | None = None,
                  tokenizer: Any = _FROM_LLM, spec_decode_metrics: str = "none",
-                 tool_parser: str | None = None) -> "OpenAIApp":
+                 tool_parser: str | None = None, prompt_tokens_details: bool = False) -> "OpenAIApp":
         """Metrics + a started `AsyncEngine` over `llm.engine` + the app (tokenizer: the LLM's by default)."""
         check_spec_decode_metrics_level(spec_decode_metrics)  # before the engine starts
         check_tool_parser(tool_parser)
@@ -120,7 +123,8 @@ class OpenAIApp:
         async_engine = AsyncEngine(eng, metrics=metrics, max_waiting=limits.max_waiting).start()
         return cls(async_engine, model_name=model_name, max_model_len=eng.cfg.max_len,
                    vocab_size=llm.config.vocab_size, tokenizer=llm.tokenizer if tokenizer is _FROM_LLM else tokenizer,
-                   limits=limits, metrics=metrics, spec_decode_metrics=spec_decode_metrics, tool_parser=tool_parser)
+                   limits=limits, metrics=metrics, spec_decode_metrics=spec_decode_metrics, tool_parser=tool_parser,
+                   prompt_tokens_details=prompt_tokens_details)
 
     # ------------------------------------------------------------------ parsing
     def _parse_common(self, req: CompletionRequest | ChatCompletionRequest) -> _Parsed:
@@ -287,7 +291,7 @@ class OpenAIApp:
         """OpenAI's usage: every prompt once (or one choice's prompt) and `n_out` completion tokens (of
         `streams`' requests: their predicted outputs' counts)."""
         n = sum(map(len, parsed.prompts)) if choice is None else len(parsed.prompts[choice // parsed.n])
-        return usage(n, n_out, [s.request for s in streams])
+        return usage(n, n_out, [s.request for s in streams], prompt_details=self.prompt_tokens_details)
 
     def _failed(self, ev: StreamEvent) -> APIError:
         if ev.rejected:

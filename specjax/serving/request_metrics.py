@@ -55,12 +55,17 @@ def combined_spec_metrics(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "num_rounds": sum(b["num_rounds"] for b in blocks)}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, requests: Sequence[EngineRequest] = ()) -> dict[str, Any]:
-    """OpenAI's `usage` object; with a predicted output among `requests`, its `completion_tokens_details`:
+def usage(prompt_tokens: int, completion_tokens: int, requests: Sequence[EngineRequest] = (), *,
+          prompt_details: bool = False) -> dict[str, Any]:
+    """OpenAI's `usage` object; with `prompt_details` (vLLM's --enable-prompt-tokens-details), its
+    `prompt_tokens_details.cached_tokens`: prompt tokens of `requests` read from cache rows (prefix
+    caching); with a predicted output among them, its `completion_tokens_details`:
     accepted_prediction_tokens (predicted drafts verification accepted) and rejected_prediction_tokens
     (predicted drafts it verified and did not accept)."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
+    if prompt_details:
+        out["prompt_tokens_details"] = {"cached_tokens": sum(r.metrics.cached_tokens for r in requests)}
     predicted = [r.metrics for r in requests if r.prediction_ids]
     if predicted:
         out["completion_tokens_details"] = {

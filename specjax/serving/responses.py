@@ -16,10 +16,17 @@ class CompletionTokensDetails(pydantic.BaseModel):
     rejected_prediction_tokens: int = pydantic.Field(description="predicted drafts verified and not accepted")
 
 
+class PromptTokensDetails(pydantic.BaseModel):
+    """OpenAI's cached prompt tokens (prefix caching: a response whose prompts reused cache rows)."""
+
+    cached_tokens: int = pydantic.Field(description="prompt tokens read from a freed slot's cache, not prefilled")
+
+
 class Usage(pydantic.BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
 
 

@@ -1,0 +1,175 @@
+"""Prefix caching on the embedded default target (SmolLM2-135M-Instruct): two-turn conversations.
+
+Each MT-Bench conversation is answered turn by turn, as a chat client does: the second turn's prompt
+is the first turn, the target's answer to it and the second question. With prefix caching the
+second turn finds the first one's cache rows in its slot and prefills only the new question; every
+first turn after the first conversation still shares the chat template's opening. Per decoding
+(plain, and a shipped drafter to show its state is cut back right) with prefix caching on and off:
+prompt tokens and the share read from the cache, time to first token and the whole turn, τ, and
+whether every answer equals the other setting's (T = 0).
+
+    python -m bench.prefix_cache [--drafters dspark] [--conversations 8] [--max-tokens 128]
+
+Batch 1, the conversations one after another, on this machine's CPU; the two settings of a decoding
+alternate conversation by conversation, so they share the machine's background load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, write_results
+from bench.decode import eval_dir
+
+SETTINGS = ("on", "off")
+
+
+def conversations(path: str, n: int) -> list[list[str]]:
+    """The first `n` two-turn conversations (user turns) of an eval file."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            turns = json.loads(line)["turns"]
+            if len(turns) >= 2:
+                out.append(turns[:2])
+            if len(out) == n:
+                break
+    return out
+
+
+def _llm(drafter: str | None, caching: bool):
+    from specjax.api import LLM
+    from specjax.decoding.engine import EngineConfig
+    cfg = EngineConfig(max_slots=1, max_len=1024, policy="plain" if drafter is None else "fixed", slots_buckets=(1,),
+                       max_prefill=256, prefill_batch_buckets=(1,), sampling_variants=("greedy",),
+                       prefix_caching=caching)
+    return LLM(drafter=drafter, engine_config=cfg)
+
+
+def _turn(llm, ids: list[int], max_tokens: int) -> dict:
+    """One greedy request: its answer, cached tokens, time to first token and to the end, drafts."""
+    from specjax.api import SamplingParams
+    req = llm.make_request(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    t0 = time.perf_counter()
+    llm.engine.run([req], progress=False)
+    m = req.metrics
+    return {"prompt": len(ids), "cached": m.cached_tokens, "ttft": m.first_token_time - m.start_time,
+            "seconds": time.perf_counter() - t0, "tokens": list(req.output_ids), "drafts": m.num_drafts,
+            "accepted": m.num_accepted_tokens}
+
+
+def _converse(llms: dict, tok, convs: list[list[str]], max_tokens: int) -> dict[str, list[list[dict]]]:
+    """Per setting, per conversation: its two turns, the settings alternating conversation by conversation."""
+    from specjax.api import encode_chat
+    out: dict[str, list[list[dict]]] = {s: [] for s in llms}
+    for i, (q1, q2) in enumerate(convs):
+        for s in (SETTINGS if i % 2 == 0 else SETTINGS[::-1]):
+            llm = llms[s]
+            first = _turn(llm, encode_chat(tok, [{"role": "user", "content": q1}]), max_tokens)
+            answer = tok.decode(first["tokens"], skip_special_tokens=True)
+            second = _turn(llm, encode_chat(tok, [{"role": "user", "content": q1},
+                                                  {"role": "assistant", "content": answer},
+                                                  {"role": "user", "content": q2}]), max_tokens)
+            out[s].append([first, second])
+    return out
+
+
+def _summary(runs: list[list[dict]], turn: int) -> dict:
+    rows = [conv[turn] for conv in runs]
+    drafts = sum(r["drafts"] for r in rows)
+    return {"prompt_tokens": statistics.mean(r["prompt"] for r in rows),
+            "cached_tokens": statistics.mean(r["cached"] for r in rows),
+            "ttft_s": statistics.median(r["ttft"] for r in rows),
+            "turn_s": statistics.median(r["seconds"] for r in rows),
+            "tau": 1 + sum(r["accepted"] for r in rows) / drafts if drafts else None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafters", nargs="*", default=["dspark"], help="shipped drafters (plain decoding always runs)")
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
+    args = ap.parse_args(argv)
+    from specjax import checkpoints, default_target
+    missing = sorted(set(args.drafters) - set(default_target.available_drafters()))
+    if missing:
+        raise SystemExit(f"--drafters: {missing} not shipped (run `make embedded` first)")
+    tok = checkpoints.load_tokenizer(default_target.gguf_path())
+    convs = conversations(os.path.join(eval_dir(), "mt-bench.jsonl"), args.conversations)
+    load0 = load_average()[0]
+    res: dict[str, dict] = {}
+    for drafter in [None, *args.drafters]:
+        name = drafter or "plain"
+        log(f"{name}: building the engines (prefix caching on and off)")
+        llms = {s: _llm(drafter, s == "on") for s in SETTINGS}
+        runs = _converse(llms, tok, convs, args.max_tokens)
+        res[name] = {s: {"turns": [_summary(runs[s], t) for t in (0, 1)], "runs": runs[s]} for s in SETTINGS}
+        same = [[t["tokens"] for t in c] for c in runs["on"]] == [[t["tokens"] for t in c] for c in runs["off"]]
+        res[name]["same_answers"] = same
+        on, off = (res[name][s]["turns"][1] for s in SETTINGS)
+        log(f"  second turns: ttft {off['ttft_s'] * 1e3:.0f} -> {on['ttft_s'] * 1e3:.0f} ms, "
+            f"{on['cached_tokens']:.0f} of {on['prompt_tokens']:.0f} prompt tokens cached, same answers {same}")
+        del llms
+    _report(args, argv, res, len(convs), load0)
+
+
+def _report(args, argv, res: dict, n: int, load0: float) -> None:
+    rows = []
+    for name, r in res.items():
+        for t, label in ((0, "first"), (1, "second")):
+            on, off = r["on"]["turns"][t], r["off"]["turns"][t]
+            tau = "" if on["tau"] is None else f"{off['tau']:.2f} / {on['tau']:.2f}"
+            rows.append([name, label, f"{on['prompt_tokens']:.0f}", f"{on['cached_tokens']:.0f}",
+                         f"{off['ttft_s'] * 1e3:.0f} / {on['ttft_s'] * 1e3:.0f}",
+                         f"{off['ttft_s'] / on['ttft_s']:.2f}x", f"{off['turn_s']:.2f} / {on['turn_s']:.2f}", tau,
+                         "yes" if r["same_answers"] else "NO"])
+    md = (f"# Prefix caching: two-turn conversations\n\n"
+          f"Command: `{command_line('bench.prefix_cache', argv)}`\n\n"
+          f"{n} MT-Bench conversations (../shared/data/eval/mt-bench.jsonl) answered turn by turn through the "
+          f"chat template, each turn's answer in the next turn's prompt; greedy, at most {args.max_tokens} tokens "
+          f"a turn, batch 1 (one slot), SmolLM2-135M-Instruct on this CPU (load {load0:.1f} at the start), prefill "
+          f"buckets 16-256. Prefix caching off / on for each figure (medians over the conversations; cached: "
+          f"mean prompt tokens read from the slot's rows, usage.prompt_tokens_details.cached_tokens). A first "
+          f"turn shares only the chat template's opening with the conversation before it.\n\n"
+          + md_table(["decoding", "turn", "prompt tokens", "cached (on)", "time to first token, ms (off / on)",
+                      "TTFT speedup", "whole turn, s (off / on)", "τ (off / on)", "answers equal"],
+                     rows, "llrrrrrrl") + "\n")
+    for name, r in res.items():
+        on, off = r["on"]["turns"][1], r["off"]["turns"][1]
+        md += (f"- {name}: second turns read {on['cached_tokens'] / on['prompt_tokens']:.0%} of their prompt from the "
+               f"cache; time to first token {off['ttft_s'] * 1e3:.0f} -> {on['ttft_s'] * 1e3:.0f} ms "
+               f"({off['ttft_s'] / on['ttft_s']:.1f}x)\n")
+    clean = {k: {s: (v[s] if s == "same_answers" else {"turns": v[s]["turns"]}) for s in v} for k, v in res.items()}
+    write_results("prefix_cache", {"machine": machine_info(), "max_tokens": args.max_tokens, "conversations": n,
+                                   "runs": clean}, md, out_dir=args.out_dir, plot=lambda path: _plot(res, path))
+    log("wrote prefix_cache results")
+
+
+def _plot(res: dict, path: str) -> None:
+    """Time to first token of first and second turns, caching off and on, per decoding."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    labels, off, on = [], [], []
+    for name, r in res.items():
+        for t, turn in ((0, "1st"), (1, "2nd")):
+            labels.append(f"{name}\n{turn} turn")
+            off.append(r["off"]["turns"][t]["ttft_s"] * 1e3)
+            on.append(r["on"]["turns"][t]["ttft_s"] * 1e3)
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], off, width=0.4, label="prefix caching off")
+    ax.bar([i + 0.2 for i in x], on, width=0.4, label="prefix caching on")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("time to first token, ms (median)")
+    ax.set_title("two-turn MT-Bench conversations, SmolLM2-135M, batch 1")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Prefix caching (`decoding.prefix_cache`): a request whose prompt begins with what a freed slot's
+cache rows hold goes to that slot and prefills only the rest, restarting on the last shared token;
+every drafter's state is cut back to the restart (`restart`).
+
+The engine tests run a conversation: request A; then two identical requests B whose prompt is A's
+prompt, A's answer and a new turn, side by side: one reuses A's slot, the other prefills whole in the
+other slot; then two Cs whose prompt is B's with the start of B's answer edited and a new turn (a
+prefix shorter than what the slot holds). For every drafter kind (and none) each pair decodes the same
+greedy tokens (the target's), accepts the same drafts round by round, ends with the same target cache
+rows and proposes the same next block. Negative controls: a drafter whose restart keeps its old state,
+a restart on the first token not shared (no re-read: a pair-cache drafter then pairs a feature with
+the token the slot held there) and a slot's record left stale after a later request wrote its rows
+each make the two differ."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decoding.engine import EngineRequest
+from specjax.decoding.prefix_cache import SlotPrefixes, shared_prefix
+from specjax.drafters import dspark
+from specjax.models import cache as kvc
+from specjax.sampling import SamplingArrays
+
+from engine_fixtures import small_engine, tiny_target
+from test_drafters_lossless import V, make
+from test_engine import greedy_reference
+
+KINDS = [None, "ngram", "dspark", "eagle3", "mtp1", "standalone"]  # dspark-rnn and dflash: dspark's state
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4]
+TURN, EDIT = [3, 4, 5], [6, 6]
+N_A, N_B, KEEP = 6, 8, 3  # tokens of A, of each B and C; of B's answer C keeps
+
+
+def test_choice_takes_the_longest_shared_prefix_and_restarts_on_its_last_token():
+    assert shared_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
+    assert shared_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2
+    assert shared_prefix(np.array([], np.int64), np.array([1])) == 0
+    p = SlotPrefixes(4)
+    assert p.choose([1, 2, 3], [2, 3]) == (2, 0)  # nothing kept: the first free slot
+    p.keep(1, [1, 2, 3, 4, 9], rows=4)  # the last token's row was never written: not kept
+    p.keep(2, [1, 2, 7], rows=3)
+    p.keep(3, [1, 2, 3, 4, 5], rows=5)
+    assert p.choose([1, 2, 3, 4, 9, 9], [0, 1, 2]) == (1, 3)  # 4 shared, restart on the 4th
+    assert p.choose([1, 2, 3, 4, 5, 6], [0, 1, 2, 3]) == (3, 4)
+    assert p.choose([1, 2, 3, 4, 5], [1, 3]) == (3, 4)  # a whole prompt kept: its last token still prefills
+    assert p.choose([1, 2, 8], [1, 2]) == (1, 1)  # a tie: the first free slot
+    assert p.choose([5], [1, 2, 3]) == (1, 0)
+    p.forget_all()
+    assert p.choose([1, 2, 3, 4, 5, 6], [1, 3]) == (1, 0)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(V, seed=3)
+
+
+def _engine(target, kind, **config):
+    drafter = None if kind is None else make(kind, target)
+    return small_engine(target, drafter, slots=2, max_len=64, policy="plain" if drafter is None else "fixed",
+                        prefill=8, config=config or None)
+
+
+def _proposal(engine, slot: int):
+    """The block the drafter proposes from `slot`'s state and anchor (T = 1, a fixed key)."""
+    state = jax.tree.map(lambda x, a: jnp.take(x, jnp.array([slot]), axis=a), engine.runner.dstate,
+                         kvc.slot_axes(engine.runner.dstate))
+    anchor = engine.runner.anchors[slot:slot + 1]
+    position = jnp.array([engine.lengths[slot]], jnp.int32)
+    block = engine.drafter.propose(state, anchor, position, SamplingArrays.broadcast(1, temperature=1.0),
+                                   jax.random.split(jax.random.key(5), 1))
+    return np.asarray(block.tokens), np.asarray(block.q)
+
+
+def _pair(engine, prompt):
+    """(reusing, whole-prefill) requests of `prompt` run side by side: slot 0 and slot 1."""
+    reqs = [EngineRequest(f"r{i}", prompt, max_tokens=N_B, temperature=0.0) for i in range(2)]
+    engine.run(reqs, progress=False)
+    return sorted(reqs, key=lambda r: r.slot)
+
+
+def _conversation(engine):
+    """[(B reusing, B whole), (C reusing, C whole)] after A; each pair with its differences."""
+    a = EngineRequest("a", PROMPT, max_tokens=N_A, temperature=0.0)
+    engine.run([a], progress=False)
+    assert a.slot == 0
+    b = _pair(engine, PROMPT + a.output_ids + TURN)
+    b_diff = _differences(engine, *b)
+    engine.prefixes.keep(1, [], rows=0)  # slot 1 forgets its B: the second C prefills whole
+    c = _pair(engine, b[0].prompt_ids + b[0].output_ids[:KEEP] + EDIT)
+    return [(b, b_diff), (c, _differences(engine, *c))]
+
+
+def _differences(engine, reused, whole) -> list[str]:
+    """What differs between the two Bs: tokens, accepted drafts per round, target cache rows, proposals."""
+    out = []
+    if reused.output_ids != whole.output_ids:
+        out.append("tokens")
+    if reused.metrics.per_step_accepted != whole.metrics.per_step_accepted:
+        out.append("accepted")
+    n = int(engine.lengths[0])
+    if n != int(engine.lengths[1]) or not all(
+            np.allclose(kv[:, 0, :, :n], kv[:, 1, :, :n], atol=1e-4) for kv in engine.runner.cache.kv):
+        out.append("cache rows")
+    if engine.drafter is not None:
+        (t0, q0), (t1, q1) = _proposal(engine, 0), _proposal(engine, 1)
+        if not (np.array_equal(t0, t1) and np.allclose(q0, q1, atol=1e-4)):
+            out.append("proposal")
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_reused_prefix_decodes_and_drafts_as_a_whole_prefill(target, kind):
+    engine = _engine(target, kind)
+    (b, b_diff), (c, c_diff) = _conversation(engine)
+    assert [r.slot for r in b + c] == [0, 1, 0, 1]
+    # B: A's rows are its prompt and answer but the last token (never fed back): restart on the last
+    # of them; C: B's rows up to the edit, restart on the last token before it
+    assert [r.metrics.cached_tokens for r in b] == [len(PROMPT) + N_A - 2, 0]
+    assert [r.metrics.cached_tokens for r in c] == [len(b[0].prompt_ids) + KEEP - 1, 0]
+    for reused, _ in (b, c):
+        assert reused.output_ids == greedy_reference(target, reused.prompt_ids, N_B)
+    assert b_diff == [] and c_diff == []
+    if kind is not None:  # drafts were verified (what the restarted state proposes decides them)
+        assert min(r.metrics.num_draft_tokens for r in b + c) > 0
+    off = _engine(target, kind, prefix_caching=False)
+    assert off.prefixes is None
+
+
+def test_a_restart_that_keeps_the_old_state_drafts_otherwise(target, monkeypatch):
+    # control: the DSpark drafter's context not cut back (its prefill then appends after the old rows)
+    monkeypatch.setattr(dspark.DSparkDrafter, "restart", lambda self, state, start_b: state)
+    (b, b_diff), (c, c_diff) = _conversation(_engine(target, "dspark"))
+    assert b[0].metrics.cached_tokens > 0 and "proposal" in b_diff and "proposal" in c_diff
+
+
+def test_a_restart_on_the_first_unshared_token_breaks_a_pair_cache(target, monkeypatch):
+    # control: no re-read of the last shared token: Eagle3 pairs the feature before the restart with the
+    # token the slot held at it (C's edit); harmless to a position-local drafter (DSpark, checked too)
+    real = SlotPrefixes.choose
+
+    def one_later(self, prompt_ids, free):
+        slot, start = real(self, prompt_ids, free)
+        return slot, start + (start > 0)
+    monkeypatch.setattr(SlotPrefixes, "choose", one_later)
+    (_, b_diff), (c, c_diff) = _conversation(_engine(target, "eagle3"))
+    assert b_diff == [] and "proposal" in c_diff  # B continues A whole: its pending feature is still right
+    (b, b_diff), (c, c_diff) = _conversation(_engine(target, "dspark"))
+    assert c[0].metrics.cached_tokens == len(b[0].prompt_ids) + KEEP and b_diff == c_diff == []
+
+
+def test_a_stale_record_changes_the_target(target, monkeypatch):
+    # control: a slot's record kept from its first request while a later one wrote its rows
+    real, calls = SlotPrefixes.keep, []
+
+    def first_only(self, slot, tokens, rows):
+        calls.append(slot)
+        if len(calls) == 1:
+            real(self, slot, tokens, rows)
+    monkeypatch.setattr(SlotPrefixes, "keep", first_only)
+    engine = _engine(target, None)
+    a = EngineRequest("a", PROMPT, max_tokens=N_A, temperature=0.0)
+    x = EngineRequest("x", [V - 1] * len(PROMPT), max_tokens=N_A, temperature=0.0)
+    for r in (a, x):
+        engine.run([r], progress=False)
+    assert a.slot == x.slot == 0
+    b = _pair(engine, PROMPT + a.output_ids + TURN)
+    assert b[0].metrics.cached_tokens > 0 and "cache rows" in _differences(engine, *b)
+
+
+def test_prefix_caching_skips_requests_under_a_repetition_penalty(target):
+    engine = small_engine(target, None, slots=2, max_len=64, policy="plain", prefill=8,
+                          config={"penalties": True})
+    a = EngineRequest("a", PROMPT, max_tokens=N_A, temperature=0.0)
+    engine.run([a], progress=False)
+    prompt = PROMPT + a.output_ids + TURN
+    b = [EngineRequest("b", prompt, max_tokens=2, temperature=0.0, repetition_penalty=1.3),
+         EngineRequest("c", prompt, max_tokens=2, temperature=0.0, presence_penalty=0.5)]
+    for r in b:  # one at a time: each finds A's (then b's) rows free in slot 0
+        engine.run([r], progress=False)
+    assert [r.slot for r in b] == [0, 0] and b[0].metrics.cached_tokens == 0 and b[1].metrics.cached_tokens > 0
+
+
+def test_profiling_forgets_what_slots_hold(target):
+    from specjax.decoding.profiling import measure_plain_seconds
+    engine = _engine(target, None)
+    a = EngineRequest("a", PROMPT, max_tokens=N_A, temperature=0.0)
+    engine.run([a], progress=False)
+    measure_plain_seconds(engine, repeats=1, warmup=0)
+    b = EngineRequest("b", PROMPT + a.output_ids, max_tokens=2, temperature=0.0)
+    engine.run([b], progress=False)
+    assert b.metrics.cached_tokens == 0
+
+
+
+def test_the_api_and_the_server_report_cached_prompt_tokens():
+    """`Output.num_cached_tokens`, OpenAI's usage.prompt_tokens_details.cached_tokens (a server with vLLM's
+    --enable-prompt-tokens-details) and vLLM's prefix cache counters, over a conversation of token prompts."""
+    import re
+    from specjax.api import SamplingParams
+    from specjax.serving.http_server import ServerThread
+    from specjax.serving.openai_api import OpenAIApp
+    from serving_fixtures import http_json, http_request, shared_tiny_llm
+    llm = shared_tiny_llm()
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    prompt = [int(t) for t in np.random.default_rng(42).integers(3, llm.config.vocab_size, 20)]
+    first = llm.generate([prompt], sp)[0]
+    second = llm.generate([prompt + first.token_ids + [5, 6]], sp)[0]
+    assert second.num_cached_tokens == len(prompt) + len(first.token_ids) - 2
+    third = second.prompt_token_ids + second.token_ids + [7]
+    api = OpenAIApp.from_llm(llm, model_name="tiny", prompt_tokens_details=True)
+    server = ServerThread(api)
+    try:
+        status, r = http_json(server.url + "/v1/completions", "POST",
+                              {"prompt": third, "max_tokens": 4, "temperature": 0})
+        cached = len(second.prompt_token_ids) + len(second.token_ids) - 2
+        assert status == 200 and r["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}, r["usage"]
+        api.prompt_tokens_details = False  # the default: OpenAI's three counts only
+        status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": third, "max_tokens": 1})
+        assert status == 200 and "prompt_tokens_details" not in r["usage"], r["usage"]
+        api.prompt_tokens_details = True
+        status, r = http_json(server.url + "/v1/completions", "POST",  # a prompt no slot holds
+                              {"prompt": [4] * 9, "max_tokens": 2, "temperature": 0})
+        assert status == 200 and r["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, r["usage"]
+        text = http_request(server.url + "/metrics")[2].decode()
+        hits = re.search(r'^vllm:prefix_cache_hits_total\{model_name="tiny"\} (\S+)$', text, re.M)
+        queries = re.search(r'^vllm:prefix_cache_queries_total\{model_name="tiny"\} (\S+)$', text, re.M)
+        assert float(hits.group(1)) == cached + len(third) - 1 and float(queries.group(1)) == 2 * len(third) + 9
+    finally:
+        server.stop()
+        api.engine.drain(60)
+        api.engine.shutdown()
