@@ -49,6 +49,16 @@ def _llm(drafter: str | None, caching: bool):
     return LLM(drafter=drafter, engine_config=cfg)
 
 
+def _warm(llm) -> None:
+    """Run every prefill bucket and the rounds once (random prompts: they share no prefix with a chat)."""
+    import numpy as np
+    from specjax.api import SamplingParams
+    rng = np.random.default_rng(0)
+    for n in llm.engine.buckets.prefill:
+        llm.generate([rng.integers(100, llm.config.vocab_size, n).tolist()], SamplingParams(temperature=0.0,
+                                                                                            max_tokens=8))
+
+
 def _turn(llm, ids: list[int], max_tokens: int) -> dict:
     """One greedy request: its answer, cached tokens, time to first token and to the end, drafts."""
     from specjax.api import SamplingParams
@@ -106,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         name = drafter or "plain"
         log(f"{name}: building the engines (prefix caching on and off)")
         llms = {s: _llm(drafter, s == "on") for s in SETTINGS}
+        for llm in llms.values():
+            _warm(llm)
         runs = _converse(llms, tok, convs, args.max_tokens)
         res[name] = {s: {"turns": [_summary(runs[s], t) for t in (0, 1)], "runs": runs[s]} for s in SETTINGS}
         same = [[t["tokens"] for t in c] for c in runs["on"]] == [[t["tokens"] for t in c] for c in runs["off"]]

@@ -95,7 +95,8 @@ def test_drafter_misreporting_q_is_caught(model, exact):
 
 def test_oracle_drafter_accepts_every_greedy_draft(model):
     oracle = StandaloneDrafter(nnx.merge(*nnx.split(model)), GAMMA)  # an exact copy of the target
-    eng = small_engine(model, oracle, slots=2, max_len=32, prefill=8, gamma=GAMMA, tokens_buckets=(1, GAMMA + 1))
+    eng = small_engine(model, oracle, slots=2, max_len=32, prefill=8, gamma=GAMMA, tokens_buckets=(1, GAMMA + 1),
+                       variants=("greedy",))
     reqs = [EngineRequest(str(i), p, max_tokens=13, temperature=0.0) for i, p in enumerate([PROMPT, [3, 3, 4]])]
     eng.run(reqs, progress=False)
     for r in reqs:

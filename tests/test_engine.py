@@ -48,8 +48,9 @@ def run_greedy(engine, ps, n=12):
 
 def test_greedy_speculative_equals_plain_and_reference(model):
     ps = prompts()
-    plain = small_engine(model, None, slots=4, max_len=48, policy="plain", prefill=8)
-    bigram = small_engine(model, BigramDrafter(V, 3), slots=4, max_len=48, prefill=8, tokens_buckets=(1, 4))
+    plain = small_engine(model, None, slots=4, max_len=48, policy="plain", prefill=8, variants=("greedy",))
+    bigram = small_engine(model, BigramDrafter(V, 3), slots=4, max_len=48, prefill=8, tokens_buckets=(1, 4),
+                          variants=("greedy",))
     out_plain, _ = run_greedy(plain, ps)
     out_bigram, reqs = run_greedy(bigram, ps)
     for p, a, c in zip(ps, out_plain, out_bigram):
@@ -109,9 +110,10 @@ def test_sharded_engine_matches_single_device(model):
     assert len(jax.devices()) >= 8
     mesh = shd.make_mesh((2, 4), ("data", "tensor"))
     ps = prompts()[:4]
-    single = small_engine(model, NGramDrafter(V, gamma=3), slots=4, max_len=40, prefill=16, tokens_buckets=(1, 4))
+    single = small_engine(model, NGramDrafter(V, gamma=3), slots=4, max_len=40, prefill=16, tokens_buckets=(1, 4),
+                          variants=("greedy",))
     sharded = small_engine(model, NGramDrafter(V, gamma=3), slots=4, max_len=40, prefill=16, tokens_buckets=(1, 4),
-                           mesh=mesh)
+                           mesh=mesh, variants=("greedy",))
     a, _ = run_greedy(single, ps, 10)
     b, _ = run_greedy(sharded, ps, 10)
     assert a == b

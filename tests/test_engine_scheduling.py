@@ -67,7 +67,8 @@ def make_engine(model, policy, *, schedule_fn=None, cost_table=None, plain_secon
                 threshold=None):
     cfg = EngineConfig(max_slots=256, max_len=12, policy=policy, gamma=GAMMA, slots_buckets=(256,),
                        tokens_buckets=tokens_buckets, prefill_buckets=(4,), max_prefill=4,
-                       prefill_batch_buckets=(256,), threshold=threshold, sampling_variants=NO_FILTER)
+                       prefill_batch_buckets=(256,), threshold=threshold,
+                       sampling_variants=("plain",))  # every engine of this builder samples at T = 1
     eng = Engine(model, BigramDrafter(V, GAMMA, confidence=True, seed=7), cfg, progress=False,
                  schedule_fn=schedule_fn)
     if cost_table is not None:

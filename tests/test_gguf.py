@@ -450,7 +450,7 @@ def test_smollm2_llm_greedy_equals_transformers_generate(smollm2, smollm2_hf):
                                   do_sample=False, num_beams=1, pad_token_id=hf_tok.eos_token_id)
     hf_tokens = gen[0, ids.shape[1]:].tolist()
     ec = EngineConfig(max_slots=1, max_len=256, policy="plain", max_prefill=128, slots_buckets=(1,),
-                      prefill_buckets=(128,), prefill_batch_buckets=(1,))
+                      prefill_buckets=(128,), prefill_batch_buckets=(1,), sampling_variants=("greedy",))
     llm = specjax.LLM(target=(model, cfg), tokenizer=path, engine_config=ec)
     ours = llm.chat(chat, specjax.SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS))[0]
     assert ours.prompt_token_ids == hf_prompt  # the same chat template from the file

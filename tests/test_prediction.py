@@ -169,7 +169,7 @@ def _accept_every_draft(key_b, p, q, d, ell, stop_ids, q_ids, greedy=False):
 
 def _predicted(model, predictions: dict[str, list[int]], **kw) -> dict[str, EngineRequest]:
     eng = small_engine(model, BigramDrafter(V, GAMMA), slots=4, max_len=64, prefill=8, gamma=GAMMA,
-                       config=dict(prediction_tokens=32), **kw)
+                       tokens_buckets=(GAMMA + 1,), variants=("greedy",), config=dict(prediction_tokens=32), **kw)
     reqs = {name: EngineRequest(name, PROMPT, max_tokens=N, temperature=0.0, prediction_ids=tuple(p))
             for name, p in predictions.items()}
     eng.run(list(reqs.values()), progress=False)
@@ -218,12 +218,12 @@ def _outside_vocabulary_run(small) -> EngineRequest:
     lacks the answer's tokens."""
     from test_draft_vocab import make
     draft_ids = np.array([0, 1, 2, 3])
-    plain_eng = small_engine(small, None, slots=2, max_len=32, prefill=4)
+    plain_eng = small_engine(small, None, slots=2, max_len=32, prefill=4, variants=("greedy",))
     ref = EngineRequest("p", [1, 5, 2], max_tokens=13, temperature=0.0)
     plain_eng.run([ref], progress=False)
     assert set(ref.output_ids) - set(draft_ids.tolist())  # the answer has tokens outside the draft vocabulary
     eng = small_engine(small, make("dspark", small, draft_ids), slots=2, max_len=32, prefill=4, gamma=3,
-                       config=dict(prediction_tokens=16))
+                       tokens_buckets=(4,), variants=("greedy",), config=dict(prediction_tokens=16))
     req = EngineRequest("q", [1, 5, 2], max_tokens=13, temperature=0.0, prediction_ids=tuple(ref.output_ids))
     eng.run([req], progress=False)
     assert req.output_ids == ref.output_ids

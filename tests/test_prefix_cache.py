@@ -11,6 +11,8 @@ rows and proposes the same next block. Negative controls: a drafter whose restar
 a restart on the first token not shared (no re-read: a pair-cache drafter then pairs a feature with
 the token the slot held there) and a slot's record left stale after a later request wrote its rows
 each make the two differ."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,9 +58,11 @@ def target():
 
 
 def _engine(target, kind, **config):
+    """Two slots, greedy rounds of one width (gamma + 1: fewer programs to compile)."""
     drafter = None if kind is None else make(kind, target)
     return small_engine(target, drafter, slots=2, max_len=64, policy="plain" if drafter is None else "fixed",
-                        prefill=8, config=config or None)
+                        prefill=8, tokens_buckets=(1 if drafter is None else drafter.gamma + 1,),
+                        variants=("greedy",), config=config or None)
 
 
 def _proposal(engine, slot: int):
@@ -123,8 +127,6 @@ def test_a_reused_prefix_decodes_and_drafts_as_a_whole_prefill(target, kind):
     assert b_diff == [] and c_diff == []
     if kind is not None:  # drafts were verified (what the restarted state proposes decides them)
         assert min(r.metrics.num_draft_tokens for r in b + c) > 0
-    off = _engine(target, kind, prefix_caching=False)
-    assert off.prefixes is None
 
 
 def test_a_restart_that_keeps_the_old_state_drafts_otherwise(target, monkeypatch):
@@ -136,7 +138,7 @@ def test_a_restart_that_keeps_the_old_state_drafts_otherwise(target, monkeypatch
 
 def test_a_restart_on_the_first_unshared_token_breaks_a_pair_cache(target, monkeypatch):
     # control: no re-read of the last shared token: Eagle3 pairs the feature before the restart with the
-    # token the slot held at it (C's edit); harmless to a position-local drafter (DSpark, checked too)
+    # token the slot held at it (C's edit)
     real = SlotPrefixes.choose
 
     def one_later(self, prompt_ids, free):
@@ -145,8 +147,6 @@ def test_a_restart_on_the_first_unshared_token_breaks_a_pair_cache(target, monke
     monkeypatch.setattr(SlotPrefixes, "choose", one_later)
     (_, b_diff), (c, c_diff) = _conversation(_engine(target, "eagle3"))
     assert b_diff == [] and "proposal" in c_diff  # B continues A whole: its pending feature is still right
-    (b, b_diff), (c, c_diff) = _conversation(_engine(target, "dspark"))
-    assert c[0].metrics.cached_tokens == len(b[0].prompt_ids) + KEEP and b_diff == c_diff == []
 
 
 def test_a_stale_record_changes_the_target(target, monkeypatch):
@@ -169,8 +169,8 @@ def test_a_stale_record_changes_the_target(target, monkeypatch):
 
 
 def test_prefix_caching_skips_requests_under_a_repetition_penalty(target):
-    engine = small_engine(target, None, slots=2, max_len=64, policy="plain", prefill=8,
-                          config={"penalties": True})
+    engine = small_engine(target, None, slots=2, max_len=64, policy="plain", prefill=8, tokens_buckets=(1,),
+                          variants=("greedy",), config={"penalties": True})
     a = EngineRequest("a", PROMPT, max_tokens=N_A, temperature=0.0)
     engine.run([a], progress=False)
     prompt = PROMPT + a.output_ids + TURN
@@ -230,3 +230,12 @@ def test_the_api_and_the_server_report_cached_prompt_tokens():
         server.stop()
         api.engine.drain(60)
         api.engine.shutdown()
+
+
+def test_prefix_caching_is_off_when_asked_or_for_a_drafter_without_restart(target):
+    from specjax.decoding.engine import Engine, EngineConfig
+    from test_drafters_lossless import MisreportingDrafter
+    cfg = EngineConfig(max_slots=2, max_len=32)
+    assert Engine(target, None, cfg, progress=False).prefixes is not None
+    assert Engine(target, None, dataclasses.replace(cfg, prefix_caching=False), progress=False).prefixes is None
+    assert Engine(target, MisreportingDrafter(make("dspark", target)), cfg, progress=False).prefixes is None

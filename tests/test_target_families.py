@@ -167,7 +167,7 @@ def test_greedy_dspark_equals_plain(targets, family, tmp_path):
     assert drafter.config == bcfg
     n, prompts = 24, _prompts()
     spec = small_engine(model, drafter, slots=2, max_len=64, prefill=16, gamma=3,
-                        tokens_buckets=(1, 4))
+                        tokens_buckets=(1, 4), variants=("greedy",))
     reqs = [EngineRequest(str(i), p, max_tokens=n, temperature=0.0)
             for i, p in enumerate(prompts)]
     spec.run(reqs, progress=False)  # 3 prompts, 2 slots: a slot is reused; 21 > 16: chunked prefill
