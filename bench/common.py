@@ -182,6 +182,14 @@ def batch1_decode(llm: Any, prompts: Sequence[Sequence[int]], sampling_params: A
                   "tau": 1 + acc / drafts if drafts else 1.0, "token_ids": [o.token_ids for o in outs]}
 
 
+def require_shipped(drafters: Sequence[str]) -> None:
+    """Exit naming --drafters when one of `drafters` (shipped names; "ngram" needs none) is not shipped."""
+    from specjax import default_target
+    missing = sorted(set(drafters) - set(default_target.available_drafters()) - {"ngram"})
+    if missing:
+        raise SystemExit(f"--drafters: {missing} not shipped (run `make embedded` first)")
+
+
 def load_bench_target(*, use_embedded: bool = True, seed: int = 0) -> BenchTarget:
     """The embedded default target (SmolLM2-135M-Instruct from its GGUF, dequantized to float32,
     with its tokenizer) when its package is installed and `use_embedded`; otherwise a random model

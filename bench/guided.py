@@ -15,7 +15,8 @@ import argparse
 import json
 import os
 
-from bench.common import batch1_decode, command_line, log, machine_info, md_table, pyplot, write_results
+from bench.common import (batch1_decode, command_line, log, machine_info, md_table, pyplot, require_shipped,
+                          write_results)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string"},
@@ -66,9 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from specjax import checkpoints, default_target
     from specjax.api import encode_chat
-    missing = sorted(set(args.drafters) - set(default_target.available_drafters()))
-    if missing:
-        raise SystemExit(f"--drafters: {missing} not shipped (run `make embedded` first)")
+    require_shipped(args.drafters)
     tok = checkpoints.load_tokenizer(default_target.gguf_path())
     prompts = [encode_chat(tok, [{"role": "user", "content": f"Write a JSON record for {p}."}]) for p in PEOPLE]
     # plain first and again last: the faster of the two is the baseline (a slow spell of the machine

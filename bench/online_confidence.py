@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from bench.common import command_line, log, machine_info, md_table, pyplot, write_results
+from bench.common import command_line, log, machine_info, md_table, pyplot, require_shipped, write_results
 from bench.embedded import PLAIN_AGAIN, _speed_prompts, speed_run
 
 
@@ -38,10 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     args = ap.parse_args(argv)
-    from specjax import default_target
-    missing = sorted(set(args.drafters + ["dspark"]) - set(default_target.available_drafters()))
-    if missing:
-        raise SystemExit(f"--drafters: {missing} not shipped (run `make embedded` first)")
+    require_shipped(args.drafters + ["dspark"])
     prompts = _speed_prompts(args.speed_per_set)
     runs = plan(args.drafters)
     res: dict[tuple[str, float], dict] = {}

@@ -17,7 +17,8 @@ import json
 import os
 import re
 
-from bench.common import batch1_decode, command_line, log, machine_info, md_table, pyplot, write_results
+from bench.common import (batch1_decode, command_line, log, machine_info, md_table, pyplot, require_shipped,
+                          write_results)
 from bench.decode import eval_dir
 
 PLAIN_AGAIN = "plain (again, last)"
@@ -73,9 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from specjax import checkpoints, default_target
     from specjax.api import SamplingParams, encode_chat
-    missing = sorted(set(args.drafters) - set(default_target.available_drafters()) - {"ngram"})
-    if missing:
-        raise SystemExit(f"--drafters: {missing} not shipped (run `make embedded` first)")
+    require_shipped(args.drafters)
     tok = checkpoints.load_tokenizer(default_target.gguf_path())
     tasks = edit_tasks(os.path.join(eval_dir(), "humaneval.jsonl"), args.prompts)
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q, _ in tasks]

@@ -8,7 +8,11 @@ first turn after the first conversation still shares the chat template's opening
 prompt tokens and the share read from the cache, time to first token and the whole turn, τ, and
 whether every answer equals the other setting's (T = 0).
 
-    python -m bench.prefix_cache [--drafters dspark] [--conversations 8] [--max-tokens 128]
+Then a system prompt shared by concurrent requests: the conversations' first questions after one
+system prompt, arriving one every few engine steps at 4 slots, so that most find others running
+(with prefix caching a request starts from a copy of a running request's rows, or a free slot's).
+
+    python -m bench.prefix_cache [--drafters dspark] [--conversations 8] [--max-tokens 128] [--slots 4]
 
 Batch 1, the conversations one after another, on this machine's CPU; the two settings of a decoding
 alternate conversation by conversation, so they share the machine's background load.
@@ -21,10 +25,16 @@ import os
 import statistics
 import time
 
-from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, write_results
+from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, require_shipped, write_results
 from bench.decode import eval_dir
 
 SETTINGS = ("on", "off")
+SYSTEM = ("You are the assistant of a small travel agency. Answer in plain English, in at most three short "
+          "paragraphs, and never invent prices, dates or opening hours: when a customer asks for one, say that "
+          "an agent will confirm it by email. Be friendly but brief. If the question is not about travel, answer "
+          "it anyway, as a well-read generalist would, and then offer help with planning a trip. Prefer trains "
+          "over flights for trips under six hours, mention visa requirements only when the customer names a "
+          "country, and always end with one practical tip the customer can use today.")
 
 
 def conversations(path: str, n: int) -> list[list[str]]:
@@ -40,12 +50,12 @@ def conversations(path: str, n: int) -> list[list[str]]:
     return out
 
 
-def _llm(drafter: str | None, caching: bool):
+def _llm(drafter: str | None, caching: bool, slots: int = 1):
     from specjax.api import LLM
     from specjax.decoding.engine import EngineConfig
-    cfg = EngineConfig(max_slots=1, max_len=1024, policy="plain" if drafter is None else "fixed", slots_buckets=(1,),
-                       max_prefill=256, prefill_batch_buckets=(1,), sampling_variants=("greedy",),
-                       prefix_caching=caching)
+    cfg = EngineConfig(max_slots=slots, max_len=1024, policy="plain" if drafter is None else "fixed",
+                       slots_buckets=(slots,), max_prefill=256, prefill_batch_buckets=(1,),
+                       sampling_variants=("greedy",), prefix_caching=caching)
     return LLM(drafter=drafter, engine_config=cfg)
 
 
@@ -69,6 +79,24 @@ def _turn(llm, ids: list[int], max_tokens: int) -> dict:
     return {"prompt": len(ids), "cached": m.cached_tokens, "ttft": m.first_token_time - m.start_time,
             "seconds": time.perf_counter() - t0, "tokens": list(req.output_ids), "drafts": m.num_drafts,
             "accepted": m.num_accepted_tokens}
+
+
+def _staggered(llm, tok, questions: list[str], max_tokens: int, every: int) -> list[dict]:
+    """Requests of one system prompt (SYSTEM) and different questions, one arriving every `every` engine
+    steps (queued while the slots are busy): each one's prompt length, cached tokens, time to first
+    token and answer."""
+    from specjax.api import SamplingParams, encode_chat
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    reqs = [llm.make_request(encode_chat(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]),
+                             sp) for q in questions]
+    engine, waiting, step = llm.engine, list(reqs), 0
+    while waiting or engine.has_work():
+        if waiting and step % every == 0:
+            engine.add_request(waiting.pop(0))
+        engine.step()
+        step += 1
+    return [{"prompt": len(r.prompt_ids), "cached": r.metrics.cached_tokens, "tokens": list(r.output_ids),
+             "ttft": r.metrics.first_token_time - r.metrics.start_time} for r in reqs]
 
 
 def _converse(llms: dict, tok, convs: list[list[str]], max_tokens: int) -> dict[str, list[list[dict]]]:
@@ -102,12 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafters", nargs="*", default=["dspark"], help="shipped drafters (plain decoding always runs)")
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--slots", type=int, default=4, help="slots of the shared-system-prompt run")
+    ap.add_argument("--every", type=int, default=6, help="engine steps between its requests' arrivals")
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     args = ap.parse_args(argv)
     from specjax import checkpoints, default_target
-    missing = sorted(set(args.drafters) - set(default_target.available_drafters()))
-    if missing:
-        raise SystemExit(f"--drafters: {missing} not shipped (run `make embedded` first)")
+    require_shipped(args.drafters)
     tok = checkpoints.load_tokenizer(default_target.gguf_path())
     convs = conversations(os.path.join(eval_dir(), "mt-bench.jsonl"), args.conversations)
     load0 = load_average()[0]
@@ -126,10 +154,38 @@ def main(argv: list[str] | None = None) -> None:
         log(f"  second turns: ttft {off['ttft_s'] * 1e3:.0f} -> {on['ttft_s'] * 1e3:.0f} ms, "
             f"{on['cached_tokens']:.0f} of {on['prompt_tokens']:.0f} prompt tokens cached, same answers {same}")
         del llms
+    res["shared system prompt"] = _shared_system(tok, [c[0] for c in convs], args)
     _report(args, argv, res, len(convs), load0)
 
 
+def _shared_system(tok, questions: list[str], args) -> dict:
+    """Plain decoding of requests sharing SYSTEM, arriving while others run (4 slots), caching on and off
+    (run on, off, off, on: each figure is the mean of its two runs' medians)."""
+    log(f"shared system prompt: {len(questions)} requests, {args.slots} slots, one every {args.every} steps")
+    llms = {s: _llm(None, s == "on", slots=args.slots) for s in SETTINGS}
+    for llm in llms.values():
+        _warm(llm)
+    runs: dict[str, list[list[dict]]] = {s: [] for s in SETTINGS}
+    copies = 0
+    for s in ("on", "off", "off", "on"):
+        if llms[s].engine.prefixes is not None:  # no slot holds a record of the run before
+            llms[s].engine.prefixes.forget_all()
+        before = llms[s].engine.stats["prefix_copies"]
+        runs[s].append(_staggered(llms[s], tok, questions, args.max_tokens, args.every))
+        copies += llms[s].engine.stats["prefix_copies"] - before
+    out = {s: {"ttft_s": statistics.mean(statistics.median(r["ttft"] for r in run) for run in runs[s]),
+               "cached_tokens": statistics.mean(r["cached"] for r in runs[s][0]),
+               "prompt_tokens": statistics.mean(r["prompt"] for r in runs[s][0])} for s in SETTINGS}
+    out["copies_per_run"] = copies / 2
+    out["same_answers"] = all([r["tokens"] for r in run] == [r["tokens"] for r in runs["off"][0]]
+                              for s in SETTINGS for run in runs[s])
+    log(f"  ttft {out['off']['ttft_s'] * 1e3:.0f} -> {out['on']['ttft_s'] * 1e3:.0f} ms, {out['copies_per_run']:.1f} "
+        f"copies a run, same answers {out['same_answers']}")
+    return out
+
+
 def _report(args, argv, res: dict, n: int, load0: float) -> None:
+    shared = res.pop("shared system prompt")
     rows = []
     for name, r in res.items():
         for t, label in ((0, "first"), (1, "second")):
@@ -155,28 +211,49 @@ def _report(args, argv, res: dict, n: int, load0: float) -> None:
         md += (f"- {name}: second turns read {on['cached_tokens'] / on['prompt_tokens']:.0%} of their prompt from the "
                f"cache; time to first token {off['ttft_s'] * 1e3:.0f} -> {on['ttft_s'] * 1e3:.0f} ms "
                f"({off['ttft_s'] / on['ttft_s']:.1f}x)\n")
+    md += _shared_md(args, shared)
     clean = {k: {s: (v[s] if s == "same_answers" else {"turns": v[s]["turns"]}) for s in v} for k, v in res.items()}
     write_results("prefix_cache", {"machine": machine_info(), "max_tokens": args.max_tokens, "conversations": n,
-                                   "runs": clean}, md, out_dir=args.out_dir, plot=lambda path: _plot(res, path))
+                                   "runs": clean, "shared_system_prompt": shared}, md, out_dir=args.out_dir,
+                  plot=lambda path: _plot(res, shared, path))
     log("wrote prefix_cache results")
 
 
-def _plot(res: dict, path: str) -> None:
-    """Time to first token of first and second turns, caching off and on, per decoding."""
+def _shared_md(args, shared: dict) -> str:
+    on, off = shared["on"], shared["off"]
+    return (f"\n**A system prompt shared by concurrent requests.** The first turns of the same conversations, "
+            f"each after one system prompt ({on['prompt_tokens']:.0f} prompt tokens on average), plain decoding, "
+            f"greedy, at most {args.max_tokens} tokens, {args.slots} slots; a request arrives every {args.every} "
+            f"engine steps, so most find others running: with prefix caching such a request starts from a copy of a "
+            f"running request's rows ({shared['copies_per_run']:.1f} copies a run) or reuses a free slot's. Runs "
+            f"on, off, off, on, each starting with no slot's rows kept; the median of each run, averaged per setting.\n\n"
+            + md_table(["prompt tokens", "cached (on)", "time to first token, ms (off / on)", "TTFT speedup",
+                        "answers equal"],
+                       [[f"{on['prompt_tokens']:.0f}", f"{on['cached_tokens']:.0f}",
+                         f"{off['ttft_s'] * 1e3:.0f} / {on['ttft_s'] * 1e3:.0f}",
+                         f"{off['ttft_s'] / on['ttft_s']:.2f}x", "yes" if shared["same_answers"] else "NO"]]) + "\n")
+
+
+def _plot(res: dict, shared: dict, path: str) -> None:
+    """Time to first token, caching off and on: first and second turns per decoding, then the shared
+    system prompt's requests."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    fig, ax = plt.subplots(figsize=(7, 3.2))
     labels, off, on = [], [], []
     for name, r in res.items():
         for t, turn in ((0, "1st"), (1, "2nd")):
             labels.append(f"{name}\n{turn} turn")
             off.append(r["off"]["turns"][t]["ttft_s"] * 1e3)
             on.append(r["on"]["turns"][t]["ttft_s"] * 1e3)
+    labels.append("shared system\nprompt, 4 slots")
+    off.append(shared["off"]["ttft_s"] * 1e3)
+    on.append(shared["on"]["ttft_s"] * 1e3)
     x = range(len(labels))
     ax.bar([i - 0.2 for i in x], off, width=0.4, label="prefix caching off")
     ax.bar([i + 0.2 for i in x], on, width=0.4, label="prefix caching on")
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("time to first token, ms (median)")
-    ax.set_title("two-turn MT-Bench conversations, SmolLM2-135M, batch 1")
+    ax.set_title("prefix caching, SmolLM2-135M on this CPU")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -38,18 +38,27 @@ def test_choice_takes_the_longest_shared_prefix_and_restarts_on_its_last_token()
     assert shared_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
     assert shared_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2
     assert shared_prefix(np.array([], np.int64), np.array([1])) == 0
-    p = SlotPrefixes(4)
-    assert p.choose([1, 2, 3], [2, 3]) == (2, 0)  # nothing kept: the first free slot
+    p = SlotPrefixes(5)
+    assert p.choose([1, 2, 3], [2, 3]) == (2, 0, None)  # nothing kept: the first free slot
     p.keep(1, [1, 2, 3, 4, 9], rows=4)  # the last token's row was never written: not kept
     p.keep(2, [1, 2, 7], rows=3)
     p.keep(3, [1, 2, 3, 4, 5], rows=5)
-    assert p.choose([1, 2, 3, 4, 9, 9], [0, 1, 2]) == (1, 3)  # 4 shared, restart on the 4th
-    assert p.choose([1, 2, 3, 4, 5, 6], [0, 1, 2, 3]) == (3, 4)
-    assert p.choose([1, 2, 3, 4, 5], [1, 3]) == (3, 4)  # a whole prompt kept: its last token still prefills
-    assert p.choose([1, 2, 8], [1, 2]) == (1, 1)  # a tie: the first free slot
-    assert p.choose([5], [1, 2, 3]) == (1, 0)
+    assert p.choose([1, 2, 3, 4, 9, 9], [0, 1, 2]) == (1, 3, None)  # 4 shared, restart on the 4th
+    assert p.choose([1, 2, 3, 4, 5, 6], [0, 1, 2, 3]) == (3, 4, None)
+    assert p.choose([1, 2, 3, 4, 5], [1, 3]) == (3, 4, None)  # a whole prompt kept: its last token prefills
+    assert p.choose([1, 2, 8], [1, 2]) == (1, 1, None)  # a tie: the first free slot
+    assert p.choose([5], [1, 2, 3]) == (1, 0, None)
+    # a busy slot's prompt: copied into the first free slot when it gives more than the margin
+    p.admit(4)
+    assert p.choose([1, 2, 3, 4, 5, 6, 7, 8], [0, 1]) == (1, 3, None)  # slot 4's prefill not dispatched yet
+    p.hold(4, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert p.choose([1, 2, 3, 4, 5, 6, 7, 8, 1], [0, 1]) == (0, 7, 4)
+    assert p.choose([1, 2, 3, 4, 5, 6, 7, 8, 1], [0, 1], copy_margin=4) == (1, 3, None)  # 7 <= 3 + 4
+    assert p.choose([1, 2, 3, 4, 5, 6, 7, 8, 1], [0, 3], copy_margin=4) == (3, 4, None)
+    p.admit(3)  # given to a request: neither free nor a source
+    assert p.choose([1, 2, 3, 4, 5, 6], [0]) == (0, 5, 4)  # slot 3 gone; slot 4 holds the whole prompt
     p.forget_all()
-    assert p.choose([1, 2, 3, 4, 5, 6], [1, 3]) == (1, 0)
+    assert p.choose([1, 2, 3, 4, 5, 6], [1, 3]) == (1, 0, None)
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +66,10 @@ def target():
     return tiny_target(V, seed=3)
 
 
-def _engine(target, kind, **config):
-    """Two slots, greedy rounds of one width (gamma + 1: fewer programs to compile)."""
+def _engine(target, kind, slots=2, **config):
+    """Greedy rounds of one width (gamma + 1: fewer programs to compile)."""
     drafter = None if kind is None else make(kind, target)
-    return small_engine(target, drafter, slots=2, max_len=64, policy="plain" if drafter is None else "fixed",
+    return small_engine(target, drafter, slots=slots, max_len=64, policy="plain" if drafter is None else "fixed",
                         prefill=8, tokens_buckets=(1 if drafter is None else drafter.gamma + 1,),
                         variants=("greedy",), config=config or None)
 
@@ -95,19 +104,21 @@ def _conversation(engine):
     return [(b, b_diff), (c, _differences(engine, *c))]
 
 
-def _differences(engine, reused, whole) -> list[str]:
-    """What differs between the two Bs: tokens, accepted drafts per round, target cache rows, proposals."""
+def _differences(engine, reused, whole, other=None) -> list[str]:
+    """What differs between two requests of one prompt: tokens, accepted drafts per round, the target's
+    cache rows of their slots, the drafter's proposals from them (`other`: the engine `whole` ran in)."""
+    other = other or engine
     out = []
     if reused.output_ids != whole.output_ids:
         out.append("tokens")
     if reused.metrics.per_step_accepted != whole.metrics.per_step_accepted:
         out.append("accepted")
-    n = int(engine.lengths[0])
-    if n != int(engine.lengths[1]) or not all(
-            np.allclose(kv[:, 0, :, :n], kv[:, 1, :, :n], atol=1e-4) for kv in engine.runner.cache.kv):
+    n, i, j = int(engine.lengths[reused.slot]), reused.slot, whole.slot
+    if n != int(other.lengths[j]) or not all(np.allclose(a[:, i, :, :n], b[:, j, :, :n], atol=1e-4)
+                                             for a, b in zip(engine.runner.cache.kv, other.runner.cache.kv)):
         out.append("cache rows")
     if engine.drafter is not None:
-        (t0, q0), (t1, q1) = _proposal(engine, 0), _proposal(engine, 1)
+        (t0, q0), (t1, q1) = _proposal(engine, i), _proposal(other, j)
         if not (np.array_equal(t0, t1) and np.allclose(q0, q1, atol=1e-4)):
             out.append("proposal")
     return out
@@ -141,9 +152,9 @@ def test_a_restart_on_the_first_unshared_token_breaks_a_pair_cache(target, monke
     # token the slot held at it (C's edit)
     real = SlotPrefixes.choose
 
-    def one_later(self, prompt_ids, free):
-        slot, start = real(self, prompt_ids, free)
-        return slot, start + (start > 0)
+    def one_later(self, prompt_ids, free, copy_margin=0):
+        slot, start, source = real(self, prompt_ids, free, copy_margin)
+        return slot, start + (start > 0), source
     monkeypatch.setattr(SlotPrefixes, "choose", one_later)
     (_, b_diff), (c, c_diff) = _conversation(_engine(target, "eagle3"))
     assert b_diff == [] and "proposal" in c_diff  # B continues A whole: its pending feature is still right
@@ -158,6 +169,8 @@ def test_a_stale_record_changes_the_target(target, monkeypatch):
         if len(calls) == 1:
             real(self, slot, tokens, rows)
     monkeypatch.setattr(SlotPrefixes, "keep", first_only)
+    for forgets in ("admit", "hold"):  # the slot's later owners never replace the record
+        monkeypatch.setattr(SlotPrefixes, forgets, lambda self, *args: None)
     engine = _engine(target, None)
     a = EngineRequest("a", PROMPT, max_tokens=N_A, temperature=0.0)
     x = EngineRequest("x", [V - 1] * len(PROMPT), max_tokens=N_A, temperature=0.0)
@@ -166,6 +179,47 @@ def test_a_stale_record_changes_the_target(target, monkeypatch):
     assert a.slot == x.slot == 0
     b = _pair(engine, PROMPT + a.output_ids + TURN)
     assert b[0].metrics.cached_tokens > 0 and "cache rows" in _differences(engine, *b)
+
+
+def _shared_system_prompt(target, kind):
+    """B (system prompt S, question Q2) arrives while L (S, Q1) runs: (engine, L, B), and B run alone in
+    an engine without prefix caching (engine, B)."""
+    system, q1, q2 = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5], [6, 2], [3, 6, 1]
+    engine = _engine(target, kind, slots=3)
+    long = EngineRequest("l", system + q1, max_tokens=30, temperature=0.0)
+    engine.add_request(long)
+    engine.step()
+    b = EngineRequest("b", system + q2, max_tokens=N_B, temperature=0.0)
+    engine.run([b], progress=False)
+    engine.run([], progress=False)
+    if kind not in _ALONE:  # the reference run, shared by a kind's tests
+        alone = _engine(target, kind, prefix_caching=False)
+        ref = EngineRequest("b", system + q2, max_tokens=N_B, temperature=0.0)
+        alone.run([ref], progress=False)
+        _ALONE[kind] = alone, ref
+    return (engine, long, b, *_ALONE[kind])
+
+
+_ALONE: dict = {}
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_a_prompt_starts_from_a_copy_of_a_busy_slot_s_rows(target, kind):
+    engine, long, b, alone, ref = _shared_system_prompt(target, kind)
+    assert (long.slot, b.slot) == (0, 1) and b.metrics.cached_tokens == 12 - 1  # S shared; re-read its last
+    assert engine.stats["prefix_copies"] == 1
+    assert b.output_ids == greedy_reference(target, b.prompt_ids, N_B) and b.metrics.num_draft_tokens > 0
+    assert _differences(engine, b, ref, alone) == []
+
+
+def test_a_missing_copy_changes_the_target(target, monkeypatch):
+    # control: the copy program not run (B's slot keeps whatever it held)
+    from specjax.decoding.runner import Runner
+    real = Runner.run
+    monkeypatch.setattr(Runner, "run", lambda self, family, *a, **kw: None if family == "copy" else
+                        real(self, family, *a, **kw))
+    engine, _, b, alone, ref = _shared_system_prompt(target, "dspark")
+    assert b.metrics.cached_tokens == 12 - 1 and "cache rows" in _differences(engine, b, ref, alone)
 
 
 def test_prefix_caching_skips_requests_under_a_repetition_penalty(target):

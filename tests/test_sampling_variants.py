@@ -121,7 +121,7 @@ def test_engine_refuses_what_no_compiled_variant_covers(model):
     with pytest.raises(ValueError, match="top_k 5 exceeds the engine's top_k_cap 4"):
         eng.add_request(EngineRequest("b", [1, 2], max_tokens=2, top_k=5))
     assert eng.round_variant([0.0], [0], [1.0]) == "plain"  # greedy rows: the narrowest compiled cover
-    assert {k[-1] for f, k in eng.warm_keys() if f not in ("prefill", "release")} == {"plain"}
+    assert {k[-1] for f, k in eng.warm_keys() if f not in ("prefill", "release", "copy")} == {"plain"}
 
 
 def _engine(model, variants):

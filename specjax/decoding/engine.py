@@ -30,7 +30,7 @@ from specjax.decoding.programs import unpack_round
 from specjax.decoding.runner import Runner, bucket_key
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.models.decoder import CausalLM
-from specjax.sampling import VARIANTS, covering_variant
+from specjax.sampling import covering_variant
 from specjax.scheduling.names import COST_AWARE_POLICIES
 from specjax.scheduling.planner import RoundPlanner
 
@@ -87,34 +87,15 @@ class Engine:
         self._key_data = np.zeros((slots, 2), np.uint32)
         self._seed_counter = 0
         # rounds: dispatched (incl. ones whose rows had all ended); rounds_ahead: before the last was read;
-        # attention_calls: target calls (rounds and prefill chunks) per attention bucket
+        # attention_calls: target calls (rounds and prefill chunks) per attention bucket; prefix_copies: busy slots'
+        # rows copied for a prompt that begins with them (prefix caching)
         self.stats = {"rounds": 0, "rounds_ahead": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0,
-                      "attention_calls": {}}
+                      "attention_calls": {}, "prefix_copies": 0}
         self._one_behind = config.pipeline and planner.mode in ("plain", "fixed", "device")
         planner.one_behind = self._one_behind
         self._pending: Launched | None = None  # dispatched last step, not read yet
         self._unread: list[tuple[EngineRequest, Any, int]] = []  # admitted; first token not read yet
         self.on_round: Callable[[dict[str, Any]], None] | None = None
-
-    def _fit_map_budget(self, maps_by_family: dict[str, float]) -> list[str]:
-        """Defaults whose programs, at the memory mappings measured per family, would pass the
-        process's limit (`map_budget`) get coarser, each only while still at its default: one
-        attention bucket (the largest), then the sampling variants without "plain" (the "filtered"
-        variant is exact for those rows too; variants equal to the default set count as default).
-        Returns the warnings given."""
-        b, cfg = self.buckets, self.cfg
-        steps = []
-        if cfg.attention_buckets is None and len(b.attention) > 1:
-            steps.append(("attention buckets", b.attention, b.attention[-1:],
-                          lambda: setattr(self, "buckets", dataclasses.replace(self.buckets,
-                                                                               attention=b.attention[-1:]))))
-        if tuple(cfg.sampling_variants) == VARIANTS:
-            fewer = tuple(v for v in VARIANTS if v != "plain")
-            steps.append(("sampling variants", VARIANTS, fewer,
-                          lambda: setattr(self, "cfg", dataclasses.replace(self.cfg, sampling_variants=fewer))))
-        worst = max(maps_by_family.values())
-        return map_budget.coarsen_to_fit(
-            lambda: [maps_by_family.get(f, worst) for f, _ in self.warm_keys()], steps)
 
     # ------------------------------------------------------------------ cost model
     @property
@@ -168,7 +149,7 @@ class Engine:
         keys: list[tuple[str, tuple[Any, ...]]] = [("prefill", (pb, p, a)) for pb in self.prefill_batches
                                                     for prev, p in zip((0,) + plens, plens)
                                                     for a in attention if a > prev]
-        keys.append(("release", (self.cfg.max_slots,)))
+        keys += [(f, (self.cfg.max_slots,)) for f in ("release", "copy")[:1 + (self.prefixes is not None)]]
         if self.cfg.max_logprobs > 0:  # echo's prompt log-likelihoods, one prompt per call
             keys += [("score", (1, p)) for p in self.buckets.prefill]
         tokens = self.buckets.tokens
@@ -198,13 +179,13 @@ class Engine:
         needs: the cost table (unless one was given) and, for the async policy, the plain step.
         Returns the compile seconds. On XLA:CPU, when the programs might pass the process's memory
         mappings, one program of each family compiles first: the mappings they take decide whether
-        the defaults must get coarser (`_fit_map_budget`)."""
+        the defaults must get coarser (`map_budget.coarsen_engine`)."""
         t0 = time.perf_counter()
         keys = self.warm_keys()
         fits_anyway = map_budget.fits([map_budget.MAPS_BOUND] * len(keys))  # most engines: nothing to measure
         by_family = None if fits_anyway else self.runner.maps_by_family(keys)
         if by_family is not None:
-            self.coarsened = self._fit_map_budget(by_family)
+            self.coarsened = map_budget.coarsen_engine(self, by_family)
         seconds = time.perf_counter() - t0 + self.runner.warm(self.warm_keys(), threads=threads,
                                                                 progress=self.progress, maps_by_family=by_family)
         if self.needs_cost_table:
@@ -280,13 +261,22 @@ class Engine:
             if self.automata is not None and (table := self.automata.changes()) is not None:
                 self.runner.set_automata(*table)
             self._unread += self._prefill(batch)
+            for r in batch if self.prefixes is not None else ():
+                self.prefixes.hold(r.slot, r.prompt_ids)  # its prompt's rows: a source for later prompts
 
     def _slot_for(self, req: EngineRequest, free: list[int]) -> tuple[int, int]:
-        """(slot, prompt tokens reused): the lowest free slot, or the one sharing the longest prefix (`prefix_cache`;
-        not under a repetition penalty, which counts the prompt's tokens as its prefill reads them)."""
+        """(slot, prompt tokens reused): the lowest free slot, or with prefix caching (`prefix_cache`; not
+        under a repetition penalty, which counts the prompt's tokens as its prefill reads them) the free
+        slot sharing the longest prefix, or the lowest, given a busy slot's rows (copied now)."""
         if self.prefixes is None or (self.cfg.penalties and req.repetition_penalty != 1.0):
             return free[0], 0
-        return self.prefixes.choose(req.prompt_ids, free)
+        slot, start, source = self.prefixes.choose(req.prompt_ids, free, copy_margin=self.buckets.prefill[0])
+        if source is not None:
+            self.stats["prefix_copies"] += 1
+            self.runner.run("copy", bucket_key("copy", rows=self.cfg.max_slots),
+                            src_dst_2=np.array([source, slot], np.int32))
+        self.prefixes.admit(slot)
+        return slot, start
 
     def _prefill(self, batch: list[EngineRequest]) -> list[tuple[EngineRequest, Any, int]]:
         """Run prompt chunks of up to `prefill_batches[-1]` requests per call from each request's first

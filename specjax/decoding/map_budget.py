@@ -14,9 +14,10 @@ their kernels on the device and have no such limit. So on XLA:CPU:
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 HEADROOM = 0.90  # share of the limit compiled programs may take: the rest is the process's own
 MAPS_BOUND = 2500  # no program measured so far took more (SmolLM2 + DSpark drafting round: 765)
@@ -108,3 +109,24 @@ def coarsen_to_fit(estimate: Callable[[], Sequence[float]],
         warnings.warn(line, stacklevel=3)
         done.append(line)
     return done
+
+
+def coarsen_engine(engine: Any, maps_by_family: dict[str, float]) -> list[str]:
+    """An engine's (`decoding.engine.Engine`) defaults whose programs, at the memory mappings measured
+    per family, would pass the process's limit get coarser, each only while still at its default: one
+    attention bucket (the largest), then the sampling variants without "plain" (the "filtered" variant
+    is exact for those rows too; variants equal to the default set count as default). Returns the
+    warnings given."""
+    from specjax.sampling import VARIANTS
+    b, cfg = engine.buckets, engine.cfg
+    steps = []
+    if cfg.attention_buckets is None and len(b.attention) > 1:
+        steps.append(("attention buckets", b.attention, b.attention[-1:],
+                      lambda: setattr(engine, "buckets", dataclasses.replace(engine.buckets,
+                                                                             attention=b.attention[-1:]))))
+    if tuple(cfg.sampling_variants) == VARIANTS:
+        fewer = tuple(v for v in VARIANTS if v != "plain")
+        steps.append(("sampling variants", VARIANTS, fewer,
+                      lambda: setattr(engine, "cfg", dataclasses.replace(engine.cfg, sampling_variants=fewer))))
+    worst = max(maps_by_family.values())
+    return coarsen_to_fit(lambda: [maps_by_family.get(f, worst) for f, _ in engine.warm_keys()], steps)

@@ -3,12 +3,15 @@
 A freed slot keeps the cache rows of the request it served: its prompt and output tokens up to the
 rows the target committed. A new request goes to the free slot whose kept tokens share the longest
 prefix with its prompt, and its prefill restarts at the last shared token: the target's rows before
-it stay as they are, and the drafter's state is cut back to them (`Drafter.restart`). The restart
-re-reads one shared token because a pair-cache drafter (Eagle3, MTP-1) keeps the feature of its last
-position pending, and a cut state has none; rows before the restart are the same tokens at the same
-positions, so every later logit is the one a whole prefill gives (up to float rounding, as a chunked
-prefill). Host-side bookkeeping only (numpy); the engine decides when a slot's rows stop being valid
-(`forget_all` after anything but a request writes them).
+it stay as they are, and the drafter's state is cut back to them (`Drafter.restart`). A busy slot's
+prompt rows serve too (a system prompt shared by concurrent requests): when one shares more than any
+free slot, by more than `copy_margin` tokens, its rows and drafter state are first copied into the
+lowest free slot (`programs.copy_slot`). The restart re-reads one shared token because a pair-cache
+drafter (Eagle3, MTP-1) keeps the feature of its last position pending, and a cut state has none;
+rows before the restart are the same tokens at the same positions, so every later logit is the one a
+whole prefill gives (up to float rounding, as a chunked prefill). Host-side bookkeeping only (numpy);
+the engine says when a slot's rows change hands (`admit`, `hold`, `keep`; `forget_all` after anything
+but a request writes them).
 """
 from __future__ import annotations
 
@@ -25,43 +28,61 @@ def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class SlotPrefixes:
-    """What each slot's cache rows hold: the token ids at rows [0, len) (None: nothing reusable), and
-    the slots by their first two tokens (a restart needs at least two shared)."""
+    """What each slot's cache rows hold: token ids at rows [0, len) (None: nothing reusable), whether
+    the slot is busy (its prompt's rows, a copy source) or free (reused in place), and the slots by
+    their first two tokens (a restart needs at least two shared)."""
 
     def __init__(self, slots: int):
         self._kept: list[np.ndarray | None] = [None] * slots
+        self._busy = [False] * slots
         self._by_start: dict[tuple[int, int], set[int]] = {}
 
-    def keep(self, slot: int, tokens: Sequence[int], rows: int) -> None:
-        """Slot `slot` was freed holding `tokens` (prompt then output) at its first `rows` cache rows."""
+    def _record(self, slot: int, tokens: Sequence[int], busy: bool) -> None:
         old = self._kept[slot]
         if old is not None:
             self._by_start[(int(old[0]), int(old[1]))].discard(slot)
-        rows = min(int(rows), len(tokens))
-        self._kept[slot] = np.asarray(tokens[:rows], np.int64) if rows >= 2 else None
-        if rows >= 2:
+        self._kept[slot] = np.asarray(tokens, np.int64) if len(tokens) >= 2 else None
+        self._busy[slot] = busy
+        if len(tokens) >= 2:
             self._by_start.setdefault((int(tokens[0]), int(tokens[1])), set()).add(slot)
 
-    def forget_all(self) -> None:
-        self._kept = [None] * len(self._kept)
-        self._by_start = {}
+    def admit(self, slot: int) -> None:
+        """Slot `slot` was given to a request: its rows are no one's until its prefill is dispatched."""
+        self._record(slot, (), busy=False)
 
-    def choose(self, prompt_ids: Sequence[int], free: Sequence[int]) -> tuple[int, int]:
-        """(slot, restart) for a prompt: the free slot with the longest restart (ties: the first in
-        `free`), and the prompt position its prefill starts at (0: nothing reused)."""
+    def hold(self, slot: int, prompt_ids: Sequence[int]) -> None:
+        """Slot `slot`'s prefill is dispatched: its prompt's rows may be copied from now on."""
+        self._record(slot, prompt_ids, busy=True)
+
+    def keep(self, slot: int, tokens: Sequence[int], rows: int) -> None:
+        """Slot `slot` was freed holding `tokens` (prompt then output) at its first `rows` cache rows."""
+        self._record(slot, tokens[:min(int(rows), len(tokens))], busy=False)
+
+    def forget_all(self) -> None:
+        for slot in range(len(self._kept)):
+            self._record(slot, (), busy=False)
+
+    def choose(self, prompt_ids: Sequence[int], free: Sequence[int], copy_margin: int = 0
+               ) -> tuple[int, int, int | None]:
+        """(slot, restart, source) for a prompt: the free slot with the longest restart (ties: the first
+        in `free`) and the prompt position its prefill starts at (0: nothing reused), source None; or,
+        when a busy slot's prompt gives a restart longer by more than `copy_margin`, the first free
+        slot, that restart and the busy slot to copy from."""
         held = self._by_start.get((int(prompt_ids[0]), int(prompt_ids[1]))) if len(prompt_ids) >= 2 else None
         best, restart = free[0], 0
         if not held:
-            return best, restart
-        prompt = np.asarray(prompt_ids, np.int64)
+            return best, restart, None
+        prompt, most = np.asarray(prompt_ids, np.int64), len(prompt_ids) - 1
         for slot in free:
-            if slot in held:
-                start = shared_prefix(self._kept[slot], prompt) - 1  # re-read the last shared token (module doc)
-                if start > restart:
-                    best, restart = slot, start
-                    if start == len(prompt) - 1:  # no slot can give more
-                        break
-        return best, restart
+            if slot in held and (start := shared_prefix(self._kept[slot], prompt) - 1) > restart:
+                best, restart = slot, start  # re-read the last shared token (module docstring)
+                if start == most:
+                    return best, restart, None
+        source, copied = None, restart + copy_margin
+        for slot in sorted(s for s in held if self._busy[s]):
+            if (start := shared_prefix(self._kept[slot], prompt) - 1) > copied:
+                source, copied = slot, start
+        return (best, restart, None) if source is None else (free[0], copied, source)
 
 
 __all__ = ["SlotPrefixes", "shared_prefix"]

@@ -228,6 +228,18 @@ def release(ctx: Context, rows: RowState, free_s: Array) -> tuple[RowState]:
         jnp.where(free_s > 0, 0, rows.ints_7s[0])))),)
 
 
+def copy_slot(ctx: Context, cache, dstate, anchors, src_dst_2: Array):
+    """Slot src's cache rows and drafter state copied into slot dst (src_dst_2 = (src, dst)): a prompt
+    that begins with a busy slot's prompt starts from its rows (prefix caching; the prefill after it
+    sets the lengths and cuts the drafter's state back). Returns (cache, dstate, anchors)."""
+    def one(x: Array, axis: int) -> Array:
+        row = jax.lax.dynamic_index_in_dim(x, src_dst_2[0], axis=axis, keepdims=True)
+        return jax.lax.dynamic_update_index_in_dim(x, row, src_dst_2[1], axis=axis)
+    cache = jax.tree.map(one, cache, kvc.slot_axes(cache))
+    dstate = jax.tree.map(one, dstate, kvc.slot_axes(dstate))
+    return ctx.constrain(cache, dstate, anchors)
+
+
 def _taps_update(ctx: Context, out: Any, tokens: Array, positions: Array, n_valid: Array) -> ContextUpdate:
     taps = jnp.concatenate(out.taps, axis=-1) if out.taps else None
     return ContextUpdate(tokens=tokens, positions=positions, taps=taps,

@@ -70,6 +70,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            ("t_params", "d_params", *_STATE, "ell_b", "k_total_1", "stop_ids"),
            (*_STATE, "outs"), _ROUND, donate=_STATE, static=_ROUND[1:]),
     Family("release", programs.release, ("row_state", "free_s"), ("row_state",), ("rows",), donate=("row_state",)),
+    Family("copy", programs.copy_slot, ("cache", "dstate", "anchors", "src_dst_2"), ("cache", "dstate", "anchors"),
+           ("rows",), donate=("cache", "dstate", "anchors")),
     Family("score", programs.score, ("t_params", "tokens_bt", "ints_4b", "floats_3b"), ("outs",), ("rows", "plen")),
 )}
 
@@ -101,6 +103,7 @@ INPUTS: dict[str, Callable[[dict[str, int]], tuple[tuple[int, ...], Any]]] = {
     "fsm_start_b": lambda d: ((d["rows"],), jnp.int32),
     "pred_bl": lambda d: ((d["rows"], d["pred_cols"]), jnp.int32),
     "free_s": lambda d: ((d["rows"],), jnp.int32),
+    "src_dst_2": lambda d: ((2,), jnp.int32),
     "ints_4b": lambda d: ((4, d["rows"]), jnp.int32),
     "floats_3b": lambda d: ((3, d["rows"]), jnp.float32),
     "keys_b2": lambda d: ((d["rows"], 2), jnp.uint32),

@@ -441,8 +441,8 @@ class PairCacheDrafter(nnx.Module):
         start = start_b.astype(jnp.int32)
         kept = state.has_pending[:b] & (state.lengths[:b] == start - 1)
         count = jnp.where(kept, start - 1, start)
-        return PairCacheState(state.cache.with_lengths(state.cache.lengths.at[:b].set(count)),
-                              pending=state.pending, has_pending=state.has_pending.at[:b].set(kept))
+        return PairCacheState(kvc.cut_rows(state.cache, count), pending=state.pending,
+                              has_pending=state.has_pending.at[:b].set(kept))
 
     def propose_with_logits(self, state: PairCacheState, anchor_b: Array, position_b: Array,
                             sampling: SamplingArrays, key_b: Array,

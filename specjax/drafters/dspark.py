@@ -284,7 +284,7 @@ class DSparkDrafter(nnx.Module):
 
     def restart(self, state: kvc.KVCache, start_b: Array) -> kvc.KVCache:
         """Rows [0:B] cut back to the context of their first start_b positions (prefix caching)."""
-        return state.with_lengths(state.lengths.at[:start_b.shape[0]].set(start_b.astype(jnp.int32)))
+        return kvc.cut_rows(state, start_b)
 
     def block_hidden(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
                      kv_len: int | None = None, attention: str = "xla", mlp: str = "xla") -> Array:

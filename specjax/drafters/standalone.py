@@ -95,7 +95,7 @@ class StandaloneDrafter(nnx.Module):
 
     def restart(self, state: kvc.KVCache, start_b: Array) -> kvc.KVCache:
         """Rows [0:B] cut back to their caches' first start_b positions (prefix caching)."""
-        return state.with_lengths(state.lengths.at[:start_b.shape[0]].set(start_b.astype(jnp.int32)))
+        return kvc.cut_rows(state, start_b)
 
     def propose_with_logits(self, state: kvc.KVCache, anchor_b: Array, position_b: Array,
                             sampling: SamplingArrays, key_b: Array,

@@ -48,6 +48,12 @@ class KVCache:
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
 
+def cut_rows(cache: KVCache, lengths_b: Array) -> KVCache:
+    """Rows [0:B] cut back to lengths_b [B] committed tokens (entries past them are masked, then
+    overwritten); the other rows unchanged."""
+    return cache.with_lengths(cache.lengths.at[:lengths_b.shape[0]].set(lengths_b.astype(jnp.int32)))
+
+
 def slot_axes(tree: Any) -> Any:
     """The slot axis of every leaf of a state pytree: KV_SLOT_AXIS for the key/value buffers of a
     `KVCache` in it, 0 for every other leaf (lengths included)."""
