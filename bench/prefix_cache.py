@@ -9,10 +9,10 @@ prompt tokens and the share read from the cache, time to first token and the who
 whether every answer equals the other setting's (T = 0).
 
 Then a system prompt shared by concurrent requests: the conversations' first questions after one
-system prompt, arriving one every few engine steps at 4 slots, so that most find others running
+system prompt, arriving one every few engine steps at 8 slots, so that each finds others running
 (with prefix caching a request starts from a copy of a running request's rows, or a free slot's).
 
-    python -m bench.prefix_cache [--drafters dspark] [--conversations 8] [--max-tokens 128] [--slots 4]
+    python -m bench.prefix_cache [--drafters dspark] [--conversations 8] [--max-tokens 128] [--slots 8]
 
 Batch 1, the conversations one after another, on this machine's CPU; the two settings of a decoding
 alternate conversation by conversation, so they share the machine's background load.
@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafters", nargs="*", default=["dspark"], help="shipped drafters (plain decoding always runs)")
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--slots", type=int, default=4, help="slots of the shared-system-prompt run")
+    ap.add_argument("--slots", type=int, default=8, help="slots of the shared-system-prompt run (as many as its "
+                    "requests: none waits for a slot, so time to first token is the admission's)")
     ap.add_argument("--every", type=int, default=6, help="engine steps between its requests' arrivals")
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     args = ap.parse_args(argv)
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _shared_system(tok, questions: list[str], args) -> dict:
-    """Plain decoding of requests sharing SYSTEM, arriving while others run (4 slots), caching on and off
+    """Plain decoding of requests sharing SYSTEM, arriving while others run (`--slots`), caching on and off
     (run on, off, off, on: each figure is the mean of its two runs' medians)."""
     log(f"shared system prompt: {len(questions)} requests, {args.slots} slots, one every {args.every} steps")
     llms = {s: _llm(None, s == "on", slots=args.slots) for s in SETTINGS}
@@ -176,7 +177,7 @@ def _shared_system(tok, questions: list[str], args) -> dict:
     out = {s: {"ttft_s": statistics.mean(statistics.median(r["ttft"] for r in run) for run in runs[s]),
                "cached_tokens": statistics.mean(r["cached"] for r in runs[s][0]),
                "prompt_tokens": statistics.mean(r["prompt"] for r in runs[s][0])} for s in SETTINGS}
-    out["copies_per_run"] = copies / 2
+    out["copies_per_run"], out["slots"] = copies / 2, args.slots
     out["same_answers"] = all([r["tokens"] for r in run] == [r["tokens"] for r in runs["off"][0]]
                               for s in SETTINGS for run in runs[s])
     log(f"  ttft {out['off']['ttft_s'] * 1e3:.0f} -> {out['on']['ttft_s'] * 1e3:.0f} ms, {out['copies_per_run']:.1f} "
@@ -224,7 +225,8 @@ def _shared_md(args, shared: dict) -> str:
     return (f"\n**A system prompt shared by concurrent requests.** The first turns of the same conversations, "
             f"each after one system prompt ({on['prompt_tokens']:.0f} prompt tokens on average), plain decoding, "
             f"greedy, at most {args.max_tokens} tokens, {args.slots} slots; a request arrives every {args.every} "
-            f"engine steps, so most find others running: with prefix caching such a request starts from a copy of a "
+            f"engine steps, so each finds others running (and none waits for a slot): with prefix caching such a "
+            f"request starts from a copy of a "
             f"running request's rows ({shared['copies_per_run']:.1f} copies a run) or reuses a free slot's. Runs "
             f"on, off, off, on, each starting with no slot's rows kept; the median of each run, averaged per setting.\n\n"
             + md_table(["prompt tokens", "cached (on)", "time to first token, ms (off / on)", "TTFT speedup",
@@ -245,7 +247,7 @@ def _plot(res: dict, shared: dict, path: str) -> None:
             labels.append(f"{name}\n{turn} turn")
             off.append(r["off"]["turns"][t]["ttft_s"] * 1e3)
             on.append(r["on"]["turns"][t]["ttft_s"] * 1e3)
-    labels.append("shared system\nprompt, 4 slots")
+    labels.append(f"shared system\nprompt, {shared['slots']} slots")
     off.append(shared["off"]["ttft_s"] * 1e3)
     on.append(shared["on"]["ttft_s"] * 1e3)
     x = range(len(labels))
