@@ -237,8 +237,8 @@ def test_threaded_warmup_compiles_every_key_and_decodes_exactly(model):
         eng.warmup(threads=0)
     eng.warmup(threads=4)
     compiled = {(n, k) for n, e in eng.runner.exes.items() for k in e.keys}
-    # prefill, release (the host ending a row), and 3 fused tokens buckets per sampling variant
-    assert compiled == set(eng.warm_keys()) and len(compiled) == 2 + 3 * len(cfg.sampling_variants)
+    # prefill, release (the host ending a row), copy (prefix caching), and 3 fused tokens buckets per sampling variant
+    assert compiled == set(eng.warm_keys()) and len(compiled) == 3 + 3 * len(cfg.sampling_variants)
     ps = prompts()[:3]
     out, _ = run_greedy(eng, ps, n=8)
     assert out == [greedy_reference(model, p, 8) for p in ps]

@@ -1,16 +1,19 @@
 """Prefix caching (`decoding.prefix_cache`): a request whose prompt begins with what a freed slot's
 cache rows hold goes to that slot and prefills only the rest, restarting on the last shared token;
-every drafter's state is cut back to the restart (`restart`).
+every drafter's state is cut back to the restart (`restart`). A request whose prompt begins with a
+busy slot's prompt starts from a copy of its rows.
 
 The engine tests run a conversation: request A; then two identical requests B whose prompt is A's
 prompt, A's answer and a new turn, side by side: one reuses A's slot, the other prefills whole in the
 other slot; then two Cs whose prompt is B's with the start of B's answer edited and a new turn (a
-prefix shorter than what the slot holds). For every drafter kind (and none) each pair decodes the same
-greedy tokens (the target's), accepts the same drafts round by round, ends with the same target cache
-rows and proposes the same next block. Negative controls: a drafter whose restart keeps its old state,
-a restart on the first token not shared (no re-read: a pair-cache drafter then pairs a feature with
-the token the slot held there) and a slot's record left stale after a later request wrote its rows
-each make the two differ."""
+prefix shorter than what the slot holds). For plain decoding and each kind of restart (KINDS) each
+pair decodes the same greedy tokens (the target's), accepts the same drafts round by round, ends with
+the same target cache rows and proposes the same next block; a request arriving while another of the
+same system prompt runs (Eagle3) does all this as it does alone in an engine without prefix caching.
+Negative controls: a drafter whose restart keeps its old state, a restart on the first token not
+shared (no re-read: a pair-cache drafter then pairs a feature with the token the slot held there), a
+slot's record left stale after a later request wrote its rows, and a missing copy each make the two
+differ."""
 import dataclasses
 
 import jax
@@ -28,7 +31,9 @@ from engine_fixtures import small_engine, tiny_target
 from test_drafters_lossless import V, make
 from test_engine import greedy_reference
 
-KINDS = [None, "ngram", "dspark", "eagle3", "mtp1", "standalone"]  # dspark-rnn and dflash: dspark's state
+# the restarts: dspark's (DFlash's, DSpark-RNN's) and the standalone LM's cut K/V rows (kvc.cut_rows), the n-gram
+# history, and Eagle3's (MTP-1's) pair cache
+KINDS = [None, "ngram", "dspark", "eagle3"]
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4]
 TURN, EDIT = [3, 4, 5], [6, 6]
 N_A, N_B, KEEP = 6, 8, 3  # tokens of A, of each B and C; of B's answer C keeps
@@ -203,9 +208,8 @@ def _shared_system_prompt(target, kind):
 _ALONE: dict = {}
 
 
-@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
-def test_a_prompt_starts_from_a_copy_of_a_busy_slot_s_rows(target, kind):
-    engine, long, b, alone, ref = _shared_system_prompt(target, kind)
+def test_a_prompt_starts_from_a_copy_of_a_busy_slot_s_rows(target):
+    engine, long, b, alone, ref = _shared_system_prompt(target, "eagle3")
     assert (long.slot, b.slot) == (0, 1) and b.metrics.cached_tokens == 12 - 1  # S shared; re-read its last
     assert engine.stats["prefix_copies"] == 1
     assert b.output_ids == greedy_reference(target, b.prompt_ids, N_B) and b.metrics.num_draft_tokens > 0
@@ -218,7 +222,7 @@ def test_a_missing_copy_changes_the_target(target, monkeypatch):
     real = Runner.run
     monkeypatch.setattr(Runner, "run", lambda self, family, *a, **kw: None if family == "copy" else
                         real(self, family, *a, **kw))
-    engine, _, b, alone, ref = _shared_system_prompt(target, "dspark")
+    engine, _, b, alone, ref = _shared_system_prompt(target, "eagle3")
     assert b.metrics.cached_tokens == 12 - 1 and "cache rows" in _differences(engine, b, ref, alone)
 
 

@@ -1,7 +1,8 @@
 """The batched serving engine: a request queue over cache slots, stop rules, metrics, the round loop.
 
-Each `step` admits waiting requests into free slots (bucketed, chunked prefill), asks the round
-planner (scheduling/planner.py: policy, probes, lagged confidences; numpy only) what the round runs,
+Each `step` admits waiting requests into free slots (bucketed, chunked prefill; with prefix caching
+from the rows a slot already holds, decoding/prefix_cache.py), asks the round planner
+(scheduling/planner.py: policy, probes, lagged confidences; numpy only) what the round runs,
 dispatches it through the runner (decoding/runner.py: device state and the only calls of compiled
 executables; the programs themselves are in decoding/programs.py), and appends each row's emitted
 tokens to its request under the stop rules. Device state stays on the device, the slots' row state
@@ -149,7 +150,8 @@ class Engine:
         keys: list[tuple[str, tuple[Any, ...]]] = [("prefill", (pb, p, a)) for pb in self.prefill_batches
                                                     for prev, p in zip((0,) + plens, plens)
                                                     for a in attention if a > prev]
-        keys += [(f, (self.cfg.max_slots,)) for f in ("release", "copy")[:1 + (self.prefixes is not None)]]
+        copies = self.prefixes is not None and self.cfg.max_slots > 1  # a slot's rows copied into another
+        keys += [(f, (self.cfg.max_slots,)) for f in ("release", "copy")[:1 + copies]]
         if self.cfg.max_logprobs > 0:  # echo's prompt log-likelihoods, one prompt per call
             keys += [("score", (1, p)) for p in self.buckets.prefill]
         tokens = self.buckets.tokens
