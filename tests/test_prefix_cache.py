@@ -54,13 +54,13 @@ def test_choice_takes_the_longest_shared_prefix_and_restarts_on_its_last_token()
     assert p.choose([1, 2, 8], [1, 2]) == (1, 1, None)  # a tie: the first free slot
     assert p.choose([5], [1, 2, 3]) == (1, 0, None)
     # a busy slot's prompt: copied into the first free slot when it gives more than the margin
-    p.admit(4)
-    assert p.choose([1, 2, 3, 4, 5, 6, 7, 8], [0, 1]) == (1, 3, None)  # slot 4's prefill not dispatched yet
+    # slot 4 given to a request whose prefill is not dispatched yet: no source
+    assert p.choose([1, 2, 3, 4, 5, 6, 7, 8], [0, 1]) == (1, 3, None)
     p.hold(4, [1, 2, 3, 4, 5, 6, 7, 8, 0])
     assert p.choose([1, 2, 3, 4, 5, 6, 7, 8, 1], [0, 1]) == (0, 7, 4)
     assert p.choose([1, 2, 3, 4, 5, 6, 7, 8, 1], [0, 1], copy_margin=4) == (1, 3, None)  # 7 <= 3 + 4
     assert p.choose([1, 2, 3, 4, 5, 6, 7, 8, 1], [0, 3], copy_margin=4) == (3, 4, None)
-    p.admit(3)  # given to a request: neither free nor a source
+    # slot 3 given to a request: its free record is neither free nor a source
     assert p.choose([1, 2, 3, 4, 5, 6], [0]) == (0, 5, 4)  # slot 3 gone; slot 4 holds the whole prompt
     p.forget_all()
     assert p.choose([1, 2, 3, 4, 5, 6], [1, 3]) == (1, 0, None)
@@ -174,8 +174,7 @@ def test_a_stale_record_changes_the_target(target, monkeypatch):
         if len(calls) == 1:
             real(self, slot, tokens, rows)
     monkeypatch.setattr(SlotPrefixes, "keep", first_only)
-    for forgets in ("admit", "hold"):  # the slot's later owners never replace the record
-        monkeypatch.setattr(SlotPrefixes, forgets, lambda self, *args: None)
+    monkeypatch.setattr(SlotPrefixes, "hold", lambda self, *args: None)  # nor does the later owner's prefill
     engine = _engine(target, None)
     a = EngineRequest("a", PROMPT, max_tokens=N_A, temperature=0.0)
     x = EngineRequest("x", [V - 1] * len(PROMPT), max_tokens=N_A, temperature=0.0)

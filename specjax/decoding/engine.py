@@ -150,8 +150,9 @@ class Engine:
         keys: list[tuple[str, tuple[Any, ...]]] = [("prefill", (pb, p, a)) for pb in self.prefill_batches
                                                     for prev, p in zip((0,) + plens, plens)
                                                     for a in attention if a > prev]
-        copies = self.prefixes is not None and self.cfg.max_slots > 1  # a slot's rows copied into another
-        keys += [(f, (self.cfg.max_slots,)) for f in ("release", "copy")[:1 + copies]]
+        keys.append(("release", (self.cfg.max_slots,)))
+        if self.prefixes is not None and self.cfg.max_slots > 1:  # a busy slot's rows copied into a free one
+            keys.append(("copy", (self.cfg.max_slots,)))
         if self.cfg.max_logprobs > 0:  # echo's prompt log-likelihoods, one prompt per call
             keys += [("score", (1, p)) for p in self.buckets.prefill]
         tokens = self.buckets.tokens
@@ -277,7 +278,6 @@ class Engine:
             self.stats["prefix_copies"] += 1
             self.runner.run("copy", bucket_key("copy", rows=self.cfg.max_slots),
                             src_dst_2=np.array([source, slot], np.int32))
-        self.prefixes.admit(slot)
         return slot, start
 
     def _prefill(self, batch: list[EngineRequest]) -> list[tuple[EngineRequest, Any, int]]:

@@ -10,8 +10,9 @@ lowest free slot (`programs.copy_slot`). The restart re-reads one shared token b
 drafter (Eagle3, MTP-1) keeps the feature of its last position pending, and a cut state has none;
 rows before the restart are the same tokens at the same positions, so every later logit is the one a
 whole prefill gives (up to float rounding, as a chunked prefill). Host-side bookkeeping only (numpy);
-the engine says when a slot's rows change hands (`admit`, `hold`, `keep`; `forget_all` after anything
-but a request writes them).
+the engine says when a slot's rows change hands (`hold` once a request's prefill is dispatched, `keep`
+when it ends; `forget_all` after anything but a request writes them). A slot given to a request keeps
+its free record (never busy) until `hold`: neither free nor busy, it is no one's source.
 """
 from __future__ import annotations
 
@@ -45,10 +46,6 @@ class SlotPrefixes:
         self._busy[slot] = busy
         if len(tokens) >= 2:
             self._by_start.setdefault((int(tokens[0]), int(tokens[1])), set()).add(slot)
-
-    def admit(self, slot: int) -> None:
-        """Slot `slot` was given to a request: its rows are no one's until its prefill is dispatched."""
-        self._record(slot, (), busy=False)
 
     def hold(self, slot: int, prompt_ids: Sequence[int]) -> None:
         """Slot `slot`'s prefill is dispatched: its prompt's rows may be copied from now on."""

@@ -190,7 +190,8 @@ class BatchRows:
         ids = list(request.output_ids)
         text = None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
         reason, n_prompt = request.finish_reason or "length", len(request.prompt_ids)
-        spec, counts = request_spec_metrics(request.metrics), usage(n_prompt, len(ids), [request], prompt_details=self.prompt_details)
+        spec = request_spec_metrics(request.metrics)
+        counts = usage(n_prompt, len(ids), [request], prompt_details=self.prompt_details)
         if row.openai is not None:
             rec = batch_openai.output_line(row.id, row.openai, text, ids, reason, counts, spec)
         else:
