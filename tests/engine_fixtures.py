@@ -227,13 +227,13 @@ def small_engine(model, drafter=None, *, slots: int = 4, max_len: int = 64, poli
                  gamma: int | None = None, tokens_buckets=None, prefill: int = 16, mesh=None,
                  prefill_batch: int | None = None, variants: tuple[str, ...] = ("greedy", "plain"),
                  config: dict | None = None, **kw) -> Engine:
-    """A warmed engine of one slots bucket; rounds compiled for the sampling `variants` only (a
+    """A warmed engine of one slots bucket (unless `config` names them); rounds compiled for the sampling `variants` only (a
     top-k or top-p request needs "filtered": the engine refuses it otherwise); `config`: more
     EngineConfig fields, `kw`: Engine's."""
-    cfg = EngineConfig(max_slots=slots, max_len=max_len, policy=policy, gamma=gamma,
-                       slots_buckets=(slots,), tokens_buckets=tokens_buckets, prefill_buckets=(prefill,),
-                       max_prefill=prefill, prefill_batch_buckets=(prefill_batch or min(slots, 8),),
-                       sampling_variants=variants, **(config or {}))
+    cfg = EngineConfig(**{**dict(max_slots=slots, max_len=max_len, policy=policy, gamma=gamma,
+                                 slots_buckets=(slots,), tokens_buckets=tokens_buckets, prefill_buckets=(prefill,),
+                                 max_prefill=prefill, prefill_batch_buckets=(prefill_batch or min(slots, 8),),
+                                 sampling_variants=variants), **(config or {})})
     eng = Engine(model, drafter, cfg, mesh=mesh, progress=False, **kw)
     eng.warmup()
     return eng

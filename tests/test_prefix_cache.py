@@ -66,6 +66,48 @@ def test_choice_takes_the_longest_shared_prefix_and_restarts_on_its_last_token()
     assert p.choose([1, 2, 3, 4, 5, 6], [1, 3]) == (1, 0, None)
 
 
+def test_a_prompt_that_reuses_nothing_evicts_the_least_recently_used_slot_within_the_bucket():
+    p = SlotPrefixes(8)
+    for slot, tokens in ((2, [1, 2, 3]), (0, [4, 5, 6]), (1, [7, 8, 9])):  # freed in this order
+        p.keep(slot, tokens, rows=3)
+    assert p.choose([9, 9, 9], [0, 1, 2, 3]) == (3, 0, None)  # an empty slot first
+    assert p.choose([9, 9, 9], [0, 1, 2]) == (2, 0, None)  # then the one freed longest ago
+    p.keep(2, [1, 2, 3], rows=3)
+    assert p.evict([0, 1, 2]) == 0
+    # the slots bucket stays the one the lowest free slot runs in: below the bucket of the highest taken slot
+    buckets = (1, 2, 4, 8)
+    assert p.evict([0, 1, 2], buckets) == 0  # 3..7 taken: bucket 8
+    assert p.evict([0, 1, 2, 5, 6, 7], buckets) == 5  # 3, 4 taken: bucket 8, an empty slot in it
+    assert p.evict([0, 1, 2, 4, 5, 6, 7], buckets) == 0  # 3 taken: bucket 4
+    p.keep(3, [5, 5, 5], rows=3)
+    assert p.evict(list(range(8)), buckets) == 0  # nothing taken: bucket 1
+    assert p.evict([1, 2, 3, 5, 6, 7], buckets) == 5  # 0, 4 taken: bucket 8
+    assert p.evict([1, 2, 3], buckets) == 1  # 0 and 4..7 taken
+    assert p.evict([2, 3], (1, 2, 4, 8)) == 2 and p.evict([1, 3], (1, 2, 4, 8)) == 1
+    # a copy goes to the evicted slot too
+    p.keep(0, [4, 5, 6], rows=3)
+    p.hold(4, [6, 6, 6, 6, 6, 6, 6, 6])
+    assert p.choose([6, 6, 6, 6, 6, 6, 6, 6, 1], [0, 1, 2, 3], slots_buckets=buckets) == (1, 7, 4)
+
+
+@pytest.mark.parametrize("slots_buckets", [(2,), (1, 2)])
+def test_a_conversation_keeps_its_slot_across_an_unrelated_request(target, slots_buckets):
+    # A, then an unrelated request alone, then A's next turn: with one slots bucket the unrelated request
+    # takes the empty slot and A's rows stay; control: with buckets (1, 2) it runs in bucket 1 (slot 0)
+    engine = _engine(target, None, slots_buckets=slots_buckets)
+    a = EngineRequest("a", PROMPT, max_tokens=N_A, temperature=0.0)
+    engine.run([a], progress=False)
+    other = EngineRequest("other", [6, 5, 7, 6, 5], max_tokens=N_A, temperature=0.0)
+    engine.run([other], progress=False)
+    b = EngineRequest("b", PROMPT + a.output_ids + TURN, max_tokens=N_B, temperature=0.0)
+    engine.run([b], progress=False)
+    assert b.output_ids == greedy_reference(target, b.prompt_ids, N_B)
+    if slots_buckets == (2,):
+        assert (a.slot, other.slot, b.slot) == (0, 1, 0) and b.metrics.cached_tokens == len(PROMPT) + N_A - 2
+    else:
+        assert (a.slot, other.slot) == (0, 0) and b.metrics.cached_tokens == 0
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_target(V, seed=3)
@@ -157,8 +199,8 @@ def test_a_restart_on_the_first_unshared_token_breaks_a_pair_cache(target, monke
     # token the slot held at it (C's edit)
     real = SlotPrefixes.choose
 
-    def one_later(self, prompt_ids, free, copy_margin=0):
-        slot, start, source = real(self, prompt_ids, free, copy_margin)
+    def one_later(self, prompt_ids, free, copy_margin=0, slots_buckets=None):
+        slot, start, source = real(self, prompt_ids, free, copy_margin, slots_buckets)
         return slot, start + (start > 0), source
     monkeypatch.setattr(SlotPrefixes, "choose", one_later)
     (_, b_diff), (c, c_diff) = _conversation(_engine(target, "eagle3"))
@@ -175,7 +217,7 @@ def test_a_stale_record_changes_the_target(target, monkeypatch):
             real(self, slot, tokens, rows)
     monkeypatch.setattr(SlotPrefixes, "keep", first_only)
     monkeypatch.setattr(SlotPrefixes, "hold", lambda self, *args: None)  # nor does the later owner's prefill
-    engine = _engine(target, None)
+    engine = _engine(target, None, slots_buckets=(1, 2))  # x alone runs in bucket 1: slot 0
     a = EngineRequest("a", PROMPT, max_tokens=N_A, temperature=0.0)
     x = EngineRequest("x", [V - 1] * len(PROMPT), max_tokens=N_A, temperature=0.0)
     for r in (a, x):

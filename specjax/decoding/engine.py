@@ -270,10 +270,12 @@ class Engine:
     def _slot_for(self, req: EngineRequest, free: list[int]) -> tuple[int, int]:
         """(slot, prompt tokens reused): the lowest free slot, or with prefix caching (`prefix_cache`; not
         under a repetition penalty, which counts the prompt's tokens as its prefill reads them) the free
-        slot sharing the longest prefix, or the lowest, given a busy slot's rows (copied now)."""
+        slot sharing the longest prefix, or the least recently used one (given a busy slot's rows, copied
+        now) within the slots bucket the lowest would run in."""
         if self.prefixes is None or (self.cfg.penalties and req.repetition_penalty != 1.0):
             return free[0], 0
-        slot, start, source = self.prefixes.choose(req.prompt_ids, free, copy_margin=self.buckets.prefill[0])
+        slot, start, source = self.prefixes.choose(req.prompt_ids, free, copy_margin=self.buckets.prefill[0],
+                                                   slots_buckets=self.buckets.slots)
         if source is not None:
             self.stats["prefix_copies"] += 1
             self.runner.run("copy", bucket_key("copy", rows=self.cfg.max_slots),

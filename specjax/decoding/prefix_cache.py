@@ -6,17 +6,22 @@ prefix with its prompt, and its prefill restarts at the last shared token: the t
 it stay as they are, and the drafter's state is cut back to them (`Drafter.restart`). A busy slot's
 prompt rows serve too (a system prompt shared by concurrent requests): when one shares more than any
 free slot, by more than `copy_margin` tokens, its rows and drafter state are first copied into the
-lowest free slot (`programs.copy_slot`). The restart re-reads one shared token because a pair-cache
+slot `evict` picks (`programs.copy_slot`). The restart re-reads one shared token because a pair-cache
 drafter (Eagle3, MTP-1) keeps the feature of its last position pending, and a cut state has none;
 rows before the restart are the same tokens at the same positions, so every later logit is the one a
 whole prefill gives (up to float rounding, as a chunked prefill). Host-side bookkeeping only (numpy);
 the engine says when a slot's rows change hands (`hold` once a request's prefill is dispatched, `keep`
 when it ends; `forget_all` after anything but a request writes them). A slot given to a request keeps
-its free record (never busy) until `hold`: neither free nor busy, it is no one's source.
+its free record (never busy) until `hold`: neither free nor busy, it is no one's source. A prompt that
+reuses nothing evicts, among the free slots that keep the engine's slots bucket as small as the lowest
+free slot does, an empty one first, else the one freed longest ago (least recently used), so the rows of
+recent conversations last while the rows in use stay packed.
 """
 from __future__ import annotations
 
 from typing import Sequence
+
+import bisect
 
 import numpy as np
 
@@ -37,6 +42,8 @@ class SlotPrefixes:
         self._kept: list[np.ndarray | None] = [None] * slots
         self._busy = [False] * slots
         self._by_start: dict[tuple[int, int], set[int]] = {}
+        self._freed_at = [0] * slots  # when each slot's record was kept (a counter; 0: never)
+        self._clock = 0
 
     def _record(self, slot: int, tokens: Sequence[int], busy: bool) -> None:
         old = self._kept[slot]
@@ -54,21 +61,34 @@ class SlotPrefixes:
     def keep(self, slot: int, tokens: Sequence[int], rows: int) -> None:
         """Slot `slot` was freed holding `tokens` (prompt then output) at its first `rows` cache rows."""
         self._record(slot, tokens[:min(int(rows), len(tokens))], busy=False)
+        self._clock += 1
+        self._freed_at[slot] = self._clock
 
     def forget_all(self) -> None:
         for slot in range(len(self._kept)):
             self._record(slot, (), busy=False)
 
-    def choose(self, prompt_ids: Sequence[int], free: Sequence[int], copy_margin: int = 0
-               ) -> tuple[int, int, int | None]:
+    def evict(self, free: Sequence[int], slots_buckets: Sequence[int] | None = None) -> int:
+        """The free slot a prompt that reuses nothing takes (`free`: every free slot, ascending; the rest
+        are taken): among those below the slots bucket that holds the highest taken slot and `free[0]`
+        (all of them without `slots_buckets`), an empty one, else the least recently freed."""
+        limit = len(self._kept)
+        if slots_buckets is not None:
+            n, k = len(self._kept), len(free)  # free[i:] is the slots above the highest taken one
+            top = n - 1 - (k - bisect.bisect_left(range(k), True, key=lambda i: free[i] == n - k + i))
+            limit = next(b for b in slots_buckets if b > max(top, free[0]))
+        return min((s for s in free if s < limit), key=lambda s: (self._kept[s] is not None, self._freed_at[s], s))
+
+    def choose(self, prompt_ids: Sequence[int], free: Sequence[int], copy_margin: int = 0,
+               slots_buckets: Sequence[int] | None = None) -> tuple[int, int, int | None]:
         """(slot, restart, source) for a prompt: the free slot with the longest restart (ties: the first
-        in `free`) and the prompt position its prefill starts at (0: nothing reused), source None; or,
-        when a busy slot's prompt gives a restart longer by more than `copy_margin`, the first free
-        slot, that restart and the busy slot to copy from."""
+        in `free`) and the prompt position its prefill starts at (0: nothing reused, the slot `evict`
+        picks), source None; or, when a busy slot's prompt gives a restart longer by more than
+        `copy_margin`, the slot `evict` picks, that restart and the busy slot to copy from."""
         held = self._by_start.get((int(prompt_ids[0]), int(prompt_ids[1]))) if len(prompt_ids) >= 2 else None
-        best, restart = free[0], 0
+        best, restart = None, 0
         if not held:
-            return best, restart, None
+            return self.evict(free, slots_buckets), restart, None
         prompt, most = np.asarray(prompt_ids, np.int64), len(prompt_ids) - 1
         for slot in free:
             if slot in held and (start := shared_prefix(self._kept[slot], prompt) - 1) > restart:
@@ -79,7 +99,9 @@ class SlotPrefixes:
         for slot in sorted(s for s in held if self._busy[s]):
             if (start := shared_prefix(self._kept[slot], prompt) - 1) > copied:
                 source, copied = slot, start
-        return (best, restart, None) if source is None else (free[0], copied, source)
+        if source is not None:
+            return self.evict(free, slots_buckets), copied, source
+        return (best, restart, None) if best is not None else (self.evict(free, slots_buckets), 0, None)
 
 
 __all__ = ["SlotPrefixes", "shared_prefix"]
