@@ -720,3 +720,9 @@ def test_command_line_leaves_out_the_docs_page():
     assert common.command_line("bench.round_ops", ["--target", "h200", "--docs", "", "--suffix", "h200"]) == \
         "python -m bench.round_ops --target h200 --suffix h200"
     assert common.command_line("bench.x", ["--docs=a.md", "--slots", "8"]) == "python -m bench.x --slots 8"
+
+
+def test_ngram_cross_slot_asks_each_question_twice_the_repeat_three_arrivals_later():
+    from bench.ngram_cross_slot import arrival_order
+    assert arrival_order(6) == [0, 1, 2, 0, 3, 1, 4, 2, 5, 3, 4, 5]
+    assert arrival_order(2) == [0, 1, 0, 1]
