@@ -145,7 +145,8 @@ def make_llm(target: BenchTarget, *, batch: int, max_len: int, prompt_len: int, 
     ecfg = EngineConfig(max_slots=batch, max_len=max_len, gamma=gamma,
                         policy="plain" if gamma is None else "fixed", max_prefill=prompt_len,
                         slots_buckets=(batch,), tokens_buckets=(1,) if gamma is None else (1, gamma + 1),
-                        prefill_buckets=(prompt_len,), prefill_batch_buckets=(batch,))
+                        prefill_buckets=(prompt_len,), prefill_batch_buckets=(batch,),
+                        prefix_caching=False)  # passes repeat the prompts: decoding is timed, not the cache
     t0 = time.perf_counter()
     llm = LLM(target=(target.model, cfg), drafter=None if gamma is None else "ngram",
               num_speculative_tokens=gamma, engine_config=ecfg)

@@ -94,7 +94,8 @@ def speed_run(drafter: str | None, policy: str, prompts: list[list[int]], max_to
     cfg = EngineConfig(max_slots=1, max_len=prefill + max_tokens + 16, policy=policy,
                        slots_buckets=(1,), tokens_buckets=None, prefill_buckets=(prefill,),
                        max_prefill=prefill, prefill_batch_buckets=(1,), confidence_source=confidence_source,
-                       sampling_variants=(sampling_variant(temperature, 0, 1.0),))
+                       sampling_variants=(sampling_variant(temperature, 0, 1.0),),
+                       prefix_caching=False)  # runs repeat the prompts: decoding is timed, not the cache
     llm = LLM(drafter=drafter, engine_config=cfg)
     llm.engine.warmup()
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)

@@ -57,7 +57,8 @@ def _engine(target, drafter, policy: str, max_slots: int, max_len: int, gamma: i
     cfg = EngineConfig(max_slots=max_slots, max_len=max_len, gamma=None if drafter is None else gamma, policy=policy,
                        threshold=0.6 if policy == "threshold" else None, slots_buckets=pow2_buckets(1, max_slots),
                        tokens_buckets=(1, 2, 4, gamma + 1) if drafter is not None and gamma > 1 else (1, 2),
-                       prefill_buckets=(PREFILL,), max_prefill=PREFILL, prefill_batch_buckets=(1, 8))
+                       prefill_buckets=(PREFILL,), max_prefill=PREFILL, prefill_batch_buckets=(1, 8),
+                       prefix_caching=False)  # runs repeat the prompts: decoding is timed, not the cache
     eng = Engine(target.model, drafter, cfg, eos_token_ids=eos, cost_table=cost_table, progress=True)
     eng.warmup()
     return eng

@@ -356,7 +356,8 @@ def _engine(target, drafter, policy: str, p: Preset, tokens: tuple[int, ...], pr
                        gamma=None if drafter is None else p.gamma, policy=policy, slots_buckets=p.slots,
                        tokens_buckets=tokens, prefill_buckets=(p.prompt_len,), max_prefill=p.prompt_len,
                        prefill_batch_buckets=(min(8, p.slots[-1]),), attention=p.attention, mlp=p.mlp,
-                       sampling_variants=RUN_VARIANTS)
+                       sampling_variants=RUN_VARIANTS,
+                       prefix_caching=False)  # runs repeat the prompts: decoding is timed, not the cache
     # a fixed identity: hashing 4B random weights on the host would only cost time
     return Engine(target, drafter, cfg, progress=progress,
                   target_id=f"random-{p.target['num_hidden_layers']}-layers")

@@ -36,7 +36,8 @@ def _llm(drafter: str | None, guided_drafts: bool, max_tokens: int, prompt_len: 
     prefill = next_pow2(prompt_len)
     cfg = EngineConfig(max_slots=1, max_len=prefill + max_tokens + 16, policy="plain" if drafter is None else "fixed",
                        slots_buckets=(1,), prefill_buckets=(prefill,), max_prefill=prefill, prefill_batch_buckets=(1,),
-                       sampling_variants=("greedy", "plain"), guided_regex=True, guided_drafts=guided_drafts)
+                       sampling_variants=("greedy", "plain"), guided_regex=True, guided_drafts=guided_drafts,
+                       prefix_caching=False)  # runs repeat the prompts: decoding is timed, not the cache
     llm = LLM(drafter=drafter, engine_config=cfg)
     llm.engine.warmup()
     return llm

@@ -1,14 +1,21 @@
-"""The n-gram drafter reading other slots (`NGramDrafter(cross_slot=True)`) on the embedded default target.
+"""The n-gram drafter reading text other than its request's own, on the embedded default target.
 
 Popular questions: MT-Bench first turns, each asked by two users, the second arriving while the first
 is answered or after (one request every few engine steps, 4 slots, greedy). The second asker's answer
-is the first's, which the first asker's row holds (while it runs, or kept in its freed slot until the
-slot is reused); the own-history n-gram drafter sees only its request's text. Per setting: τ, engine
-steps, generated tokens per second, and whether every answer equals the other setting's.
+is the first's, which the first asker's row holds (while it runs, or kept in its freed slot). own:
+the drafter searches its request's history (and a reused slot's stale tail); cross: every slot's of
+the bucket too (`NGramDrafter(cross_slot=True)`).
+
+Asked again: each question twice in a row at one slot (a retry at T = 0). With prefix caching the
+repeat reuses the slot and drafts the first answer from its stale tail; without, it prefills whole
+and drafts from its own history only.
+
+Per setting: τ, engine steps, generated tokens per second, and whether every answer equals the other
+setting's.
 
     python -m bench.ngram_cross_slot [--questions 6] [--max-tokens 96] [--slots 4] [--every 8]
 
-Runs own, cross, cross, own on this machine's CPU (the settings share its background load); each
+Each pair of settings runs A, B, B, A on this machine's CPU (sharing its background load); each
 figure is the mean of a setting's two runs.
 """
 from __future__ import annotations
@@ -23,6 +30,7 @@ from bench.decode import eval_dir
 from bench.prefix_cache import conversations
 
 SETTINGS = ("own", "cross")
+AGAIN = ("whole prefill", "prefix caching")
 
 
 def arrival_order(n: int) -> list[int]:
@@ -36,12 +44,12 @@ def arrival_order(n: int) -> list[int]:
     return order + seconds
 
 
-def _llm(model_config, cross: bool, slots: int):
+def _llm(model_config, cross: bool, slots: int, caching: bool = True):
     from specjax.api import LLM
     from specjax.decoding.engine import EngineConfig
     from specjax.drafters.ngram import NGramDrafter
     cfg = EngineConfig(max_slots=slots, max_len=1024, policy="fixed", slots_buckets=(slots,), max_prefill=256,
-                       sampling_variants=("greedy",))
+                       sampling_variants=("greedy",), prefix_caching=caching)
     model, config = model_config
     return LLM(target=(model, config), drafter=NGramDrafter(config.vocab_size, gamma=4, cross_slot=cross),
                engine_config=cfg)
@@ -53,7 +61,8 @@ def _run(llm, prompts: list[list[int]], max_tokens: int, every: int) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     reqs = [llm.make_request(p, sp) for p in prompts]
     engine, waiting, step = llm.engine, list(reqs), 0
-    engine.prefixes.forget_all()  # no slot holds the run before's rows
+    if engine.prefixes is not None:
+        engine.prefixes.forget_all()  # no slot holds the run before's rows
     t0 = time.perf_counter()
     while waiting or engine.has_work():
         if waiting and step % every == 0:
@@ -83,43 +92,68 @@ def main(argv: list[str] | None = None) -> None:
     order = arrival_order(len(questions))
     prompts = [encode_chat(tok, [{"role": "user", "content": questions[i]}]) for i in order]
     load0 = load_average()[0]
-    llms = {s: _llm(model_config, s == "cross", args.slots) for s in SETTINGS}
-    runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
-    for s in ("own", "cross", "cross", "own"):
-        runs[s].append(_run(llms[s], prompts, args.max_tokens, args.every))
+    res = _compare({s: _llm(model_config, s == "cross", args.slots) for s in SETTINGS}, prompts, args.max_tokens,
+                   args.every)
+    again = [encode_chat(tok, [{"role": "user", "content": q}]) for q in questions for _ in range(2)]
+    res_again = _compare({s: _llm(model_config, False, 1, caching=s == "prefix caching") for s in AGAIN}, again,
+                         args.max_tokens, 1)
+    _report(args, argv, res, res_again, order, load0)
+
+
+def _compare(llms: dict, prompts: list[list[int]], max_tokens: int, every: int) -> dict:
+    """Two settings run A, B, B, A: per setting the means of τ, steps and tokens/s; whether answers agree."""
+    a, b = llms
+    runs: dict[str, list[dict]] = {s: [] for s in llms}
+    for s in (a, b, b, a):
+        runs[s].append(_run(llms[s], prompts, max_tokens, every))
         r = runs[s][-1]
         log(f"{s}: τ {r['tau']:.2f}, {r['steps']} steps, {r['tokens_per_s']:.1f} tok/s")
-    res = {s: {k: statistics.mean(r[k] for r in runs[s]) for k in ("tau", "steps", "tokens_per_s")} for s in SETTINGS}
-    res["same_answers"] = all(r["answers"] == runs["own"][0]["answers"] for s in SETTINGS for r in runs[s])
-    _report(args, argv, res, order, load0)
+    res = {s: {k: statistics.mean(r[k] for r in runs[s]) for k in ("tau", "steps", "tokens_per_s")} for s in llms}
+    res["same_answers"] = all(r["answers"] == runs[a][0]["answers"] for s in llms for r in runs[s])
+    return res
 
 
-def _report(args, argv, res: dict, order: list[int], load0: float) -> None:
+def _table(res: dict, settings: tuple[str, ...], label: str) -> str:
+    return md_table([label, "τ", "engine steps", "tokens/s", "answers equal"],
+                    [[s, f"{res[s]['tau']:.2f}", f"{res[s]['steps']:.0f}", f"{res[s]['tokens_per_s']:.1f}",
+                      "yes" if res["same_answers"] else "NO"] for s in settings], "lrrrl")
+
+
+def _report(args, argv, res: dict, again: dict, order: list[int], load0: float) -> None:
     own, cross = res["own"], res["cross"]
+    off, on = (again[s] for s in AGAIN)
     md = (f"# The n-gram drafter reading other slots\n\nCommand: `{command_line('bench.ngram_cross_slot', argv)}`\n\n"
           f"{len(order) // 2} MT-Bench first turns (../shared/data/eval/mt-bench.jsonl), each asked twice (arrival "
           f"order {' '.join(map(str, order))}), one request every {args.every} engine steps, {args.slots} slots, "
           f"greedy, at most {args.max_tokens} tokens, n-gram drafter gamma 4 at fixed verification, "
           f"SmolLM2-135M-Instruct on this CPU (load {load0:.1f} at the start), prefix caching on. own: the "
-          f"drafter looks up its request's history; cross: every slot's of the bucket (`cross_slot`). Runs own, "
-          f"cross, cross, own; means of each setting's two runs.\n\n"
-          + md_table(["drafter lookup", "τ", "engine steps", "tokens/s", "answers equal"],
-                     [[s, f"{res[s]['tau']:.2f}", f"{res[s]['steps']:.0f}", f"{res[s]['tokens_per_s']:.1f}",
-                       "yes" if res["same_answers"] else "NO"] for s in SETTINGS], "lrrrl")
+          f"drafter looks up its request's history (and a reused slot's stale tail); cross: every slot's of the "
+          f"bucket too (`cross_slot`). Runs own, cross, cross, own; means of each setting's two runs.\n\n"
+          + _table(res, SETTINGS, "drafter lookup")
           + f"\n- cross over own: τ {own['tau']:.2f} -> {cross['tau']:.2f}, steps {own['steps'] / cross['steps']:.2f}x "
-            f"fewer, tokens/s {cross['tokens_per_s'] / own['tokens_per_s']:.2f}x\n")
-    write_results("ngram_cross_slot", {"machine": machine_info(), "args": vars(args), "order": order, "runs": res}, md,
-                  out_dir=args.out_dir, plot=lambda path: _plot(res, path))
+            f"fewer, tokens/s {cross['tokens_per_s'] / own['tokens_per_s']:.2f}x\n"
+          f"\n**Asked again.** The same questions, each twice in a row, at one slot (own-history lookup): with "
+          f"prefix caching the repeat reuses the slot and drafts the first answer from the slot's stale tail; "
+          f"without, it prefills whole. Runs off, on, on, off.\n\n"
+          + _table(again, AGAIN, "repeat's prefill")
+          + f"\n- prefix caching over a whole prefill: τ {off['tau']:.2f} -> {on['tau']:.2f}, tokens/s "
+            f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x\n")
+    write_results("ngram_cross_slot", {"machine": machine_info(), "args": vars(args), "order": order, "runs": res,
+                                       "asked_again": again}, md,
+                  out_dir=args.out_dir, plot=lambda path: _plot(res, again, path))
     log("wrote ngram_cross_slot results")
 
 
-def _plot(res: dict, path: str) -> None:
+def _plot(res: dict, again: dict, path: str) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(6, 2.8))
+    fig, axes = plt.subplots(1, 2, figsize=(7, 2.8))
+    labels = ["popular: own", "popular: cross", "again: whole", "again: cached"]
+    values = [res[s] for s in SETTINGS] + [again[s] for s in AGAIN]
     for ax, key, label in ((axes[0], "tau", "τ"), (axes[1], "tokens_per_s", "tokens/s")):
-        ax.bar(list(SETTINGS), [res[s][key] for s in SETTINGS], color=["tab:gray", "tab:blue"])
+        ax.bar(labels, [v[key] for v in values], color=["tab:gray", "tab:blue", "tab:gray", "tab:green"])
         ax.set_ylabel(label)
-    fig.suptitle("n-gram drafter: own history vs every slot's (popular questions)", fontsize=9)
+        ax.tick_params(axis="x", labelsize=7, rotation=20)
+    fig.suptitle("n-gram drafter: other slots' text and a reused slot's stale tail", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

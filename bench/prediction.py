@@ -51,7 +51,8 @@ def _llm(drafter: str | None, max_tokens: int, prompt_len: int, prediction_token
     prefill = next_pow2(prompt_len)
     cfg = EngineConfig(max_slots=1, max_len=prefill + max_tokens + 16, policy="plain" if drafter is None else "fixed",
                        slots_buckets=(1,), prefill_buckets=(prefill,), max_prefill=prefill, prefill_batch_buckets=(1,),
-                       sampling_variants=("greedy",), prediction_tokens=0 if drafter is None else prediction_tokens)
+                       sampling_variants=("greedy",), prediction_tokens=0 if drafter is None else prediction_tokens,
+                       prefix_caching=False)  # runs repeat the prompts: decoding is timed, not the cache
     return LLM(drafter=drafter, engine_config=cfg)
 
 

@@ -21,7 +21,7 @@ from test_engine import greedy_reference
 V = 16
 
 
-def _propose(drafter, histories, anchors, kv_len=None):
+def _propose(drafter, histories, anchors, kv_len=None, temperature=0.0):
     """The tokens proposed for rows of `histories` (each committed whole) with their `anchors`."""
     b, m = len(histories), 12
     state = drafter.init_state(b, m)
@@ -31,7 +31,7 @@ def _propose(drafter, histories, anchors, kv_len=None):
         tokens[r, :len(h)] = h
     n_valid = jnp.array([len(h) for h in histories], jnp.int32)
     state = drafter.commit(state, ContextUpdate(jnp.asarray(tokens), None, None, None, n_valid))
-    block = drafter.propose(state, jnp.array(anchors, jnp.int32), n_valid, SamplingArrays.broadcast(b, temperature=0.0),
+    block = drafter.propose(state, jnp.array(anchors, jnp.int32), n_valid, SamplingArrays.broadcast(b, temperature=temperature),
                             jax.random.split(jax.random.key(0), b), kv_len=kv_len)
     return np.asarray(block.tokens).tolist()
 
@@ -57,6 +57,8 @@ def test_cross_slot_lookup_reads_other_rows_and_prefers_longer_then_own_matches(
     assert _propose(cross, [[1, 2, 3, 4, 5], [2, 3, 6, 1, 2]], [8, 3])[1] == [4, 5, 5]
     # the highest other slot at equal length
     assert _propose(cross, [[5, 1, 2], [5, 1, 3], [0, 0, 4]], [0, 0, 5])[2] == [1, 3, 3]
+    # a sampled row reads its own history only (a seeded request's tokens must not depend on other requests)
+    assert _propose(cross, rows, [8, 3], temperature=1.0)[1] == [3, 3, 3]
     # another row's text past the attention bucket (here 6 rows) is not read
     assert _propose(cross, [[9, 9, 1, 2, 3, 4, 5], [7, 1, 2]], [8, 3], kv_len=6)[1] == [4, 4, 4]
 
@@ -101,3 +103,42 @@ def test_cross_slot_drafts_another_request_s_answer_exactly(target):
     # drafts copied from A's row are accepted beyond what B's own history gives (control: own history only)
     assert b.metrics.num_accepted_tokens > b_own.metrics.num_accepted_tokens
     assert b.metrics.num_rounds < b_own.metrics.num_rounds
+
+
+def _asked_again(target, prefix_caching: bool):
+    """One slot: A, then B of A's prompt; with prefix caching B restarts in A's rows and its history's
+    stale tail is A's answer."""
+    engine = small_engine(target, NGramDrafter(V, gamma=3), slots=1, max_len=64, policy="fixed", prefill=16,
+                          tokens_buckets=(4,), variants=("greedy",), config={"prefix_caching": prefix_caching})
+    a, b = (EngineRequest(rid, [1, 2, 3, 4, 5, 6], max_tokens=24, temperature=0.0) for rid in "ab")
+    for r in (a, b):
+        engine.run([r], progress=False)
+    return a, b
+
+
+def test_a_prompt_asked_again_drafts_the_stale_tail_of_its_slot(target):
+    a, b = _asked_again(target, prefix_caching=True)
+    _, b_whole = _asked_again(target, prefix_caching=False)  # control: a whole prefill, no stale tail
+    assert b.metrics.cached_tokens == 5 and b_whole.metrics.cached_tokens == 0
+    assert b.output_ids == b_whole.output_ids == a.output_ids == greedy_reference(target, a.prompt_ids, 24)
+    # A's answer drafted whole: every round accepts all 3 drafts (the last one: what max_tokens leaves)
+    assert set(b.metrics.per_step_accepted[:-1]) == {3}
+    assert b.metrics.num_accepted_tokens > b_whole.metrics.num_accepted_tokens
+    assert b.metrics.num_rounds < b_whole.metrics.num_rounds
+
+
+def test_restart_keeps_what_the_row_held_past_it_as_a_stale_tail():
+    d = NGramDrafter(V, gamma=3)
+    state = d.init_state(2, 12)
+    toks = jnp.array([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 0, 0, 0, 0]], jnp.int32)
+    state = d.commit(state, ContextUpdate(toks, None, None, None, jnp.array([7, 3], jnp.int32)))
+    state = d.restart(state, jnp.array([2, 1], jnp.int32))
+    assert state.lengths.tolist() == [2, 1] and state.stale_end.tolist() == [7, 3]
+
+    def propose(temperature):
+        block = d.propose(state, jnp.array([3, 9], jnp.int32), state.lengths,
+                          SamplingArrays.broadcast(2, temperature=temperature), jax.random.split(jax.random.key(0), 2))
+        return np.asarray(block.tokens).tolist()
+    # row 0: (2, 3) held at index 2 past the restart: 4, 5, 6 follow; row 1: 9 nowhere, the anchor repeated
+    assert propose(0.0) == [[4, 5, 6], [9, 9, 9]]
+    assert propose(1.0) == [[3, 3, 3], [9, 9, 9]]  # sampled rows: their own history only

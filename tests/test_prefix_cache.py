@@ -182,7 +182,8 @@ def test_a_reused_prefix_decodes_and_drafts_as_a_whole_prefill(target, kind):
     assert [r.metrics.cached_tokens for r in c] == [len(b[0].prompt_ids) + KEEP - 1, 0]
     for reused, _ in (b, c):
         assert reused.output_ids == greedy_reference(target, reused.prompt_ids, N_B)
-    assert b_diff == [] and c_diff == []
+    # the n-gram drafter of C's reused slot also reads B's text past the restart (its stale tail): other drafts
+    assert b_diff == [] and c_diff == (["accepted"] if kind == "ngram" else [])
     if kind is not None:  # drafts were verified (what the restarted state proposes decides them)
         assert min(r.metrics.num_draft_tokens for r in b + c) > 0
 

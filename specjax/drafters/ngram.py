@@ -2,7 +2,13 @@
 
 It keeps each slot's token history and proposes the gamma tokens that followed the most recent
 earlier occurrence of the current suffix (longest n-gram first, n from `max_ngram` down to
-`min_ngram`). Its q is one-hot on the proposed token, so verification stays exact.
+`min_ngram`). Its q is one-hot on the proposed token, so verification stays exact. A slot reused by
+prefix caching (`restart`) keeps the text it held past the restart as a stale tail, searched first
+(its match nearest the anchor) until the new request's tokens overwrite it: a prompt asked again
+drafts the earlier answer while the two agree.
+
+The stale tail and other slots (`cross_slot`, below) serve greedy rows only: a seeded sampled
+request's tokens depend on its drafts, and must not depend on what other requests left in the engine.
 
 With `cross_slot` the other slots of the round's slots bucket are searched too (a corpus of other
 requests' text, as suffix decoding's): running requests' histories and the rows a freed slot still
@@ -35,6 +41,7 @@ ARCHITECTURE = "SpecjaxNGramDrafter"
 class NGramState(NamedTuple):
     history: Array  # [slots, max_len] int32
     lengths: Array  # [slots] int32
+    stale_end: Array  # [slots] int32: history [lengths, stale_end) is text held before a restart
 
 
 class NGramDrafter(nnx.Module):
@@ -56,29 +63,40 @@ class NGramDrafter(nnx.Module):
         self.cross_slot = bool(cross_slot)
 
     def init_state(self, slots: int, max_len: int) -> NGramState:
-        return NGramState(jnp.zeros((slots, max_len), jnp.int32), jnp.zeros((slots,), jnp.int32))
+        return NGramState(jnp.zeros((slots, max_len), jnp.int32), jnp.zeros((slots,), jnp.int32),
+                          jnp.zeros((slots,), jnp.int32))
 
     def commit(self, state: NGramState, update: ContextUpdate) -> NGramState:
-        b = update.tokens.shape[0]
+        b, t = update.tokens.shape
         lengths = state.lengths[:b]
-        hist = kvc.write(state.history[:, None, :, None], update.tokens[:, :, None, None], lengths)[:, 0, :, 0]
-        return NGramState(hist, state.lengths.at[:b].add(update.n_valid.astype(jnp.int32)))
+        # only the valid tokens overwrite: past them the row keeps its stale tail (not padding, not rejected drafts)
+        at = jnp.minimum(kvc.write_indices(lengths, t), state.history.shape[1] - 1)
+        tokens = jnp.where(jnp.arange(t)[None, :] < update.n_valid[:, None], update.tokens,
+                           jnp.take_along_axis(state.history[:b], at, axis=1))
+        hist = kvc.write(state.history[:, None, :, None], tokens[:, :, None, None], lengths)[:, 0, :, 0]
+        return state._replace(history=hist, lengths=state.lengths.at[:b].add(update.n_valid.astype(jnp.int32)))
 
     def restart(self, state: NGramState, start_b: Array) -> NGramState:
-        """Rows [0:B] cut back to their first start_b history tokens (prefix caching)."""
-        return state._replace(lengths=state.lengths.at[:start_b.shape[0]].set(start_b.astype(jnp.int32)))
+        """Rows [0:B] cut back to their first start_b history tokens (prefix caching); what they held past
+        that stays readable as a stale tail."""
+        b = start_b.shape[0]
+        stale = jnp.maximum(state.stale_end[:b], state.lengths[:b])
+        return state._replace(lengths=state.lengths.at[:b].set(start_b.astype(jnp.int32)),
+                              stale_end=state.stale_end.at[:b].set(stale))
 
     def propose(self, state: NGramState, anchor_b: Array, position_b: Array, sampling, key_b: Array,
                 kv_len: int | None = None, guide: Any = None) -> DraftBlock:
         """Continue the latest earlier match of the longest suffix n-gram (history rows [0:kv_len)), in
-        the row's own history or (`cross_slot`) in any row's. The proposals are copies of earlier text:
-        a `guide` (rows' automata) does not change them."""
+        the row's own history (its stale tail the latest part) or (`cross_slot`) in any row's. The
+        proposals are copies of earlier text: a `guide` (rows' automata) does not change them."""
         b = anchor_b.shape[0]
         hist = state.history[:b, :kv_len]  # kv_len None: every row
         m = hist.shape[1]
         length = state.lengths[:b]  # the anchor sits at index `length`
-        seq = jnp.concatenate([hist, jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, M+1]
-        seq = seq.at[jnp.arange(b), length].set(anchor_b.astype(jnp.int32))
+        held = jnp.concatenate([hist, jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, M+1]: the stale tail's view
+        seq = held.at[jnp.arange(b), length].set(anchor_b.astype(jnp.int32))
+        stale_end = jnp.minimum(state.stale_end[:b], m)[:, None]
+        greedy_b = jnp.ones((b,), bool) if sampling.greedy else sampling.temperature[:b] <= 0  # module docstring
         idx = jnp.arange(m + 1)
         rows = jnp.arange(b)
         corpus_end = jnp.minimum(length, m)[None, :, None]  # [1, B, 1]: another row's history, this bucket
@@ -87,15 +105,22 @@ class NGramDrafter(nnx.Module):
         for n in range(self.min_ngram, self.max_ngram + 1):  # larger n overrides smaller on a match
             suffix_bn = jnp.take_along_axis(seq, jnp.maximum(length[:, None] - jnp.arange(n)[None, :], 0), axis=1)
             match = (idx[None, :] < length[:, None]) & (idx[None, :] >= n - 1)
+            match_s = ((idx[None, :] >= length[:, None]) & (idx[None, :] + 1 < stale_end) & (idx[None, :] >= n - 1)
+                       & greedy_b[:, None])
             match_x = ((idx[None, None, :] + 1 < corpus_end) & (idx >= n - 1)
-                       & (rows[:, None, None] != rows[None, :, None])) if cross else None  # [B(r), B(s), M+1]
+                       & (rows[:, None, None] != rows[None, :, None]) & greedy_b[:, None, None]) if cross else None
+            # match_x: [B(r), B(s), M+1]
             for i in range(n):
                 shifted = jnp.roll(seq, i, axis=1)  # shifted[:, e] = seq[:, e - i]
                 match = match & (shifted == suffix_bn[:, i:i + 1])
+                match_s = match_s & (jnp.roll(held, i, axis=1) == suffix_bn[:, i:i + 1])
                 if cross:
                     match_x = match_x & (shifted[None] == suffix_bn[:, i, None, None])
             enough = length >= n  # the suffix of n tokens exists (anchor + n-1 history tokens)
-            last = jnp.max(jnp.where(match, idx[None, :], -1), axis=1)
+            # the match nearest the anchor: in the stale tail the first (at the anchor's own position when the
+            # two texts agree there), else the latest earlier one
+            first_s = jnp.min(jnp.where(match_s, idx[None, :], m + 1), axis=1)
+            last = jnp.where(first_s <= m, first_s, jnp.max(jnp.where(match, idx[None, :], -1), axis=1))
             own = enough & (last >= 0)
             best_row, best_end = jnp.where(own, rows, best_row), jnp.where(own, last, best_end)
             if cross:  # the latest match of the highest other slot: flat index s * (M + 1) + e
@@ -104,8 +129,10 @@ class NGramDrafter(nnx.Module):
                 best_row = jnp.where(other, flat // (m + 1), best_row)
                 best_end = jnp.where(other, flat % (m + 1), best_end)
         offs = jnp.arange(1, self.gamma + 1)
-        # a continuation stops at the anchor in the row's own history, at the last history token in another's
-        stop = jnp.where(best_row == rows, length, jnp.minimum(length[best_row], m) - 1)
+        # a continuation stops at the anchor in the row's own history (the stale tail's end past it), at the
+        # last history token in another's
+        stop = jnp.where(best_row != rows, jnp.minimum(length[best_row], m) - 1,
+                         jnp.where(best_end >= length, stale_end[:, 0] - 1, length))
         src = jnp.where(best_end[:, None] >= 0, best_end[:, None] + offs[None, :], length[:, None])
         src = jnp.minimum(src, stop[:, None])
         tokens = seq[best_row[:, None], src]

@@ -241,8 +241,10 @@ def _fixed_engine_config(engine_config: Any, datasets: Sequence[Dataset], tcfg: 
         longest = max(len(p) for d in datasets for p in d.prompts)
         mlen = max_model_len or min(tcfg.max_position_embeddings, longest + settings.max_new_tokens + 1)
         variant = sampling_variant(settings.temperature, settings.top_k, settings.top_p)
+        # each prompt decoded as if alone: no rows or n-gram text of the prompts before it (prefix caching off)
         engine_config = EngineConfig(max_slots=max_num_seqs, max_len=mlen, policy="fixed", seed=settings.seed,
-                                     max_prefill=min(max_prefill, mlen), sampling_variants=(variant,))
+                                     max_prefill=min(max_prefill, mlen), sampling_variants=(variant,),
+                                     prefix_caching=False)
     if engine_config.policy != "fixed":
         raise ValueError(f"{why}: policy must be 'fixed', got {engine_config.policy!r}")
     return engine_config
