@@ -122,7 +122,7 @@ def _table(res: dict, settings: tuple[str, ...], label: str) -> str:
 def _report(args, argv, res: dict, again: dict, order: list[int], load0: float) -> None:
     own, cross = res["own"], res["cross"]
     off, on = (again[s] for s in AGAIN)
-    md = (f"# The n-gram drafter reading other slots\n\nCommand: `{command_line('bench.ngram_cross_slot', argv)}`\n\n"
+    md = (f"# The n-gram drafter reading earlier text\n\nCommand: `{command_line('bench.ngram_cross_slot', argv)}`\n\n"
           f"{len(order) // 2} MT-Bench first turns (../shared/data/eval/mt-bench.jsonl), each asked twice (arrival "
           f"order {' '.join(map(str, order))}), one request every {args.every} engine steps, {args.slots} slots, "
           f"greedy, at most {args.max_tokens} tokens, n-gram drafter gamma 4 at fixed verification, "
