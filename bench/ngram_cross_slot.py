@@ -61,8 +61,7 @@ def _run(llm, prompts: list[list[int]], max_tokens: int, every: int) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     reqs = [llm.make_request(p, sp) for p in prompts]
     engine, waiting, step = llm.engine, list(reqs), 0
-    if engine.prefixes is not None:
-        engine.prefixes.forget_all()  # no slot holds the run before's rows
+    llm.reset_prefix_cache()  # no slot holds the run before's rows
     t0 = time.perf_counter()
     while waiting or engine.has_work():
         if waiting and step % every == 0:

@@ -169,8 +169,7 @@ def _shared_system(tok, questions: list[str], args) -> dict:
     runs: dict[str, list[list[dict]]] = {s: [] for s in SETTINGS}
     copies = 0
     for s in ("on", "off", "off", "on"):
-        if llms[s].engine.prefixes is not None:  # no slot holds a record of the run before
-            llms[s].engine.prefixes.forget_all()
+        llms[s].reset_prefix_cache()  # no slot holds a record of the run before
         before = llms[s].engine.stats["prefix_copies"]
         runs[s].append(_staggered(llms[s], tok, questions, args.max_tokens, args.every))
         copies += llms[s].engine.stats["prefix_copies"] - before

@@ -142,6 +142,7 @@ def run_demo(out_dir: str = "demo_output", *, drafter: str = "dspark", num_promp
         llms[name] = LLM(target=target, tokenizer=gguf, drafter=d, progress=progress,
                          engine_config=EngineConfig(policy=pol or "plain", **engine))
         llms[name].chat(messages[0], SamplingParams(temperature=temperature, max_tokens=4))  # first-call effects
+        llms[name].reset_prefix_cache()  # the timed passes do not start from the warm-up's rows
         print(f"  {name:10s} start-up {time.perf_counter() - t0:5.1f}s")
     runs = timed_runs(llms, messages, sp, repeats=TIMED_PASSES)
     for name, run in runs.items():

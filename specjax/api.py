@@ -329,6 +329,14 @@ class LLM:
                                continue_final_message=continue_final_message, tools=tools) for conv in convs]
         return self.generate(prompts, sampling_params)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget what every free slot's rows hold, so no later request reuses them (nor drafts from
+        them); False when prefix caching is off."""
+        if self.engine.prefixes is None:
+            return False
+        self.engine.prefixes.forget_all()
+        return True
+
     def _metrics(self, req: EngineRequest) -> dict[str, Any]:
         """An output's metrics: the counts (`RequestMetrics.as_dict`) and, with a drafter, vLLM's
         `speculative_decoding` block with every round's counts (None without a drafter)."""

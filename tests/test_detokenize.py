@@ -124,3 +124,17 @@ def test_stop_checker_passes_over_stops_that_would_keep_fewer_than_min_tokens(to
     assert check(ids, 1) == 3  # the second: "fox the"
     assert StopStringChecker(tok, ["fox"])(ids, 4) == 6  # the third: "fox the fox the quick"
     assert StopStringChecker(tok, ["fox"])(ids, len(ids)) is None
+
+
+@pytest.mark.parametrize("reaches_max_tokens", [True, False])
+def test_a_round_that_emits_a_stop_string_and_reaches_max_tokens_stops_at_the_string(tok, reaches_max_tokens):
+    """A speculative round appends several tokens at once: a stop string among them ends the output
+    there even when the same round reaches max_tokens (control: the last token's "length" alone would
+    keep the stop string and what follows)."""
+    from specjax.decoding.requests import EngineRequest, append_output
+    ids = _ids(tok, "hello world the quick brown fox")
+    req = EngineRequest("r", [1], max_tokens=len(ids) if reaches_max_tokens else 100, temperature=0.0, stop_check=StopStringChecker(tok, ["quick"]))
+    append_output(req, ids[:2], eos_token_ids=[])
+    assert req.finish_reason is None
+    append_output(req, ids[2:], eos_token_ids=[])  # one round: " the quick brown fox" (max_tokens reached)
+    assert req.finish_reason == "stop" and tok.decode(req.output_ids) == "hello world the"

@@ -307,6 +307,9 @@ def test_the_api_and_the_server_report_cached_prompt_tokens():
     first = llm.generate([prompt], sp)[0]
     second = llm.generate([prompt + first.token_ids + [5, 6]], sp)[0]
     assert second.num_cached_tokens == len(prompt) + len(first.token_ids) - 2
+    assert llm.reset_prefix_cache() is True  # vLLM's: no free slot's rows are reused after it
+    assert llm.generate([second.prompt_token_ids], sp)[0].num_cached_tokens == 0
+    assert llm.generate([second.prompt_token_ids], sp)[0].num_cached_tokens == len(second.prompt_token_ids) - 1
     third = second.prompt_token_ids + second.token_ids + [7]
     api = OpenAIApp.from_llm(llm, model_name="tiny", prompt_tokens_details=True)
     server = ServerThread(api)

@@ -99,6 +99,8 @@ def test_port_0_is_printed_and_bound_to_localhost_by_default(srv):
 
 
 def test_completion_plain_and_streamed_agree(srv):
+    # each request prefills whole: a repeat would draft from the slot's stale tail (other rounds, same tokens)
+    srv["llm"].reset_prefix_cache()
     status, r = _complete(srv["url"])
     assert status == 200, r
     ch = r["choices"][0]
@@ -112,6 +114,7 @@ def test_completion_plain_and_streamed_agree(srv):
     assert sm["num_drafts"] > 0 and sm["mean_acceptance_length"] == pytest.approx(
         1 + sm["num_accepted_tokens"] / sm["num_drafts"])
 
+    srv["llm"].reset_prefix_cache()
     status, headers, data = http_request(srv["url"] + "/v1/completions", "POST",
                                          {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True})
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
@@ -381,6 +384,7 @@ def _check_spec_decode_stats(st: dict, sm: dict, gamma: int) -> None:
 
 def test_per_request_spec_decode_metrics_add_up_to_the_rounds_verified(srv):
     gamma = srv["llm"].engine.gamma
+    srv["llm"].reset_prefix_cache()  # whole prefills: the streamed repeat below runs the same rounds
     status, r = _complete(srv["url"], max_tokens=24)  # the fixture's server: --per-request-... summary
     assert status == 200, r
     st = r["metrics"]["speculative_decoding"]
@@ -395,6 +399,7 @@ def test_per_request_spec_decode_metrics_add_up_to_the_rounds_verified(srv):
     status, r2 = _complete(srv["url"], max_tokens=8, n=2)
     assert status == 200 and r2["metrics"] == {"speculative_decoding": None}  # vLLM: null for n > 1
 
+    srv["llm"].reset_prefix_cache()
     status, _, data = http_request(srv["url"] + "/v1/completions", "POST", {
         "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True}})
@@ -423,6 +428,7 @@ def test_per_request_spec_decode_metrics_add_up_to_the_rounds_verified(srv):
         assert sum(a for _, a in steps) == st["num_accepted_draft_tokens"]
         assert sum(k for k, _ in steps) == st["num_draft_tokens"]
     with side_server(srv) as (url, _):  # off by default: the response is unchanged
+        srv["llm"].reset_prefix_cache()
         status, off = _complete(url, max_tokens=24)
         assert status == 200 and "metrics" not in off and off["spec_metrics"] == r["spec_metrics"]
 

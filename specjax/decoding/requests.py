@@ -358,7 +358,9 @@ def held_stop_ids(req: EngineRequest) -> np.ndarray:
 
 def append_output(req: EngineRequest, toks: Sequence[int], eos_token_ids: Sequence[int]) -> None:
     """Append emitted tokens to `req.output_ids` under its stop rules (eos unless ignore_eos, its stop ids,
-    max_tokens, its stop strings: `stop_check`), setting `finish_reason` when one ends it."""
+    max_tokens, its stop strings: `stop_check`), setting `finish_reason` when one ends it. A stop string in
+    the appended tokens ends the output there, whatever ended the round's tokens (a round may emit
+    the stop string and reach max_tokens or eos at once)."""
     stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_token_ids))
     for t in toks:
         req.output_ids.append(int(t))
@@ -368,7 +370,7 @@ def append_output(req: EngineRequest, toks: Sequence[int], eos_token_ids: Sequen
         if len(req.output_ids) >= req.max_tokens:
             req.finish_reason = "length"
             break
-    if req.finish_reason is None and req.stop_check is not None:
+    if req.stop_check is not None:
         keep = req.stop_check(req.output_ids, req.min_tokens)
         if keep is not None:
             del req.output_ids[keep:]

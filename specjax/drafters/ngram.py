@@ -86,9 +86,10 @@ class NGramDrafter(nnx.Module):
 
     def propose(self, state: NGramState, anchor_b: Array, position_b: Array, sampling, key_b: Array,
                 kv_len: int | None = None, guide: Any = None) -> DraftBlock:
-        """Continue the latest earlier match of the longest suffix n-gram (history rows [0:kv_len)), in
-        the row's own history (its stale tail the latest part) or (`cross_slot`) in any row's. The
-        proposals are copies of earlier text: a `guide` (rows' automata) does not change them."""
+        """Continue the match of the longest suffix n-gram (history rows [0:kv_len)) nearest the anchor in
+        the row's own history (a greedy row's stale tail first) or, for a greedy row with `cross_slot`, in
+        any row's. The proposals are copies of earlier text: a `guide` (rows' automata) does not change
+        them."""
         b = anchor_b.shape[0]
         hist = state.history[:b, :kv_len]  # kv_len None: every row
         m = hist.shape[1]
