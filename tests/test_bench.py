@@ -726,3 +726,9 @@ def test_ngram_cross_slot_asks_each_question_twice_the_repeat_three_arrivals_lat
     from bench.ngram_cross_slot import arrival_order
     assert arrival_order(6) == [0, 1, 2, 0, 3, 1, 4, 2, 5, 3, 4, 5]
     assert arrival_order(2) == [0, 1, 0, 1]
+
+
+def test_ngram_cross_slot_times_both_proposals_at_each_shape():
+    from bench.ngram_cross_slot import _proposal_cost
+    (row,) = _proposal_cost(64, shapes=((2, 16),), repeats=2)
+    assert (row["slots"], row["attention"], row["vocab"]) == (2, 16, 64) and row["own"] > 0 and row["cross"] > 0
