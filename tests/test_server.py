@@ -674,3 +674,20 @@ def test_bench_server_load_openai_client_level(srv):
     assert (level["requests"], level["completed"], level["errors"]) == (6, 6, 0), level["error_examples"]
     assert level["tokens_per_s"] == pytest.approx(2 * 6 * level["requests_per_s"])
     assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"] and 0 <= level["itl_ms_p50"] <= level["itl_ms_p99"]
+
+
+def test_reset_prefix_cache_route_forgets_the_rows_of_free_slots(srv):
+    """vLLM's POST /reset_prefix_cache: a prompt a free slot holds is reused (control), not after it."""
+    def hits() -> float:
+        text = http_request(srv["url"] + "/metrics")[2].decode()
+        return float(re.search(r'^vllm:prefix_cache_hits_total\{model_name="tiny"\} (\S+)$', text, re.M).group(1))
+    assert _complete(srv["url"], max_tokens=2)[0] == 200
+    before = hits()
+    assert _complete(srv["url"], max_tokens=2)[0] == 200
+    assert hits() - before == len(PROMPT) - 1  # the whole prompt but the token its prefill re-reads
+    assert http_json(srv["url"] + "/reset_prefix_cache", "POST", {}) == (200, {"reset": True})
+    before = hits()
+    assert _complete(srv["url"], max_tokens=2)[0] == 200
+    assert hits() == before
+    from specjax.serving.async_engine import AsyncEngine  # prefix caching off: nothing to forget
+    assert AsyncEngine.reset_prefix_cache(types.SimpleNamespace(engine=types.SimpleNamespace(prefixes=None))) is False

@@ -261,6 +261,15 @@ class AsyncEngine:
         self._inbox.put(("abort", stream))
         self._wake.set()
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: the engine thread forgets every free slot's rows before it takes the next request
+        submitted after this call. False (nothing to forget) when prefix caching is off."""
+        if self.engine.prefixes is None:
+            return False
+        self._inbox.put(("reset", None))
+        self._wake.set()
+        return True
+
     def generate(self, request: EngineRequest, timeout: float | None = None) -> EngineRequest:
         """Submit and wait (blocking convenience)."""
         return self.submit(request).result(timeout)
@@ -307,6 +316,9 @@ class AsyncEngine:
                 kind, stream = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            if kind == "reset":
+                self.engine.prefixes.forget_all()
+                continue
             req = stream.request
             if kind == "add":
                 with self._submit_lock:

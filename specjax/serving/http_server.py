@@ -7,6 +7,7 @@ Endpoints:
     POST /tokenize, /detokenize vLLM's: a prompt or messages as the token ids the completion routes use;
                                 token ids as text
     GET  /version               specjax's version
+    POST /reset_prefix_cache    vLLM's: no later request reuses the rows freed slots hold (prefix caching)
     GET  /health                200 once warm-up is done and while the engine loop runs, else 503 + reason
     GET  /metrics               Prometheus text (see specjax.serving.metrics); /metrics.json: JSON snapshot
     GET  /openapi.json, /docs   the schema: the pydantic models of `specjax.serving.schema` are the routes'
@@ -214,7 +215,7 @@ def _add_error_handlers(app: FastAPI, served: ServedApp) -> None:
 
 
 def _add_info_routes(app: FastAPI, served: ServedApp) -> None:
-    """/health, /version, /v1/models, /metrics and /metrics.json."""
+    """/health, /version, /v1/models, /reset_prefix_cache, /metrics and /metrics.json."""
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
     async def health() -> JSONResponse:
         """200 once warm-up is done and the engine runs; 503 with the reason before or after."""
@@ -234,6 +235,11 @@ def _add_info_routes(app: FastAPI, served: ServedApp) -> None:
     async def models() -> JSONResponse:
         """The served model, with its maximum context length (`max_model_len`)."""
         return JSONResponse(served.get().models())
+
+    @app.post("/reset_prefix_cache", response_model=dict[str, bool], responses={503: _ERRORS[503]})
+    async def reset_prefix_cache() -> JSONResponse:
+        """Forget every free slot's cache rows (vLLM's route): `{"reset": false}` when prefix caching is off."""
+        return JSONResponse({"reset": served.get().engine.reset_prefix_cache()})
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}},
