@@ -330,8 +330,8 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def reset_prefix_cache(self) -> bool:
-        """vLLM's: forget what every free slot's rows hold, so no later request reuses them (nor drafts from
-        them); False when prefix caching is off."""
+        """vLLM's: forget the rows every slot keeps, so no later request reuses them (nor drafts from them);
+        False when prefix caching is off."""
         if self.engine.prefixes is None:
             return False
         self.engine.prefixes.forget_all()

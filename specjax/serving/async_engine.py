@@ -262,7 +262,7 @@ class AsyncEngine:
         self._wake.set()
 
     def reset_prefix_cache(self) -> bool:
-        """vLLM's: the engine thread forgets every free slot's rows before it takes the next request
+        """vLLM's: the engine thread forgets the rows every slot keeps before it takes the next request
         submitted after this call. False (nothing to forget) when prefix caching is off."""
         if self.engine.prefixes is None:
             return False

@@ -7,7 +7,7 @@ Endpoints:
     POST /tokenize, /detokenize vLLM's: a prompt or messages as the token ids the completion routes use;
                                 token ids as text
     GET  /version               specjax's version
-    POST /reset_prefix_cache    vLLM's: no later request reuses the rows freed slots hold (prefix caching)
+    POST /reset_prefix_cache    vLLM's: no later request reuses the rows slots keep (prefix caching)
     GET  /health                200 once warm-up is done and while the engine loop runs, else 503 + reason
     GET  /metrics               Prometheus text (see specjax.serving.metrics); /metrics.json: JSON snapshot
     GET  /openapi.json, /docs   the schema: the pydantic models of `specjax.serving.schema` are the routes'
@@ -238,7 +238,7 @@ def _add_info_routes(app: FastAPI, served: ServedApp) -> None:
 
     @app.post("/reset_prefix_cache", response_model=dict[str, bool], responses={503: _ERRORS[503]})
     async def reset_prefix_cache() -> JSONResponse:
-        """Forget every free slot's cache rows (vLLM's route): `{"reset": false}` when prefix caching is off."""
+        """Forget the cache rows every slot keeps (vLLM's route): `{"reset": false}` when prefix caching is off."""
         return JSONResponse({"reset": served.get().engine.reset_prefix_cache()})
 
     @app.get("/metrics", response_class=Response,
