@@ -19,9 +19,8 @@ recent conversations last while the rows in use stay packed.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import bisect
+from typing import Sequence
 
 import numpy as np
 
@@ -74,7 +73,7 @@ class SlotPrefixes:
         (all of them without `slots_buckets`), an empty one, else the least recently freed."""
         limit = len(self._kept)
         if slots_buckets is not None:
-            n, k = len(self._kept), len(free)  # free[i:] is the slots above the highest taken one
+            n, k = len(self._kept), len(free)  # free's trailing run up to n - 1: the slots above every taken one
             top = n - 1 - (k - bisect.bisect_left(range(k), True, key=lambda i: free[i] == n - k + i))
             limit = next(b for b in slots_buckets if b > max(top, free[0]))
         return min((s for s in free if s < limit), key=lambda s: (self._kept[s] is not None, self._freed_at[s], s))
