@@ -90,6 +90,16 @@ def test_a_prompt_that_reuses_nothing_evicts_the_least_recently_used_slot_within
     assert p.choose([6, 6, 6, 6, 6, 6, 6, 6, 1], [0, 1, 2, 3], slots_buckets=buckets) == (1, 7, 4)
 
 
+def test_a_prompt_waits_for_the_next_batch_only_when_a_batch_prompt_gives_a_longer_copy():
+    p, prompt = SlotPrefixes(4), [1, 2, 3, 4, 5, 6, 7, 8]
+    assert p.copies_from(prompt, [prompt[:6] + [0, 0]], [1, 2, 3], copy_margin=3)  # restart 5 > 0 + 3
+    assert not p.copies_from(prompt, [prompt[:4] + [0]], [1, 2, 3], copy_margin=3)  # 3: not more than the margin
+    assert not p.copies_from(prompt, [[9, 9]], [1, 2, 3], copy_margin=0) and not p.copies_from(prompt, [], [1])
+    p.hold(0, prompt[:6] + [0])  # a dispatched request already gives restart 5: no reason to wait
+    assert not p.copies_from(prompt, [prompt[:6] + [0, 0]], [1, 2, 3], copy_margin=3)
+    assert p.copies_from(prompt, [prompt + [0]], [1, 2, 3], copy_margin=1)  # 7 > 5 + 1
+
+
 @pytest.mark.parametrize("slots_buckets", [(2,), (1, 2)])
 def test_a_conversation_keeps_its_slot_across_an_unrelated_request(target, slots_buckets):
     # A, then an unrelated request alone, then A's next turn: with one slots bucket the unrelated request
@@ -134,6 +144,8 @@ def _proposal(engine, slot: int):
 
 def _pair(engine, prompt):
     """(reusing, whole-prefill) requests of `prompt` run side by side: slot 0 and slot 1."""
+    if engine.prefixes is not None:  # one batch: the twin does not wait to copy the first one's rows
+        engine.prefixes.copies_from = lambda *args: False
     reqs = [EngineRequest(f"r{i}", prompt, max_tokens=N_B, temperature=0.0) for i in range(2)]
     engine.run(reqs, progress=False)
     return sorted(reqs, key=lambda r: r.slot)
@@ -256,6 +268,21 @@ def test_a_prompt_starts_from_a_copy_of_a_busy_slot_s_rows(target):
     assert engine.stats["prefix_copies"] == 1
     assert b.output_ids == greedy_reference(target, b.prompt_ids, N_B) and b.metrics.num_draft_tokens > 0
     assert _differences(engine, b, ref, alone) == []
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_identical_prompts_admitted_together_prefill_once_and_copy(target, caching):
+    # three requests of one prompt queued at once: the first prefills, the others wait for the next batch
+    # of the same admission and start from copies of its rows (control: without prefix caching, three
+    # whole prefills in one batch)
+    engine = _engine(target, "eagle3", slots=4, prefix_caching=caching)
+    reqs = [EngineRequest(f"r{i}", PROMPT, max_tokens=N_B, temperature=0.0) for i in range(3)]
+    engine.run(reqs, progress=False)
+    assert all(r.output_ids == greedy_reference(target, PROMPT, N_B) for r in reqs)
+    assert min(r.metrics.num_draft_tokens for r in reqs) > 0
+    copied = len(PROMPT) - 1  # restart on the prompt's last token
+    assert engine.stats["prefix_copies"] == (2 if caching else 0)
+    assert sorted(r.metrics.cached_tokens for r in reqs) == ([0, copied, copied] if caching else [0, 0, 0])
 
 
 def test_a_missing_copy_changes_the_target(target, monkeypatch):

@@ -248,6 +248,10 @@ class Engine:
         while self.queue and free:
             batch: list[EngineRequest] = []
             while self.queue and len(batch) < self.prefill_batches[-1] and free:
+                if self.prefixes is not None and self.prefixes.copies_from(
+                        self.queue[0].prompt_ids, [r.prompt_ids for r in batch], free, self.buckets.prefill[0],
+                        self.buckets.slots):
+                    break  # the next batch copies that prompt's rows (prefix caching) instead of its prefill
                 if self.automata is not None and not self.automata.admit(self.queue[0]):
                     break  # its automaton waits for room in the table (so do the requests behind it)
                 req = self.queue.pop(0)

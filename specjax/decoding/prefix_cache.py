@@ -78,6 +78,15 @@ class SlotPrefixes:
             limit = next(b for b in slots_buckets if b > max(top, free[0]))
         return min((s for s in free if s < limit), key=lambda s: (self._kept[s] is not None, self._freed_at[s], s))
 
+    def copies_from(self, prompt_ids: Sequence[int], batch: Sequence[Sequence[int]], free: Sequence[int],
+                    copy_margin: int = 0, slots_buckets: Sequence[int] | None = None) -> bool:
+        """Whether a prompt would restart later by more than `copy_margin` from the rows of a prompt in the
+        prefill batch being built than from what slots hold now (`choose`): it then waits for the next
+        batch, which copies them once that one is dispatched."""
+        prompt = np.asarray(prompt_ids, np.int64)
+        most = max((shared_prefix(np.asarray(p, np.int64), prompt) - 1 for p in batch), default=0)
+        return most > self.choose(prompt_ids, free, copy_margin, slots_buckets)[1] + copy_margin
+
     def choose(self, prompt_ids: Sequence[int], free: Sequence[int], copy_margin: int = 0,
                slots_buckets: Sequence[int] | None = None) -> tuple[int, int, int | None]:
         """(slot, restart, source) for a prompt: the free slot with the longest restart (ties: the first
