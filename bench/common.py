@@ -182,6 +182,18 @@ def batch1_decode(llm: Any, prompts: Sequence[Sequence[int]], sampling_params: A
                   "tau": 1 + acc / drafts if drafts else 1.0, "token_ids": [o.token_ids for o in outs]}
 
 
+def run_arrivals(engine: Any, requests: Sequence[Any], every: int) -> int:
+    """Run `requests` on `engine`, one added every `every` engine steps (queued while the slots are
+    busy), until all end; returns the steps taken."""
+    waiting, step = list(requests), 0
+    while waiting or engine.has_work():
+        if waiting and step % every == 0:
+            engine.add_request(waiting.pop(0))
+        engine.step()
+        step += 1
+    return step
+
+
 def require_shipped(drafters: Sequence[str]) -> None:
     """Exit naming --drafters when one of `drafters` (shipped names; "ngram" needs none) is not shipped."""
     from specjax import default_target

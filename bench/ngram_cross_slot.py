@@ -26,7 +26,7 @@ import os
 import statistics
 import time
 
-from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, write_results
+from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, run_arrivals, write_results
 from bench.decode import eval_dir
 from bench.prefix_cache import conversations
 
@@ -61,14 +61,9 @@ def _run(llm, prompts: list[list[int]], max_tokens: int, every: int) -> dict:
     from specjax.api import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     reqs = [llm.make_request(p, sp) for p in prompts]
-    engine, waiting, step = llm.engine, list(reqs), 0
     llm.reset_prefix_cache()  # no slot holds the run before's rows
     t0 = time.perf_counter()
-    while waiting or engine.has_work():
-        if waiting and step % every == 0:
-            engine.add_request(waiting.pop(0))
-        engine.step()
-        step += 1
+    step = run_arrivals(llm.engine, reqs, every)
     seconds = time.perf_counter() - t0
     drafts = sum(r.metrics.num_drafts for r in reqs)
     return {"tau": 1 + sum(r.metrics.num_accepted_tokens for r in reqs) / drafts, "steps": step,

@@ -25,7 +25,8 @@ import os
 import statistics
 import time
 
-from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, require_shipped, write_results
+from bench.common import (command_line, load_average, log, machine_info, md_table, pyplot, require_shipped,
+                          run_arrivals, write_results)
 from bench.decode import eval_dir
 
 SETTINGS = ("on", "off")
@@ -89,12 +90,7 @@ def _staggered(llm, tok, questions: list[str], max_tokens: int, every: int) -> l
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     reqs = [llm.make_request(encode_chat(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]),
                              sp) for q in questions]
-    engine, waiting, step = llm.engine, list(reqs), 0
-    while waiting or engine.has_work():
-        if waiting and step % every == 0:
-            engine.add_request(waiting.pop(0))
-        engine.step()
-        step += 1
+    run_arrivals(llm.engine, reqs, every)
     return [{"prompt": len(r.prompt_ids), "cached": r.metrics.cached_tokens, "tokens": list(r.output_ids),
              "ttft": r.metrics.first_token_time - r.metrics.start_time} for r in reqs]
 

@@ -732,3 +732,25 @@ def test_ngram_cross_slot_times_both_proposals_at_each_shape():
     from bench.ngram_cross_slot import _proposal_cost
     (row,) = _proposal_cost(64, shapes=((2, 16),), repeats=2)
     assert (row["slots"], row["attention"], row["vocab"]) == (2, 16, 64) and row["own"] > 0 and row["cross"] > 0
+
+
+def test_run_arrivals_adds_one_request_every_n_steps_until_all_end():
+    from bench.common import run_arrivals
+
+    class Engine:  # each request takes 3 steps once added
+        def __init__(self):
+            self.left, self.added = [], []
+
+        def add_request(self, r):
+            self.added.append((r, self.steps))
+            self.left.append(3)
+
+        def has_work(self):
+            return any(self.left)
+
+        def step(self):
+            self.left = [n - 1 for n in self.left if n > 1]
+            self.steps += 1
+    eng = Engine()
+    eng.steps = 0
+    assert run_arrivals(eng, ["a", "b", "c"], every=2) == 7 and eng.added == [("a", 0), ("b", 2), ("c", 4)]

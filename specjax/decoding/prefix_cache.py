@@ -85,7 +85,8 @@ class SlotPrefixes:
         batch, which copies them once that one is dispatched."""
         prompt = np.asarray(prompt_ids, np.int64)
         most = max((shared_prefix(np.asarray(p, np.int64), prompt) - 1 for p in batch), default=0)
-        return most > self.choose(prompt_ids, free, copy_margin, slots_buckets)[1] + copy_margin
+        # `choose` only when a batch prompt could give a copy at all (its restart is never negative)
+        return most > copy_margin and most > self.choose(prompt_ids, free, copy_margin, slots_buckets)[1] + copy_margin
 
     def choose(self, prompt_ids: Sequence[int], free: Sequence[int], copy_margin: int = 0,
                slots_buckets: Sequence[int] | None = None) -> tuple[int, int, int | None]:

@@ -67,13 +67,10 @@ class NGramDrafter(nnx.Module):
                           jnp.zeros((slots,), jnp.int32))
 
     def commit(self, state: NGramState, update: ContextUpdate) -> NGramState:
-        b, t = update.tokens.shape
-        lengths = state.lengths[:b]
-        # only the valid tokens overwrite: past them the row keeps its stale tail (not padding, not rejected drafts)
-        at = jnp.minimum(kvc.write_indices(lengths, t), state.history.shape[1] - 1)
-        tokens = jnp.where(jnp.arange(t)[None, :] < update.n_valid[:, None], update.tokens,
-                           jnp.take_along_axis(state.history[:b], at, axis=1))
-        hist = kvc.write(state.history[:, None, :, None], tokens[:, :, None, None], lengths)[:, 0, :, 0]
+        b = update.tokens.shape[0]
+        # only the valid tokens are written: past them the row keeps its stale tail (not padding, not rejected drafts)
+        hist = kvc.write(state.history[:, None, :, None], update.tokens[:, :, None, None], state.lengths[:b],
+                         n_valid_b=update.n_valid)[:, 0, :, 0]
         return state._replace(history=hist, lengths=state.lengths.at[:b].add(update.n_valid.astype(jnp.int32)))
 
     def restart(self, state: NGramState, start_b: Array) -> NGramState:

@@ -69,13 +69,17 @@ def write_indices(lengths_s: Array, t: int) -> Array:
     return lengths_s[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
-def write(buf: Array, new_bt_d: Array, lengths_b: Array, rows_b: Array | None = None, slot_axis: int = 0) -> Array:
+def write(buf: Array, new_bt_d: Array, lengths_b: Array, rows_b: Array | None = None, slot_axis: int = 0,
+          n_valid_b: Array | None = None) -> Array:
     """Scatter T new entries per row into a buffer whose axis `slot_axis` indexes slots and whose
     last two are [max_len, d], at that row's length, in one scatter. `new` is [B, T, *the buffer's
-    other axes in order, d]; entries past max_len are dropped. Row b of `new` goes to cache slot
-    `rows_b[b]` (default: slot b; an id >= slots drops the row)."""
+    other axes in order, d]; entries past max_len are dropped, and with `n_valid_b` so are a row's
+    entries from its n_valid-th on (the buffer keeps what it held there). Row b of `new` goes to cache
+    slot `rows_b[b]` (default: slot b; an id >= slots drops the row)."""
     b, t = new_bt_d.shape[:2]
     idx = write_indices(lengths_b, t)
+    if n_valid_b is not None:
+        idx = jnp.where(jnp.arange(t)[None, :] < n_valid_b[:, None], idx, buf.shape[-2])
     rows = jnp.arange(b, dtype=jnp.int32) if rows_b is None else rows_b.astype(jnp.int32)
     at = (slice(None),) * slot_axis + (rows[:, None],) + (slice(None),) * (buf.ndim - slot_axis - 3) + (idx,)
     return buf.at[at].set(new_bt_d.astype(buf.dtype), mode="drop")
