@@ -54,6 +54,9 @@ class SamplingParams:
     # OpenAI's predicted output (an LLM built with prediction_tokens): text (or token ids) the answer is
     # expected to repeat, drafted while the answer follows it; the output is unchanged, only faster
     prediction: str | tuple[int, ...] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the output keeps the stop string (through its last token)
+    # vLLM's: generate from the prompt's last k tokens only (left truncation); -1: the last max_model_len
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -73,8 +76,12 @@ class SamplingParams:
         self._check_rules()
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not (t >= 1 or t == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be a positive int, -1 (max_model_len) or None, got {t!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if stop is not None:
             if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
@@ -302,11 +309,11 @@ class LLM:
         reqs = [self.make_request(ids, sp) for (_, ids), sp in zip(encoded, sps)]
         self.engine.run(reqs)
         outs = []
-        for (text, ids), req in zip(encoded, reqs):
+        for (text, _), req in zip(encoded, reqs):
             out_text = None
             if self.tokenizer is not None:
                 out_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-            outs.append(Output(request_id=req.request_id, prompt=text, prompt_token_ids=ids,
+            outs.append(Output(request_id=req.request_id, prompt=text, prompt_token_ids=list(req.prompt_ids),
                                token_ids=list(req.output_ids), text=out_text,
                                finish_reason=req.finish_reason or "length", metrics=self._metrics(req),
                                logprobs=list(req.output_logprobs) if req.logprobs is not None else None,
@@ -346,7 +353,9 @@ class LLM:
     def make_request(self, prompt_ids: Sequence[int], sampling_params: SamplingParams, *,
                      request_id: str | None = None) -> EngineRequest:
         """An `EngineRequest` for token ids, ready for `self.engine.add_request` (stop strings use
-        this LLM's tokenizer). `request_id` defaults to the next counter value."""
+        this LLM's tokenizer; `truncate_prompt_tokens` against its max_model_len). `request_id` defaults
+        to the next counter value."""
+        prompt_ids = truncate_prompt(prompt_ids, sampling_params, self.engine.cfg.max_len)
         req = build_engine_request(prompt_ids, sampling_params, request_id=request_id or "",
                                    tokenizer=self.tokenizer, vocab=self.config.vocab_size)
         if request_id is None:
@@ -417,7 +426,7 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
     if needs and tokenizer is None:
         raise ValueError(f"{needs[0]} need a tokenizer; this target has none")
     if sp.stop:
-        stop_check = StopStringChecker(tokenizer, sp.stop)
+        stop_check = StopStringChecker(tokenizer, sp.stop, include=sp.include_stop_str_in_output)
     return EngineRequest(request_id=request_id, prompt_ids=ids, max_tokens=sp.max_tokens,
                          temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed,
                          stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens,
@@ -429,6 +438,19 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
                          automaton=request_automaton(sp, tokenizer, vocab), stop_check=stop_check,
                          max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs,
                          prediction_ids=prediction_ids(tokenizer, sp.prediction))
+
+
+def truncate_prompt(prompt_ids: Sequence[int], sp: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last `sp.truncate_prompt_tokens` ids (vLLM's left truncation; -1: the last
+    max_model_len; None: all); ValueError naming the field when it exceeds max_model_len."""
+    k = sp.truncate_prompt_tokens
+    ids = [int(t) for t in prompt_ids]
+    if k is None:
+        return ids
+    if k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens is {k}; it must be at most max_model_len ({max_model_len}), "
+                         f"or -1 for max_model_len")
+    return ids[-(max_model_len if k == -1 else k):]
 
 
 def prediction_ids(tokenizer: Any, prediction: str | tuple[int, ...] | None) -> tuple[int, ...]:

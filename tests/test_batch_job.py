@@ -128,11 +128,46 @@ def test_text_prompts_messages_and_stop_strings_with_a_tokenizer(llm, tmp_path):
         cut = next(i for i in range(1, len(words)) if words[i] not in " ".join(words[:i]))
         inp2, out2 = tmp_path / "in2.jsonl", tmp_path / "out2.jsonl"
         write_jsonl(inp2, [{"id": "s", "prompt": "w5 w6 w7 w9", "max_tokens": 6, "temperature": 0,
-                            "stop": words[cut]}])
+                            "stop": words[cut]},
+                           {"id": "kept", "prompt": "w5 w6 w7 w9", "max_tokens": 6, "temperature": 0,
+                            "stop": words[cut], "include_stop_str_in_output": True},
+                           {"id": "cut", "prompt": [8] * 300 + [5, 6, 7, 9], "max_tokens": 6, "temperature": 0,
+                            "truncate_prompt_tokens": 4},
+                           {"id": "uncut", "prompt": [8] * 300 + [5, 6, 7, 9], "max_tokens": 6},
+                           {"id": "cut-big", "prompt": [5, 6, 7, 9], "truncate_prompt_tokens": 10 ** 6}])
         run_batch_job(llm, str(inp2), str(out2), shard=Shard(0, 1), progress=False)
-        (row,) = read_jsonl(out2)
+        by_id = {r["id"]: r for r in read_jsonl(out2)}
+        row = by_id["s"]
         assert row["finish_reason"] == "stop" and row["text"].split() == words[:cut]
         assert row["token_ids"] == ref["token_ids"][:cut]
+        assert by_id["kept"]["text"].split() == words[:cut + 1] and by_id["kept"]["finish_reason"] == "stop"
+        assert by_id["cut"]["token_ids"] == ref["token_ids"] and by_id["cut"]["prompt_tokens"] == 4
+        errs = {e["id"]: e for e in read_jsonl(default_errors_path(str(out2)))}
+        assert errs["uncut"]["field"] == "prompt" and "too long" in errs["uncut"]["error"]  # control
+        assert errs["cut-big"]["field"] == "truncate_prompt_tokens" and "max_model_len" in errs["cut-big"]["error"]
+    finally:
+        llm.tokenizer = saved
+
+
+def test_llm_generate_truncates_prompts_and_keeps_stop_strings_when_asked(llm):
+    """The Python API's vLLM fields: truncate_prompt_tokens (Output.prompt_token_ids are the ids kept) and
+    include_stop_str_in_output (control: the same stop without it ends before the word)."""
+    saved = llm.tokenizer
+    llm.tokenizer = tiny_chat_tokenizer()
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=6)
+        (ref,) = llm.generate([[5, 6, 7, 9]], greedy)
+        (cut,) = llm.generate([[8] * 200 + [5, 6, 7, 9]], SamplingParams(temperature=0, max_tokens=6,
+                                                                         truncate_prompt_tokens=4))
+        assert cut.prompt_token_ids == [5, 6, 7, 9] and cut.token_ids == ref.token_ids
+        with pytest.raises(ValueError, match="does not fit the context"):  # control: uncut, 204 tokens
+            llm.generate([[8] * 200 + [5, 6, 7, 9]], greedy)
+        words = ref.text.split()
+        cut_at = next(i for i in range(1, len(words)) if words[i] not in " ".join(words[:i]))
+        (kept,), (dropped,) = (llm.generate([[5, 6, 7, 9]], SamplingParams(
+            temperature=0, max_tokens=6, stop=words[cut_at], include_stop_str_in_output=inc)) for inc in (True, False))
+        assert kept.text.split() == words[:cut_at + 1] and dropped.text.split() == words[:cut_at]
+        assert kept.finish_reason == dropped.finish_reason == "stop"
     finally:
         llm.tokenizer = saved
 

@@ -138,3 +138,34 @@ def test_a_round_that_emits_a_stop_string_and_reaches_max_tokens_stops_at_the_st
     assert req.finish_reason is None
     append_output(req, ids[2:], eos_token_ids=[])  # one round: " the quick brown fox" (max_tokens reached)
     assert req.finish_reason == "stop" and tok.decode(req.output_ids) == "hello world the"
+
+
+@pytest.mark.parametrize("stop", ["世界", "😀", "fox", "ve 🇯", "quick 你"])
+def test_stop_checker_keeps_the_stop_string_through_its_last_token_when_asked(tok, stop):
+    """include_stop_str_in_output: the fewest tokens whose text holds the whole stop string, found
+    across calls (control: without it the kept text never holds the stop string)."""
+    ids = _ids(tok)
+    end = TEXT.index(stop) + len(stop)
+    want = min(k for k in range(len(ids) + 1)
+               if len(tok.decode(ids[:k])) >= end and not tok.decode(ids[:k]).endswith("\ufffd"))
+    rng = random.Random(stop)
+    check, k, got = StopStringChecker(tok, [stop], include=True), 0, None
+    while k < len(ids) and got is None:
+        k = min(len(ids), k + rng.randint(1, 4))
+        got = check(ids[:k])
+    assert got == want and tok.decode(ids[:got]).startswith(TEXT[:end])
+    assert stop not in tok.decode(ids[:StopStringChecker(tok, [stop])(ids)])
+
+
+def test_sampling_params_stop_inclusion_and_prompt_truncation_are_checked_and_applied():
+    from specjax.api import SamplingParams, truncate_prompt
+    assert truncate_prompt(range(10), SamplingParams(truncate_prompt_tokens=3), 100) == [7, 8, 9]
+    assert truncate_prompt(range(10), SamplingParams(truncate_prompt_tokens=-1), 4) == [6, 7, 8, 9]
+    assert truncate_prompt(range(10), SamplingParams(), 4) == list(range(10))  # off: the engine refuses
+    with pytest.raises(ValueError, match="truncate_prompt_tokens is 5; it must be at most max_model_len"):
+        truncate_prompt(range(10), SamplingParams(truncate_prompt_tokens=5), 4)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(ValueError, match="include_stop_str_in_output must be a bool"):
+        SamplingParams(include_stop_str_in_output=1)

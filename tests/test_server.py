@@ -168,6 +168,14 @@ def test_chat_with_a_tokenizer_template(srv):
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]).split() == words[:cut]
         assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == ids[:cut]
         assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        # vLLM's include_stop_str_in_output keeps it (each word is one token), streamed or not
+        body = {**body, "include_stop_str_in_output": True}
+        status, r = http_json(url + "/v1/chat/completions", "POST", body)
+        assert r["choices"][0]["message"]["content"].split() == words[:cut + 1]
+        assert r["choices"][0]["token_ids"] == ids[:cut + 1] and r["choices"][0]["finish_reason"] == "stop"
+        status, _, data = http_request(url + "/v1/chat/completions", "POST", {**body, "stream": True})
+        events = sse_events(data)
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]).split() == words[:cut + 1]
 
 
 def test_a_list_of_prompts_answers_each_prompt_n_times_in_order(srv):
@@ -276,6 +284,10 @@ def test_tokenize_gives_the_ids_the_completion_routes_use_and_detokenize_inverts
     (b'{"prompt": [5, 6], "response_format": {"type": "json_object"}}', "response_format", "--guided-regex"),
     (b'{"prompt": [5, 6], "presence_penalty": true}', "presence_penalty", "must be a number"),
     (b'{"prompt": [5, 6], "ignore_eos": 1}', "ignore_eos", "true or false"),
+    (b'{"prompt": [5, 6], "include_stop_str_in_output": "yes"}', "include_stop_str_in_output", "true or false"),
+    (b'{"prompt": [5, 6], "truncate_prompt_tokens": 0}', "truncate_prompt_tokens", "must be a positive int, -1"),
+    (b'{"prompt": [5, 6], "truncate_prompt_tokens": 1.0}', "truncate_prompt_tokens", "must be an integer"),
+    (b'{"prompt": [5, 6], "truncate_prompt_tokens": 100000}', "truncate_prompt_tokens", "at most max_model_len"),
     (b'{"prompt": [5, 6], "stop_token_ids": [64]}', "stop_token_ids", "vocabulary"),
     (b'{"prompt": [5, 1.5]}', "prompt", "valid integer"),
     (b'{"prompt": "\\ud800x"}', "prompt", "lone surrogate"),
@@ -300,6 +312,21 @@ def test_served_vllm_fields_and_off_values_of_unserved_ones_are_answered(srv):
                               response_format={"type": "text"}, max_tokens=4)
     assert status == 200 and len(r["choices"][0]["token_ids"]) == 4, r
     assert [(q.ignore_eos, q.min_p, q.min_tokens) for q in seen] == [(True, 0.05, 2)]
+
+
+def test_truncate_prompt_tokens_answers_the_prompts_last_tokens(srv):
+    """vLLM's truncate_prompt_tokens: a longer prompt cut to its last len(PROMPT) tokens answers as PROMPT
+    (greedy tokens, usage), also past max_model_len (control: the same prompt uncut is 400)."""
+    long = [3, 4] * (srv["app"].max_model_len // 2) + list(PROMPT)
+    status, r = _complete(srv["url"], prompt=long, max_tokens=6)
+    assert status == 400 and r["error"]["code"] == "context_length_exceeded", r
+    srv["llm"].reset_prefix_cache()
+    status, cut = _complete(srv["url"], prompt=long, max_tokens=6, truncate_prompt_tokens=len(PROMPT))
+    srv["llm"].reset_prefix_cache()
+    status2, whole = _complete(srv["url"], prompt=list(PROMPT), max_tokens=6)
+    assert status == status2 == 200, cut
+    assert cut["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
+    assert cut["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] == len(PROMPT)
 
 
 def test_oversize_body_is_413_and_unknown_model_404_then_still_serving(srv):

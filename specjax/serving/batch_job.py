@@ -3,9 +3,9 @@
 Input rows (one JSON object a line):
     {"id": "a1", "prompt": "text" | [token ids], ...}   or   {"id": 7, "messages": [{"role": ..., "content": ...}]}
     optional: temperature, top_k, top_p, min_p, max_tokens, stop, stop_token_ids, seed,
-    num_speculative_tokens, ignore_eos, min_tokens (sampling; defaults from the job), the server's other
-    request fields (logit rules, guides, OpenAI's `prediction`; the job's options serve them), metadata
-    (copied to the output).
+    num_speculative_tokens, ignore_eos, min_tokens, include_stop_str_in_output, truncate_prompt_tokens
+    (sampling; defaults from the job), the server's other request fields (logit rules, guides, OpenAI's
+    `prediction`; the job's options serve them), metadata (copied to the output).
     A line with `custom_id` is an OpenAI batch request and gets an OpenAI batch output line
     (`specjax.serving.batch_openai`); both kinds may share a file.
 Output rows (in completion order, not input order):
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text
+from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text, truncate_prompt
 from specjax.decoding.requests import missing_rule
 from specjax.io import JsonlLine
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
@@ -180,6 +180,10 @@ class BatchRows:
             ids = encode_chat(self.tokenizer, row.messages, tools=row.openai.tools if row.openai is not None else None)
         else:
             ids = encode_text(self.tokenizer, row.prompt) if isinstance(row.prompt, str) else list(row.prompt)
+        try:
+            ids = truncate_prompt(ids, row.sp, self.max_len)
+        except ValueError as e:
+            raise RowError(str(e), "truncate_prompt_tokens") from None
         if len(ids) + 1 > self.max_len:
             raise RowError(f"prompt of {len(ids)} tokens is too long: max_model_len {self.max_len} must hold "
                            f"the prompt plus one generated token", "messages" if row.messages else "prompt")

@@ -8,7 +8,7 @@ so a stream never shows a partial character (no U+FFFD in the middle of an emoji
 
 `StopStringChecker` is the engine's `stop_check` for stop strings: it searches only the new text
 (plus the last len(stop) - 1 characters before it) and maps a hit back to the number of tokens whose
-text lies wholly before the stop string.
+text lies wholly before the stop string (or, kept in the output, through it).
 """
 from __future__ import annotations
 
@@ -61,13 +61,16 @@ class StopStringChecker:
     """`EngineRequest.stop_check` for stop strings: called with the request's whole output so far
     (a list that only grows) and the fewest tokens a stop may keep (min_tokens), returns None, or
     the number of tokens to keep when a stop string appears (the longest token prefix whose text
-    ends at or before the stop string's start; occurrences that would keep fewer are passed over)."""
+    ends at or before the stop string's start; occurrences that would keep fewer are passed over).
+    With `include` (vLLM's include_stop_str_in_output) the kept tokens run through the one that
+    completes the stop string."""
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str]):
+    def __init__(self, tokenizer: Any, stops: Sequence[str], *, include: bool = False):
         if not stops or any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
         self.stops = tuple(stops)
+        self.include = include
         self._carry_len = max(len(s) for s in self.stops) - 1
         self._reset()
 
@@ -87,8 +90,8 @@ class StopStringChecker:
         window = self._carry + new
         base = before - len(self._carry)  # text position of window[0]
         self._carry = window[-self._carry_len:] if self._carry_len else ""
-        for at in sorted(_occurrences(window, self.stops)):
-            keep = self._tokens_before(base + at)
+        for at, end in sorted(_occurrences(window, self.stops)):
+            keep = self._tokens_through(base + end) if self.include else self._tokens_before(base + at)
             if keep >= min_keep:
                 return keep
         return None
@@ -103,13 +106,17 @@ class StopStringChecker:
                 keep = k
         return keep
 
+    def _tokens_through(self, cut: int) -> int:
+        """The shortest token prefix whose text reaches text position `cut`."""
+        return next(k for k, end in enumerate(self._detok.ends, 1) if end is not None and end >= cut)
 
-def _occurrences(text: str, stops: Sequence[str]) -> set[int]:
-    """Every start position of every stop string in `text` (overlapping ones too)."""
+
+def _occurrences(text: str, stops: Sequence[str]) -> set[tuple[int, int]]:
+    """(start, end) of every occurrence of every stop string in `text` (overlapping ones too)."""
     out = set()
     for s in stops:
         i = text.find(s)
         while i >= 0:
-            out.add(i)
+            out.add((i, i + len(s)))
             i = text.find(s, i + 1)
     return out

@@ -28,7 +28,8 @@ prefill bucket (no chunking: 400 naming the limit); echo is not streamed. vLLM's
 k (completions: in each choice; chat: at the top of the answer) gives each prompt token after the
 first its log-probability, rank and the top k alternatives, scored as echo's (not streamed). Not
 served (400 naming the field, `schema.UNSERVED_FIELDS`): `best_of`, `suffix`, `guided_grammar`. vLLM's
-`ignore_eos`, `min_p` and `min_tokens` are served; the presence, frequency and repetition penalties by a
+`ignore_eos`, `min_p`, `min_tokens`, `include_stop_str_in_output` and `truncate_prompt_tokens` (a prompt cut to
+its last k tokens before the length checks) are served; the presence, frequency and repetition penalties by a
 server started with `--penalties`; `logit_bias`, `allowed_token_ids` and `bad_words` by one started with
 `--logit-bias`; `guided_choice` by one started with `--guided-choice`; `guided_regex`, `guided_json`,
 `response_format` and tool calls (`tool_calls`) by one started with `--guided-regex`, and `tool_choice` "auto"
@@ -53,7 +54,7 @@ from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestErr
 from specjax.serving.errors import ENGINE_REJECTED, APIError
 from specjax.serving.limits import ServerLimits
 from specjax.serving.logprob_blocks import logprobs_block, prompt_logprobs_list
-from specjax.serving.prompts import chat_prompt_ids, completion_prompts
+from specjax.serving.prompts import chat_prompt_ids, completion_prompts, truncated
 from specjax.serving.streams import ChoiceStream, Waiter
 from specjax.serving.tool_calls import ToolMode, check_tool_parser, tool_guide, tool_message
 from specjax.serving.request_metrics import (check_spec_decode_metrics_level, combined_spec_metrics,
@@ -134,8 +135,7 @@ class OpenAIApp:
             check_served(body, tools=chat)
         except FieldError as e:
             raise APIError(400, str(e), param=e.field) from None
-        n = body.get("n")
-        n = 1 if n is None else n
+        n = 1 if body.get("n") is None else body["n"]
         if not 1 <= n <= self.max_n:
             raise APIError(400, f"'n' is {n}; it must be in [1, {self.max_n}] (this server's sequences at once)",
                            param="n")
@@ -148,6 +148,7 @@ class OpenAIApp:
             pairs, what = [(chat_prompt_ids(self.tokenizer, body, tools[2]), None)], "messages"
         else:
             pairs, what = completion_prompts(self.tokenizer, self.vocab_size, body), "prompt"
+        pairs = truncated(pairs, body, self.max_model_len)
         n_prompt = max(len(ids) for ids, _ in pairs)
         if n_prompt > self.max_prompt_tokens:
             raise APIError(400, f"'{what}' has {n_prompt} tokens; the limit is {self.max_prompt_tokens} "
@@ -248,7 +249,8 @@ class OpenAIApp:
     def _submit(self, parsed: _Parsed, rid: str) -> list[RequestStream]:
         """One engine request per choice (choice i = k * n + j answers prompt k: seed + j when a seed
         is given, else its own stream)."""
-        holdback = max((len(s) for s in parsed.sp.stop or ()), default=0)
+        # a stop string may begin in tokens already emitted: hold that many back (not when it is kept)
+        holdback = max((len(s) for s in parsed.sp.stop or ()), default=0) * (not parsed.sp.include_stop_str_in_output)
         streams: list[RequestStream] = []
         try:
             for i in range(parsed.n * len(parsed.prompts) if parsed.generate else 0):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specjax.api import encode_chat, encode_text
+from specjax.api import SamplingParams, encode_chat, encode_text, truncate_prompt
 from specjax.serving.errors import APIError
 from specjax.serving.schema import is_int
 
@@ -22,6 +22,21 @@ def completion_prompts(tokenizer: Any, vocab_size: int, body: dict[str, Any]) ->
                        param="prompt")
     return [(_prompt_ids(tokenizer, vocab_size, x, f"prompt[{k}]" if len(batch) > 1 else "prompt"),
              x if isinstance(x, str) else None) for k, x in enumerate(batch)]
+
+
+def truncated(pairs: list[tuple[list[int], str | None]], body: dict[str, Any], max_model_len: int
+              ) -> list[tuple[list[int], str | None]]:
+    """vLLM's `truncate_prompt_tokens`: each prompt's last k token ids (a prompt cut loses its text,
+    so echo shows the ids kept); APIError 400 naming the field."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return pairs
+    try:
+        sp = SamplingParams(truncate_prompt_tokens=k)
+        cut = [truncate_prompt(ids, sp, max_model_len) for ids, _ in pairs]
+    except ValueError as e:
+        raise APIError(400, f"'truncate_prompt_tokens': {e}", param="truncate_prompt_tokens") from None
+    return [(kept, text if len(kept) == len(ids) else None) for kept, (ids, text) in zip(cut, pairs)]
 
 
 def _prompt_ids(tokenizer: Any, vocab_size: int, p: Any, name: str) -> list[int]:

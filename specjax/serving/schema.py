@@ -25,7 +25,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop
                    "num_speculative_tokens", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "guided_choice",
                    "guided_regex", "guided_json", "guided_whitespace_pattern", "response_format", "structured_outputs",
-                   "prediction")
+                   "prediction", "include_stop_str_in_output", "truncate_prompt_tokens")
 # vLLM's structured_outputs keys served, as the guide each sets (json_object: any JSON object)
 STRUCTURED_KEYS = {"choice": "guided_choice", "regex": "guided_regex", "json": "guided_json",
                    "json_object": "guided_json"}
@@ -121,6 +121,10 @@ class SamplingFields(pydantic.BaseModel):
                           "{\"json_object\": true}")
     ignore_eos: bool | None = pydantic.Field(None, description="vLLM's: generate past the model's eos ids (max_tokens, "
                                                               "stop and stop_token_ids still end the answer)")
+    include_stop_str_in_output: bool | None = pydantic.Field(
+        None, description="vLLM's: the answer keeps the stop string that ended it (through the token completing it)")
+    truncate_prompt_tokens: int | None = pydantic.Field(
+        None, description="vLLM's: generate from the prompt's last k tokens only (-1: the last max_model_len)")
     prediction: PredictionContent | None = pydantic.Field(
         None, description="OpenAI's predicted output: {\"type\": \"content\", \"content\": text or [{\"type\": \"text\", "
                           "\"text\": ...}]}, text the answer is expected to repeat, drafted while the answer follows "
@@ -132,13 +136,14 @@ class SamplingFields(pydantic.BaseModel):
     def _numbers(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         return _number(info.field_name, v)
 
-    @pydantic.field_validator("top_k", "seed", "num_speculative_tokens", "min_tokens", mode="before")
+    @pydantic.field_validator("top_k", "seed", "num_speculative_tokens", "min_tokens", "truncate_prompt_tokens",
+                              mode="before")
     @classmethod
     def _integers(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         v = _integer(info.field_name, v)
         return 0 if info.field_name == "top_k" and v == -1 else v
 
-    @pydantic.field_validator("ignore_eos", mode="before")
+    @pydantic.field_validator("ignore_eos", "include_stop_str_in_output", mode="before")
     @classmethod
     def _flag(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         if v is not None and not isinstance(v, bool):
