@@ -6,6 +6,7 @@ A tiny random target with a word-level chat tokenizer ("w5 w6 ..."); the chat te
 message contents and adds "w9", so a conversation's prompt is known token by token."""
 from __future__ import annotations
 
+import json
 import re
 import threading
 
@@ -251,3 +252,39 @@ def test_serve_exits_1_when_the_model_cannot_be_loaded(monkeypatch, capsys):
     t.start()
     t.join(60)
     assert out.get("rc") == 1 and "stopped" in capsys.readouterr().out
+
+
+def test_api_key_guards_the_model_routes_and_the_openai_client_sends_it(served, monkeypatch):
+    """--api-key: the model's routes answer 401 (OpenAI's invalid_api_key, WWW-Authenticate) without the
+    key or with another, before reading the body; /health and /metrics stay open; the openai client with
+    the key gets the answer the open server gives (control: the open server needs no key)."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    status, open_answer = http_json(served["url"] + "/v1/completions", "POST", body)
+    assert status == 200  # control: without --api-key no header is needed
+    server = ServerThread(ServedApp(served["api"], api_key="s3cret"))
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            for path, method, sent in (("/v1/completions", "POST", body), ("/v1/models", "GET", None),
+                                       ("/tokenize", "POST", {"prompt": "w5"}),
+                                       ("/reset_prefix_cache", "POST", None),
+                                       ("/v1/completions", "POST", {"prompt": 5})):  # a bad body: 401 first
+                status, hdrs, data = http_request(server.url + path, method, sent, headers=headers)
+                err = json.loads(data)["error"]
+                assert status == 401 and err["code"] == "invalid_api_key" and "Bearer" in err["message"], (path, data)
+                assert hdrs["www-authenticate"] == "Bearer"
+        for path in ("/health", "/metrics", "/version"):
+            assert http_request(server.url + path)[0] == 200
+        doc = http_json(server.url + "/openapi.json")[1]["paths"]
+        assert "401" in doc["/v1/chat/completions"]["post"]["responses"] and "401" in doc["/tokenize"]["post"]["responses"]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0)
+        r = client.completions.create(model="tiny", **body)
+        assert _ids(r.choices[0]) == open_answer["choices"][0]["token_ids"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        server.stop()
+    monkeypatch.setenv("SPECJAX_API_KEY", "from-env")
+    assert serve_cli.build_parser().parse_args([]).api_key == "from-env"
+    assert serve_cli.main(["--api-key", " "]) == 2
+    with pytest.raises(ValueError, match="api_key must be a non-empty string"):
+        ServedApp(api_key="")

@@ -24,6 +24,10 @@ fields (see `openai_api`), 404 for unknown paths or models, 405 for a wrong meth
 over `max_body_bytes`, 503 while warming up or when the engine's waiting queue is full. Refused requests
 are counted by reason (`specjax:request_rejected_total{reason=...}`).
 
+With an API key (`ServedApp(api_key=...)`, the server's `--api-key` or SPECJAX_API_KEY) the routes that
+read or change the model (/v1/*, /tokenize, /detokenize, /reset_prefix_cache) need the header
+`Authorization: Bearer <key>` (else 401, OpenAI's `invalid_api_key`); /health, /version and /metrics stay open.
+
 `run_server` serves until SIGTERM / SIGINT, then stops accepting connections, lets the requests in
 flight finish (up to `shutdown_timeout_s`), drains the engine and returns. Binds 127.0.0.1 by default.
 """
@@ -32,15 +36,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import signal
 import socket
 import threading
 from typing import Any, Callable
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specjax.serving.metrics import CONTENT_TYPE
@@ -59,14 +65,18 @@ DEFAULT_HOST = "127.0.0.1"
 
 class ServedApp:
     """What the routes serve: the `OpenAIApp` once it is ready, before that the reason it is not
-    (`/health` and the API answer 503 with that reason). `limits` bound request bodies meanwhile."""
+    (`/health` and the API answer 503 with that reason). `limits` bound request bodies meanwhile;
+    `api_key` (None: none) is the bearer token the model's routes ask for."""
 
     def __init__(self, api: OpenAIApp | None = None, *, reason: str = "starting",
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, api_key: str | None = None):
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must be a non-empty string (None: no key)")
         self.api = api
         self.reason = reason
         self.failed = False
         self.limits = api.limits if api is not None else (limits or ServerLimits())
+        self.api_key = api_key
 
     def ready(self, api: OpenAIApp) -> None:
         self.api, self.limits = api, api.limits
@@ -102,7 +112,7 @@ class _SSEResponse(StreamingResponse):
 
 
 def _error_response(err: APIError) -> JSONResponse:
-    headers = {"Connection": "close"} if err.status == 413 else None
+    headers = {413: {"Connection": "close"}, 401: {"WWW-Authenticate": "Bearer"}}.get(err.status)
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
@@ -158,6 +168,7 @@ class _BodyLimit:
 
 _ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in (
     (400, "a bad or unsupported field (`param` names it), or a prompt over the limits"),
+
     (404, "unknown model"), (413, "request body over the limit"),
     (503, "not ready (warm-up), waiting queue full, or the engine stopped"),
     (504, "the request did not finish in time"))}
@@ -170,10 +181,18 @@ _SSE_EVENT = {"type": "object", "required": ["data"],
                              "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
-def _completion_responses(model: type) -> dict[int | str, Any]:
+_KEY_ERROR = {401: {"model": ErrorResponse, "description": "no valid API key (a server started with --api-key)"}}
+
+
+def _keyed_errors(keyed: list[Any], *statuses: int) -> dict[int | str, Any]:
+    """The documented errors of a route: `statuses` (all of _ERRORS when none), and 401 when `keyed`."""
+    return {s: _ERRORS[s] for s in statuses or _ERRORS} | (_KEY_ERROR if keyed else {})
+
+
+def _completion_responses(model: type, keyed: list[Any]) -> dict[int | str, Any]:
     return {200: {"model": model, "description": "the answer; with `stream: true` Server-Sent Events of chunks "
                                                  "ending with `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}, **_ERRORS}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}, **_keyed_errors(keyed)}
 
 
 def create_app(served: OpenAIApp | ServedApp) -> FastAPI:
@@ -184,11 +203,29 @@ def create_app(served: OpenAIApp | ServedApp) -> FastAPI:
                   redirect_slashes=False)
     app.add_middleware(_BodyLimit, served=served)
     _add_error_handlers(app, served)
-    _add_info_routes(app, served)
-    _add_completion_routes(app, served)
-    _add_token_routes(app, served)
+    keyed = _key_check(served)
+    _add_info_routes(app, served, keyed)
+    _add_completion_routes(app, served, keyed)
+    _add_token_routes(app, served, keyed)
     _answer_invalid_bodies_400(app)
     return app
+
+
+def _key_check(served: ServedApp) -> list[Any]:
+    """The dependencies of the routes that read or change the model: with an API key, a bearer token
+    equal to it (compared in constant time), else 401; without one, none."""
+    if served.api_key is None:
+        return []
+    bearer = HTTPBearer(auto_error=False, description="the server's --api-key")
+    key = served.api_key.encode()
+
+    async def check(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if creds is None or not secrets.compare_digest(creds.credentials.encode(), key):
+            err = APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+            served.count_rejected(err)
+            raise err
+    return [Depends(check)]
 
 
 def _add_error_handlers(app: FastAPI, served: ServedApp) -> None:
@@ -214,8 +251,9 @@ def _add_error_handlers(app: FastAPI, served: ServedApp) -> None:
         return _error_response(exc)
 
 
-def _add_info_routes(app: FastAPI, served: ServedApp) -> None:
-    """/health, /version, /v1/models, /reset_prefix_cache, /metrics and /metrics.json."""
+def _add_info_routes(app: FastAPI, served: ServedApp, keyed: list[Any]) -> None:
+    """/health, /version, /v1/models, /reset_prefix_cache, /metrics and /metrics.json (`keyed`: the
+    API key check of the model's routes)."""
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
     async def health() -> JSONResponse:
         """200 once warm-up is done and the engine runs; 503 with the reason before or after."""
@@ -231,12 +269,13 @@ def _add_info_routes(app: FastAPI, served: ServedApp) -> None:
         from specjax import __version__
         return JSONResponse({"version": __version__})
 
-    @app.get("/v1/models", response_model=ModelList, responses={503: _ERRORS[503]})
+    @app.get("/v1/models", response_model=ModelList, responses=_keyed_errors(keyed, 503), dependencies=keyed)
     async def models() -> JSONResponse:
         """The served model, with its maximum context length (`max_model_len`)."""
         return JSONResponse(served.get().models())
 
-    @app.post("/reset_prefix_cache", response_model=dict[str, bool], responses={503: _ERRORS[503]})
+    @app.post("/reset_prefix_cache", response_model=dict[str, bool], responses=_keyed_errors(keyed, 503),
+              dependencies=keyed)
     async def reset_prefix_cache() -> JSONResponse:
         """Forget the cache rows every slot keeps (vLLM's route): `{"reset": false}` when prefix caching is off."""
         return JSONResponse({"reset": served.get().engine.reset_prefix_cache()})
@@ -257,7 +296,7 @@ def _add_info_routes(app: FastAPI, served: ServedApp) -> None:
         return JSONResponse(api.metrics.snapshot() if api is not None and api.metrics is not None else {})
 
 
-def _add_completion_routes(app: FastAPI, served: ServedApp) -> None:
+def _add_completion_routes(app: FastAPI, served: ServedApp, keyed: list[Any]) -> None:
     """/v1/completions and /v1/chat/completions (JSON, or SSE when streamed)."""
     async def completion(req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         try:
@@ -281,28 +320,28 @@ def _add_completion_routes(app: FastAPI, served: ServedApp) -> None:
         return _SSEResponse(events(), on_close=abort)
 
     @app.post("/v1/completions", response_model=CompletionResponse,
-              responses=_completion_responses(CompletionResponse))
+              responses=_completion_responses(CompletionResponse, keyed), dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Complete a prompt (a string, or a list of token ids)."""
         return await completion(body, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses=_completion_responses(ChatCompletionResponse))
+              responses=_completion_responses(ChatCompletionResponse, keyed), dependencies=keyed)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Answer a conversation (the tokenizer's chat template; text content parts)."""
         return await completion(body, request)
 
 
-def _add_token_routes(app: FastAPI, served: ServedApp) -> None:
+def _add_token_routes(app: FastAPI, served: ServedApp, keyed: list[Any]) -> None:
     """/tokenize and /detokenize (vLLM's)."""
-    token_errors = {status: _ERRORS[status] for status in (400, 404, 413, 503)}
+    token_errors = _keyed_errors(keyed, 400, 404, 413, 503)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=token_errors)
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=token_errors, dependencies=keyed)
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         """The token ids /v1/completions (`prompt`) or /v1/chat/completions (`messages`) would use."""
         return JSONResponse(served.get().tokenize(body))
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=token_errors)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=token_errors, dependencies=keyed)
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         """The text of token ids (special tokens included)."""
         return JSONResponse(served.get().detokenize(body))
