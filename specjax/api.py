@@ -57,6 +57,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # vLLM's: the output keeps the stop string (through its last token)
     # vLLM's: generate from the prompt's last k tokens only (left truncation); -1: the last max_model_len
     truncate_prompt_tokens: int | None = None
+    # vLLM's request priority (an LLM with scheduling_policy="priority"): waiting requests start lower first
+    priority: int = 0
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -65,6 +67,8 @@ class SamplingParams:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0, optional=True)
         _check_int("logprobs", self.logprobs, minimum=0, optional=True)
         _check_int("min_tokens", self.min_tokens, minimum=0)
+        if isinstance(self.priority, bool) or not isinstance(self.priority, (int, np.integer)):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -213,6 +217,8 @@ class LLM:
     enable_prefix_caching: vLLM's prefix caching (default on): a freed slot keeps its cache rows, and a
         prompt that begins with what one holds goes there and prefills only the rest
         (`Output.num_cached_tokens`).
+    scheduling_policy: vLLM's "fcfs" (arrival order) or "priority": waiting requests start by their
+        `SamplingParams.priority`, lower first (running ones keep their slots).
     """
 
     def __init__(self, target: Any = None, drafter: Any = None, *, tokenizer: str | None = None,
@@ -223,7 +229,7 @@ class LLM:
                  sampling_variants: Sequence[str] | None = None, penalties: bool = False,
                  logit_bias: bool = False, guided_choice: bool = False, guided_regex: bool = False,
                  automaton_states: int = EngineConfig.automaton_states, prediction_tokens: int = 0,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs"):
         from specjax import checkpoints
         self.tokenizer = None
         target_dir = None
@@ -253,7 +259,7 @@ class LLM:
                 sampling_variants=VARIANTS if sampling_variants is None else tuple(sampling_variants),
                 penalties=penalties, logit_bias=logit_bias, guided_choice=guided_choice, guided_regex=guided_regex,
                 automaton_states=automaton_states, prediction_tokens=prediction_tokens,
-                prefix_caching=enable_prefix_caching)
+                prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy)
         if isinstance(cost_table, (str, os.PathLike)):
             from specjax.scheduling import CostTable
             cost_table = CostTable.from_json(cost_table)
@@ -436,7 +442,7 @@ def build_engine_request(prompt_ids: Sequence[int], sp: SamplingParams, *, reque
                          guided_choice=tuple(dict.fromkeys(tuple(encode_text(tokenizer, c))
                                                            for c in sp.guided_choice or ())),
                          automaton=request_automaton(sp, tokenizer, vocab), stop_check=stop_check,
-                         max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs,
+                         max_draft_tokens=sp.num_speculative_tokens, logprobs=sp.logprobs, priority=int(sp.priority),
                          prediction_ids=prediction_ids(tokenizer, sp.prediction))
 
 

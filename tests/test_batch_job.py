@@ -134,7 +134,8 @@ def test_text_prompts_messages_and_stop_strings_with_a_tokenizer(llm, tmp_path):
                            {"id": "cut", "prompt": [8] * 300 + [5, 6, 7, 9], "max_tokens": 6, "temperature": 0,
                             "truncate_prompt_tokens": 4},
                            {"id": "uncut", "prompt": [8] * 300 + [5, 6, 7, 9], "max_tokens": 6},
-                           {"id": "cut-big", "prompt": [5, 6, 7, 9], "truncate_prompt_tokens": 10 ** 6}])
+                           {"id": "cut-big", "prompt": [5, 6, 7, 9], "truncate_prompt_tokens": 10 ** 6},
+                           {"id": "prio", "prompt": [5, 6, 7, 9], "priority": 2}])
         run_batch_job(llm, str(inp2), str(out2), shard=Shard(0, 1), progress=False)
         by_id = {r["id"]: r for r in read_jsonl(out2)}
         row = by_id["s"]
@@ -145,6 +146,7 @@ def test_text_prompts_messages_and_stop_strings_with_a_tokenizer(llm, tmp_path):
         errs = {e["id"]: e for e in read_jsonl(default_errors_path(str(out2)))}
         assert errs["uncut"]["field"] == "prompt" and "too long" in errs["uncut"]["error"]  # control
         assert errs["cut-big"]["field"] == "truncate_prompt_tokens" and "max_model_len" in errs["cut-big"]["error"]
+        assert errs["prio"]["field"] == "priority" and "--scheduling-policy priority" in errs["prio"]["error"]
     finally:
         llm.tokenizer = saved
 

@@ -288,6 +288,8 @@ def test_tokenize_gives_the_ids_the_completion_routes_use_and_detokenize_inverts
     (b'{"prompt": [5, 6], "truncate_prompt_tokens": 0}', "truncate_prompt_tokens", "must be a positive int, -1"),
     (b'{"prompt": [5, 6], "truncate_prompt_tokens": 1.0}', "truncate_prompt_tokens", "must be an integer"),
     (b'{"prompt": [5, 6], "truncate_prompt_tokens": 100000}', "truncate_prompt_tokens", "at most max_model_len"),
+    (b'{"prompt": [5, 6], "priority": -1}', "priority", "needs a server started with --scheduling-policy priority"),
+    (b'{"prompt": [5, 6], "priority": "high"}', "priority", "must be an integer"),
     (b'{"prompt": [5, 6], "stop_token_ids": [64]}', "stop_token_ids", "vocabulary"),
     (b'{"prompt": [5, 1.5]}', "prompt", "valid integer"),
     (b'{"prompt": "\\ud800x"}', "prompt", "lone surrogate"),

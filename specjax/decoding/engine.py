@@ -12,6 +12,7 @@ confidence_async policies the host runs one round behind (`step`).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from typing import Any, Callable, Sequence
@@ -209,7 +210,7 @@ class Engine:
         check_request(req, self.cfg, vocab=self.target_config.vocab_size, stop_ids=self.eos_token_ids)
         self.round_variant(req.temperature, req.top_k, req.top_p, req.min_p)  # refuses a variant not compiled
         req.metrics.start_time = time.perf_counter()
-        self.queue.append(req)
+        bisect.insort(self.queue, req, key=lambda r: r.priority)  # after equals: arrival order (fcfs: all 0)
 
     def score(self, req: EngineRequest) -> tuple[list[tuple[float, list[int], list[float]]], list[int]]:
         """The `output_logprobs` entries of prompt tokens 1.. given the tokens before them (echo,

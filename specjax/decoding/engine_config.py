@@ -20,6 +20,9 @@ LOGIT_RULES = {
 }
 MAX_AUTOMATON_STATES = 32767  # the table holds state ids as int16
 CONFIDENCE_SOURCES = ("drafter", "online")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+# the option that serves requests' `priority`, named as the server's flag (`--scheduling-policy priority`)
+PRIORITY_OPTION = "scheduling_policy priority"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,9 @@ class EngineConfig:
     # prefix caching (vLLM's, on by default there too): a freed slot keeps its cache rows, and a request whose
     # prompt begins with what a free slot holds goes there and prefills only the rest (`decoding.prefix_cache`)
     prefix_caching: bool = True
+    # vLLM's: "fcfs" admits requests in arrival order (a request's priority must be 0), "priority" by their
+    # priority (lower first), arrival order among equals; a running request keeps its slot (no preemption)
+    scheduling_policy: str = "fcfs"
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill
     # bucket each): a call reads the smallest covering its longest row plus the tokens it writes,
@@ -92,6 +98,11 @@ class EngineConfig:
         """Which of LOGIT_RULES this engine serves."""
         return {name: bool(getattr(self, name)) for name in LOGIT_RULES}
 
+    @property
+    def options_served(self) -> dict[str, bool]:
+        """Which opt-in request features this engine serves: the LOGIT_RULES and PRIORITY_OPTION."""
+        return self.logit_rules | {PRIORITY_OPTION: self.scheduling_policy == "priority"}
+
     def __post_init__(self) -> None:
         if self.max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
@@ -102,6 +113,8 @@ class EngineConfig:
         if isinstance(self.prediction_tokens, bool) or not isinstance(self.prediction_tokens, int) \
                 or self.prediction_tokens < 0:
             raise ValueError(f"prediction_tokens must be an int >= 0, got {self.prediction_tokens!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.confidence_source not in CONFIDENCE_SOURCES:
             raise ValueError(f"confidence_source must be one of {CONFIDENCE_SOURCES}, got {self.confidence_source!r}")
         if self.max_logprobs < 0:

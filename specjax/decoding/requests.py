@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from specjax.decoding.automata import TokenAutomaton
-from specjax.decoding.engine_config import LOGIT_RULES, EngineConfig
+from specjax.decoding.engine_config import LOGIT_RULES, PRIORITY_OPTION, EngineConfig
 from specjax.decoding.logit_rules import BAD_WORD_TOKENS, CHOICE_TOKENS, ROW_BAD_WORDS, ROW_CHOICES
 from specjax.decoding.row_state import ROW_STOP_IDS
 
@@ -33,10 +33,11 @@ def penalties_asked(params: Any) -> list[str]:
 
 
 def missing_rule(params: Any, served: Mapping[str, bool]) -> tuple[str, str] | None:
-    """(the first field `params` sets, the opt-in rule that serves it: engine_config.LOGIT_RULES) of a
-    rule `served` does not hold, or None."""
+    """(the first field `params` sets, the opt-in option that serves it: engine_config.LOGIT_RULES or
+    PRIORITY_OPTION) of an option `served` (`EngineConfig.options_served`) does not hold, or None."""
     asked = {"penalties": penalties_asked(params), "logit_bias": bias_asked(params),
-             "guided_choice": ["guided_choice"] if params.guided_choice else [], "guided_regex": regex_asked(params)}
+             "guided_choice": ["guided_choice"] if params.guided_choice else [], "guided_regex": regex_asked(params),
+             PRIORITY_OPTION: ["priority"] if params.priority else []}
     return next(((fields[0], rule) for rule, fields in asked.items() if fields and not served.get(rule)), None)
 
 
@@ -174,6 +175,7 @@ class EngineRequest:
     max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
     prediction_ids: tuple[int, ...] = ()  # predicted output tokens, drafted while the output follows them
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
+    priority: int = 0  # admission order under EngineConfig.scheduling_policy "priority": lower first
     # filled by the engine
     output_ids: list[int] = dataclasses.field(default_factory=list)
     # with `logprobs`: per output token (its log-probability, top ids, their log-probabilities)
@@ -211,11 +213,12 @@ def check_request(req: EngineRequest, cfg: EngineConfig, *, vocab: int, stop_ids
     if not 0 <= req.min_tokens <= req.max_tokens:
         raise ValueError(f"request {req.request_id}: min_tokens must be in [0, max_tokens = {req.max_tokens}], "
                          f"got {req.min_tokens}")
-    missing = missing_rule(req, cfg.logit_rules)
+    missing = missing_rule(req, cfg.options_served)
     if missing:
         field, rule = missing
-        raise RequestFieldError(f"request {req.request_id}: {field} needs an engine with {LOGIT_RULES[rule][0]} "
-                                f"(EngineConfig.{rule}; the server's --{rule.replace('_', '-')})", field)
+        what = LOGIT_RULES[rule][0] if rule in LOGIT_RULES else "priority scheduling"
+        raise RequestFieldError(f"request {req.request_id}: {field} needs an engine with {what} (EngineConfig."
+                                f"{rule.replace(' ', '=')}; the server's --{rule.replace('_', '-')})", field)
     if bias_asked(req):
         _check_bias(req, vocab, () if req.ignore_eos else stop_ids)
     if req.guided_choice:

@@ -154,7 +154,7 @@ class BatchRows:
             parsed = parse_row(row.value, row.line, self.defaults, self.tool_parser)
         except RowError as e:
             return self.error(index, row, str(e), e.field)
-        missing = missing_rule(parsed.sp, self.engine.cfg.logit_rules)
+        missing = missing_rule(parsed.sp, self.engine.cfg.options_served)
         if missing:
             return self.error(index, row, f"'{missing[0]}' needs a job started with --{missing[1].replace('_', '-')}",
                               parsed.field(missing[0]))

@@ -26,6 +26,7 @@ def _variant_list(text: str) -> tuple[str, ...]:
 
 def add_llm_args(p: argparse.ArgumentParser) -> None:
     """Target, drafter and engine shape options."""
+    from specjax.decoding.engine_config import SCHEDULING_POLICIES
     g = p.add_argument_group("model and engine")
     g.add_argument("--target", default=None, help="target: a Hugging Face directory (Qwen3, Llama, Qwen2)"
                    " or a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
@@ -60,6 +61,9 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's prefix caching (default on): a freed slot keeps its cache rows, and a request whose "
                         "prompt begins with them (the next turn of a conversation, a shared system prompt) goes "
                         "there and prefills only the rest")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="vLLM's: fcfs starts waiting requests in arrival order; priority by each request's "
+                        "`priority` (lower first, arrival order among equals; no preemption)")
     add_logit_rule_flags(g, "serve ")
 
 
@@ -111,11 +115,13 @@ def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
             slots_buckets=args.slots_buckets,
             tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets, max_logprobs=args.max_logprobs,
             attention_buckets=args.attention_buckets, prediction_tokens=args.prediction_tokens,
-            prefix_caching=args.enable_prefix_caching, **logit_rule_args(args),
+            prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+            **logit_rule_args(args),
             **({"sampling_variants": args.sampling_variants} if args.sampling_variants else {}))
     return LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                policy=args.policy, dtype=args.dtype, seed=args.seed, max_prefill=args.max_prefill,
                engine_config=engine_config, progress=progress, cost_table=args.cost_table,
                threshold=args.threshold, max_logprobs=args.max_logprobs, prediction_tokens=args.prediction_tokens,
-               enable_prefix_caching=args.enable_prefix_caching, **logit_rule_args(args))
+               enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+               **logit_rule_args(args))

@@ -33,7 +33,7 @@ its last k tokens before the length checks) are served; the presence, frequency 
 server started with `--penalties`; `logit_bias`, `allowed_token_ids` and `bad_words` by one started with
 `--logit-bias`; `guided_choice` by one started with `--guided-choice`; `guided_regex`, `guided_json`,
 `response_format` and tool calls (`tool_calls`) by one started with `--guided-regex`, and `tool_choice` "auto"
-by one started with `--tool-call-parser`.
+by one started with `--tool-call-parser`, and a non-zero `priority` by one started with `--scheduling-policy priority`.
 
 Status codes: 400 bad or unsupported fields, prompts or max_tokens over the limits; 404 unknown
 model; 503 when the engine's waiting queue is full or the engine is not running; 504 when a request
@@ -176,7 +176,7 @@ class OpenAIApp:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
                                 f"asks for {n_prompt + mt} ({n_prompt} in the {what}, {mt} in the completion): lower "
                                 f"'{mt_name}'", param=mt_name, code="context_length_exceeded")
-        missing = missing_rule(sp, self.engine.engine.cfg.logit_rules)
+        missing = missing_rule(sp, self.engine.engine.cfg.options_served)
         if missing:
             field = guide_source(body, missing[0])
             raise APIError(400, f"'{field}' needs a server started with --{missing[1].replace('_', '-')}",
