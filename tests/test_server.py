@@ -478,14 +478,14 @@ def test_spec_decode_metrics_level_is_checked_by_name():
 
 
 def _latency_sums(url: str) -> dict[str, float]:
-    """_sum and _count of the three request-latency histograms, from the Prometheus text."""
+    """_sum and _count of the request-latency histograms (REQUEST_LATENCIES' keys), from the Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
+    from specjax.serving.metrics import REQUEST_LATENCIES
     text = http_request(url + "/metrics")[2].decode()
     samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if s.labels.get("model_name") == "tiny"}
-    return {f"{key}_{part}": samples[f"{name}_{part}"] for part in ("sum", "count") for key, name in (
-        ("ttft", "vllm:time_to_first_token_seconds"), ("e2e", "vllm:e2e_request_latency_seconds"),
-        ("tpot", "vllm:request_time_per_output_token_seconds"))}
+    return {f"{key}_{part}": samples[f"{name}_{part}"] for part in ("sum", "count")
+            for key, (name, _, _) in REQUEST_LATENCIES.items()}
 
 
 def test_time_per_output_token_is_each_requests_decode_time_over_its_later_tokens(srv):
@@ -499,6 +499,11 @@ def test_time_per_output_token_is_each_requests_decode_time_over_its_later_token
     # (counting all n tokens, or from the arrival, would break this)
     assert d["tpot_sum"] * (n - 1) == pytest.approx(d["e2e_sum"] - d["ttft_sum"], abs=1e-6)
     assert 0 < d["tpot_sum"] < d["e2e_sum"]
+    # vLLM's phases: arrival -> slot (queue) -> first token (prefill) -> finish (decode); slot -> finish (inference)
+    assert all(d[f"{k}_count"] == 1 and d[f"{k}_sum"] > 0 for k in ("queue", "prefill", "decode", "inference"))
+    assert d["queue_sum"] + d["prefill_sum"] == pytest.approx(d["ttft_sum"], abs=1e-6)
+    assert d["prefill_sum"] + d["decode_sum"] == pytest.approx(d["inference_sum"], abs=1e-6)
+    assert d["queue_sum"] + d["inference_sum"] == pytest.approx(d["e2e_sum"], abs=1e-6)
     # a one-token request has no decode time: its TTFT is observed, no TPOT
     _complete(url, max_tokens=1)
     last = _latency_sums(url)
@@ -600,6 +605,9 @@ def test_streaming_client_that_disconnects_frees_its_slot(srv):
         assert resp.status == 200
         first = resp.readline()
         assert first.startswith(b"data: {")
+        # vllm:kv_cache_usage_perc: the running request's rows, at most (prompt + its 120 tokens) / all rows
+        usage = http_json(srv["url"] + "/metrics.json")[1]["kv_cache_usage_perc"]
+        assert 0 < usage <= 122 / (eng.engine.cfg.max_slots * eng.engine.cfg.max_len), usage
         t = threading.Thread(target=other)
         t.start()
         conn.sock.shutdown(2)  # the client goes away after its first chunk
@@ -612,6 +620,7 @@ def test_streaming_client_that_disconnects_frees_its_slot(srv):
             time.sleep(0.02)
         assert _abort_count(srv["url"]) == aborts0 + 1  # ended by the abort, not by max_tokens
         assert eng.num_open == 0 and eng.engine.num_active == 0 and not eng.engine.has_work()  # slot freed
+        assert http_json(srv["url"] + "/metrics.json")[1]["kv_cache_usage_perc"] == 0  # its rows are free
 
 
 def test_beyond_the_waiting_limit_is_a_503_with_a_clear_message(srv):

@@ -257,6 +257,7 @@ class Engine:
                     break  # its automaton waits for room in the table (so do the requests behind it)
                 req = self.queue.pop(0)
                 req.slot, req.metrics.cached_tokens = self._slot_for(req, free)
+                req.metrics.scheduled_time = time.perf_counter()
                 free.remove(req.slot)
                 self.slot_req[req.slot] = req
                 self._key_data[req.slot] = self._seed_key(req)

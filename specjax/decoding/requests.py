@@ -75,7 +75,8 @@ class RequestMetrics:
     rejected_prediction_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose cache rows a freed slot held (prefix caching): not prefilled
     first_token_time: float | None = None
-    start_time: float = 0.0
+    start_time: float = 0.0  # arrival (add_request)
+    scheduled_time: float | None = None  # given a slot (admission)
     finish_time: float | None = None
 
     @property
@@ -90,6 +91,20 @@ class RequestMetrics:
         if self.first_token_time is None or self.finish_time is None or n_tokens < 2:
             return None
         return (self.finish_time - self.first_token_time) / (n_tokens - 1)
+
+    def latencies(self, n_tokens: int) -> dict[str, float | None]:
+        """vLLM's per-request intervals in seconds (None where a moment was not reached): ttft (arrival
+        to first token), e2e (arrival to finish), tpot (`time_per_output_token`), queue (arrival to a
+        slot), prefill (slot to first token), decode (first token to finish), inference (slot to finish)."""
+        t = {"arrival": self.start_time, "slot": self.scheduled_time, "first": self.first_token_time,
+             "finish": self.finish_time}
+
+        def span(a: str, b: str) -> float | None:
+            return None if t[a] is None or t[b] is None else t[b] - t[a]
+        return {"ttft": span("arrival", "first"), "e2e": span("arrival", "finish"),
+                "tpot": self.time_per_output_token(n_tokens), "queue": span("arrival", "slot"),
+                "prefill": span("slot", "first"), "decode": span("first", "finish"),
+                "inference": span("slot", "finish")}
 
     def as_dict(self) -> dict[str, Any]:
         return {"mean_acceptance_length": self.mean_acceptance_length, "num_drafts": self.num_drafts,

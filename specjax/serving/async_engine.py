@@ -381,10 +381,7 @@ class AsyncEngine:
             req.finish_reason = reason
             m = req.metrics
             if self.metrics is not None:
-                ttft = None if m.first_token_time is None else m.first_token_time - m.start_time
-                e2e = None if m.finish_time is None else m.finish_time - m.start_time
-                self.metrics.request_finished(reason, ttft_s=ttft, e2e_s=e2e,
-                                              tpot_s=m.time_per_output_token(len(req.output_ids)))
+                self.metrics.request_finished(reason, m.latencies(len(req.output_ids)))
                 if self.engine.prefixes is not None and req.slot >= 0:  # it reached a slot
                     self.metrics.prefix_cache_lookup(len(req.prompt_ids), m.cached_tokens)
             new = list(req.output_ids[stream._sent:])
@@ -393,7 +390,10 @@ class AsyncEngine:
 
     def _update_gauges(self) -> None:
         if self.metrics is not None:
-            self.metrics.set_queue(running=self.engine.num_active, waiting=self.num_waiting)
+            eng = self.engine
+            held = sum(int(eng.lengths[i]) for i, r in enumerate(eng.slot_req) if r is not None)
+            self.metrics.set_queue(running=eng.num_active, waiting=self.num_waiting,
+                                   cache_usage=held / (eng.cfg.max_slots * eng.cfg.max_len))
 
     def _fail_all(self, message: str) -> None:
         """End every open request with `message` (caller holds _submit_lock)."""

@@ -205,7 +205,7 @@ class BatchRows:
             if row.metadata is not None:
                 rec["metadata"] = row.metadata
         self.metrics.tokens_generated(len(ids))
-        self.metrics.request_finished(reason)
+        self.metrics.request_finished(reason, request.metrics.latencies(len(ids)))
         if self.engine.prefixes is not None:
             self.metrics.prefix_cache_lookup(n_prompt, request.metrics.cached_tokens)
         return Outcome(index, rec)

@@ -18,10 +18,15 @@ vLLM-compatible (every series carries a `model_name` label, as in vLLM):
     vllm:spec_decode_num_accepted_tokens_per_pos_total{position=k}
                                                        counter: drafts whose position k was accepted
                                                        (unconditional, vLLM's definition)
+    vllm:kv_cache_usage_perc                           gauge: fraction of the cache rows running requests
+                                                       hold (rows kept for prefix caching are free)
     vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds   histograms
     vllm:request_time_per_output_token_seconds         histogram: each request's decode time over its
                                                        tokens after the first (its mean TPOT; 1 / TPOT
                                                        is the per-user speed a scheduler buys)
+    vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds, vllm:request_decode_time_seconds,
+    vllm:request_inference_time_seconds                histograms: arrival to a slot, slot to first
+                                                       token, first token to finish, slot to finish
 specjax's own:
     specjax:verification_length                        histogram: ell per request per round
     specjax:scheduler_tokens_bucket                    histogram: tokens-per-slot bucket per round
@@ -54,6 +59,16 @@ REJECT_REASONS = ("invalid_request", "context_length_exceeded", "model_not_found
                   "queue_full", "not_ready", "engine_not_running")
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+# RequestMetrics.latencies' keys: (vLLM's histogram, its help, its buckets)
+REQUEST_LATENCIES = {
+    "ttft": ("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
+    "e2e": ("vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS),
+    "tpot": ("vllm:request_time_per_output_token_seconds",
+             "Time per output token of each request: its decode time over its tokens after the first.", _TPOT_BUCKETS),
+    "queue": ("vllm:request_queue_time_seconds", "Time from arrival to a cache slot.", _LATENCY_BUCKETS),
+    "prefill": ("vllm:request_prefill_time_seconds", "Time from a cache slot to the first token.", _LATENCY_BUCKETS),
+    "decode": ("vllm:request_decode_time_seconds", "Time from the first token to the finish.", _LATENCY_BUCKETS),
+    "inference": ("vllm:request_inference_time_seconds", "Time from a cache slot to the finish.", _LATENCY_BUCKETS)}
 
 
 def _int_buckets(hi: int) -> tuple[float, ...]:
@@ -81,6 +96,8 @@ class ServingMetrics:
 
         self.running = Gauge("vllm:num_requests_running", "Requests holding a cache slot.", lbl, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a cache slot.", lbl, registry=r)
+        self.cache_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of the cache rows running requests hold.",
+                                 lbl, registry=r)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -97,13 +114,8 @@ class ServingMetrics:
         self.rounds_by_kind = counter("specjax:scheduler_rounds", "Engine rounds by scheduler decision.",
                                       ["kind"])
         self.rejected = counter("specjax:request_rejected", "Requests refused before admission.", ["reason"])
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lbl,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", lbl,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
-                              "Time per output token of each request: its decode time over its tokens after "
-                              "the first.", lbl, buckets=_TPOT_BUCKETS, registry=r)
+        self.latency = {key: Histogram(name, doc, lbl, buckets=buckets, registry=r)
+                        for key, (name, doc, buckets) in REQUEST_LATENCIES.items()}
         self.ell = Histogram("specjax:verification_length",
                              "Verified draft tokens (ell) per request per round.", lbl,
                              buckets=_int_buckets(max(self.gamma, 1)), registry=r)
@@ -120,8 +132,8 @@ class ServingMetrics:
         """Create the label children up front, so that every series is exposed (at 0) from the start."""
         m = self.model_name
         for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
-                       self.prefix_hits, self.num_drafts, self.num_draft_tokens, self.num_accepted, self.ttft,
-                       self.e2e, self.tpot, self.ell, self.tokens_bucket, self.slots_bucket, self.round_seconds):
+                       self.prefix_hits, self.num_drafts, self.num_draft_tokens, self.num_accepted, self.cache_usage,
+                       *self.latency.values(), self.ell, self.tokens_bucket, self.slots_bucket, self.round_seconds):
             metric.labels(m)
         for k in range(self.gamma):
             self.accepted_per_pos.labels(m, str(k))
@@ -172,22 +184,22 @@ class ServingMetrics:
         if n > 0:
             self.generation_tokens.labels(self.model_name).inc(int(n))
 
-    def request_finished(self, finish_reason: str, *, ttft_s: float | None = None,
-                         e2e_s: float | None = None, tpot_s: float | None = None) -> None:
-        """A request ended (`finish_reason` stop | length | abort); `tpot_s`: its mean time per
-        output token after the first (None for a request of fewer than two tokens)."""
+    def request_finished(self, finish_reason: str, latencies: Mapping[str, float | None] | None = None) -> None:
+        """A request ended (`finish_reason` stop | length | abort); `latencies`: its intervals in seconds
+        (`RequestMetrics.latencies`, keys of REQUEST_LATENCIES; None where not reached)."""
         m = self.model_name
         self.request_success.labels(m, finish_reason or "unknown").inc()
-        for hist, value in ((self.ttft, ttft_s), (self.e2e, e2e_s), (self.tpot, tpot_s)):
+        for key, value in (latencies or {}).items():
             if value is not None and value >= 0:
-                hist.labels(m).observe(value)
+                self.latency[key].labels(m).observe(value)
 
     def request_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
 
-    def set_queue(self, *, running: int, waiting: int) -> None:
+    def set_queue(self, *, running: int, waiting: int, cache_usage: float = 0.0) -> None:
         self.running.labels(self.model_name).set(running)
         self.waiting.labels(self.model_name).set(waiting)
+        self.cache_usage.labels(self.model_name).set(cache_usage)
 
     # ------------------------------------------------------------------ exposition
     def exposition(self) -> bytes:
@@ -232,9 +244,8 @@ class ServingMetrics:
                 "rejected": {k: int(v) for k, v in
                              self._label_values("specjax:request_rejected_total", "reason").items()},
             },
-            "latency_mean_s": {key: self._mean(name) for key, name in (
-                ("ttft", "vllm:time_to_first_token_seconds"), ("tpot", "vllm:request_time_per_output_token_seconds"),
-                ("e2e", "vllm:e2e_request_latency_seconds"))},
+            "latency_mean_s": {key: self._mean(name) for key, (name, _, _) in REQUEST_LATENCIES.items()},
+            "kv_cache_usage_perc": self._value("vllm:kv_cache_usage_perc"),
             "tokens": {"prompt": int(self._value("vllm:prompt_tokens_total")),
                        "generation": int(self._value("vllm:generation_tokens_total")),
                        "prefix_cache_queries": int(self._value("vllm:prefix_cache_queries_total")),
