@@ -15,7 +15,7 @@ import numpy as np
 
 from specjax.decoding.engine import Engine, EngineConfig, EngineRequest
 from specjax.sampling import VARIANTS, validate_sampling
-from specjax.serving.detokenize import StopStringChecker
+from specjax.serving.detokenize import StopStringChecker, request_text
 
 
 GUIDES = ("guided_choice", "guided_regex", "guided_json")  # SamplingParams' guides: at most one per request
@@ -318,7 +318,7 @@ class LLM:
         for (text, _), req in zip(encoded, reqs):
             out_text = None
             if self.tokenizer is not None:
-                out_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+                out_text = request_text(self.tokenizer, req)
             outs.append(Output(request_id=req.request_id, prompt=text, prompt_token_ids=list(req.prompt_ids),
                                token_ids=list(req.output_ids), text=out_text,
                                finish_reason=req.finish_reason or "length", metrics=self._metrics(req),

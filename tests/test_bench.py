@@ -754,3 +754,28 @@ def test_run_arrivals_adds_one_request_every_n_steps_until_all_end():
     eng = Engine()
     eng.steps = 0
     assert run_arrivals(eng, ["a", "b", "c"], every=2) == 7 and eng.added == [("a", 0), ("b", 2), ("c", 4)]
+
+
+def test_priority_bench_serves_late_interactive_requests_first_only_under_priority():
+    """bench.priority's run on a tiny target with one slot: the interactive requests, added after the
+    backlog, finish right after the request running when they arrive under `priority`, and last under
+    `fcfs` (control); greedy answers are the same."""
+    from types import SimpleNamespace
+
+    from bench.priority import POLICIES, _run
+    from specjax.api import LLM
+    from specjax.decoding.engine import EngineConfig
+    from tests.serving_fixtures import tiny_target
+
+    prompts = {"batch": [[3 + i, 4, 5] for i in range(4)], "interactive": [[9, 10, 11 + i] for i in range(2)]}
+    runs = {}
+    for p in POLICIES:
+        cfg = EngineConfig(max_slots=1, max_len=64, policy="plain", slots_buckets=(1,), max_prefill=16,
+                           prefill_buckets=(16,), prefill_batch_buckets=(1,), sampling_variants=("greedy",),
+                           prefix_caching=False, scheduling_policy=p)
+        runs[p] = _run(LLM(target=tiny_target(0), engine_config=cfg), prompts, p,
+                       SimpleNamespace(every=2, max_tokens=6))["requests"]
+    ranks = {p: sorted(r["finished"] for r in runs[p] if r["class"] == "interactive") for p in POLICIES}
+    assert ranks == {"fcfs": [4, 5], "priority": [1, 2]}, ranks
+    assert [r["tokens"] for r in runs["fcfs"]] == [r["tokens"] for r in runs["priority"]]
+    assert all(r["queue"] >= 0 and r["ttft"] >= r["queue"] for p in POLICIES for r in runs[p])

@@ -64,36 +64,37 @@ def test_special_tokens_are_skipped_like_the_final_decode(tok):
     assert "".join(d.push([i]) for i in ids) == tok.decode(ids, skip_special_tokens=True) == "fox 😀 world"
 
 
-def _reference_keep(tok, ids, stops):
-    """The quadratic definition: the longest token prefix whose decoded text ends at or before the
-    first stop string, counting only prefixes that end on a whole character."""
+def _reference(tok, ids, stops, include=False):
+    """The quadratic definition: at the first stop string (by where it begins), the shortest token
+    prefix whose decoded text holds it (ending on a whole character), and the text up to the stop
+    string's start (its end with `include`)."""
     text = tok.decode(ids)
-    hits = [text.find(s) for s in stops if s in text]
+    hits = [(text.find(s), s) for s in stops if s in text]
     if not hits:
         return None
-    cut = min(hits)
-    keep = 0
-    for k in range(len(ids) + 1):
-        prefix = tok.decode(ids[:k])
-        if len(prefix) <= cut and not prefix.endswith("\ufffd"):
-            keep = k
-    return keep
+    at, s = min(hits)
+    keep = next(k for k in range(len(ids) + 1)
+                if len(tok.decode(ids[:k])) >= at + len(s) and not tok.decode(ids[:k]).endswith("\ufffd"))
+    return keep, text[:at + len(s) if include else at]
 
 
-@pytest.mark.parametrize("stop", ["世界", "😀", "fox", "🧪🧪", "ve 🇯", "quick 你", "zzz"])
-def test_stop_checker_matches_the_quadratic_definition(tok, stop):
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("stop", ["世界", "😀", "fox", "🧪🧪", "ve 🇯", "quick 你", "zzz", "ick"])
+def test_stop_checker_matches_the_quadratic_definition(tok, stop, include):
+    """Found as the engine calls it (the whole output after each round): the tokens through the one
+    completing the stop string, the text exactly up to it (vLLM's; with include_stop_str_in_output,
+    through it). "ick" begins inside the token " quick": its " qu" stays in the text."""
     ids = _ids(tok)
     rng = random.Random(stop)
-    check, k, got = StopStringChecker(tok, [stop]), 0, None
-    while k < len(ids) and got is None:  # the engine calls it with the whole output after each round
+    check, k, got = StopStringChecker(tok, [stop], include=include), 0, None
+    while k < len(ids) and got is None:
         k = min(len(ids), k + rng.randint(1, 4))
         got = check(ids[:k])
-    want = _reference_keep(tok, ids[:k], [stop])
-    assert got == want
+    assert got == _reference(tok, ids[:k], [stop], include)
     if stop in TEXT:
-        kept = tok.decode(ids[:got])
-        assert stop not in kept and TEXT.startswith(kept) and "\ufffd" not in kept
-        assert len(kept) > TEXT.index(stop) - 8  # nothing much before the stop string was lost
+        keep, text = got
+        assert text == TEXT[:TEXT.index(stop) + (len(stop) if include else 0)]
+        assert tok.decode(ids[:keep]).startswith(TEXT[:TEXT.index(stop) + len(stop)])
     else:
         assert got is None
 
@@ -103,27 +104,26 @@ def test_stop_checker_finds_a_stop_string_spanning_two_calls_and_restarts_on_a_n
     check = StopStringChecker(tok, ["quick brown"])
     cut = len(_ids(tok, "abc the quick"))  # "quick" in the first call, " brown" in the next
     assert check(ids[:cut]) is None
-    keep = check(ids)
-    assert tok.decode(ids[:keep]) == "abc the"  # the token " quick" carries the space
+    keep, text = check(ids)
+    assert text == "abc the " and tok.decode(ids[:keep]) == "abc the quick brown"  # " quick" carries the space
     assert check(ids[:2]) is None  # a shorter list: a different output, searched afresh
     with pytest.raises(ValueError, match="non-empty"):
         StopStringChecker(tok, [""])
 
 
 def test_stop_checker_passes_over_stops_that_would_keep_fewer_than_min_tokens(tok):
-    """min_tokens: an occurrence that would leave fewer tokens is passed over; a later one (or a later
+    """min_tokens: an occurrence completed within fewer tokens is passed over; a later one (or a later
     overlapping one) ends the output; without min_keep the first ends it (control)."""
     text = "fox the fox the quick fox"
     ids = _ids(tok, text)
-    first = StopStringChecker(tok, ["fox"])(ids)
-    assert tok.decode(ids[:first]) == ""
     pieces = [tok.decode([t]) for t in ids]
     assert pieces == ["fo", "x", " the", " fox", " the", " quick", " fox"], pieces  # the test's token boundaries
+    assert StopStringChecker(tok, ["fox"])(ids) == (2, "")
     check = StopStringChecker(tok, ["fox"])
-    assert check(ids[:3], 1) is None  # only the first occurrence so far, which would keep 0 tokens
-    assert check(ids, 1) == 3  # the second: "fox the"
-    assert StopStringChecker(tok, ["fox"])(ids, 4) == 6  # the third: "fox the fox the quick"
-    assert StopStringChecker(tok, ["fox"])(ids, len(ids)) is None
+    assert check(ids[:3], 3) is None  # only the first occurrence so far, completed by 2 tokens
+    assert check(ids, 3) == (4, "fox the ")  # the second
+    assert StopStringChecker(tok, ["fox"])(ids, 5) == (7, "fox the fox the quick ")  # the third
+    assert StopStringChecker(tok, ["fox"])(ids, len(ids) + 1) is None
 
 
 @pytest.mark.parametrize("reaches_max_tokens", [True, False])
@@ -137,24 +137,8 @@ def test_a_round_that_emits_a_stop_string_and_reaches_max_tokens_stops_at_the_st
     append_output(req, ids[:2], eos_token_ids=[])
     assert req.finish_reason is None
     append_output(req, ids[2:], eos_token_ids=[])  # one round: " the quick brown fox" (max_tokens reached)
-    assert req.finish_reason == "stop" and tok.decode(req.output_ids) == "hello world the"
-
-
-@pytest.mark.parametrize("stop", ["世界", "😀", "fox", "ve 🇯", "quick 你"])
-def test_stop_checker_keeps_the_stop_string_through_its_last_token_when_asked(tok, stop):
-    """include_stop_str_in_output: the fewest tokens whose text holds the whole stop string, found
-    across calls (control: without it the kept text never holds the stop string)."""
-    ids = _ids(tok)
-    end = TEXT.index(stop) + len(stop)
-    want = min(k for k in range(len(ids) + 1)
-               if len(tok.decode(ids[:k])) >= end and not tok.decode(ids[:k]).endswith("\ufffd"))
-    rng = random.Random(stop)
-    check, k, got = StopStringChecker(tok, [stop], include=True), 0, None
-    while k < len(ids) and got is None:
-        k = min(len(ids), k + rng.randint(1, 4))
-        got = check(ids[:k])
-    assert got == want and tok.decode(ids[:got]).startswith(TEXT[:end])
-    assert stop not in tok.decode(ids[:StopStringChecker(tok, [stop])(ids)])
+    assert req.finish_reason == "stop" and req.output_text == "hello world the "
+    assert tok.decode(req.output_ids) == "hello world the quick"
 
 
 def test_sampling_params_stop_inclusion_and_prompt_truncation_are_checked_and_applied():

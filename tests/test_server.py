@@ -155,18 +155,20 @@ def test_chat_with_a_tokenizer_template(srv):
         assert events[-1] == "[DONE]"
         assert events[0]["choices"][0]["delta"]["role"] == "assistant"
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == msg["content"]
-        # a stop string ends the text before it, streamed or not (tokens held back until safe)
-        words = msg["content"].split()
-        cut = next(i for i in range(2, len(words)) if words[i] not in " ".join(words[:i]))
-        stop = words[cut]
+        # a stop string that begins inside a token (a word without its "w") ends the text exactly before
+        # it, streamed or not (tokens held back until safe); the tokens run through the one completing it
+        words, full = msg["content"].split(), msg["content"]
+        cut = next(i for i in range(2, len(words)) if words[i][1:] not in " ".join(words[:i]))
+        stop = words[cut][1:]
         body = {**body, "stop": [stop], "max_tokens": 6}
         status, r = http_json(url + "/v1/chat/completions", "POST", body)
         assert r["choices"][0]["finish_reason"] == "stop"
-        assert r["choices"][0]["message"]["content"].split() == words[:cut]
+        assert r["choices"][0]["message"]["content"] == full[:full.index(stop)] and full[:full.index(stop)].endswith("w")
+        assert r["choices"][0]["token_ids"] == ids[:cut + 1]
         status, _, data = http_request(url + "/v1/chat/completions", "POST", {**body, "stream": True})
         events = sse_events(data)
-        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]).split() == words[:cut]
-        assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == ids[:cut]
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == full[:full.index(stop)]
+        assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == ids[:cut + 1]
         assert events[-2]["choices"][0]["finish_reason"] == "stop"
         # vLLM's include_stop_str_in_output keeps it (each word is one token), streamed or not
         body = {**body, "include_stop_str_in_output": True}

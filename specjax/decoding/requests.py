@@ -186,7 +186,8 @@ class EngineRequest:
     guided_choice: tuple[tuple[int, ...], ...] = ()  # the output is one of these, then eos (EngineConfig.guided_choice)
     automaton: TokenAutomaton | None = None  # the output follows it, then eos (EngineConfig.guided_regex)
     automaton_start: int = -1  # filled by the engine: its initial state's id in the engine's table
-    stop_check: Callable[[list[int], int], int | None] | None = None  # (output, min_tokens) -> tokens to keep, if a stop hit
+    # (output, min_tokens) -> (tokens to keep, the output's text) when a stop string ends the output
+    stop_check: Callable[[list[int], int], tuple[int, str] | None] | None = None
     max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
     prediction_ids: tuple[int, ...] = ()  # predicted output tokens, drafted while the output follows them
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
@@ -196,6 +197,7 @@ class EngineRequest:
     # with `logprobs`: per output token (its log-probability, top ids, their log-probabilities)
     output_logprobs: list[tuple[float, list[int], list[float]]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    output_text: str | None = None  # set by a stop string (its `stop_check`'s text); else the tokens' text
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
     slot: int = -1
     rounds: int = 0
@@ -389,8 +391,9 @@ def append_output(req: EngineRequest, toks: Sequence[int], eos_token_ids: Sequen
             req.finish_reason = "length"
             break
     if req.stop_check is not None:
-        keep = req.stop_check(req.output_ids, req.min_tokens)
-        if keep is not None:
+        hit = req.stop_check(req.output_ids, req.min_tokens)
+        if hit is not None:
+            keep, req.output_text = hit
             del req.output_ids[keep:]
             req.finish_reason = "stop"
 

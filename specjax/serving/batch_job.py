@@ -5,7 +5,8 @@ Input rows (one JSON object a line):
     optional: temperature, top_k, top_p, min_p, max_tokens, stop, stop_token_ids, seed,
     num_speculative_tokens, ignore_eos, min_tokens, include_stop_str_in_output, truncate_prompt_tokens
     (sampling; defaults from the job), the server's other request fields (logit rules, guides, OpenAI's
-    `prediction`; the job's options serve them), metadata (copied to the output).
+    `prediction`, `priority` with --scheduling-policy priority; the job's options serve them), metadata
+    (copied to the output).
     A line with `custom_id` is an OpenAI batch request and gets an OpenAI batch output line
     (`specjax.serving.batch_openai`); both kinds may share a file.
 Output rows (in completion order, not input order):
@@ -36,6 +37,7 @@ from specjax.decoding.requests import missing_rule
 from specjax.io import JsonlLine
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
 from specjax.serving import batch_openai
+from specjax.serving.detokenize import request_text
 from specjax.serving.tool_calls import check_tool_parser
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.request_metrics import request_spec_metrics, usage
@@ -192,7 +194,7 @@ class BatchRows:
     def finished(self, index: int, request: Any, submit: Submit) -> Outcome:
         row = self.rows.pop(index)
         ids = list(request.output_ids)
-        text = None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = None if self.tokenizer is None else request_text(self.tokenizer, request)
         reason, n_prompt = request.finish_reason or "length", len(request.prompt_ids)
         spec = request_spec_metrics(request.metrics)
         counts = usage(n_prompt, len(ids), [request], prompt_details=self.prompt_details)

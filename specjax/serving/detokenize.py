@@ -7,8 +7,10 @@ token that ends inside a multi-byte UTF-8 character yields no text until the cha
 so a stream never shows a partial character (no U+FFFD in the middle of an emoji).
 
 `StopStringChecker` is the engine's `stop_check` for stop strings: it searches only the new text
-(plus the last len(stop) - 1 characters before it) and maps a hit back to the number of tokens whose
-text lies wholly before the stop string (or, kept in the output, through it).
+(plus the last len(stop) - 1 characters before it); on a hit the output keeps its tokens through the
+one that completes the stop string, and its text ends exactly where the stop string begins (or, with
+include_stop_str_in_output, ends), as vLLM's does: a stop string that begins inside a token keeps
+that token's text before it. `request_text` is an output's text either way.
 """
 from __future__ import annotations
 
@@ -17,7 +19,15 @@ from typing import Any, Sequence
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-__all__ = ["StopStringChecker", "StreamDetokenizer", "backend_tokenizer"]
+__all__ = ["StopStringChecker", "StreamDetokenizer", "backend_tokenizer", "request_text"]
+
+
+def request_text(tokenizer: Any, request: Any) -> str:
+    """An engine request's output text: the text a stop string cut (`output_text`), else its tokens
+    decoded without special tokens."""
+    if request.output_text is not None:
+        return request.output_text
+    return tokenizer.decode(list(request.output_ids), skip_special_tokens=True)
 
 
 def backend_tokenizer(tokenizer: Any) -> Tokenizer:
@@ -43,6 +53,7 @@ class StreamDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.length = 0
         self.ends: list[int | None] = []
+        self.pieces: list[str] = []  # the text, as pushed
 
     def push(self, ids: Sequence[int]) -> str:
         pieces = []
@@ -54,16 +65,16 @@ class StreamDetokenizer:
             pieces.append(piece)
             self.length += len(piece)
             self.ends.append(self.length)
+        self.pieces += pieces
         return "".join(pieces)
 
 
 class StopStringChecker:
     """`EngineRequest.stop_check` for stop strings: called with the request's whole output so far
     (a list that only grows) and the fewest tokens a stop may keep (min_tokens), returns None, or
-    the number of tokens to keep when a stop string appears (the longest token prefix whose text
-    ends at or before the stop string's start; occurrences that would keep fewer are passed over).
-    With `include` (vLLM's include_stop_str_in_output) the kept tokens run through the one that
-    completes the stop string."""
+    when a stop string appears (the first, by where it begins, that keeps enough tokens) the tokens
+    to keep (the shortest prefix whose text holds the stop string) and the output's text (up to the
+    stop string's start; with `include`, vLLM's include_stop_str_in_output, through its end)."""
 
     def __init__(self, tokenizer: Any, stops: Sequence[str], *, include: bool = False):
         if not stops or any(not s for s in stops):
@@ -78,7 +89,7 @@ class StopStringChecker:
         self._detok = StreamDetokenizer(self._tokenizer)
         self._carry = ""  # the last _carry_len characters already searched
 
-    def __call__(self, ids: list[int], min_keep: int = 0) -> int | None:
+    def __call__(self, ids: list[int], min_keep: int = 0) -> tuple[int, str] | None:
         seen = len(self._detok.ends)
         if len(ids) < seen:  # not the same growing output: start over
             self._reset()
@@ -91,20 +102,10 @@ class StopStringChecker:
         base = before - len(self._carry)  # text position of window[0]
         self._carry = window[-self._carry_len:] if self._carry_len else ""
         for at, end in sorted(_occurrences(window, self.stops)):
-            keep = self._tokens_through(base + end) if self.include else self._tokens_before(base + at)
+            keep = self._tokens_through(base + end)
             if keep >= min_keep:
-                return keep
+                return keep, "".join(self._detok.pieces)[:base + (end if self.include else at)]
         return None
-
-    def _tokens_before(self, cut: int) -> int:
-        """The longest token prefix whose text ends at or before text position `cut`."""
-        keep = 0
-        for k, end in enumerate(self._detok.ends, 1):
-            if end is not None:
-                if end > cut:
-                    break
-                keep = k
-        return keep
 
     def _tokens_through(self, cut: int) -> int:
         """The shortest token prefix whose text reaches text position `cut`."""

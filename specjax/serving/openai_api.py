@@ -54,6 +54,7 @@ from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestErr
 from specjax.serving.errors import ENGINE_REJECTED, APIError
 from specjax.serving.limits import ServerLimits
 from specjax.serving.logprob_blocks import logprobs_block, prompt_logprobs_list
+from specjax.serving.detokenize import request_text
 from specjax.serving.prompts import chat_prompt_ids, completion_prompts, truncated
 from specjax.serving.streams import ChoiceStream, Waiter
 from specjax.serving.tool_calls import ToolMode, check_tool_parser, tool_guide, tool_message
@@ -288,6 +289,9 @@ class OpenAIApp:
     def _decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _text(self, req: EngineRequest) -> str:
+        return "" if self.tokenizer is None else request_text(self.tokenizer, req)  # a stop string cut it exactly
+
     def _usage(self, parsed: _Parsed, n_out: int, streams: list[RequestStream], choice: int | None = None
                ) -> dict[str, Any]:
         """OpenAI's usage: every prompt once (or one choice's prompt) and `n_out` completion tokens (of
@@ -383,7 +387,7 @@ class OpenAIApp:
                                       "logprobs": self._logprobs_block(parsed, r, 0, len(ids), chat, echoed=echoed[k])}
             if parsed.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_lps[k]
-            text = self._decode(ids)
+            text = self._text(r)
             if chat:
                 choice["message"], choice["finish_reason"] = tool_message(text, parsed.tools, r.finish_reason)
             else:

@@ -70,7 +70,7 @@ class ChoiceStream:
             ids = final_ids[len(sent):] if final_ids[:len(sent)] == sent else []
             # the rest of the text: one full decode at the end (linear), which also renders a
             # trailing incomplete character the way the non-streamed answer does
-            full, before = self.app._decode(final_ids), "".join(self.sent_text)
+            full, before = self.app._text(self.stream.request), "".join(self.sent_text)
             text = full[len(before):] if full.startswith(before) else ""
         else:
             ids = list(ev.token_ids)
