@@ -164,6 +164,7 @@ def _plot(res: dict, path: str) -> None:
                label=f"--scheduling-policy {p}")
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("seconds (median)")
+    ax.set_ylim(0, 1.3 * max(res[p][c][k] for p in POLICIES for c in CLASSES for k in ("ttft", "e2e")))
     ax.set_title("priority scheduling, SmolLM2-135M on this CPU")
     ax.legend(fontsize=8)
     fig.tight_layout()
