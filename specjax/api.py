@@ -179,6 +179,7 @@ class Output:
     # with SamplingParams.logprobs: per token (its log-probability, top ids, their log-probabilities)
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
     num_cached_tokens: int = 0  # prompt tokens read from a freed slot's cache rows (prefix caching; vLLM's)
+    stop_reason: int | str | None = None  # vLLM's: the stop id or stop string that ended it (None: eos, length)
 
 
 def _target_id(target_dir: str | None, model: Any) -> str | None:
@@ -323,7 +324,7 @@ class LLM:
                                token_ids=list(req.output_ids), text=out_text,
                                finish_reason=req.finish_reason or "length", metrics=self._metrics(req),
                                logprobs=list(req.output_logprobs) if req.logprobs is not None else None,
-                               num_cached_tokens=req.metrics.cached_tokens))
+                               num_cached_tokens=req.metrics.cached_tokens, stop_reason=req.stop_reason))
         return outs
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

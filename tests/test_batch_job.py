@@ -139,7 +139,7 @@ def test_text_prompts_messages_and_stop_strings_with_a_tokenizer(llm, tmp_path):
         run_batch_job(llm, str(inp2), str(out2), shard=Shard(0, 1), progress=False)
         by_id = {r["id"]: r for r in read_jsonl(out2)}
         row = by_id["s"]
-        assert row["finish_reason"] == "stop" and row["text"].split() == words[:cut]
+        assert row["finish_reason"] == "stop" and row["text"].split() == words[:cut] and row["stop_reason"] == words[cut]
         assert row["token_ids"] == ref["token_ids"][:cut + 1]  # through the token completing the stop (vLLM's)
         assert by_id["kept"]["text"].split() == words[:cut + 1] and by_id["kept"]["finish_reason"] == "stop"
         assert by_id["cut"]["token_ids"] == ref["token_ids"] and by_id["cut"]["prompt_tokens"] == 4
@@ -169,7 +169,7 @@ def test_llm_generate_truncates_prompts_and_keeps_stop_strings_when_asked(llm):
         (kept,), (dropped,) = (llm.generate([[5, 6, 7, 9]], SamplingParams(
             temperature=0, max_tokens=6, stop=words[cut_at], include_stop_str_in_output=inc)) for inc in (True, False))
         assert kept.text.split() == words[:cut_at + 1] and dropped.text.split() == words[:cut_at]
-        assert kept.finish_reason == dropped.finish_reason == "stop"
+        assert kept.finish_reason == dropped.finish_reason == "stop" and kept.stop_reason == words[cut_at]
     finally:
         llm.tokenizer = saved
 

@@ -75,7 +75,7 @@ def _reference(tok, ids, stops, include=False):
     at, s = min(hits)
     keep = next(k for k in range(len(ids) + 1)
                 if len(tok.decode(ids[:k])) >= at + len(s) and not tok.decode(ids[:k]).endswith("\ufffd"))
-    return keep, text[:at + len(s) if include else at]
+    return keep, text[:at + len(s) if include else at], s
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -92,8 +92,8 @@ def test_stop_checker_matches_the_quadratic_definition(tok, stop, include):
         got = check(ids[:k])
     assert got == _reference(tok, ids[:k], [stop], include)
     if stop in TEXT:
-        keep, text = got
-        assert text == TEXT[:TEXT.index(stop) + (len(stop) if include else 0)]
+        keep, text, hit = got
+        assert hit == stop and text == TEXT[:TEXT.index(stop) + (len(stop) if include else 0)]
         assert tok.decode(ids[:keep]).startswith(TEXT[:TEXT.index(stop) + len(stop)])
     else:
         assert got is None
@@ -104,8 +104,8 @@ def test_stop_checker_finds_a_stop_string_spanning_two_calls_and_restarts_on_a_n
     check = StopStringChecker(tok, ["quick brown"])
     cut = len(_ids(tok, "abc the quick"))  # "quick" in the first call, " brown" in the next
     assert check(ids[:cut]) is None
-    keep, text = check(ids)
-    assert text == "abc the " and tok.decode(ids[:keep]) == "abc the quick brown"  # " quick" carries the space
+    keep, text, hit = check(ids)
+    assert hit == "quick brown" and text == "abc the " and tok.decode(ids[:keep]) == "abc the quick brown"  # " quick" carries the space
     assert check(ids[:2]) is None  # a shorter list: a different output, searched afresh
     with pytest.raises(ValueError, match="non-empty"):
         StopStringChecker(tok, [""])
@@ -118,11 +118,11 @@ def test_stop_checker_passes_over_stops_that_would_keep_fewer_than_min_tokens(to
     ids = _ids(tok, text)
     pieces = [tok.decode([t]) for t in ids]
     assert pieces == ["fo", "x", " the", " fox", " the", " quick", " fox"], pieces  # the test's token boundaries
-    assert StopStringChecker(tok, ["fox"])(ids) == (2, "")
+    assert StopStringChecker(tok, ["fox"])(ids) == (2, "", "fox")
     check = StopStringChecker(tok, ["fox"])
     assert check(ids[:3], 3) is None  # only the first occurrence so far, completed by 2 tokens
-    assert check(ids, 3) == (4, "fox the ")  # the second
-    assert StopStringChecker(tok, ["fox"])(ids, 5) == (7, "fox the fox the quick ")  # the third
+    assert check(ids, 3) == (4, "fox the ", "fox")  # the second
+    assert StopStringChecker(tok, ["fox"])(ids, 5) == (7, "fox the fox the quick ", "fox")  # the third
     assert StopStringChecker(tok, ["fox"])(ids, len(ids) + 1) is None
 
 
@@ -137,7 +137,7 @@ def test_a_round_that_emits_a_stop_string_and_reaches_max_tokens_stops_at_the_st
     append_output(req, ids[:2], eos_token_ids=[])
     assert req.finish_reason is None
     append_output(req, ids[2:], eos_token_ids=[])  # one round: " the quick brown fox" (max_tokens reached)
-    assert req.finish_reason == "stop" and req.output_text == "hello world the "
+    assert req.finish_reason == "stop" and req.output_text == "hello world the " and req.stop_reason == "quick"
     assert tok.decode(req.output_ids) == "hello world the quick"
 
 
@@ -153,3 +153,19 @@ def test_sampling_params_stop_inclusion_and_prompt_truncation_are_checked_and_ap
             SamplingParams(truncate_prompt_tokens=bad)
     with pytest.raises(ValueError, match="include_stop_str_in_output must be a bool"):
         SamplingParams(include_stop_str_in_output=1)
+
+
+def test_stop_reason_names_the_stop_id_or_string_and_is_none_for_eos_and_length():
+    """vLLM's stop_reason: a stop_token_ids entry (also one equal to eos under ignore_eos), None when eos
+    (checked first) or max_tokens ends the output."""
+    from specjax.decoding.requests import EngineRequest, append_output
+
+    def end(toks, **kw):
+        req = EngineRequest("r", [1], max_tokens=3, temperature=0.0, **kw)
+        append_output(req, toks, eos_token_ids=[2])
+        return req.finish_reason, req.stop_reason
+    assert end([5, 7, 9], stop_token_ids=(7,)) == ("stop", 7)
+    assert end([5, 2, 9], stop_token_ids=(7,)) == ("stop", None)  # eos
+    assert end([5, 2, 9], stop_token_ids=(2,)) == ("stop", None)  # eos first, as vLLM checks it
+    assert end([5, 2, 9], stop_token_ids=(2,), ignore_eos=True) == ("stop", 2)
+    assert end([5, 6, 9], stop_token_ids=(7,)) == ("length", None)

@@ -52,7 +52,7 @@ def _engine(model, policy: str, pipeline: bool, eos: int) -> Engine:
 
 def _stop_after_five(ids, min_keep=0):
     """A stop string's rule: ends the request once it holds 5 tokens, keeping 4 (host-only)."""
-    return (4, "") if len(ids) >= 5 else None
+    return (4, "", "five") if len(ids) >= 5 else None
 
 
 def _requests(stop_id: int, sampled: bool = True) -> list[EngineRequest]:

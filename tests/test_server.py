@@ -106,6 +106,7 @@ def test_completion_plain_and_streamed_agree(srv):
     ch = r["choices"][0]
     assert r["object"] == "text_completion" and r["model"] == "tiny"
     assert ch["finish_reason"] in ("stop", "length") and 1 <= len(ch["token_ids"]) <= 12
+    assert ch["stop_reason"] is None  # eos or max_tokens (vLLM's: null)
     assert r["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": len(ch["token_ids"]),
                           "total_tokens": len(PROMPT) + len(ch["token_ids"])}
     sm = r["spec_metrics"]
@@ -164,12 +165,12 @@ def test_chat_with_a_tokenizer_template(srv):
         status, r = http_json(url + "/v1/chat/completions", "POST", body)
         assert r["choices"][0]["finish_reason"] == "stop"
         assert r["choices"][0]["message"]["content"] == full[:full.index(stop)] and full[:full.index(stop)].endswith("w")
-        assert r["choices"][0]["token_ids"] == ids[:cut + 1]
+        assert r["choices"][0]["token_ids"] == ids[:cut + 1] and r["choices"][0]["stop_reason"] == stop
         status, _, data = http_request(url + "/v1/chat/completions", "POST", {**body, "stream": True})
         events = sse_events(data)
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == full[:full.index(stop)]
         assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == ids[:cut + 1]
-        assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-2]["choices"][0]["stop_reason"] == stop
         # vLLM's include_stop_str_in_output keeps it (each word is one token), streamed or not
         body = {**body, "include_stop_str_in_output": True}
         status, r = http_json(url + "/v1/chat/completions", "POST", body)

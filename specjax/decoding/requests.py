@@ -186,8 +186,8 @@ class EngineRequest:
     guided_choice: tuple[tuple[int, ...], ...] = ()  # the output is one of these, then eos (EngineConfig.guided_choice)
     automaton: TokenAutomaton | None = None  # the output follows it, then eos (EngineConfig.guided_regex)
     automaton_start: int = -1  # filled by the engine: its initial state's id in the engine's table
-    # (output, min_tokens) -> (tokens to keep, the output's text) when a stop string ends the output
-    stop_check: Callable[[list[int], int], tuple[int, str] | None] | None = None
+    # (output, min_tokens) -> (tokens to keep, the output's text, the stop string) when one ends the output
+    stop_check: Callable[[list[int], int], tuple[int, str, str] | None] | None = None
     max_draft_tokens: int | None = None  # per-request cap on ell (None: engine gamma)
     prediction_ids: tuple[int, ...] = ()  # predicted output tokens, drafted while the output follows them
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
@@ -198,6 +198,7 @@ class EngineRequest:
     output_logprobs: list[tuple[float, list[int], list[float]]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     output_text: str | None = None  # set by a stop string (its `stop_check`'s text); else the tokens' text
+    stop_reason: int | str | None = None  # vLLM's: the stop id or stop string that ended it (None: eos, length)
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
     slot: int = -1
     rounds: int = 0
@@ -386,6 +387,8 @@ def append_output(req: EngineRequest, toks: Sequence[int], eos_token_ids: Sequen
         req.output_ids.append(int(t))
         if int(t) in stops:
             req.finish_reason = "stop"
+            req.stop_reason = int(t) if int(t) in req.stop_token_ids and (
+                req.ignore_eos or int(t) not in eos_token_ids) else None
             break
         if len(req.output_ids) >= req.max_tokens:
             req.finish_reason = "length"
@@ -393,7 +396,7 @@ def append_output(req: EngineRequest, toks: Sequence[int], eos_token_ids: Sequen
     if req.stop_check is not None:
         hit = req.stop_check(req.output_ids, req.min_tokens)
         if hit is not None:
-            keep, req.output_text = hit
+            keep, req.output_text, req.stop_reason = hit
             del req.output_ids[keep:]
             req.finish_reason = "stop"
 

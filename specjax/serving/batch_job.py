@@ -10,7 +10,8 @@ Input rows (one JSON object a line):
     A line with `custom_id` is an OpenAI batch request and gets an OpenAI batch output line
     (`specjax.serving.batch_openai`); both kinds may share a file.
 Output rows (in completion order, not input order):
-    {"id", "token_ids", "text", "finish_reason", "prompt_tokens", "completion_tokens", "metrics", ["metadata"],
+    {"id", "token_ids", "text", "finish_reason", "stop_reason" (vLLM's: the stop id or string that ended it),
+     "prompt_tokens", "completion_tokens", "metrics", ["metadata"],
      ["prompt_tokens_details": {"cached_tokens"}: with --enable-prompt-tokens-details (prefix caching)],
      ["completion_tokens_details": a row with a prediction: accepted / rejected_prediction_tokens]}
 Error rows (`<output stem>.errors.jsonl` unless given):
@@ -199,10 +200,11 @@ class BatchRows:
         spec = request_spec_metrics(request.metrics)
         counts = usage(n_prompt, len(ids), [request], prompt_details=self.prompt_details)
         if row.openai is not None:
-            rec = batch_openai.output_line(row.id, row.openai, text, ids, reason, counts, spec)
+            rec = batch_openai.output_line(row.id, row.openai, text, ids, reason, counts, spec, request.stop_reason)
         else:
-            rec = {"id": row.id, "token_ids": ids, "text": text, "finish_reason": reason, "prompt_tokens": n_prompt,
-                   "completion_tokens": len(ids), "metrics": spec}
+            rec = {"id": row.id, "token_ids": ids, "text": text, "finish_reason": reason,
+                   "stop_reason": request.stop_reason, "prompt_tokens": n_prompt, "completion_tokens": len(ids),
+                   "metrics": spec}
             rec.update({k: counts[k] for k in ("prompt_tokens_details", "completion_tokens_details") if k in counts})
             if row.metadata is not None:
                 rec["metadata"] = row.metadata

@@ -99,7 +99,8 @@ def native_field(field: str | None) -> str | None:
 
 
 def output_line(custom_id: Any, req: OpenAIRequest, text: str | None, token_ids: list[int], finish_reason: str,
-                usage: dict[str, Any], spec_metrics: dict[str, Any]) -> dict[str, Any]:
+                usage: dict[str, Any], spec_metrics: dict[str, Any], stop_reason: int | str | None = None
+                ) -> dict[str, Any]:
     """The OpenAI batch output line of a finished request (`usage`: `request_metrics.usage`'s)."""
     if req.url == "/v1/chat/completions":
         kind, prefix = "chat.completion", "chatcmpl"
@@ -108,7 +109,7 @@ def output_line(custom_id: Any, req: OpenAIRequest, text: str | None, token_ids:
     else:
         kind, prefix = "text_completion", "cmpl"
         choice = {"index": 0, "text": text}
-    choice.update(finish_reason=finish_reason, token_ids=token_ids)
+    choice.update(finish_reason=finish_reason, stop_reason=stop_reason, token_ids=token_ids)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     body = {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model, "choices": [choice],
             "usage": usage, "spec_metrics": spec_metrics}

@@ -73,8 +73,9 @@ class StopStringChecker:
     """`EngineRequest.stop_check` for stop strings: called with the request's whole output so far
     (a list that only grows) and the fewest tokens a stop may keep (min_tokens), returns None, or
     when a stop string appears (the first, by where it begins, that keeps enough tokens) the tokens
-    to keep (the shortest prefix whose text holds the stop string) and the output's text (up to the
-    stop string's start; with `include`, vLLM's include_stop_str_in_output, through its end)."""
+    to keep (the shortest prefix whose text holds the stop string), the output's text (up to the
+    stop string's start; with `include`, vLLM's include_stop_str_in_output, through its end) and the
+    stop string."""
 
     def __init__(self, tokenizer: Any, stops: Sequence[str], *, include: bool = False):
         if not stops or any(not s for s in stops):
@@ -89,7 +90,7 @@ class StopStringChecker:
         self._detok = StreamDetokenizer(self._tokenizer)
         self._carry = ""  # the last _carry_len characters already searched
 
-    def __call__(self, ids: list[int], min_keep: int = 0) -> tuple[int, str] | None:
+    def __call__(self, ids: list[int], min_keep: int = 0) -> tuple[int, str, str] | None:
         seen = len(self._detok.ends)
         if len(ids) < seen:  # not the same growing output: start over
             self._reset()
@@ -101,10 +102,10 @@ class StopStringChecker:
         window = self._carry + new
         base = before - len(self._carry)  # text position of window[0]
         self._carry = window[-self._carry_len:] if self._carry_len else ""
-        for at, end in sorted(_occurrences(window, self.stops)):
+        for at, end, stop in sorted(_occurrences(window, self.stops)):
             keep = self._tokens_through(base + end)
             if keep >= min_keep:
-                return keep, "".join(self._detok.pieces)[:base + (end if self.include else at)]
+                return keep, "".join(self._detok.pieces)[:base + (end if self.include else at)], stop
         return None
 
     def _tokens_through(self, cut: int) -> int:
@@ -112,12 +113,12 @@ class StopStringChecker:
         return next(k for k, end in enumerate(self._detok.ends, 1) if end is not None and end >= cut)
 
 
-def _occurrences(text: str, stops: Sequence[str]) -> set[tuple[int, int]]:
-    """(start, end) of every occurrence of every stop string in `text` (overlapping ones too)."""
+def _occurrences(text: str, stops: Sequence[str]) -> set[tuple[int, int, str]]:
+    """(start, end, stop string) of every occurrence of every stop string in `text` (overlapping ones too)."""
     out = set()
     for s in stops:
         i = text.find(s)
         while i >= 0:
-            out.add((i, i + len(s)))
+            out.add((i, i + len(s), s))
             i = text.find(s, i + 1)
     return out

@@ -383,7 +383,8 @@ class OpenAIApp:
                                                                    max_tokens=0, finish_reason="length")
             ids = list(r.output_ids)
             n_out += len(ids)
-            choice: dict[str, Any] = {"index": i, "finish_reason": r.finish_reason, "token_ids": ids,
+            choice: dict[str, Any] = {"index": i, "finish_reason": r.finish_reason, "stop_reason": r.stop_reason,
+                                      "token_ids": ids,
                                       "logprobs": self._logprobs_block(parsed, r, 0, len(ids), chat, echoed=echoed[k])}
             if parsed.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_lps[k]

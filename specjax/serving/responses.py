@@ -79,10 +79,14 @@ class AssistantMessage(pydantic.BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+STOP_REASON_DOC = "vLLM's: the stop_token_ids entry or stop string that ended the answer (null: eos, length)"
+
+
 class ChatChoice(pydantic.BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason | None
+    stop_reason: int | str | None = pydantic.Field(None, description=STOP_REASON_DOC)
     token_ids: list[int]
     logprobs: dict[str, Any] | None = None
 
@@ -94,6 +98,7 @@ class CompletionChoice(pydantic.BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None
+    stop_reason: int | str | None = pydantic.Field(None, description=STOP_REASON_DOC)
     token_ids: list[int]
     logprobs: dict[str, Any] | None = None
     prompt_logprobs: PromptLogprobs | None = None

@@ -83,6 +83,8 @@ class ChoiceStream:
         if logprobs is not None and not self.chat:
             self.token_chars += sum(len(t) for t in logprobs["tokens"])
         c: dict[str, Any] = {"index": self.index, "finish_reason": finish, "token_ids": ids, "logprobs": logprobs}
+        if ev.finished:
+            c["stop_reason"] = self.stream.request.stop_reason  # vLLM's, on the choice's last chunk
         tools = getattr(parsed, "tools", None)
         if self.chat and tools is not None:  # tool calls (tool_calls.ToolStream)
             self.tools = self.tools or ToolStream(tools)
