@@ -27,7 +27,7 @@ from bench.common import load_average, machine_info
 
 BENCHMARKS = ("decode", "verify_cost", "round_ops", "startup", "drafters", "draft_vocab", "scheduler", "training",
               "frontier", "embedded", "online_confidence", "guided", "prediction", "prefix_cache",
-              "ngram_cross_slot", "priority", "embedded_build",
+              "ngram_cross_slot", "priority", "chunked_prefill", "embedded_build",
               "server_load")
 GPU_BENCHMARKS = ("gpu_check",)
 SECTIONS = BENCHMARKS + GPU_BENCHMARKS  # the page's order

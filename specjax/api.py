@@ -220,6 +220,8 @@ class LLM:
         (`Output.num_cached_tokens`).
     scheduling_policy: vLLM's "fcfs" (arrival order) or "priority": waiting requests start by their
         `SamplingParams.priority`, lower first (running ones keep their slots).
+    enable_chunked_prefill: vLLM's chunked prefill (default on): a prompt longer than one prefill call
+        (max_prefill tokens) takes one call per engine step after its first, between decoding rounds.
     """
 
     def __init__(self, target: Any = None, drafter: Any = None, *, tokenizer: str | None = None,
@@ -230,7 +232,8 @@ class LLM:
                  sampling_variants: Sequence[str] | None = None, penalties: bool = False,
                  logit_bias: bool = False, guided_choice: bool = False, guided_regex: bool = False,
                  automaton_states: int = EngineConfig.automaton_states, prediction_tokens: int = 0,
-                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs"):
+                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs",
+                 enable_chunked_prefill: bool = True):
         from specjax import checkpoints
         self.tokenizer = None
         target_dir = None
@@ -260,7 +263,8 @@ class LLM:
                 sampling_variants=VARIANTS if sampling_variants is None else tuple(sampling_variants),
                 penalties=penalties, logit_bias=logit_bias, guided_choice=guided_choice, guided_regex=guided_regex,
                 automaton_states=automaton_states, prediction_tokens=prediction_tokens,
-                prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy)
+                prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+                chunked_prefill=enable_chunked_prefill)
         if isinstance(cost_table, (str, os.PathLike)):
             from specjax.scheduling import CostTable
             cost_table = CostTable.from_json(cost_table)

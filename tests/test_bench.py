@@ -779,3 +779,30 @@ def test_priority_bench_serves_late_interactive_requests_first_only_under_priori
     assert ranks == {"fcfs": [4, 5], "priority": [1, 2]}, ranks
     assert [r["tokens"] for r in runs["fcfs"]] == [r["tokens"] for r in runs["priority"]]
     assert all(r["queue"] >= 0 and r["ttft"] >= r["queue"] for p in POLICIES for r in runs[p])
+
+
+def test_chunked_prefill_bench_measures_the_running_streams_gaps_in_both_settings():
+    """bench.chunked_prefill's run on a tiny target (one running request, a 4-call prompt) with chunked
+    prefill off and on: the same tokens and prefill calls, and every gap measured (tests/
+    test_chunked_prefill.py shows the rounds between the calls)."""
+    from types import SimpleNamespace
+
+    from bench.chunked_prefill import _run
+    from specjax.api import LLM
+    from specjax.decoding.engine import EngineConfig
+    from tests.serving_fixtures import tiny_target
+
+    runs = {}
+    for on in (False, True):
+        cfg = EngineConfig(max_slots=2, max_len=64, policy="plain", slots_buckets=(2,), max_prefill=8,
+                           prefill_buckets=(8,), prefill_batch_buckets=(1, 2), sampling_variants=("greedy",),
+                           prefix_caching=False, chunked_prefill=on)
+        llm = LLM(target=tiny_target(0), engine_config=cfg)
+        calls = []
+        real = llm.engine._prefill_call
+        llm.engine._prefill_call = lambda entries: (calls.append(len(llm.engine._prefilling)), real(entries))[1]
+        runs[on] = _run(llm, [[3, 4, 5]], [7 + k % 20 for k in range(30)], SimpleNamespace(max_tokens=40))
+        runs[on]["calls"] = len(calls)
+    assert runs[False]["tokens"] == runs[True]["tokens"]
+    assert runs[False]["calls"] == runs[True]["calls"] == 1 + 4  # the running prompt's, the long one's
+    assert all(r["max_gap_in"] > 0 and r["median_gap_out"] > 0 and r["long_ttft"] > 0 for r in runs.values())

@@ -27,7 +27,7 @@ from specjax.decoding.requests import (EngineRequest, Launched, append_output, c
                                       seed_key_data, token_logprobs)
 from specjax.decoding.engine_config import EngineConfig
 from specjax.decoding.prefix_cache import SlotPrefixes
-from specjax.decoding.profiling import target_identity
+from specjax.decoding.profiling import cost_table_meta, target_identity
 from specjax.decoding.programs import unpack_round
 from specjax.decoding.runner import Runner, bucket_key
 from specjax.decoding.verify import VerifyResult, verify_chain
@@ -97,6 +97,7 @@ class Engine:
         planner.one_behind = self._one_behind
         self._pending: Launched | None = None  # dispatched last step, not read yet
         self._unread: list[tuple[EngineRequest, Any, int]] = []  # admitted; first token not read yet
+        self._prefilling: list[list[Any]] = []  # [request, next prompt row] of admitted prompts not all prefilled
         self.on_round: Callable[[dict[str, Any]], None] | None = None
 
     # ------------------------------------------------------------------ cost model
@@ -122,16 +123,8 @@ class Engine:
         return self.cfg.policy in COST_AWARE_POLICIES and self.planner.schedule_fn is None
 
     def cost_table_meta(self):
-        """The metadata a cost table for this engine must carry (target, dtype, hardware, buckets, the
-        round its policy times)."""
-        from specjax.scheduling import CostTableMeta
-        dev = jax.devices()[0]
-        n = 1 if self.mesh is None else self.mesh.size
-        dtype = str(jax.tree.leaves(self.runner.t_params)[0].dtype)
-        return CostTableMeta(target=self.target_id, dtype=dtype, hardware=f"{dev.platform}:{dev.device_kind} x{n}",
-                             context_length=self.cfg.max_len, slots_buckets=tuple(self.buckets.slots),
-                             tokens_buckets=tuple(self.buckets.tokens),
-                             timed_round="fused_fill" if self.planner.mode == "device" else "draft+verify")
+        """The metadata a cost table for this engine must carry (`profiling.cost_table_meta`)."""
+        return cost_table_meta(self)
 
     def use_cost_table(self, table) -> None:
         """Install a measured cost table; refuses one measured for another target, dtype or bucket set."""
@@ -244,15 +237,17 @@ class Engine:
 
     def _admit_waiting(self) -> None:
         """Move queued requests into free slots and prefill them (up to `prefill_batches[-1]` prompts per
-        call, long prompts chunked). First tokens stay on the device; the host reads them in `_collect`."""
+        call, long prompts chunked): each batch's first chunks now, and (`EngineConfig.chunked_prefill`
+        off) the rest too; otherwise later steps prefill one chunk call each between rounds. First tokens
+        stay on the device; the host reads them in `_collect`."""
         free = [i for i, r in enumerate(self.slot_req) if r is None]
         while self.queue and free:
             batch: list[EngineRequest] = []
             while self.queue and len(batch) < self.prefill_batches[-1] and free:
+                pending = [r.prompt_ids for r in batch] + [e[0].prompt_ids for e in self._prefilling]
                 if self.prefixes is not None and self.prefixes.copies_from(
-                        self.queue[0].prompt_ids, [r.prompt_ids for r in batch], free, self.buckets.prefill[0],
-                        self.buckets.slots):
-                    break  # the next batch copies that prompt's rows (prefix caching) instead of its prefill
+                        self.queue[0].prompt_ids, pending, free, self.buckets.prefill[0], self.buckets.slots):
+                    break  # it copies that prompt's rows (prefix caching) once they are all prefilled
                 if self.automata is not None and not self.automata.admit(self.queue[0]):
                     break  # its automaton waits for room in the table (so do the requests behind it)
                 req = self.queue.pop(0)
@@ -269,9 +264,11 @@ class Engine:
                 break
             if self.automata is not None and (table := self.automata.changes()) is not None:
                 self.runner.set_automata(*table)
-            self._unread += self._prefill(batch)
-            for r in batch if self.prefixes is not None else ():
-                self.prefixes.hold(r.slot, r.prompt_ids)  # its prompt's rows: a source for later prompts
+            entries = [[r, r.metrics.cached_tokens] for r in batch]
+            self._prefilling += entries
+            self._prefill_call(entries)
+            while not self.cfg.chunked_prefill and (entries := [e for e in entries if e[1] < len(e[0].prompt_ids)]):
+                self._prefill_call(entries)
 
     def _slot_for(self, req: EngineRequest, free: list[int]) -> tuple[int, int]:
         """(slot, prompt tokens reused): the lowest free slot, or with prefix caching (`prefix_cache`; not
@@ -288,28 +285,27 @@ class Engine:
                             src_dst_2=np.array([source, slot], np.int32))
         return slot, start
 
-    def _prefill(self, batch: list[EngineRequest]) -> list[tuple[EngineRequest, Any, int]]:
-        """Run prompt chunks of up to `prefill_batches[-1]` requests per call from each request's first
-        row not reused; the first token is sampled. Returns, per request, the outputs (on the device) of
-        the call holding its last chunk and its row."""
-        biggest = self.buckets.prefill[-1]
-        offsets = [r.metrics.cached_tokens for r in batch]
-        firsts: list[tuple[EngineRequest, Any, int]] = []
-        while todo := [i for i, r in enumerate(batch) if offsets[i] < len(r.prompt_ids)]:
-            pb = bk.pick(self.prefill_batches, len(todo), what="prefill batch")
-            chunk_lens = [min(biggest, len(batch[i].prompt_ids) - offsets[i]) for i in todo]
-            plen = bk.pick(self.buckets.prefill, max(chunk_lens), what="prompt chunk length")
-            chunks = [(batch[i], offsets[i], n, self._draft_cap(batch[i]), self._key_data[batch[i].slot])
-                      for i, n in zip(todo, chunk_lens)]
-            attn = self._attention_bucket(max(offsets[i] + n for i, n in zip(todo, chunk_lens)))
-            inputs = prefill_inputs(chunks, pb, plen, self.cfg.max_slots, self.runner.bias_cols,
-                                    self.runner.choice_shape, self.runner.pred_cols)
-            outs = self.runner.run("prefill", (pb, plen, attn), **inputs)
-            for row, (i, n) in enumerate(zip(todo, chunk_lens)):
-                offsets[i] += n
-                if offsets[i] == len(batch[i].prompt_ids):
-                    firsts.append((batch[i], outs, row))
-        return firsts
+    def _prefill_call(self, entries: list[list[Any]]) -> None:
+        """One prefill call: the next prompt chunk of each of the first `prefill_batches[-1]` entries
+        ([request, its next prompt row], from `_prefilling`: the first is its first row not reused). A
+        request whose last chunk this is samples its first token (unread: `_unread`), leaves
+        `_prefilling` and, with prefix caching, is a copy source; the others stay inactive on the device."""
+        todo = entries[:self.prefill_batches[-1]]
+        pb = bk.pick(self.prefill_batches, len(todo), what="prefill batch")
+        lens = [min(self.buckets.prefill[-1], len(r.prompt_ids) - start) for r, start in todo]
+        plen = bk.pick(self.buckets.prefill, max(lens), what="prompt chunk length")
+        chunks = [(r, start, n, self._draft_cap(r), self._key_data[r.slot]) for (r, start), n in zip(todo, lens)]
+        attn = self._attention_bucket(max(start + n for (_, start), n in zip(todo, lens)))
+        inputs = prefill_inputs(chunks, pb, plen, self.cfg.max_slots, self.runner.bias_cols,
+                                self.runner.choice_shape, self.runner.pred_cols)
+        outs = self.runner.run("prefill", (pb, plen, attn), **inputs)
+        for row, (entry, n) in enumerate(zip(todo, lens)):
+            entry[1] += n
+            if entry[1] == len(entry[0].prompt_ids):
+                self._unread.append((entry[0], outs, row))
+                self._prefilling = [e for e in self._prefilling if e is not entry]
+                if self.prefixes is not None:  # its prompt's rows: a source for later prompts
+                    self.prefixes.hold(entry[0].slot, entry[0].prompt_ids)
 
     def _draft_cap(self, r: EngineRequest) -> int:
         return self.gamma if r.max_draft_tokens is None else min(self.gamma, r.max_draft_tokens)
@@ -465,13 +461,17 @@ class Engine:
         """Admit waiting requests, dispatch one round; return the requests whose end the host learned
         now. Plain, fixed and confidence_async (with `EngineConfig.pipeline`) read round t after
         dispatching t+1: a request that ended in round t runs one more round, whose tokens are dropped."""
+        if self._prefilling:  # prompts admitted earlier: their next chunks, one call between rounds
+            self._prefill_call(self._prefilling)
         self._admit_waiting()
         pending, self._pending = self._pending, None
         finished: list[EngineRequest] = []
         if pending is not None and pending.may_overflow(self.lengths, self.buckets, self.cfg.max_len):  # read it first
             finished, pending = self._collect(pending.firsts, pending), None
-        # rows to run: not those whose unread first token is all they want
-        rows = [i for i, r in enumerate(self.slot_req) if r is not None and (r.max_tokens > 1 or r.output_ids)]
+        # rows to run: not those still prefilled, nor those whose unread first token is all they want
+        busy = {e[0].slot for e in self._prefilling}
+        rows = [i for i, r in enumerate(self.slot_req)
+                if r is not None and i not in busy and (r.max_tokens > 1 or r.output_ids)]
         launched = self._launch(rows, pending) if rows else None
         self.stats["rounds_ahead"] += pending is not None and launched is not None  # before its predecessor was read
         if pending is not None:

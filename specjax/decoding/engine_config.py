@@ -84,6 +84,9 @@ class EngineConfig:
     # prefix caching (vLLM's, on by default there too): a freed slot keeps its cache rows, and a request whose
     # prompt begins with what a free slot holds goes there and prefills only the rest (`decoding.prefix_cache`)
     prefix_caching: bool = True
+    # vLLM's chunked prefill: a prompt longer than one prefill call takes one call per engine step after
+    # its first, between decoding rounds, so running requests keep decoding; off, all its calls at admission
+    chunked_prefill: bool = True
     # vLLM's: "fcfs" admits requests in arrival order (a request's priority must be 0), "priority" by their
     # priority (lower first), arrival order among equals; a running request keeps its slot (no preemption)
     scheduling_policy: str = "fcfs"

@@ -80,9 +80,10 @@ class SlotPrefixes:
 
     def copies_from(self, prompt_ids: Sequence[int], batch: Sequence[Sequence[int]], free: Sequence[int],
                     copy_margin: int = 0, slots_buckets: Sequence[int] | None = None) -> bool:
-        """Whether a prompt would restart later by more than `copy_margin` from the rows of a prompt in the
-        prefill batch being built than from what slots hold now (`choose`): it then waits for the next
-        batch, which copies them once that one is dispatched."""
+        """Whether a prompt would restart later by more than `copy_margin` from the rows of a prompt in
+        `batch` (the prefill batch being built, and prompts still being prefilled in chunks) than from
+        what slots hold now (`choose`): it then waits, and copies them once that prompt's prefill is
+        all dispatched."""
         prompt = np.asarray(prompt_ids, np.int64)
         most = max((shared_prefix(np.asarray(p, np.int64), prompt) - 1 for p in batch), default=0)
         # `choose` only when a batch prompt could give a copy at all (its restart is never negative)

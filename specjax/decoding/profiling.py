@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.decoding.runner import bucket_key
-from specjax.scheduling import CostTable
+from specjax.scheduling import CostTable, CostTableMeta
 
 
 def target_identity(target: Any) -> str:
@@ -28,6 +28,18 @@ def target_identity(target: Any) -> str:
     for leaf in jax.tree.leaves(nnx.state(target, nnx.Param))[:4]:
         h.update(np.asarray(leaf, np.float32).tobytes()[:4096])
     return f"qwen3-{target.config.num_hidden_layers}x{target.config.hidden_size}-{h.hexdigest()[:12]}"
+
+
+def cost_table_meta(engine: Any) -> CostTableMeta:
+    """The metadata a cost table for `engine` must carry (target, dtype, hardware, buckets, the round
+    its policy times)."""
+    dev = jax.devices()[0]
+    n = 1 if engine.mesh is None else engine.mesh.size
+    dtype = str(jax.tree.leaves(engine.runner.t_params)[0].dtype)
+    return CostTableMeta(target=engine.target_id, dtype=dtype, hardware=f"{dev.platform}:{dev.device_kind} x{n}",
+                         context_length=engine.cfg.max_len, slots_buckets=tuple(engine.buckets.slots),
+                         tokens_buckets=tuple(engine.buckets.tokens),
+                         timed_round="fused_fill" if engine.planner.mode == "device" else "draft+verify")
 
 
 def monotone(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:

@@ -427,7 +427,8 @@ def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]]
         ints[:, row] = n, r.slot, offset, r.top_k
         floats[:, row] = r.temperature, r.top_p, r.min_p
         key_data[row] = key
-        limits[:, row] = r.max_tokens, draft_cap, not r.ignore_eos, r.min_tokens
+        # a chunk before the prompt's last leaves its row inactive (no tokens wanted) until that one
+        limits[:, row] = r.max_tokens if offset + n == len(r.prompt_ids) else 1, draft_cap, not r.ignore_eos, r.min_tokens
         stops[row] = held_stop_ids(r)
         pens[:, row] = r.presence_penalty, r.frequency_penalty, r.repetition_penalty
         if bias_cols:

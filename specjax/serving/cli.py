@@ -61,6 +61,9 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's prefix caching (default on): a freed slot keeps its cache rows, and a request whose "
                         "prompt begins with them (the next turn of a conversation, a shared system prompt) goes "
                         "there and prefills only the rest")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's chunked prefill (default on): a prompt longer than --max-prefill tokens takes one "
+                        "prefill call per engine step after its first, so running requests keep decoding")
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="vLLM's: fcfs starts waiting requests in arrival order; priority by each request's "
                         "`priority` (lower first, arrival order among equals; no preemption)")
@@ -116,7 +119,7 @@ def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
             tokens_buckets=args.tokens_buckets, prefill_buckets=args.prefill_buckets, max_logprobs=args.max_logprobs,
             attention_buckets=args.attention_buckets, prediction_tokens=args.prediction_tokens,
             prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
-            **logit_rule_args(args),
+            chunked_prefill=args.enable_chunked_prefill, **logit_rule_args(args),
             **({"sampling_variants": args.sampling_variants} if args.sampling_variants else {}))
     return LLM(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
@@ -124,4 +127,4 @@ def build_llm(args: argparse.Namespace, *, progress: bool = False) -> Any:
                engine_config=engine_config, progress=progress, cost_table=args.cost_table,
                threshold=args.threshold, max_logprobs=args.max_logprobs, prediction_tokens=args.prediction_tokens,
                enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
-               **logit_rule_args(args))
+               enable_chunked_prefill=args.enable_chunked_prefill, **logit_rule_args(args))
