@@ -5,7 +5,8 @@ stays inactive on the device until its last chunk. For plain decoding and drafte
 state (DSpark's context K/V, Eagle3's pair cache) the long request then decodes the same greedy
 tokens, accepts the same drafts round by round, leaves the same target cache rows and proposes the
 same next block as with the whole prompt prefilled at admission (chunked prefill off: the control,
-in which the running request does not advance while the prompt is prefilled)."""
+in which the running request does not advance while the prompt is prefilled). Negative control: a
+row left active between its chunks breaks Eagle3's pair cache."""
 import pytest
 
 from specjax.decoding.engine import EngineRequest
@@ -54,3 +55,21 @@ def test_running_requests_decode_between_a_long_prompts_chunks_and_outputs_are_u
     assert _differences(on, long_on, long_off, other=off) == []
     if kind is not None:  # drafts were verified on the long request's prefilled drafter state
         assert long_on.metrics.num_draft_tokens > 0
+
+
+def test_negative_control_a_row_left_active_between_its_chunks_breaks_the_pair_cache(target, monkeypatch):
+    """The rounds between the chunks would advance a row the prefill left active: Eagle3's pair cache
+    (its pending feature) then differs from a whole prefill's."""
+    from specjax.decoding import engine as engine_module
+    real = engine_module.prefill_inputs
+
+    def all_active(chunks, *a, **kw):
+        out = real(chunks, *a, **kw)
+        for row, (r, *_) in enumerate(chunks):
+            out["limits_4b"][0, row] = r.max_tokens
+        return out
+    monkeypatch.setattr(engine_module, "prefill_inputs", all_active)
+    on, _, long_on, interleaved = _run(target, "eagle3", True)
+    monkeypatch.setattr(engine_module, "prefill_inputs", real)
+    off, _, long_off, _ = _run(target, "eagle3", False)
+    assert interleaved >= 3 and _differences(on, long_on, long_off, other=off) != []
