@@ -22,7 +22,7 @@ import os
 import statistics
 import time
 
-from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, write_results
+from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, save_figure, write_results
 from bench.decode import eval_dir
 
 SETTINGS = ("off", "on")
@@ -150,9 +150,7 @@ def _plot(res: dict, path: str) -> None:
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("chunked prefill")
     fig.suptitle("chunked prefill, SmolLM2-135M on this CPU", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

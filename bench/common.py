@@ -296,6 +296,13 @@ def pyplot():
     return plt
 
 
+def save_figure(fig: Any, path: str) -> None:
+    """Lay a benchmark's figure out, write it to `path` (PNG, 100 dpi) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+
+
 __all__ = ["BenchTarget", "DEFAULT_OUT_DIR", "RANDOM_TARGET_SHAPE", "Timing", "command_line",
            "load_average", "load_bench_target", "log", "machine_info", "md_table",
-           "pyplot", "time_fn", "time_interleaved", "write_results"]
+           "pyplot", "save_figure", "time_fn", "time_interleaved", "write_results"]

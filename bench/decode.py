@@ -40,8 +40,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from bench.common import (BenchTarget, command_line, load_average, load_bench_target, log, machine_info,
-                          md_table, pyplot, write_results)
+from bench.common import (BenchTarget, command_line, load_average, load_bench_target, log, machine_info, md_table,
+                          pyplot, save_figure, write_results)
 
 GOAL_RATIO = 2.0  # issue 2: specjax plain decoding >= 2x transformers generate
 STDLIB_MODULES = ("textwrap", "shlex", "fractions", "heapq", "bisect", "colorsys", "queue", "sched",
@@ -470,9 +470,7 @@ def plot(res: dict[str, Any], path: str) -> None:
     ax.set_title(f"Decoding throughput ({res['target_source']} target, {res['machine']['cpu_count']} CPUs, "
                  f"{res['new_tokens']} new tokens)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench.common import (command_line, log, machine_info, md_table, pyplot, time_interleaved,
+from bench.common import (command_line, log, machine_info, md_table, pyplot, save_figure, time_interleaved,
                           write_results)
 
 H, V, HEADS, KV_HEADS, HEAD_DIM, MLP = 576, 49152, 9, 3, 64, 1536
@@ -163,9 +163,7 @@ def plot(res: dict[str, Any], path: str) -> None:
         ax.set_ylabel("ms (median)")
         ax.set_title(t)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench.common import (BenchTarget, command_line, load_bench_target, log, machine_info, md_table,
-                          pyplot, time_interleaved, write_results)
+from bench.common import (BenchTarget, command_line, load_bench_target, log, machine_info, md_table, pyplot,
+                          save_figure, time_interleaved, write_results)
 
 ALL_DRAFTERS = ("dspark_markov", "dspark_rnn", "dflash", "eagle3", "mtp1", "standalone", "ngram", "sampling")
 LABELS = {"dspark_markov": "DSpark (Markov)", "dspark_rnn": "DSpark (RNN)", "dflash": "DFlash",
@@ -375,9 +375,7 @@ def plot(res: dict[str, Any], path: str) -> None:
     ax.set_title("sequential-head overhead over DFlash")
     ax.legend(fontsize=7)
     fig.suptitle(f"Drafter proposal latency ({res['target_source']} target, {res['machine']['cpu_count']} CPUs)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def overhead_note(res: dict[str, Any]) -> str:

@@ -27,7 +27,7 @@ import os
 import re
 import time
 
-from bench.common import batch1_decode, command_line, log, machine_info, md_table, pyplot, write_results
+from bench.common import batch1_decode, command_line, log, machine_info, md_table, pyplot, save_figure, write_results
 
 EVAL_DIR = os.path.join("..", "shared", "data", "eval")
 EVAL_SETS = ("mt-bench", "gsm8k", "humaneval", "math500", "mbpp")
@@ -277,9 +277,7 @@ def _plot(drafters, tables, path):
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
     ax.set_title("SmolLM2-135M: per-position conditional acceptance (cf. DSpark Fig. 2)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _report(drafters, tables, speed, peers, args, argv):

@@ -16,7 +16,7 @@ import json
 import os
 
 from bench.common import (batch1_decode, command_line, log, machine_info, md_table, pyplot, require_shipped,
-                          write_results)
+                          save_figure, write_results)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string"},
@@ -130,9 +130,7 @@ def _plot(drafters, res, path) -> None:
     ax.set_ylabel("τ (tokens per round)")
     ax.set_title("guided_json, SmolLM2-135M: free vs guided drafts")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

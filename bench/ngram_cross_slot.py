@@ -26,7 +26,8 @@ import os
 import statistics
 import time
 
-from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, run_arrivals, write_results
+from bench.common import (command_line, load_average, log, machine_info, md_table, pyplot, run_arrivals, save_figure,
+                          write_results)
 from bench.decode import eval_dir
 from bench.prefix_cache import conversations
 
@@ -187,9 +188,7 @@ def _plot(res: dict, again: dict, path: str) -> None:
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelsize=7, rotation=20)
     fig.suptitle("n-gram drafter: other slots' text and a reused slot's stale tail", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

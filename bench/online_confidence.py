@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from bench.common import command_line, log, machine_info, md_table, pyplot, require_shipped, write_results
+from bench.common import (command_line, log, machine_info, md_table, pyplot, require_shipped, save_figure,
+                          write_results)
 from bench.embedded import PLAIN_AGAIN, _speed_prompts, speed_run
 
 
@@ -101,9 +102,7 @@ def _plot(runs, res, path) -> None:
     ax.set_xlabel("tokens/s vs plain decoding")
     ax.set_title("SmolLM2-135M, batch 1: fixed vs confidence_async")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

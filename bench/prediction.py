@@ -18,7 +18,7 @@ import os
 import re
 
 from bench.common import (batch1_decode, command_line, log, machine_info, md_table, pyplot, require_shipped,
-                          write_results)
+                          save_figure, write_results)
 from bench.decode import eval_dir
 
 PLAIN_AGAIN = "plain (again, last)"
@@ -155,9 +155,7 @@ def _plot(drafters, res, base, path) -> None:
     ax.set_title("code edits, SmolLM2-135M, batch 1, T=0")
     ax.set_ylim(0, top * 1.3)
     ax.legend(fontsize=8, loc="upper center", ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

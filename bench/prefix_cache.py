@@ -26,7 +26,7 @@ import statistics
 import time
 
 from bench.common import (command_line, load_average, log, machine_info, md_table, pyplot, require_shipped,
-                          run_arrivals, write_results)
+                          run_arrivals, save_figure, write_results)
 from bench.decode import eval_dir
 
 SETTINGS = ("on", "off")
@@ -252,9 +252,7 @@ def _plot(res: dict, shared: dict, path: str) -> None:
     ax.set_ylabel("time to first token, ms (median)")
     ax.set_title("prefix caching, SmolLM2-135M on this CPU")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 
-from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, write_results
+from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, save_figure, write_results
 from bench.decode import eval_dir
 
 POLICIES = ("fcfs", "priority")
@@ -167,9 +167,7 @@ def _plot(res: dict, path: str) -> None:
     ax.set_ylim(0, 1.3 * max(res[p][c][k] for p in POLICIES for c in CLASSES for k in ("ttft", "e2e")))
     ax.set_title("priority scheduling, SmolLM2-135M on this CPU")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, write_results
+from bench.common import command_line, load_average, log, machine_info, md_table, pyplot, save_figure, write_results
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a small random Qwen3-style target: the server stack, not the model, is what this measures
@@ -272,9 +272,7 @@ def plot(levels: list[dict[str, Any]], path: str) -> None:
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _int_list(text: str) -> list[int]:
