@@ -458,8 +458,8 @@ class Engine:
         return finished
 
     def step(self) -> list[EngineRequest]:
-        """Admit waiting requests, dispatch one round; return the requests whose end the host learned
-        now. Plain, fixed and confidence_async (with `EngineConfig.pipeline`) read round t after
+        """Prefill the next chunks of prompts admitted earlier (one call), admit waiting requests, dispatch
+        one round; return the requests whose end the host learned now. Plain, fixed and confidence_async (with `EngineConfig.pipeline`) read round t after
         dispatching t+1: a request that ended in round t runs one more round, whose tokens are dropped."""
         if self._prefilling:  # prompts admitted earlier: their next chunks, one call between rounds
             self._prefill_call(self._prefilling)
@@ -468,7 +468,7 @@ class Engine:
         finished: list[EngineRequest] = []
         if pending is not None and pending.may_overflow(self.lengths, self.buckets, self.cfg.max_len):  # read it first
             finished, pending = self._collect(pending.firsts, pending), None
-        # rows to run: not those still prefilled, nor those whose unread first token is all they want
+        # rows to run: not those still being prefilled, nor those whose unread first token is all they want
         busy = {e[0].slot for e in self._prefilling}
         rows = [i for i, r in enumerate(self.slot_req)
                 if r is not None and i not in busy and (r.max_tokens > 1 or r.output_ids)]
