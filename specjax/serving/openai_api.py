@@ -54,7 +54,6 @@ from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestErr
 from specjax.serving.errors import ENGINE_REJECTED, APIError
 from specjax.serving.limits import ServerLimits
 from specjax.serving.logprob_blocks import logprobs_block, prompt_logprobs_list
-from specjax.serving.detokenize import request_text
 from specjax.serving.prompts import chat_prompt_ids, completion_prompts, truncated
 from specjax.serving.streams import ChoiceStream, Waiter
 from specjax.serving.tool_calls import ToolMode, check_tool_parser, tool_guide, tool_message
@@ -290,7 +289,8 @@ class OpenAIApp:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _text(self, req: EngineRequest) -> str:
-        return "" if self.tokenizer is None else request_text(self.tokenizer, req)  # a stop string cut it exactly
+        """A request's output text: the text a stop string cut, else its tokens decoded."""
+        return self._decode(list(req.output_ids)) if req.output_text is None else req.output_text
 
     def _usage(self, parsed: _Parsed, n_out: int, streams: list[RequestStream], choice: int | None = None
                ) -> dict[str, Any]:
