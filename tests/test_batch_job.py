@@ -233,6 +233,49 @@ def test_openai_batch_lines_answer_openai_objects_resume_by_custom_id_and_name_b
         llm.tokenizer = saved
 
 
+def test_logprobs_in_native_rows_and_openai_lines_are_the_engines(llm, tmp_path):
+    """`logprobs` k in a native row and in OpenAI lines (completions k; chat true + top_logprobs) answer
+    OpenAI's objects with the engine's entries (the same request through LLM.generate); over the job's
+    --max-logprobs, echo and prompt_logprobs are error rows naming the field (control: a row without
+    logprobs has none)."""
+    from specjax.serving.logprob_blocks import logprobs_block
+    saved = llm.tokenizer
+    llm.tokenizer = tiny_chat_tokenizer()
+    try:
+        (ref,) = llm.generate([[5, 6, 7, 9]], SamplingParams(temperature=0, max_tokens=5, logprobs=2))
+        chat_body = {"messages": [{"role": "user", "content": "w5 w6 w7"}], "temperature": 0, "max_tokens": 5}
+        rows = [{"id": "n", "prompt": [5, 6, 7, 9], "max_tokens": 5, "temperature": 0, "logprobs": 2},
+                {"id": "none", "prompt": [5, 6, 7, 9], "max_tokens": 5, "temperature": 0},
+                {"custom_id": "t", "url": "/v1/completions", "body": {"prompt": [5, 6, 7, 9], "max_tokens": 5,
+                                                                      "temperature": 0, "logprobs": 2}},
+                {"custom_id": "c", "url": "/v1/chat/completions", "body": {**chat_body, "logprobs": True,
+                                                                           "top_logprobs": 2}},
+                {"id": "big", "prompt": [5], "logprobs": 21},
+                {"custom_id": "echo", "url": "/v1/completions", "body": {"prompt": [5], "echo": True}},
+                {"custom_id": "plp", "url": "/v1/completions", "body": {"prompt": [5], "prompt_logprobs": 1}},
+                {"custom_id": "top", "url": "/v1/chat/completions", "body": {**chat_body, "top_logprobs": 2}}]
+        inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        write_jsonl(inp, rows)
+        run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)
+        by = {r.get("custom_id", r.get("id")): r for r in read_jsonl(out)}
+        want = logprobs_block(llm.tokenizer, ref.token_ids, ref.logprobs, chat=False)
+
+        def same(block):  # rows decoded side by side: equal up to float32 batch-composition noise
+            return (block["tokens"] == want["tokens"] and block["text_offset"] == want["text_offset"]
+                    and block["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-5)
+                    and all(a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
+                            for a, b in zip(block["top_logprobs"], want["top_logprobs"])))
+        assert by["n"]["token_ids"] == ref.token_ids and same(by["n"]["logprobs"]) and "logprobs" not in by["none"]
+        assert same(by["t"]["response"]["body"]["choices"][0]["logprobs"])
+        content = by["c"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+        assert [len(x["top_logprobs"]) for x in content] == [2] * len(content) and content[0]["logprob"] <= 0
+        errs = {e["id"]: e["field"] for e in read_jsonl(default_errors_path(str(out)))}
+        assert errs == {"big": "logprobs", "echo": "body.echo", "plp": "body.prompt_logprobs",
+                        "top": "body.top_logprobs"}
+    finally:
+        llm.tokenizer = saved
+
+
 def test_torn_last_line_is_cut_and_redone(llm, tmp_path):
     rows = [{"id": i, "prompt": _prompt(i), "max_tokens": 4, "temperature": 0} for i in range(6)]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -5,8 +5,9 @@ Input rows (one JSON object a line):
     optional: temperature, top_k, top_p, min_p, max_tokens, stop, stop_token_ids, seed,
     num_speculative_tokens, ignore_eos, min_tokens, include_stop_str_in_output, truncate_prompt_tokens
     (sampling; defaults from the job), the server's other request fields (logit rules, guides, OpenAI's
-    `prediction`, `priority` with --scheduling-policy priority; the job's options serve them), metadata
-    (copied to the output).
+    `prediction`, `priority` with --scheduling-policy priority; the job's options serve them), `logprobs`
+    k (top alternatives per token, at most --max-logprobs: the output row's `logprobs`, OpenAI's
+    completions object), metadata (copied to the output).
     A line with `custom_id` is an OpenAI batch request and gets an OpenAI batch output line
     (`specjax.serving.batch_openai`); both kinds may share a file.
 Output rows (in completion order, not input order):
@@ -39,12 +40,13 @@ from specjax.io import JsonlLine
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
 from specjax.serving import batch_openai
 from specjax.serving.detokenize import request_text
+from specjax.serving.logprob_blocks import logprobs_block
 from specjax.serving.tool_calls import check_tool_parser
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.request_metrics import request_spec_metrics, usage
 from specjax.serving.schema import SAMPLING_FIELDS, FieldError, is_int, parse_sampling
 
-ROW_FIELDS = frozenset(("id", "prompt", "messages", "metadata") + SAMPLING_FIELDS)
+ROW_FIELDS = frozenset(("id", "prompt", "messages", "metadata", "logprobs") + SAMPLING_FIELDS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +119,11 @@ def parse_row(obj: Any, line: int, defaults: SamplingParams, tool_parser: str | 
         sp = parse_sampling(obj, defaults)
     except FieldError as e:
         raise RowError(str(e), e.field) from None
-    return Row(line=line, id=rid, prompt=prompt, messages=messages, sp=sp, metadata=obj.get("metadata"))
+    k = obj.get("logprobs")
+    if k is not None and not (is_int(k) and k >= 0):
+        raise RowError(f"'logprobs' must be an integer >= 0 (top alternatives per token), got {k!r}", "logprobs")
+    return Row(line=line, id=rid, prompt=prompt, messages=messages, sp=dataclasses.replace(sp, logprobs=k),
+               metadata=obj.get("metadata"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +167,10 @@ class BatchRows:
         if missing:
             return self.error(index, row, f"'{missing[0]}' needs a job started with --{missing[1].replace('_', '-')}",
                               parsed.field(missing[0]))
+        if (parsed.sp.logprobs or 0) > self.engine.cfg.max_logprobs:
+            return self.error(index, row, f"'logprobs' asks for {parsed.sp.logprobs} alternatives; this job computes "
+                                          f"at most {self.engine.cfg.max_logprobs} (--max-logprobs)",
+                              parsed.field("logprobs"))
         try:
             ids = self._prompt_ids(parsed)
             try:
@@ -199,12 +209,15 @@ class BatchRows:
         reason, n_prompt = request.finish_reason or "length", len(request.prompt_ids)
         spec = request_spec_metrics(request.metrics)
         counts = usage(n_prompt, len(ids), [request], prompt_details=self.prompt_details)
+        chat = row.openai is not None and row.openai.url == "/v1/chat/completions"
+        lps = None if row.sp.logprobs is None else logprobs_block(self.tokenizer, ids, request.output_logprobs, chat)
         if row.openai is not None:
-            rec = batch_openai.output_line(row.id, row.openai, text, ids, reason, counts, spec, request.stop_reason)
+            rec = batch_openai.output_line(row.id, row.openai, text, ids, reason, counts, spec, request.stop_reason,
+                                           lps)
         else:
             rec = {"id": row.id, "token_ids": ids, "text": text, "finish_reason": reason,
                    "stop_reason": request.stop_reason, "prompt_tokens": n_prompt, "completion_tokens": len(ids),
-                   "metrics": spec}
+                   "metrics": spec, **({"logprobs": lps} if lps is not None else {})}
             rec.update({k: counts[k] for k in ("prompt_tokens_details", "completion_tokens_details") if k in counts})
             if row.metadata is not None:
                 rec["metadata"] = row.metadata

@@ -3,7 +3,8 @@
 An input line that carries `custom_id` is an OpenAI batch request:
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
     (url "/v1/completions": body {"prompt": ...}). The body takes the server's fields: the sampling
-    fields, `max_completion_tokens` (chat), `model`, `stream`, `user`, `n` = 1, and on the chat url
+    fields, `max_completion_tokens` (chat), `logprobs` (chat: with `top_logprobs`; answered in OpenAI's
+    `logprobs` object; at most the job's --max-logprobs), `model`, `stream`, `user`, `n` = 1, and on the chat url
     `tools` / `tool_choice` as the server serves them (`serving.tool_calls`: a named function or
     "required" with --guided-regex, "auto" with --tool-call-parser); fields that change the output and
     are not served (`schema.UNSERVED_FIELDS`) make it an error row, other fields are ignored.
@@ -84,7 +85,7 @@ def native_row(obj: dict[str, Any], tool_parser: str | None = None) -> tuple[dic
     other = "prompt" if key == "messages" else "messages"
     if body.get(other) is not None:
         raise OpenAIRowError(f"{url} reads '{key}', not '{other}'", f"body.{other}")
-    row = {k: body[k] for k in SAMPLING_FIELDS if k in body}
+    row = {k: body[k] for k in SAMPLING_FIELDS if k in body} | _logprobs_asked(body, chat)
     if key == "messages" and body.get("max_completion_tokens") is not None:
         row["max_tokens"] = body["max_completion_tokens"]
     row.update({"id": obj["custom_id"], key: body.get(key)}, **({"guided_json": guide} if guide else {}))
@@ -93,14 +94,34 @@ def native_row(obj: dict[str, Any], tool_parser: str | None = None) -> tuple[dic
                               {g: guide_source(body, g) for g in GUIDES})
 
 
+def _logprobs_asked(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The native row's `logprobs` (top alternatives per token) a body asks for: chat's `logprobs` true
+    with `top_logprobs` (0 by default), completions' `logprobs` k; echo and prompt_logprobs, which score
+    the prompt, are refused naming them."""
+    for name in ("echo", "prompt_logprobs"):
+        if body.get(name) not in (None, False):
+            raise OpenAIRowError(f"'{name}' is not served in batch lines (it scores the prompt: use the server)",
+                                 f"body.{name}")
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if lp not in (None, True, False):
+            raise OpenAIRowError(f"'logprobs' must be true or false, got {lp!r}", "body.logprobs")
+        if top is not None and not lp:
+            raise OpenAIRowError("'top_logprobs' needs 'logprobs': true", "body.top_logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+            raise OpenAIRowError(f"'top_logprobs' must be an integer >= 0, got {top!r}", "body.top_logprobs")
+        return {"logprobs": 0 if top is None else top} if lp else {}
+    return {} if lp is None else {"logprobs": lp}
+
+
 def native_field(field: str | None) -> str | None:
     """A native row's field as its path in the OpenAI batch line."""
     return None if field is None else "custom_id" if field == "id" else f"body.{field}"
 
 
 def output_line(custom_id: Any, req: OpenAIRequest, text: str | None, token_ids: list[int], finish_reason: str,
-                usage: dict[str, Any], spec_metrics: dict[str, Any], stop_reason: int | str | None = None
-                ) -> dict[str, Any]:
+                usage: dict[str, Any], spec_metrics: dict[str, Any], stop_reason: int | str | None = None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The OpenAI batch output line of a finished request (`usage`: `request_metrics.usage`'s)."""
     if req.url == "/v1/chat/completions":
         kind, prefix = "chat.completion", "chatcmpl"
@@ -109,7 +130,7 @@ def output_line(custom_id: Any, req: OpenAIRequest, text: str | None, token_ids:
     else:
         kind, prefix = "text_completion", "cmpl"
         choice = {"index": 0, "text": text}
-    choice.update(finish_reason=finish_reason, stop_reason=stop_reason, token_ids=token_ids)
+    choice.update(finish_reason=finish_reason, stop_reason=stop_reason, token_ids=token_ids, logprobs=logprobs)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     body = {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model, "choices": [choice],
             "usage": usage, "spec_metrics": spec_metrics}
