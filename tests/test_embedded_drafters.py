@@ -99,7 +99,7 @@ def _engine_config(name: str):
 
 def _llm(name: str, target: tuple):
     """The shipped drafter `name` on an already loaded (model, config) of the default target, with
-    the buckets above (`test_llm_takes_a_shipped_drafter_by_name` covers `LLM(drafter=name)`)."""
+    the buckets above (the `llms` fixture builds them as a user does, `LLM(drafter=name)`)."""
     from specjax.api import LLM
 
     return LLM(target=target, drafter=dt.drafter_dir(name), tokenizer=dt.gguf_path(),
@@ -107,17 +107,19 @@ def _llm(name: str, target: tuple):
 
 
 @pytest.fixture(scope="session")
-def llms(target):
-    """name -> its LLM on the loaded target, built once per xdist worker (session scope: tests of
-    other modules run in between do not tear it down; a second worker's build of the same engine
-    reads the run's compilation cache)."""
+def llms():
+    """name -> `LLM(drafter=name)` (the default target and its shipped drafter of that name, as a user
+    builds it) with the buckets above, built once per xdist worker (session scope: tests of other
+    modules run in between do not tear it down; a second worker's build of the same engine reads the
+    run's compilation cache)."""
+    from specjax.api import LLM
     built = {}
 
     def get(name: str):
         if name not in _shipped():
             pytest.skip(f"drafter {name} is not shipped")
         if name not in built:
-            built[name] = _llm(name, target[:2])
+            built[name] = LLM(drafter=name, engine_config=_engine_config(name))
         return built[name]
     return get
 
@@ -175,15 +177,13 @@ def test_loads_against_target(name, target):
 
 
 @pytest.mark.xdist_group("drafter-mtp1")
-def test_llm_takes_a_shipped_drafter_by_name():
-    """`LLM(drafter="mtp1")` loads the default target and the shipped drafter of that name (with
-    the engine shape of mtp1's other tests: their programs come from the run's compilation cache)."""
-    from specjax.api import LLM, SamplingParams
+def test_llm_takes_a_shipped_drafter_by_name(llms):
+    """`LLM(drafter="mtp1")` (the `llms` fixture's build) loads the default target, its tokenizer and
+    the shipped drafter of that name, and decodes with it."""
+    from specjax.api import SamplingParams
 
-    if "mtp1" not in _shipped():
-        pytest.skip("drafter mtp1 is not shipped")
-    llm = LLM(drafter="mtp1", engine_config=_engine_config("mtp1"))
-    assert type(llm.drafter).__name__ == "MTPDrafter", type(llm.drafter)
+    llm = llms("mtp1")
+    assert type(llm.drafter).__name__ == "MTPDrafter" and llm.tokenizer is not None, type(llm.drafter)
     out = llm.generate("Name a color.", SamplingParams(temperature=0.0, max_tokens=6))[0]
     assert len(out.token_ids) == 6 and out.metrics["num_drafts"] >= 1
 
