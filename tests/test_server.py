@@ -487,8 +487,9 @@ def _latency_sums(url: str) -> dict[str, float]:
     text = http_request(url + "/metrics")[2].decode()
     samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if s.labels.get("model_name") == "tiny"}
-    return {f"{key}_{part}": samples[f"{name}_{part}"] for part in ("sum", "count")
-            for key, (name, _, _) in REQUEST_LATENCIES.items()}
+    names = {key: name for key, (name, _, _) in REQUEST_LATENCIES.items()} | {
+        f"{kind}_tokens": f"vllm:request_{kind}_tokens" for kind in ("prompt", "generation")}
+    return {f"{key}_{part}": samples[f"{name}_{part}"] for part in ("sum", "count") for key, name in names.items()}
 
 
 def test_time_per_output_token_is_each_requests_decode_time_over_its_later_tokens(srv):
@@ -507,6 +508,9 @@ def test_time_per_output_token_is_each_requests_decode_time_over_its_later_token
     assert d["queue_sum"] + d["prefill_sum"] == pytest.approx(d["ttft_sum"], abs=1e-6)
     assert d["prefill_sum"] + d["decode_sum"] == pytest.approx(d["inference_sum"], abs=1e-6)
     assert d["queue_sum"] + d["inference_sum"] == pytest.approx(d["e2e_sum"], abs=1e-6)
+    # vLLM's per-request token counts: this request's prompt and generated tokens, in 1-2-5 buckets
+    assert (d["prompt_tokens_count"], d["prompt_tokens_sum"]) == (1, len(PROMPT))
+    assert (d["generation_tokens_count"], d["generation_tokens_sum"]) == (1, n)
     # a one-token request has no decode time: its TTFT is observed, no TPOT
     _complete(url, max_tokens=1)
     last = _latency_sums(url)

@@ -381,7 +381,8 @@ class AsyncEngine:
             req.finish_reason = reason
             m = req.metrics
             if self.metrics is not None:
-                self.metrics.request_finished(reason, m.latencies(len(req.output_ids)))
+                self.metrics.request_finished(reason, m.latencies(len(req.output_ids)),
+                                              (len(req.prompt_ids), len(req.output_ids)))
                 if self.engine.prefixes is not None and req.slot >= 0:  # it reached a slot
                     self.metrics.prefix_cache_lookup(len(req.prompt_ids), m.cached_tokens)
             new = list(req.output_ids[stream._sent:])

@@ -222,7 +222,7 @@ class BatchRows:
             if row.metadata is not None:
                 rec["metadata"] = row.metadata
         self.metrics.tokens_generated(len(ids))
-        self.metrics.request_finished(reason, request.metrics.latencies(len(ids)))
+        self.metrics.request_finished(reason, request.metrics.latencies(len(ids)), (n_prompt, len(ids)))
         if self.engine.prefixes is not None:
             self.metrics.prefix_cache_lookup(n_prompt, request.metrics.cached_tokens)
         return Outcome(index, rec)
@@ -244,7 +244,7 @@ def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: s
     check_tool_parser(tool_parser)
     engine = llm.engine
     metrics = ServingMetrics(model_name="batch", gamma=engine.gamma, max_tokens_bucket=engine.buckets.tokens[-1],
-                             max_slots=engine.cfg.max_slots)
+                             max_slots=engine.cfg.max_slots, max_model_len=engine.cfg.max_len)
     shard = shard or Shard.from_jax()
     prev_hook = engine.on_round
 

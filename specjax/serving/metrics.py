@@ -24,6 +24,9 @@ vLLM-compatible (every series carries a `model_name` label, as in vLLM):
     vllm:request_time_per_output_token_seconds         histogram: each request's decode time over its
                                                        tokens after the first (its mean TPOT; 1 / TPOT
                                                        is the per-user speed a scheduler buys)
+    vllm:request_prompt_tokens, vllm:request_generation_tokens   histograms: each finished request's
+                                                       prompt and generated tokens (1-2-5 buckets up to
+                                                       max_model_len, vLLM's)
     vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds, vllm:request_decode_time_seconds,
     vllm:request_inference_time_seconds                histograms: arrival to a slot, slot to first
                                                        token, first token to finish, slot to finish
@@ -71,6 +74,17 @@ REQUEST_LATENCIES = {
     "inference": ("vllm:request_inference_time_seconds", "Time from a cache slot to the finish.", _LATENCY_BUCKETS)}
 
 
+def _125_buckets(hi: int) -> tuple[float, ...]:
+    """Histogram bounds 1, 2, 5, 10, 20, 50, ... up to `hi` (vLLM's for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > hi:
+                return tuple(float(b) for b in out)
+            out.append(m * scale)
+        scale *= 10
+
+
 def _int_buckets(hi: int) -> tuple[float, ...]:
     """Histogram bounds 0, 1, ..., hi (one bucket per integer value)."""
     return tuple(float(i) for i in range(max(int(hi), 0) + 1))
@@ -84,7 +98,7 @@ class ServingMetrics:
     """
 
     def __init__(self, *, model_name: str = "specjax", gamma: int = 0, max_tokens_bucket: int | None = None,
-                 max_slots: int = 8):
+                 max_slots: int = 8, max_model_len: int = 1024):
         self.model_name = model_name
         self.gamma = int(gamma)
         self.registry = CollectorRegistry(auto_describe=True)
@@ -116,6 +130,9 @@ class ServingMetrics:
         self.rejected = counter("specjax:request_rejected", "Requests refused before admission.", ["reason"])
         self.latency = {key: Histogram(name, doc, lbl, buckets=buckets, registry=r)
                         for key, (name, doc, buckets) in REQUEST_LATENCIES.items()}
+        self.request_tokens = {kind: Histogram(f"vllm:request_{kind}_tokens", f"{what} tokens of each finished request.",
+                                               lbl, buckets=_125_buckets(max_model_len), registry=r)
+                               for kind, what in (("prompt", "Prompt"), ("generation", "Generated"))}
         self.ell = Histogram("specjax:verification_length",
                              "Verified draft tokens (ell) per request per round.", lbl,
                              buckets=_int_buckets(max(self.gamma, 1)), registry=r)
@@ -133,7 +150,8 @@ class ServingMetrics:
         m = self.model_name
         for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
                        self.prefix_hits, self.num_drafts, self.num_draft_tokens, self.num_accepted, self.cache_usage,
-                       *self.latency.values(), self.ell, self.tokens_bucket, self.slots_bucket, self.round_seconds):
+                       *self.latency.values(), *self.request_tokens.values(), self.ell, self.tokens_bucket,
+                       self.slots_bucket, self.round_seconds):
             metric.labels(m)
         for k in range(self.gamma):
             self.accepted_per_pos.labels(m, str(k))
@@ -184,11 +202,15 @@ class ServingMetrics:
         if n > 0:
             self.generation_tokens.labels(self.model_name).inc(int(n))
 
-    def request_finished(self, finish_reason: str, latencies: Mapping[str, float | None] | None = None) -> None:
+    def request_finished(self, finish_reason: str, latencies: Mapping[str, float | None] | None = None,
+                         tokens: tuple[int, int] | None = None) -> None:
         """A request ended (`finish_reason` stop | length | abort); `latencies`: its intervals in seconds
-        (`RequestMetrics.latencies`, keys of REQUEST_LATENCIES; None where not reached)."""
+        (`RequestMetrics.latencies`, keys of REQUEST_LATENCIES; None where not reached); `tokens`: its
+        (prompt, generated) token counts."""
         m = self.model_name
         self.request_success.labels(m, finish_reason or "unknown").inc()
+        for hist, n in zip(self.request_tokens.values(), tokens or ()):
+            hist.labels(m).observe(n)
         for key, value in (latencies or {}).items():
             if value is not None and value >= 0:
                 self.latency[key].labels(m).observe(value)

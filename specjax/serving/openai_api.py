@@ -120,7 +120,7 @@ class OpenAIApp:
         limits = limits or ServerLimits()
         eng = llm.engine
         metrics = ServingMetrics(model_name=model_name, gamma=eng.gamma, max_tokens_bucket=eng.buckets.tokens[-1],
-                                 max_slots=eng.cfg.max_slots)
+                                 max_slots=eng.cfg.max_slots, max_model_len=eng.cfg.max_len)
         async_engine = AsyncEngine(eng, metrics=metrics, max_waiting=limits.max_waiting).start()
         return cls(async_engine, model_name=model_name, max_model_len=eng.cfg.max_len,
                    vocab_size=llm.config.vocab_size, tokenizer=llm.tokenizer if tokenizer is _FROM_LLM else tokenizer,
