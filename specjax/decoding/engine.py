@@ -244,9 +244,9 @@ class Engine:
         while self.queue and free:
             batch: list[EngineRequest] = []
             while self.queue and len(batch) < self.prefill_batches[-1] and free:
-                pending = [r.prompt_ids for r in batch] + [e[0].prompt_ids for e in self._prefilling]
-                if self.prefixes is not None and self.prefixes.copies_from(
-                        self.queue[0].prompt_ids, pending, free, self.buckets.prefill[0], self.buckets.slots):
+                if self.prefixes is not None and self.prefixes.copies_from(  # prompts in the batch or prefilling
+                        self.queue[0].prompt_ids, [r.prompt_ids for r in batch + [e[0] for e in self._prefilling]],
+                        free, self.buckets.prefill[0], self.buckets.slots):
                     break  # it copies that prompt's rows (prefix caching) once they are all prefilled
                 if self.automata is not None and not self.automata.admit(self.queue[0]):
                     break  # its automaton waits for room in the table (so do the requests behind it)

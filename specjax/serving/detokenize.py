@@ -53,7 +53,6 @@ class StreamDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.length = 0
         self.ends: list[int | None] = []
-        self.pieces: list[str] = []  # the text, as pushed
 
     def push(self, ids: Sequence[int]) -> str:
         pieces = []
@@ -65,7 +64,6 @@ class StreamDetokenizer:
             pieces.append(piece)
             self.length += len(piece)
             self.ends.append(self.length)
-        self.pieces += pieces
         return "".join(pieces)
 
 
@@ -88,6 +86,7 @@ class StopStringChecker:
 
     def _reset(self) -> None:
         self._detok = StreamDetokenizer(self._tokenizer)
+        self._texts: list[str] = []  # the output's text, as pushed
         self._carry = ""  # the last _carry_len characters already searched
 
     def __call__(self, ids: list[int], min_keep: int = 0) -> tuple[int, str, str] | None:
@@ -99,13 +98,14 @@ class StopStringChecker:
         new = self._detok.push(ids[seen:])
         if not new:
             return None
+        self._texts.append(new)
         window = self._carry + new
         base = before - len(self._carry)  # text position of window[0]
         self._carry = window[-self._carry_len:] if self._carry_len else ""
         for at, end, stop in sorted(_occurrences(window, self.stops)):
             keep = self._tokens_through(base + end)
             if keep >= min_keep:
-                return keep, "".join(self._detok.pieces)[:base + (end if self.include else at)], stop
+                return keep, "".join(self._texts)[:base + (end if self.include else at)], stop
         return None
 
     def _tokens_through(self, cut: int) -> int:
