@@ -42,7 +42,7 @@ def _llm(on: bool, args):
 def prompts(tok, args) -> tuple[list[list[int]], list[int]]:
     """The running requests' prompts (first turns) and the long prompt (the next questions in one
     message, up to `--long-tokens`)."""
-    from specjax.api import encode_chat
+    from specjax.request_builder import encode_chat
     with open(os.path.join(eval_dir(), "mt-bench.jsonl")) as f:
         turns = [json.loads(line)["turns"][0] for line in f]
     running = [encode_chat(tok, [{"role": "user", "content": q}]) for q in turns[:args.running]]

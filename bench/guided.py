@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     args = ap.parse_args(argv)
     from specjax import checkpoints, default_target
-    from specjax.api import encode_chat
+    from specjax.request_builder import encode_chat
     require_shipped(args.drafters)
     tok = checkpoints.load_tokenizer(default_target.gguf_path())
     prompts = [encode_chat(tok, [{"role": "user", "content": f"Write a JSON record for {p}."}]) for p in PEOPLE]

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     args = ap.parse_args(argv)
     from specjax import checkpoints, default_target
-    from specjax.api import encode_chat
+    from specjax.request_builder import encode_chat
     model_config = checkpoints.load_target(default_target.gguf_path())
     tok = checkpoints.load_tokenizer(default_target.gguf_path())
     questions = [c[0] for c in conversations(os.path.join(eval_dir(), "mt-bench.jsonl"), args.questions)]

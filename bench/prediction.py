@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     args = ap.parse_args(argv)
     from specjax import checkpoints, default_target
-    from specjax.api import SamplingParams, encode_chat
+    from specjax.api import SamplingParams
+    from specjax.request_builder import encode_chat
     require_shipped(args.drafters)
     tok = checkpoints.load_tokenizer(default_target.gguf_path())
     tasks = edit_tasks(os.path.join(eval_dir(), "humaneval.jsonl"), args.prompts)

@@ -86,7 +86,8 @@ def _staggered(llm, tok, questions: list[str], max_tokens: int, every: int) -> l
     """Requests of one system prompt (SYSTEM) and different questions, one arriving every `every` engine
     steps (queued while the slots are busy): each one's prompt length, cached tokens, time to first
     token and answer."""
-    from specjax.api import SamplingParams, encode_chat
+    from specjax.api import SamplingParams
+    from specjax.request_builder import encode_chat
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     reqs = [llm.make_request(encode_chat(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]),
                              sp) for q in questions]
@@ -97,7 +98,7 @@ def _staggered(llm, tok, questions: list[str], max_tokens: int, every: int) -> l
 
 def _converse(llms: dict, tok, convs: list[list[str]], max_tokens: int) -> dict[str, list[list[dict]]]:
     """Per setting, per conversation: its two turns, the settings alternating conversation by conversation."""
-    from specjax.api import encode_chat
+    from specjax.request_builder import encode_chat
     out: dict[str, list[list[dict]]] = {s: [] for s in llms}
     for i, (q1, q2) in enumerate(convs):
         for s in (SETTINGS if i % 2 == 0 else SETTINGS[::-1]):

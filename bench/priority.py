@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     args = ap.parse_args(argv)
     from specjax import checkpoints, default_target
-    from specjax.api import encode_chat
+    from specjax.request_builder import encode_chat
     tok = checkpoints.load_tokenizer(default_target.gguf_path())
     qs = questions(os.path.join(eval_dir(), "mt-bench.jsonl"), args.backlog + args.interactive)
     ids = [encode_chat(tok, [{"role": "user", "content": q}]) for q in qs]

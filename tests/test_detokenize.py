@@ -142,7 +142,8 @@ def test_a_round_that_emits_a_stop_string_and_reaches_max_tokens_stops_at_the_st
 
 
 def test_sampling_params_stop_inclusion_and_prompt_truncation_are_checked_and_applied():
-    from specjax.api import SamplingParams, truncate_prompt
+    from specjax.api import SamplingParams
+    from specjax.request_builder import truncate_prompt
     assert truncate_prompt(range(10), SamplingParams(truncate_prompt_tokens=3), 100) == [7, 8, 9]
     assert truncate_prompt(range(10), SamplingParams(truncate_prompt_tokens=-1), 4) == [6, 7, 8, 9]
     assert truncate_prompt(range(10), SamplingParams(), 4) == list(range(10))  # off: the engine refuses

@@ -73,7 +73,7 @@ def _gamma(name: str) -> int:
 
 def _heldout_ids(tok, n: int) -> list[list[int]]:
     """The first n held-out prompts that fit the engine's prefill bucket, chat-templated."""
-    from specjax.api import encode_chat
+    from specjax.request_builder import encode_chat
     from specjax.io import read_jsonl
 
     out = []
@@ -201,7 +201,7 @@ def test_t1_tokens_follow_the_target_distribution(name, target, llms):
     tokens judged against the target at T=0.85 must fail."""
     from specjax.api import SamplingParams
 
-    from specjax.api import encode_chat
+    from specjax.request_builder import encode_chat
 
     model, _, tok = target
     llm = llms(name)

@@ -487,7 +487,8 @@ def test_tool_choice_is_answered_as_tool_calls(tok, tmp_path):
         api.engine.drain(60)
         api.engine.shutdown()
     llm.tokenizer = chat_tok
-    from specjax.api import SamplingParams, encode_chat
+    from specjax.api import SamplingParams
+    from specjax.request_builder import encode_chat
     (out,) = llm.chat(history, SamplingParams(max_tokens=1, temperature=0), tools=[weather])  # the API renders tools
     assert out.prompt_token_ids == encode_chat(chat_tok, history, tools=[weather]) != encode_chat(chat_tok, history)
     _batch_lines_answer_tool_calls(llm, tmp_path, history, [weather, clock], call)

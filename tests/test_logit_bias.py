@@ -172,7 +172,8 @@ def test_the_python_api_the_server_and_the_batch_job_serve_the_rules(case, tmp_p
     """LLM(logit_bias=True) with SamplingParams' fields (bad words as text, through the tokenizer)
     gives the ruled greedy answer; the OpenAI server and a batch job over it answer the same to a
     body whose logit_bias keys are strings and name the field of a bad value."""
-    from specjax.api import LLM, SamplingParams, bad_word_ids
+    from specjax.api import LLM, SamplingParams
+    from specjax.request_builder import bad_word_ids
     from specjax.serving.http_server import ServerThread
     from specjax.serving.openai_api import OpenAIApp
     from specjax.jobs import Shard, default_errors_path

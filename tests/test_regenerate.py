@@ -295,7 +295,7 @@ def test_multi_turn_answers_each_turn_on_the_targets_own_earlier_answers(llm, tm
     """Turn 2's prompt holds the target's own turn-1 answer, never the conversation's original
     one; a later turn that leaves no room in the context ends the conversation after the answers
     it has (the row is not lost)."""
-    from specjax.api import encode_chat
+    from specjax.request_builder import encode_chat
     from specjax.training.regenerate import regenerate
 
     original = "w60 w60 w60 w60 w60 w60"
@@ -331,7 +331,7 @@ def test_serving_defaults_bf16_on_accelerators_and_context_from_the_data(target_
     import jax
 
     from specjax import api, checkpoints
-    from specjax.api import encode_chat
+    from specjax.request_builder import encode_chat
     from specjax.training.regenerate import data_max_len, default_dtype
     from train import regenerate as cli
 

@@ -25,7 +25,8 @@ except ImportError:  # tests/ itself on sys.path
 
 import specjax
 from specjax.cli import serve as serve_cli
-from specjax.api import SamplingParams, build_engine_request
+from specjax.api import SamplingParams
+from specjax.request_builder import build_engine_request
 from specjax.decoding.engine import Engine
 from specjax.serving import http_server
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError

@@ -111,7 +111,7 @@ def cap_rows(rows: Sequence[Any], cap: int | None, seed: int = EVAL_SEED) -> lis
 
 def encode_prompt(tokenizer: Any, kind: str, text: str, *, enable_thinking: bool | None = False) -> list[int]:
     """Token ids: the chat template on [user text] with the generation prompt, or the raw text."""
-    from specjax.api import encode_chat, encode_text
+    from specjax.request_builder import encode_chat, encode_text
 
     if kind == "chat":
         return encode_chat(tokenizer, [{"role": "user", "content": text}], enable_thinking=enable_thinking)

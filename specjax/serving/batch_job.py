@@ -34,7 +34,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from specjax.api import SamplingParams, build_engine_request, encode_chat, encode_text, truncate_prompt
+from specjax.api import SamplingParams
+from specjax.request_builder import build_engine_request, encode_chat, encode_text, truncate_prompt
 from specjax.decoding.requests import missing_rule
 from specjax.io import JsonlLine
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id

@@ -47,7 +47,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from specjax.api import SamplingParams, build_engine_request, request_automaton
+from specjax.api import SamplingParams
+from specjax.request_builder import build_engine_request, request_automaton
 from specjax.decoding.requests import EngineRequest, RequestMetrics, missing_rule
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.async_engine import AsyncEngine, QueueFullError, RequestError, RequestStream, StreamEvent

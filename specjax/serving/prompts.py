@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specjax.api import SamplingParams, encode_chat, encode_text, truncate_prompt
+from specjax.api import SamplingParams
+from specjax.request_builder import encode_chat, encode_text, truncate_prompt
 from specjax.serving.errors import APIError
 from specjax.serving.schema import is_int
 

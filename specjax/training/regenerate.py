@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from specjax.api import SamplingParams, encode_chat, encode_text
+from specjax.api import SamplingParams
+from specjax.request_builder import encode_chat, encode_text
 from specjax.io import JsonlLine, iter_jsonl
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
 
