@@ -60,10 +60,12 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # vLLM's request priority (an LLM with scheduling_policy="priority"): waiting requests start lower first
     priority: int = 0
+    n: int = 1  # vLLM's and OpenAI's: outputs per prompt (choice j samples with seed + j when a seed is given)
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
         _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("n", self.n, minimum=1)
         _check_int("seed", self.seed, minimum=0, optional=True)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0, optional=True)
         _check_int("logprobs", self.logprobs, minimum=0, optional=True)
@@ -99,6 +101,13 @@ class SamplingParams:
         for i, t in enumerate(ids):
             _check_int(f"stop_token_ids[{i}]", t, minimum=0)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+    def choices(self) -> list["SamplingParams"]:
+        """One SamplingParams (n=1) per output of a prompt: choice j has seed + j when a seed is given
+        (choice 0 the seed itself), else each choice samples its own engine stream."""
+        one = dataclasses.replace(self, n=1)
+        return [one if self.seed is None or j == 0 else dataclasses.replace(one, seed=self.seed + j)
+                for j in range(self.n)]
 
     def first_id_outside(self, vocab: int) -> tuple[str, int] | None:
         """(field, id) of the first token id in stop_token_ids, logit_bias or allowed_token_ids outside
@@ -181,6 +190,7 @@ class Output:
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
     num_cached_tokens: int = 0  # prompt tokens read from a freed slot's cache rows (prefix caching; vLLM's)
     stop_reason: int | str | None = None  # vLLM's: the stop id or stop string that ended it (None: eos, length)
+    index: int = 0  # which of its prompt's SamplingParams.n outputs this is (OpenAI's choices[].index)
 
 
 def _target_id(target_dir: str | None, model: Any) -> str | None:
@@ -307,7 +317,8 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
-        """Generate for each prompt (strings or token-id lists). Outputs come back in prompt order."""
+        """Generate for each prompt (strings or token-id lists). Outputs come back in prompt order: with
+        `SamplingParams.n`, n outputs per prompt in a row (`Output.index` 0..n-1)."""
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # a single prompt
         sampling_params = sampling_params or SamplingParams()
@@ -318,10 +329,11 @@ class LLM:
             if len(sps) != len(prompts):
                 raise ValueError(f"got {len(sps)} sampling_params for {len(prompts)} prompts")
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
-        reqs = [self.make_request(ids, sp) for (_, ids), sp in zip(encoded, sps)]
-        self.engine.run(reqs)
+        todo = [(text, j, self.make_request(ids, choice)) for (text, ids), sp in zip(encoded, sps)
+                for j, choice in enumerate(sp.choices())]
+        self.engine.run([req for _, _, req in todo])
         outs = []
-        for (text, _), req in zip(encoded, reqs):
+        for text, j, req in todo:
             out_text = None
             if self.tokenizer is not None:
                 out_text = request_text(self.tokenizer, req)
@@ -329,7 +341,7 @@ class LLM:
                                token_ids=list(req.output_ids), text=out_text,
                                finish_reason=req.finish_reason or "length", metrics=self._metrics(req),
                                logprobs=list(req.output_logprobs) if req.logprobs is not None else None,
-                               num_cached_tokens=req.metrics.cached_tokens, stop_reason=req.stop_reason))
+                               num_cached_tokens=req.metrics.cached_tokens, stop_reason=req.stop_reason, index=j))
         return outs
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

@@ -188,7 +188,7 @@ def test_openai_batch_lines_answer_openai_objects_resume_by_custom_id_and_name_b
                                                                    "temperature": 0, "ignore_eos": True}},
             {"custom_id": "bad-url", "url": "/v1/embeddings", "body": {"input": "w5"}},
             {"custom_id": "bad-top-p", "url": "/v1/completions", "body": {"prompt": [5], "top_p": 2}},
-            {"custom_id": "bad-n", "url": "/v1/chat/completions", "body": {**chat, "n": 2}},
+            {"custom_id": "bad-n", "url": "/v1/chat/completions", "body": {**chat, "n": 0}},
             {"custom_id": "unserved", "url": "/v1/completions", "body": {"prompt": [5], "best_of": 3}},
             {"custom_id": "tools", "url": "/v1/chat/completions", "body": {**chat, "tool_choice": "required", "tools": [
                 {"type": "function", "function": {"name": "f"}}]}},
@@ -274,6 +274,84 @@ def test_logprobs_in_native_rows_and_openai_lines_are_the_engines(llm, tmp_path)
                         "top": "body.top_logprobs"}
     finally:
         llm.tokenizer = saved
+
+
+def test_rows_with_n_answer_every_choice_once_each_with_its_seed(llm, tmp_path):
+    """`n` in a native row and in OpenAI lines: one output line with n choices, choice j the request
+    with seed + j (what LLM.generate answers with SamplingParams(n=...)); a rerun after the line was lost
+    redoes the row with all its choices; a row without n keeps the one-answer form (control); bad n
+    values are error rows naming the field."""
+    from specjax.serving.batch_job import MAX_N
+    saved = llm.tokenizer
+    llm.tokenizer = tiny_chat_tokenizer()
+    try:
+        prompt, sampled = [7, 31, 12, 40, 9], {"temperature": 1.0, "max_tokens": 6, "seed": 7}
+        singles = [o.token_ids for o in llm.generate([prompt] * 3, [SamplingParams(**{**sampled, "seed": 7 + j})
+                                                                     for j in range(3)])]
+        assert len({tuple(s) for s in singles}) > 1  # the seeds give different answers: copies would fail
+        api = llm.generate([prompt], SamplingParams(n=3, **sampled))
+        assert [o.token_ids for o in api] == singles and [o.index for o in api] == [0, 1, 2]
+        chat = {"messages": [{"role": "user", "content": "w5 w6"}], "n": 2, **sampled}
+        rows = [{"id": "s", "prompt": prompt, "n": 3, **sampled, "metadata": {"k": 1}},
+                {"id": "one", "prompt": prompt, **sampled},
+                {"id": "n1", "prompt": prompt, "n": 1, **sampled},
+                {"custom_id": "c", "url": "/v1/chat/completions", "body": chat},
+                {"id": "zero", "prompt": prompt, "n": 0},
+                {"id": "text", "prompt": prompt, "n": "2"},
+                {"id": "huge", "prompt": prompt, "n": MAX_N + 1},
+                {"custom_id": "oz", "url": "/v1/completions", "body": {"prompt": prompt, "n": -1}}]
+        inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        write_jsonl(inp, rows)
+        s = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)
+        assert (s.completed, s.errors, s.requests) == (4, 4, 3 + 1 + 1 + 2)
+        by = {r.get("custom_id", r.get("id")): r for r in read_jsonl(out)}
+        rec = by["s"]
+        assert [c["index"] for c in rec["choices"]] == [0, 1, 2] and rec["metadata"] == {"k": 1}
+        assert [c["token_ids"] for c in rec["choices"]] == singles
+        assert rec["completion_tokens"] == sum(c["completion_tokens"] for c in rec["choices"]) == sum(map(len, singles))
+        assert rec["prompt_tokens"] == len(prompt)
+        assert rec["metrics"]["num_rounds"] == sum(c["metrics"]["num_rounds"] for c in rec["choices"])
+        assert "choices" not in by["one"] and by["one"]["token_ids"] == singles[0]
+        assert [c["token_ids"] for c in by["n1"]["choices"]] == singles[:1]
+        body = by["c"]["response"]["body"]
+        (c_ref,) = llm.chat(chat["messages"], SamplingParams(**{**sampled, "seed": 8}))
+        assert [c["index"] for c in body["choices"]] == [0, 1] and body["choices"][1]["token_ids"] == c_ref.token_ids
+        assert body["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in body["choices"])
+        errs = {e["id"]: e for e in read_jsonl(default_errors_path(str(out)))}
+        assert {k: e["field"] for k, e in errs.items()} == {"zero": "n", "text": "n", "huge": "n", "oz": "body.n"}
+        assert str(MAX_N) in errs["huge"]["error"]
+        # the row's line lost: the rerun answers it again, every choice, once
+        lines = [ln for ln in out.read_text().splitlines(keepends=True) if json.loads(ln).get("id") != "s"]
+        out.write_text("".join(lines))
+        s2 = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False)
+        assert (s2.completed, s2.requests) == (1, 3)
+        assert [c["token_ids"] for c in read_jsonl(out)[-1]["choices"]] == singles
+    finally:
+        llm.tokenizer = saved
+
+
+def test_llm_generate_n_outputs_per_prompt_in_prompt_order(llm):
+    """SamplingParams(n): n outputs a prompt in a row, greedy ones equal."""
+    outs = llm.generate([[9, 8, 7, 6, 5, 4, 3, 2, 9, 8, 7, 6, 5, 4, 3, 2, 9, 8], [4, 5]],
+                        SamplingParams(n=2, temperature=0, max_tokens=4))
+    assert [o.index for o in outs] == [0, 1, 0, 1]
+    assert outs[0].token_ids == outs[1].token_ids and outs[2].token_ids == outs[3].token_ids
+    assert outs[0].prompt_token_ids != outs[2].prompt_token_ids
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        SamplingParams(n=0)
+
+
+def test_a_rows_cached_prompt_tokens_count_its_prompt_once(llm, tmp_path):
+    """A row's n answers of one fresh prompt: the later ones copy the first one's prompt rows (prefix
+    caching), but usage counts the prompt once, so cached_tokens is the first answer's (0 here), never
+    more than prompt_tokens (the sum over answers would be 2 x 35)."""
+    prompt = [11, 3, 29, 47, 8, 15, 22, 6] * 4 + [13, 2, 40, 19]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, [{"id": "p", "prompt": prompt, "n": 3, "temperature": 0, "max_tokens": 3}])
+    s = run_batch_job(llm, str(inp), str(out), shard=Shard(0, 1), progress=False, prompt_tokens_details=True)
+    (rec,) = read_jsonl(out)
+    assert rec["prompt_tokens"] == 36 and rec["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert s.metrics["tokens"]["prefix_cache_hits"] == 2 * 35  # the copies did happen
 
 
 def test_torn_last_line_is_cut_and_redone(llm, tmp_path):

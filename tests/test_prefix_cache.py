@@ -356,6 +356,14 @@ def test_the_api_and_the_server_report_cached_prompt_tokens():
         hits = re.search(r'^vllm:prefix_cache_hits_total\{model_name="tiny"\} (\S+)$', text, re.M)
         queries = re.search(r'^vllm:prefix_cache_queries_total\{model_name="tiny"\} (\S+)$', text, re.M)
         assert float(hits.group(1)) == cached + len(third) - 1 and float(queries.group(1)) == 2 * len(third) + 9
+        status, r = http_json(server.url + "/v1/completions", "POST",  # n answers of one fresh prompt
+                              {"prompt": [6, 9] * 20, "max_tokens": 2, "temperature": 0, "n": 3})
+        # the later answers copied the first's rows; usage counts the prompt once, so its cached tokens too
+        assert status == 200 and r["usage"]["prompt_tokens"] == 40, r["usage"]
+        assert r["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, r["usage"]
+        text = http_request(server.url + "/metrics")[2].decode()
+        hits2 = re.search(r'^vllm:prefix_cache_hits_total\{model_name="tiny"\} (\S+)$', text, re.M)
+        assert float(hits2.group(1)) == float(hits.group(1)) + 2 * 39
     finally:
         server.stop()
         api.engine.drain(60)

@@ -7,7 +7,8 @@ Input rows (one JSON object a line):
     (sampling; defaults from the job), the server's other request fields (logit rules, guides, OpenAI's
     `prediction`, `priority` with --scheduling-policy priority; the job's options serve them), `logprobs`
     k (top alternatives per token, at most --max-logprobs: the output row's `logprobs`, OpenAI's
-    completions object), metadata (copied to the output).
+    completions object), `n` (answers to the prompt, at most MAX_N; choice j samples with seed + j when
+    a seed is given), metadata (copied to the output).
     A line with `custom_id` is an OpenAI batch request and gets an OpenAI batch output line
     (`specjax.serving.batch_openai`); both kinds may share a file.
 Output rows (in completion order, not input order):
@@ -15,6 +16,10 @@ Output rows (in completion order, not input order):
      "prompt_tokens", "completion_tokens", "metrics", ["metadata"],
      ["prompt_tokens_details": {"cached_tokens"}: with --enable-prompt-tokens-details (prefix caching)],
      ["completion_tokens_details": a row with a prediction: accepted / rejected_prediction_tokens]}
+    A row that gives `n` answers in `choices` instead, written once every choice has finished:
+    {"id", "choices": [{"index", "token_ids", "text", "finish_reason", "stop_reason", "completion_tokens",
+     "metrics", ["logprobs"]}, ...], "prompt_tokens", "completion_tokens" (all choices'), "metrics"
+     (all choices' counts), ["metadata"], [the details above, over all choices]}
 Error rows (`<output stem>.errors.jsonl` unless given):
     {"line": 1-based input line, "id": id or null, "field": offending field or null, "error": reason}
 
@@ -44,10 +49,11 @@ from specjax.serving.detokenize import request_text
 from specjax.serving.logprob_blocks import logprobs_block
 from specjax.serving.tool_calls import check_tool_parser
 from specjax.serving.metrics import ServingMetrics
-from specjax.serving.request_metrics import request_spec_metrics, usage
+from specjax.serving.request_metrics import combined_spec_metrics, request_spec_metrics, usage
 from specjax.serving.schema import SAMPLING_FIELDS, FieldError, is_int, parse_sampling
 
 ROW_FIELDS = frozenset(("id", "prompt", "messages", "metadata", "logprobs") + SAMPLING_FIELDS)
+MAX_N = 1024  # answers one row may ask for (`n`): all of them are in flight until the row is written
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,6 +77,7 @@ class Row:
     sp: SamplingParams
     metadata: Any = None
     openai: batch_openai.OpenAIRequest | None = None  # an OpenAI batch line: how to answer it
+    choices: bool = False  # a native row that gives `n`: its answers go to `choices`
 
     def field(self, name: str | None) -> str | None:
         """A native field's name as this row's input line spells it (a guide: the body field that set it,
@@ -123,8 +130,10 @@ def parse_row(obj: Any, line: int, defaults: SamplingParams, tool_parser: str | 
     k = obj.get("logprobs")
     if k is not None and not (is_int(k) and k >= 0):
         raise RowError(f"'logprobs' must be an integer >= 0 (top alternatives per token), got {k!r}", "logprobs")
+    if sp.n > MAX_N:
+        raise RowError(f"'n' is {sp.n}; a row asks for at most {MAX_N} answers", "n")
     return Row(line=line, id=rid, prompt=prompt, messages=messages, sp=dataclasses.replace(sp, logprobs=k),
-               metadata=obj.get("metadata"))
+               metadata=obj.get("metadata"), choices=obj.get("n") is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,8 +141,9 @@ def parse_row(obj: Any, line: int, defaults: SamplingParams, tool_parser: str | 
 # ---------------------------------------------------------------------------------------------
 
 class BatchRows:
-    """The batch job kind (`specjax.jobs.JobKind`, resume by id): one request per row, its
-    result (tokens, text, finish reason, speculation metrics) one output line."""
+    """The batch job kind (`specjax.jobs.JobKind`, resume by id): one request per answer of a row (`n`),
+    the row's result (tokens, text, finish reason, speculation metrics) one output line once all have
+    finished."""
 
     resume = "by_id"
 
@@ -142,7 +152,8 @@ class BatchRows:
         self.tokenizer, self.defaults, self.metrics, self.tool_parser = llm.tokenizer, defaults, metrics, tool_parser
         self.prompt_details = prompt_details
         self.engine, self.max_len = llm.engine, llm.engine.cfg.max_len
-        self.rows: dict[int, Row] = {}  # rows with a request in the engine
+        self.rows: dict[int, tuple[Row, list[Any]]] = {}  # rows with requests in the engine: (row, its requests)
+        self.running: dict[int, int] = {}  # row index -> its requests not finished yet
 
     def row_id(self, index: int, row: JsonlLine) -> Any:
         obj = row.value
@@ -175,18 +186,22 @@ class BatchRows:
         try:
             ids = self._prompt_ids(parsed)
             try:
-                req = build_engine_request(ids, parsed.sp, request_id=str(parsed.id),
-                                           tokenizer=self.tokenizer, vocab=self.engine.target_config.vocab_size)
+                reqs = [build_engine_request(ids, sp, request_id=str(parsed.id) + (f"-{j}" if j else ""),
+                                             tokenizer=self.tokenizer, vocab=self.engine.target_config.vocab_size)
+                        for j, sp in enumerate(parsed.sp.choices())]
             except ValueError as e:
                 raise RowError(str(e), getattr(e, "field", None) or ("stop" if parsed.sp.stop else "prompt")) from None
-            submit(req)
+            submit(reqs[0])  # an engine refusal comes with the first, before any request is in flight
+            for req in reqs[1:]:
+                submit(req)
         except RowError as e:
             return self.error(index, row, str(e), parsed.field(e.field))
         except (ValueError, TypeError, KeyError) as e:  # tokenizer / template / engine refusals
             field = getattr(e, "field", None) or ("messages" if parsed.messages is not None else "prompt")
             return self.error(index, row, str(e), parsed.field(field))
-        self.metrics.request_admitted(len(ids))
-        self.rows[index] = parsed
+        for _ in reqs:
+            self.metrics.request_admitted(len(ids))
+        self.rows[index], self.running[index] = (parsed, reqs), len(reqs)
         return None
 
     def _prompt_ids(self, row: Row) -> list[int]:
@@ -203,30 +218,46 @@ class BatchRows:
                            f"the prompt plus one generated token", "messages" if row.messages else "prompt")
         return ids
 
-    def finished(self, index: int, request: Any, submit: Submit) -> Outcome:
-        row = self.rows.pop(index)
-        ids = list(request.output_ids)
-        text = None if self.tokenizer is None else request_text(self.tokenizer, request)
-        reason, n_prompt = request.finish_reason or "length", len(request.prompt_ids)
-        spec = request_spec_metrics(request.metrics)
-        counts = usage(n_prompt, len(ids), [request], prompt_details=self.prompt_details)
-        chat = row.openai is not None and row.openai.url == "/v1/chat/completions"
-        lps = None if row.sp.logprobs is None else logprobs_block(self.tokenizer, ids, request.output_logprobs, chat)
-        if row.openai is not None:
-            rec = batch_openai.output_line(row.id, row.openai, text, ids, reason, counts, spec, request.stop_reason,
-                                           lps)
-        else:
-            rec = {"id": row.id, "token_ids": ids, "text": text, "finish_reason": reason,
-                   "stop_reason": request.stop_reason, "prompt_tokens": n_prompt, "completion_tokens": len(ids),
-                   "metrics": spec, **({"logprobs": lps} if lps is not None else {})}
-            rec.update({k: counts[k] for k in ("prompt_tokens_details", "completion_tokens_details") if k in counts})
-            if row.metadata is not None:
-                rec["metadata"] = row.metadata
-        self.metrics.tokens_generated(len(ids))
-        self.metrics.request_finished(reason, request.metrics.latencies(len(ids)), (n_prompt, len(ids)))
+    def finished(self, index: int, request: Any, submit: Submit) -> Outcome | None:
+        n_prompt, n_out = len(request.prompt_ids), len(request.output_ids)
+        self.metrics.tokens_generated(n_out)
+        self.metrics.request_finished(request.finish_reason or "length", request.metrics.latencies(n_out),
+                                      (n_prompt, n_out))
         if self.engine.prefixes is not None:
             self.metrics.prefix_cache_lookup(n_prompt, request.metrics.cached_tokens)
-        return Outcome(index, rec)
+        self.running[index] -= 1
+        if self.running[index]:
+            return None  # choices still running
+        del self.running[index]
+        return Outcome(index, self._record(*self.rows.pop(index)))
+
+    def _record(self, row: Row, reqs: list[Any]) -> dict[str, Any]:
+        """The output line of a row whose requests (one per answer) have all finished."""
+        chat = row.openai is not None and row.openai.url == "/v1/chat/completions"
+        answers = [batch_openai.Answer(
+            None if self.tokenizer is None else request_text(self.tokenizer, r), list(r.output_ids), r.finish_reason,
+            r.stop_reason, None if row.sp.logprobs is None else logprobs_block(self.tokenizer, list(r.output_ids),
+                                                                               r.output_logprobs, chat))
+            for r in reqs]
+        n_prompt, n_out = len(reqs[0].prompt_ids), sum(len(a.token_ids) for a in answers)
+        counts = usage(n_prompt, n_out, reqs, prompt_details=self.prompt_details, n=len(reqs))
+        spec = combined_spec_metrics([request_spec_metrics(r.metrics) for r in reqs])
+        if row.openai is not None:
+            return batch_openai.output_line(row.id, row.openai, answers, counts, spec)
+        outs = [{"token_ids": a.token_ids, "text": a.text, "finish_reason": a.finish_reason,
+                 "stop_reason": a.stop_reason, **({"logprobs": a.logprobs} if a.logprobs is not None else {})}
+                for a in answers]
+        if row.choices:
+            rec = {"id": row.id, "choices": [{"index": j, **o, "completion_tokens": len(a.token_ids),
+                                              "metrics": request_spec_metrics(r.metrics)}
+                                             for j, (o, a, r) in enumerate(zip(outs, answers, reqs))]}
+        else:
+            rec = {"id": row.id, **outs[0]}
+        rec.update(prompt_tokens=n_prompt, completion_tokens=n_out, metrics=spec)
+        rec.update({k: counts[k] for k in ("prompt_tokens_details", "completion_tokens_details") if k in counts})
+        if row.metadata is not None:
+            rec["metadata"] = row.metadata
+        return rec
 
 
 def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: str | None = None,

@@ -4,7 +4,8 @@ An input line that carries `custom_id` is an OpenAI batch request:
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
     (url "/v1/completions": body {"prompt": ...}). The body takes the server's fields: the sampling
     fields, `max_completion_tokens` (chat), `logprobs` (chat: with `top_logprobs`; answered in OpenAI's
-    `logprobs` object; at most the job's --max-logprobs), `model`, `stream`, `user`, `n` = 1, and on the chat url
+    `logprobs` object; at most the job's --max-logprobs), `model`, `stream`, `user`, `n` (that many choices, as
+    the server's: choice j samples with seed + j when a seed is given), and on the chat url
     `tools` / `tool_choice` as the server serves them (`serving.tool_calls`: a named function or
     "required" with --guided-regex, "auto" with --tool-call-parser); fields that change the output and
     are not served (`schema.UNSERVED_FIELDS`) make it an error row, other fields are ignored.
@@ -78,9 +79,6 @@ def native_row(obj: dict[str, Any], tool_parser: str | None = None) -> tuple[dic
         raise OpenAIRowError(str(e), f"body.{e.field}") from None
     except APIError as e:
         raise OpenAIRowError(e.message, f"body.{e.param}") from None
-    if body.get("n") not in (None, 1):
-        raise OpenAIRowError(f"'n' is {body['n']!r}: a batch line answers one choice (send one line per choice)",
-                             "body.n")
     key = OPENAI_URLS[url]
     other = "prompt" if key == "messages" else "messages"
     if body.get(other) is not None:
@@ -119,24 +117,40 @@ def native_field(field: str | None) -> str | None:
     return None if field is None else "custom_id" if field == "id" else f"body.{field}"
 
 
-def output_line(custom_id: Any, req: OpenAIRequest, text: str | None, token_ids: list[int], finish_reason: str,
-                usage: dict[str, Any], spec_metrics: dict[str, Any], stop_reason: int | str | None = None,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The OpenAI batch output line of a finished request (`usage`: `request_metrics.usage`'s)."""
-    if req.url == "/v1/chat/completions":
-        kind, prefix = "chat.completion", "chatcmpl"
-        message, finish_reason = tool_message(text, req.tool_mode, finish_reason)  # chat rows have a tokenizer
-        choice = {"index": 0, "message": message}
-    else:
-        kind, prefix = "text_completion", "cmpl"
-        choice = {"index": 0, "text": text}
-    choice.update(finish_reason=finish_reason, stop_reason=stop_reason, token_ids=token_ids, logprobs=logprobs)
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """One finished choice of a batch line."""
+
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: int | str | None = None
+    logprobs: dict[str, Any] | None = None  # OpenAI's logprobs object (`logprob_blocks.logprobs_block`)
+
+
+def output_line(custom_id: Any, req: OpenAIRequest, answers: list[Answer], usage: dict[str, Any],
+                spec_metrics: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI batch output line of a finished line: one choice per answer, in `n` order (`usage`:
+    `request_metrics.usage`'s over all of them)."""
+    chat = req.url == "/v1/chat/completions"
+    kind, prefix = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
+    choices = []
+    for i, a in enumerate(answers):
+        finish_reason = a.finish_reason
+        if chat:
+            message, finish_reason = tool_message(a.text, req.tool_mode, finish_reason)  # chat rows have a tokenizer
+            choice: dict[str, Any] = {"index": i, "message": message}
+        else:
+            choice = {"index": i, "text": a.text}
+        choice.update(finish_reason=finish_reason, stop_reason=a.stop_reason, token_ids=a.token_ids,
+                      logprobs=a.logprobs)
+        choices.append(choice)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    body = {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model, "choices": [choice],
+    body = {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model, "choices": choices,
             "usage": usage, "spec_metrics": spec_metrics}
     return {"id": f"batch-{uuid.uuid4().hex}", "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
 
-__all__ = ["OPENAI_URLS", "OpenAIRequest", "OpenAIRowError", "is_openai_line", "native_field", "native_row",
+__all__ = ["OPENAI_URLS", "Answer", "OpenAIRequest", "OpenAIRowError", "is_openai_line", "native_field", "native_row",
            "output_line"]

@@ -254,12 +254,11 @@ class OpenAIApp:
         holdback = max((len(s) for s in parsed.sp.stop or ()), default=0) * (not parsed.sp.include_stop_str_in_output)
         streams: list[RequestStream] = []
         try:
+            choices = dataclasses.replace(parsed.sp, logprobs=parsed.logprobs).choices()
             for i in range(parsed.n * len(parsed.prompts) if parsed.generate else 0):
-                sp = dataclasses.replace(parsed.sp, logprobs=parsed.logprobs)
-                if sp.seed is not None and i % parsed.n:
-                    sp = dataclasses.replace(sp, seed=sp.seed + i % parsed.n)
                 try:
-                    req = build_engine_request(parsed.prompts[i // parsed.n], sp, request_id=f"{rid}-{i}",
+                    req = build_engine_request(parsed.prompts[i // parsed.n], choices[i % parsed.n],
+                                               request_id=f"{rid}-{i}",
                                                tokenizer=self.tokenizer, vocab=self.vocab_size)
                 except ValueError as e:
                     raise APIError(400, str(e), param=getattr(e, "field", None)) from None
@@ -298,7 +297,8 @@ class OpenAIApp:
         """OpenAI's usage: every prompt once (or one choice's prompt) and `n_out` completion tokens (of
         `streams`' requests: their predicted outputs' counts)."""
         n = sum(map(len, parsed.prompts)) if choice is None else len(parsed.prompts[choice // parsed.n])
-        return usage(n, n_out, [s.request for s in streams], prompt_details=self.prompt_tokens_details)
+        return usage(n, n_out, [s.request for s in streams], prompt_details=self.prompt_tokens_details,
+                     n=parsed.n if choice is None else 1)
 
     def _failed(self, ev: StreamEvent) -> APIError:
         if ev.rejected:

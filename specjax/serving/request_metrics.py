@@ -56,16 +56,17 @@ def combined_spec_metrics(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, requests: Sequence[EngineRequest] = (), *,
-          prompt_details: bool = False) -> dict[str, Any]:
+          prompt_details: bool = False, n: int = 1) -> dict[str, Any]:
     """OpenAI's `usage` object; with `prompt_details` (vLLM's --enable-prompt-tokens-details), its
-    `prompt_tokens_details.cached_tokens`: prompt tokens of `requests` read from cache rows (prefix
-    caching); with a predicted output among them, its `completion_tokens_details`:
+    `prompt_tokens_details.cached_tokens`: prompt tokens read from cache rows (prefix caching) by each
+    prompt's first answer (`requests` hold `n` answers per prompt in a row; usage counts each prompt
+    once); with a predicted output among them, its `completion_tokens_details`:
     accepted_prediction_tokens (predicted drafts verification accepted) and rejected_prediction_tokens
     (predicted drafts it verified and did not accept)."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
     if prompt_details:
-        out["prompt_tokens_details"] = {"cached_tokens": sum(r.metrics.cached_tokens for r in requests)}
+        out["prompt_tokens_details"] = {"cached_tokens": sum(r.metrics.cached_tokens for r in requests[::n])}
     predicted = [r.metrics for r in requests if r.prediction_ids]
     if predicted:
         out["completion_tokens_details"] = {

@@ -25,7 +25,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "stop
                    "num_speculative_tokens", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "guided_choice",
                    "guided_regex", "guided_json", "guided_whitespace_pattern", "response_format", "structured_outputs",
-                   "prediction", "include_stop_str_in_output", "truncate_prompt_tokens", "priority")
+                   "prediction", "include_stop_str_in_output", "truncate_prompt_tokens", "priority", "n")
 # vLLM's structured_outputs keys served, as the guide each sets (json_object: any JSON object)
 STRUCTURED_KEYS = {"choice": "guided_choice", "regex": "guided_regex", "json": "guided_json",
                    "json_object": "guided_json"}
@@ -128,6 +128,8 @@ class SamplingFields(pydantic.BaseModel):
     priority: int | None = pydantic.Field(
         None, description="vLLM's: a server with --scheduling-policy priority starts waiting requests lower first "
                           "(arrival order among equals; a running request keeps its slot); otherwise only 0")
+    n: int | None = pydantic.Field(None, description="OpenAI's and vLLM's: answers per prompt (choice j samples "
+                                                     "with seed + j when a seed is given)")
     prediction: PredictionContent | None = pydantic.Field(
         None, description="OpenAI's predicted output: {\"type\": \"content\", \"content\": text or [{\"type\": \"text\", "
                           "\"text\": ...}]}, text the answer is expected to repeat, drafted while the answer follows "
@@ -140,7 +142,7 @@ class SamplingFields(pydantic.BaseModel):
         return _number(info.field_name, v)
 
     @pydantic.field_validator("top_k", "seed", "num_speculative_tokens", "min_tokens", "truncate_prompt_tokens",
-                              "priority", mode="before")
+                              "priority", "n", mode="before")
     @classmethod
     def _integers(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
         v = _integer(info.field_name, v)
