@@ -18,7 +18,7 @@ import json
 import sys
 
 from specjax import distributed as dist
-from specjax.serving.cli import add_llm_args, add_tool_parser_flag, build_llm
+from specjax.serving.cli import add_llm_args, add_parser_flags, build_llm
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="each row's usage carries prompt_tokens_details.cached_tokens (prefix caching)")
-    add_tool_parser_flag(p)
+    add_parser_flags(p)
     add_llm_args(p)
     dist.add_distributed_args(p)
     return p
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = build_llm(args, progress=not args.no_progress)
     summary = run_batch_job(llm, args.input, args.output, errors_path=args.errors, shard=shard, defaults=defaults,
                             window=args.window, progress=not args.no_progress, tool_parser=args.tool_call_parser,
-                            prompt_tokens_details=args.enable_prompt_tokens_details)
+                            prompt_tokens_details=args.enable_prompt_tokens_details,
+                            reasoning_parser=args.reasoning_parser)
     print(json.dumps(summary.as_dict()), flush=True)
     return 0
 

@@ -16,7 +16,7 @@ import ipaddress
 import os
 import sys
 
-from specjax.serving.cli import add_llm_args, add_tool_parser_flag, build_llm
+from specjax.serving.cli import add_llm_args, add_parser_flags, build_llm
 from specjax.serving.http_server import DEFAULT_HOST
 from specjax.serving.limits import DEFAULT_MAX_WAITING
 from specjax.serving.request_metrics import SPEC_DECODE_METRICS_LEVELS
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage carries OpenAI's prompt_tokens_details.cached_tokens: prompt tokens read from a "
                         "freed slot's cache rows (prefix caching)")
-    add_tool_parser_flag(p)
+    add_parser_flags(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     add_llm_args(p)
     return p
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return OpenAIApp.from_llm(build_llm(args, progress=True), model_name=name, limits=limits,
                                   spec_decode_metrics=args.per_request_spec_decode_metrics,
                                   tool_parser=args.tool_call_parser,
-                                  prompt_tokens_details=args.enable_prompt_tokens_details)
+                                  prompt_tokens_details=args.enable_prompt_tokens_details,
+                                  reasoning_parser=args.reasoning_parser)
     host, port = sock.getsockname()[:2]
     print(f"specjax server: model '{name}' on http://{host}:{port} (warming up: /health answers 200 when ready)",
           flush=True)

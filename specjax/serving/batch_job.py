@@ -40,13 +40,16 @@ import dataclasses
 from typing import Any
 
 from specjax.api import SamplingParams
-from specjax.request_builder import build_engine_request, encode_chat, encode_text, truncate_prompt
+from specjax.request_builder import build_engine_request, encode_text, truncate_prompt
 from specjax.decoding.requests import missing_rule
 from specjax.io import JsonlLine
 from specjax.jobs import JobSummary, Outcome, Shard, Submit, run_jsonl_job, valid_id
 from specjax.serving import batch_openai
 from specjax.serving.detokenize import request_text
+from specjax.serving.errors import APIError
 from specjax.serving.logprob_blocks import logprobs_block
+from specjax.serving.prompts import chat_prompt_ids
+from specjax.serving.reasoning import check_reasoning_parser, reasoning_start
 from specjax.serving.tool_calls import check_tool_parser
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.request_metrics import combined_spec_metrics, request_spec_metrics, usage
@@ -148,8 +151,9 @@ class BatchRows:
     resume = "by_id"
 
     def __init__(self, llm: Any, defaults: SamplingParams, metrics: ServingMetrics, tool_parser: str | None = None,
-                 prompt_details: bool = False):
+                 prompt_details: bool = False, reasoning_parser: str | None = None):
         self.tokenizer, self.defaults, self.metrics, self.tool_parser = llm.tokenizer, defaults, metrics, tool_parser
+        self.reasoning_parser = reasoning_parser
         self.prompt_details = prompt_details
         self.engine, self.max_len = llm.engine, llm.engine.cfg.max_len
         self.rows: dict[int, tuple[Row, list[Any]]] = {}  # rows with requests in the engine: (row, its requests)
@@ -185,6 +189,9 @@ class BatchRows:
                               parsed.field("logprobs"))
         try:
             ids = self._prompt_ids(parsed)
+            if parsed.messages is not None and parsed.openai is not None:  # an OpenAI chat line
+                parsed.openai = dataclasses.replace(parsed.openai, reasoning=reasoning_start(
+                    self.reasoning_parser, self.tokenizer, ids, parsed.sp))
             try:
                 reqs = [build_engine_request(ids, sp, request_id=str(parsed.id) + (f"-{j}" if j else ""),
                                              tokenizer=self.tokenizer, vocab=self.engine.target_config.vocab_size)
@@ -205,8 +212,12 @@ class BatchRows:
         return None
 
     def _prompt_ids(self, row: Row) -> list[int]:
-        if row.prompt is None:
-            ids = encode_chat(self.tokenizer, row.messages, tools=row.openai.tools if row.openai is not None else None)
+        if row.prompt is None:  # as the server renders chat (content parts; an OpenAI line's template fields)
+            template, tools = (row.openai.template, row.openai.tools) if row.openai is not None else ({}, None)
+            try:
+                ids = chat_prompt_ids(self.tokenizer, {"messages": row.messages, **template}, tools)
+            except APIError as e:
+                raise RowError(e.message, e.param) from None
         else:
             ids = encode_text(self.tokenizer, row.prompt) if isinstance(row.prompt, str) else list(row.prompt)
         try:
@@ -263,7 +274,7 @@ class BatchRows:
 def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: str | None = None,
                   shard: Shard | None = None, defaults: SamplingParams | None = None, window: int | None = None,
                   progress: bool = True, tool_parser: str | None = None,
-                  prompt_tokens_details: bool = False) -> JobSummary:
+                  prompt_tokens_details: bool = False, reasoning_parser: str | None = None) -> JobSummary:
     """Run (or resume) a batch job over `input_path` with `llm` (an `specjax.LLM`); see module docstring.
 
     output_path: the job's output (a shard suffix is added when `shard.count > 1`); errors_path:
@@ -271,9 +282,10 @@ def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: s
     defaults: sampling for fields a row leaves out (default SamplingParams()); window: requests in
     flight (default 2 x max_num_seqs); tool_parser: `serving.tool_parsers.PARSERS` name that serves OpenAI
     lines' tool_choice "auto"; prompt_tokens_details: every row's usage carries prompt_tokens_details.cached_tokens
-    (prefix caching). The summary's `metrics` are the job's serving metrics.
+    (prefix caching); reasoning_parser: a `serving.reasoning.PARSERS` name (OpenAI chat lines' thinking as
+    the message's `reasoning`). The summary's `metrics` are the job's serving metrics.
     """
-    check_tool_parser(tool_parser)
+    check_tool_parser(tool_parser), check_reasoning_parser(reasoning_parser)
     engine = llm.engine
     metrics = ServingMetrics(model_name="batch", gamma=engine.gamma, max_tokens_bucket=engine.buckets.tokens[-1],
                              max_slots=engine.cfg.max_slots, max_model_len=engine.cfg.max_len)
@@ -285,7 +297,7 @@ def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: s
             prev_hook(info)
         metrics.observe_round(info)
 
-    kind = BatchRows(llm, defaults or SamplingParams(), metrics, tool_parser, prompt_tokens_details)
+    kind = BatchRows(llm, defaults or SamplingParams(), metrics, tool_parser, prompt_tokens_details, reasoning_parser)
     engine.on_round = hook
     try:
         summary = run_jsonl_job(kind, engine, input_path, output_path, errors_path=errors_path,

@@ -5,7 +5,9 @@ An input line that carries `custom_id` is an OpenAI batch request:
     (url "/v1/completions": body {"prompt": ...}). The body takes the server's fields: the sampling
     fields, `max_completion_tokens` (chat), `logprobs` (chat: with `top_logprobs`; answered in OpenAI's
     `logprobs` object; at most the job's --max-logprobs), `model`, `stream`, `user`, `n` (that many choices, as
-    the server's: choice j samples with seed + j when a seed is given), and on the chat url
+    the server's: choice j samples with seed + j when a seed is given), and on the chat url messages with
+    text content parts, vLLM's `chat_template_kwargs` (`enable_thinking`), `add_generation_prompt` and
+    `continue_final_message` (the prompt rendered as the server renders it), and
     `tools` / `tool_choice` as the server serves them (`serving.tool_calls`: a named function or
     "required" with --guided-regex, "auto" with --tool-call-parser); fields that change the output and
     are not served (`schema.UNSERVED_FIELDS`) make it an error row, other fields are ignored.
@@ -25,11 +27,14 @@ from typing import Any
 from specjax.api import GUIDES
 from specjax.serving.errors import APIError
 from specjax.serving.schema import SAMPLING_FIELDS, FieldError, check_served, guide_source
-from specjax.serving.tool_calls import ToolMode, tool_guide, tool_message
+from specjax.serving.reasoning import chat_message
+from specjax.serving.tool_calls import ToolMode, tool_guide
 
 # url -> the body field that holds the prompt
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 _LINE_FIELDS = frozenset(("custom_id", "method", "url", "body"))
+# chat bodies' fields that shape the prompt (vLLM's; `prompts.chat_prompt_ids` reads them as the server does)
+TEMPLATE_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 
 
 class OpenAIRowError(ValueError):
@@ -50,6 +55,8 @@ class OpenAIRequest:
     tools: list[dict[str, Any]] | None = None
     tool_mode: ToolMode | None = None
     guide_sources: dict[str, str] = dataclasses.field(default_factory=dict)  # a guide -> the body field that set it
+    reasoning: bool | None = None  # a chat line under --reasoning-parser: whether the answer starts thinking
+    template: dict[str, Any] = dataclasses.field(default_factory=dict)  # the body's TEMPLATE_FIELDS (chat)
 
 
 def is_openai_line(obj: Any) -> bool:
@@ -89,7 +96,8 @@ def native_row(obj: dict[str, Any], tool_parser: str | None = None) -> tuple[dic
     row.update({"id": obj["custom_id"], key: body.get(key)}, **({"guided_json": guide} if guide else {}))
     model = body.get("model")
     return row, OpenAIRequest(url, model if isinstance(model, str) and model else "specjax", tools, mode,
-                              {g: guide_source(body, g) for g in GUIDES})
+                              {g: guide_source(body, g) for g in GUIDES},
+                              template={k: body[k] for k in TEMPLATE_FIELDS if chat and body.get(k) is not None})
 
 
 def _logprobs_asked(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -137,8 +145,8 @@ def output_line(custom_id: Any, req: OpenAIRequest, answers: list[Answer], usage
     choices = []
     for i, a in enumerate(answers):
         finish_reason = a.finish_reason
-        if chat:
-            message, finish_reason = tool_message(a.text, req.tool_mode, finish_reason)  # chat rows have a tokenizer
+        if chat:  # chat rows have a tokenizer
+            message, finish_reason = chat_message(a.text, req.tool_mode, req.reasoning, finish_reason)
             choice: dict[str, Any] = {"index": i, "message": message}
         else:
             choice = {"index": i, "text": a.text}

@@ -81,13 +81,18 @@ def add_logit_rule_flags(group: Any, verb: str) -> None:
                             "json_object takes ~1,600)")
 
 
-def add_tool_parser_flag(p: argparse.ArgumentParser) -> None:
-    """--tool-call-parser: the tool-call format (`serving.tool_parsers.PARSERS`) that serves tool_choice "auto"."""
+def add_parser_flags(p: argparse.ArgumentParser) -> None:
+    """--tool-call-parser: the tool-call format (`serving.tool_parsers.PARSERS`) that serves tool_choice
+    "auto"; --reasoning-parser: the thinking format (`serving.reasoning.PARSERS`) answered as `reasoning`."""
+    from specjax.serving.reasoning import PARSERS as REASONING_PARSERS
     from specjax.serving.tool_parsers import PARSERS
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="serve tool_choice \"auto\" (OpenAI's default with tools): read calls in this model "
                         "family's format from the answer (hermes: <tool_call> JSON blocks, Qwen2.5 / Qwen3; "
                         "llama3_json: JSON objects the answer begins with, Llama 3.1-3.3)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="answer chat's thinking (<think> ... </think>: Qwen3, QwQ, DeepSeek-R1) apart from the "
+                        "content, as the message's `reasoning` (vLLM's; also `reasoning_content`)")
 
 
 def logit_rule_args(args: argparse.Namespace) -> dict[str, Any]:

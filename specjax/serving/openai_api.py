@@ -33,7 +33,8 @@ its last k tokens before the length checks) are served; the presence, frequency 
 server started with `--penalties`; `logit_bias`, `allowed_token_ids` and `bad_words` by one started with
 `--logit-bias`; `guided_choice` by one started with `--guided-choice`; `guided_regex`, `guided_json`,
 `response_format` and tool calls (`tool_calls`) by one started with `--guided-regex`, and `tool_choice` "auto"
-by one started with `--tool-call-parser`, and a non-zero `priority` by one started with `--scheduling-policy priority`.
+by one started with `--tool-call-parser`, and a non-zero `priority` by one started with `--scheduling-policy priority`;
+`--reasoning-parser` answers chat's thinking apart (`reasoning`).
 
 Status codes: 400 bad or unsupported fields, prompts or max_tokens over the limits; 404 unknown
 model; 503 when the engine's waiting queue is full or the engine is not running; 504 when a request
@@ -57,7 +58,8 @@ from specjax.serving.limits import ServerLimits
 from specjax.serving.logprob_blocks import logprobs_block, prompt_logprobs_list
 from specjax.serving.prompts import chat_prompt_ids, completion_prompts, truncated
 from specjax.serving.streams import ChoiceStream, Waiter
-from specjax.serving.tool_calls import ToolMode, check_tool_parser, tool_guide, tool_message
+from specjax.serving.reasoning import chat_message, check_reasoning_parser, reasoning_start
+from specjax.serving.tool_calls import ToolMode, check_tool_parser, tool_guide
 from specjax.serving.request_metrics import (check_spec_decode_metrics_level, combined_spec_metrics,
                                              request_spec_metrics, response_metrics, usage)
 from specjax.serving.bodies import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -78,6 +80,7 @@ class _Parsed:
     continuous_usage: bool = False  # streamed: every chunk carries its choice's usage so far
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' log-probabilities with this many alternatives
     tools: ToolMode | None = None  # chat: the answer is tool calls (`tool_calls.tool_guide`)
+    reasoning: bool | None = None  # chat with a reasoning parser: whether the answer starts thinking (None: not split)
 
 
 class OpenAIApp:
@@ -88,21 +91,19 @@ class OpenAIApp:
     spec_decode_metrics: "none" (default), "summary" or "detailed": responses then carry vLLM's
     per-request `metrics.speculative_decoding` (`specjax.serving.request_metrics`; null for n > 1 and
     without a drafter); prompt_tokens_details: usage carries OpenAI's prompt_tokens_details.cached_tokens
-    (vLLM's --enable-prompt-tokens-details).
+    (vLLM's --enable-prompt-tokens-details); reasoning_parser: a `serving.reasoning.PARSERS` name (chat
+    answers' thinking as the message's `reasoning`).
     """
 
     def __init__(self, engine: AsyncEngine, *, model_name: str, max_model_len: int, vocab_size: int,
                  tokenizer: Any = None, limits: ServerLimits | None = None, metrics: ServingMetrics | None = None,
                  spec_decode_metrics: str = "none", tool_parser: str | None = None,
-                 prompt_tokens_details: bool = False):
+                 prompt_tokens_details: bool = False, reasoning_parser: str | None = None):
         self.prompt_tokens_details = bool(prompt_tokens_details)
         self.spec_decode_metrics = check_spec_decode_metrics_level(spec_decode_metrics)
-        self.tool_parser = check_tool_parser(tool_parser)
-        self.engine = engine
-        self.model_name = model_name
-        self.max_model_len = int(max_model_len)
-        self.vocab_size = int(vocab_size)
-        self.tokenizer = tokenizer
+        self.tool_parser, self.reasoning_parser = check_tool_parser(tool_parser), check_reasoning_parser(reasoning_parser)
+        self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
+        self.max_model_len, self.vocab_size = int(max_model_len), int(vocab_size)
         self.limits = limits or ServerLimits()
         self.metrics = metrics if metrics is not None else engine.metrics
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
@@ -114,10 +115,11 @@ class OpenAIApp:
     @classmethod
     def from_llm(cls, llm: Any, *, model_name: str = "specjax", limits: ServerLimits | None = None,
                  tokenizer: Any = _FROM_LLM, spec_decode_metrics: str = "none",
-                 tool_parser: str | None = None, prompt_tokens_details: bool = False) -> "OpenAIApp":
+                 tool_parser: str | None = None, prompt_tokens_details: bool = False,
+                 reasoning_parser: str | None = None) -> "OpenAIApp":
         """Metrics + a started `AsyncEngine` over `llm.engine` + the app (tokenizer: the LLM's by default)."""
         check_spec_decode_metrics_level(spec_decode_metrics)  # before the engine starts
-        check_tool_parser(tool_parser)
+        check_tool_parser(tool_parser), check_reasoning_parser(reasoning_parser)
         limits = limits or ServerLimits()
         eng = llm.engine
         metrics = ServingMetrics(model_name=model_name, gamma=eng.gamma, max_tokens_bucket=eng.buckets.tokens[-1],
@@ -126,7 +128,7 @@ class OpenAIApp:
         return cls(async_engine, model_name=model_name, max_model_len=eng.cfg.max_len,
                    vocab_size=llm.config.vocab_size, tokenizer=llm.tokenizer if tokenizer is _FROM_LLM else tokenizer,
                    limits=limits, metrics=metrics, spec_decode_metrics=spec_decode_metrics, tool_parser=tool_parser,
-                   prompt_tokens_details=prompt_tokens_details)
+                   prompt_tokens_details=prompt_tokens_details, reasoning_parser=reasoning_parser)
 
     # ------------------------------------------------------------------ parsing
     def _parse_common(self, req: CompletionRequest | ChatCompletionRequest) -> _Parsed:
@@ -141,7 +143,6 @@ class OpenAIApp:
             raise APIError(400, f"'n' is {n}; it must be in [1, {self.max_n}] (this server's sequences at once)",
                            param="n")
         logprobs = self._logprobs_asked(body, chat)
-        stream = bool(body.get("stream"))
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage"))
         tools = tool_guide(body, self.tool_parser) if chat else (None, None, None)  # (mode, guided_json, tools)
@@ -186,9 +187,10 @@ class OpenAIApp:
         if outside:
             raise APIError(400, f"'{outside[0]}' holds {outside[1]}, outside the vocabulary [0, {self.vocab_size})",
                            param=outside[0])
-        return _Parsed([ids for ids, _ in pairs], sp, stream, include_usage, n, logprobs, echo,
+        return _Parsed([ids for ids, _ in pairs], sp, bool(body.get("stream")), include_usage, n, logprobs, echo,
                        body.get("max_tokens") != 0, tuple(text for _, text in pairs),
-                       include_usage and bool(options.get("continuous_usage_stats")), prompt_logprobs, tools[0])
+                       include_usage and bool(options.get("continuous_usage_stats")), prompt_logprobs, tools[0],
+                       reasoning_start(self.reasoning_parser if chat else None, self.tokenizer, pairs[0][0], sp))
 
     def _echo_asked(self, body: dict[str, Any], fields: dict[str, Any], n_prompt: int, logprobs: int | None) -> bool:
         """Completions' `echo`: not streamed; with logprobs the prompt must fit the largest prefill
@@ -391,7 +393,8 @@ class OpenAIApp:
                 choice["prompt_logprobs"] = prompt_lps[k]
             text = self._text(r)
             if chat:
-                choice["message"], choice["finish_reason"] = tool_message(text, parsed.tools, r.finish_reason)
+                choice["message"], choice["finish_reason"] = chat_message(text, parsed.tools, parsed.reasoning,
+                                                                          r.finish_reason)
             else:
                 choice["text"] = prefixes[k] + text
             choices.append(choice)

@@ -8,6 +8,7 @@ from typing import Any, Awaitable, Callable
 from specjax.serving.async_engine import AsyncEngine, RequestStream, StreamEvent
 from specjax.serving.detokenize import StreamDetokenizer
 from specjax.serving.errors import APIError
+from specjax.serving.reasoning import ReasoningStream, reasoning_fields
 from specjax.serving.tool_calls import ToolStream
 
 _POLL_S = 1.0  # how often a waiting non-streamed request checks whether its client is still there
@@ -50,8 +51,9 @@ class Waiter:
 
 
 class ChoiceStream:
-    """One choice's streamed deltas: incremental text and token ids (a chat answer under a tool mode: its
-    calls, `tool_calls.ToolStream`); the final chunk completes the text."""
+    """One choice's streamed deltas: incremental text and token ids (a chat answer under a reasoning
+    parser: its thinking as `reasoning`, `reasoning.ReasoningStream`; under a tool mode: its calls,
+    `tool_calls.ToolStream`); the final chunk completes the text."""
 
     def __init__(self, app: Any, index: int, stream: RequestStream, chat: bool):
         self.app, self.index, self.stream, self.chat = app, index, stream, chat
@@ -61,6 +63,7 @@ class ChoiceStream:
         self.token_chars = 0  # completions' `text_offset` of the next token
         self.first = True
         self.tools: ToolStream | None = None  # a chat answer's tool calls, once the first chunk is made
+        self.reasoning: ReasoningStream | None = None  # a chat answer's thinking, once the first chunk is made
 
     def chunk(self, ev: StreamEvent, parsed: Any) -> dict[str, Any]:
         start = len(self.sent_ids)
@@ -85,7 +88,10 @@ class ChoiceStream:
         c: dict[str, Any] = {"index": self.index, "finish_reason": finish, "token_ids": ids, "logprobs": logprobs}
         if ev.finished:
             c["stop_reason"] = self.stream.request.stop_reason  # vLLM's, on the choice's last chunk
-        tools = getattr(parsed, "tools", None)
+        tools, thinking = getattr(parsed, "tools", None), None
+        if self.chat and getattr(parsed, "reasoning", None) is not None:  # the thinking apart from the content
+            self.reasoning = self.reasoning or ReasoningStream(parsed.reasoning)
+            thinking, text = self.reasoning.push(text, final=ev.finished)
         if self.chat and tools is not None:  # tool calls (tool_calls.ToolStream)
             self.tools = self.tools or ToolStream(tools)
             c["delta"], c["finish_reason"] = self.tools.delta(text, self.first, finish)
@@ -94,5 +100,9 @@ class ChoiceStream:
                           ({"content": text} if text or finish is None else {}))
         else:
             c["text"] = text
+        if thinking:
+            if not text and not c["delta"].get("tool_calls"):
+                c["delta"].pop("content", None)
+            c["delta"].update(reasoning_fields(thinking))
         self.first = False
         return c
