@@ -4,9 +4,11 @@ beside a batch backlog.
 A backlog of batch requests (MT-Bench first turns, priority 1) is queued at once on a few slots;
 interactive requests (other first turns, priority 0) arrive one every few engine steps while the
 backlog runs. Under `fcfs` (the default) an interactive request waits behind the whole backlog
-queued before it; under `priority` it takes the next free slot (a running request keeps its slot:
-no preemption). Per policy and request class: median time in the queue, to the first token and to
-the end; the whole run's time and tokens/s; whether every answer equals the other policy's (greedy).
+queued before it; under `priority` it takes a slot at once: a free one, else a running batch
+request's (preemption: that request waits again and continues from its prompt and output when
+readmitted). Per policy and request class: median time in the queue, to the first token and to the
+end; the whole run's time, tokens/s and preemptions; whether every answer equals the other policy's
+(greedy).
 
     python -m bench.priority [--slots 4] [--backlog 24] [--interactive 6] [--every 24] [--max-tokens 64]
 
@@ -58,6 +60,7 @@ def _run(llm, prompts: dict[str, list[list[int]]], policy: str, args) -> dict:
     sp = {c: SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                             priority=(1 if c == "batch" else 0) if policy == "priority" else 0) for c in CLASSES}
     eng = llm.engine
+    preemptions0 = eng.stats["preemptions"]
     made = [(c, llm.make_request(ids, sp[c])) for c in CLASSES for ids in prompts[c]]
     late = [r for c, r in made if c == "interactive"]
     t0, step = time.perf_counter(), 0
@@ -76,7 +79,8 @@ def _run(llm, prompts: dict[str, list[list[int]]], policy: str, args) -> dict:
         lat = r.metrics.latencies(len(r.output_ids))
         out.append({"class": c, "queue": lat["queue"], "ttft": lat["ttft"], "e2e": lat["e2e"],
                     "finished": rank[id(r)], "tokens": list(r.output_ids)})
-    return {"requests": out, "seconds": seconds, "tokens": sum(len(r["tokens"]) for r in out)}
+    return {"requests": out, "seconds": seconds, "tokens": sum(len(r["tokens"]) for r in out),
+            "preemptions": eng.stats["preemptions"] - preemptions0}
 
 
 def _summary(runs: list[dict]) -> dict:
@@ -87,6 +91,7 @@ def _summary(runs: list[dict]) -> dict:
                                      for run in runs) for k in ("queue", "ttft", "e2e")}
     out["seconds"] = statistics.mean(run["seconds"] for run in runs)
     out["tokens_per_s"] = statistics.mean(run["tokens"] / run["seconds"] for run in runs)
+    out["preemptions"] = statistics.mean(run["preemptions"] for run in runs)
     return out
 
 
@@ -146,8 +151,9 @@ def _report(args, argv, res: dict, load0: float) -> None:
             f"({f['interactive']['ttft']:.2f} -> {q['interactive']['ttft']:.2f} s to the first token); the batch "
             f"requests' median end-to-end time moves {f['batch']['e2e']:.2f} -> {q['batch']['e2e']:.2f} s\n"
           f"- the whole run: {f['seconds']:.1f} / {q['seconds']:.1f} s, {f['tokens_per_s']:.0f} / "
-          f"{q['tokens_per_s']:.0f} tokens/s (the same work in another order); answers equal: "
-          f"{'yes' if res['same_answers'] else 'NO'}\n")
+          f"{q['tokens_per_s']:.0f} tokens/s (the same answers in another order, and under `priority` "
+          f"{q['preemptions']:.0f} preemptions a run: a batch request's prompt and output prefilled again when "
+          f"it returns); answers equal: {'yes' if res['same_answers'] else 'NO'}\n")
     write_results("priority", {"machine": machine_info(), "args": vars(args), "results": res}, md,
                   out_dir=args.out_dir, plot=lambda path: _plot(res, path))
     log("wrote priority results")

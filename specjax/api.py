@@ -230,7 +230,8 @@ class LLM:
         prompt that begins with what one holds goes there and prefills only the rest
         (`Output.num_cached_tokens`).
     scheduling_policy: vLLM's "fcfs" (arrival order) or "priority": waiting requests start by their
-        `SamplingParams.priority`, lower first (running ones keep their slots).
+        `SamplingParams.priority`, lower first, and a waiting request that outranks a running one takes its
+        slot (preemption: the running one waits and continues from its prompt and output when readmitted).
     enable_chunked_prefill: vLLM's chunked prefill (default on): a prompt longer than one prefill call
         (max_prefill tokens) takes one call per engine step after its first, between decoding rounds.
     """

@@ -758,8 +758,9 @@ def test_run_arrivals_adds_one_request_every_n_steps_until_all_end():
 
 def test_priority_bench_serves_late_interactive_requests_first_only_under_priority():
     """bench.priority's run on a tiny target with one slot: the interactive requests, added after the
-    backlog, finish right after the request running when they arrive under `priority`, and last under
-    `fcfs` (control); greedy answers are the same."""
+    backlog, finish first under `priority` (the first takes the running batch request's slot; the second
+    arrives while the first runs and goes next), and last under `fcfs` (control); greedy answers are the
+    same."""
     from types import SimpleNamespace
 
     from bench.priority import POLICIES, _run
@@ -773,12 +774,12 @@ def test_priority_bench_serves_late_interactive_requests_first_only_under_priori
         cfg = EngineConfig(max_slots=1, max_len=64, policy="plain", slots_buckets=(1,), max_prefill=16,
                            prefill_buckets=(16,), prefill_batch_buckets=(1,), sampling_variants=("greedy",),
                            prefix_caching=False, scheduling_policy=p)
-        runs[p] = _run(LLM(target=tiny_target(0), engine_config=cfg), prompts, p,
-                       SimpleNamespace(every=2, max_tokens=6))["requests"]
-    ranks = {p: sorted(r["finished"] for r in runs[p] if r["class"] == "interactive") for p in POLICIES}
-    assert ranks == {"fcfs": [4, 5], "priority": [1, 2]}, ranks
-    assert [r["tokens"] for r in runs["fcfs"]] == [r["tokens"] for r in runs["priority"]]
-    assert all(r["queue"] >= 0 and r["ttft"] >= r["queue"] for p in POLICIES for r in runs[p])
+        runs[p] = _run(LLM(target=tiny_target(0), engine_config=cfg), prompts, p, SimpleNamespace(every=2, max_tokens=6))
+    ranks = {p: sorted(r["finished"] for r in runs[p]["requests"] if r["class"] == "interactive") for p in POLICIES}
+    assert ranks == {"fcfs": [4, 5], "priority": [0, 1]}, ranks
+    assert (runs["fcfs"]["preemptions"], runs["priority"]["preemptions"]) == (0, 1)
+    assert [r["tokens"] for r in runs["fcfs"]["requests"]] == [r["tokens"] for r in runs["priority"]["requests"]]
+    assert all(r["queue"] >= 0 and r["ttft"] >= r["queue"] for p in POLICIES for r in runs[p]["requests"])
 
 
 def test_chunked_prefill_bench_measures_the_running_streams_gaps_in_both_settings():

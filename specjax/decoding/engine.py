@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from specjax.decoding import buckets as bk, map_budget
+from specjax.decoding import buckets as bk, map_budget, preemption
 from specjax.decoding.automata import AutomatonTable
 from specjax.decoding.requests import (EngineRequest, Launched, append_output, check_request, prefill_inputs,
                                       seed_key_data, token_logprobs)
@@ -30,6 +30,8 @@ from specjax.decoding.prefix_cache import SlotPrefixes
 from specjax.decoding.profiling import cost_table_meta, target_identity
 from specjax.decoding.programs import unpack_round
 from specjax.decoding.runner import Runner, bucket_key
+from specjax.decoding.scoring import score_prompt
+from specjax.decoding.warm_plan import warm_keys
 from specjax.decoding.verify import VerifyResult, verify_chain
 from specjax.models.decoder import CausalLM
 from specjax.sampling import covering_variant
@@ -92,7 +94,7 @@ class Engine:
         # attention_calls: target calls (rounds and prefill chunks) per attention bucket; prefix_copies: busy slots'
         # rows copied for a prompt that begins with them (prefix caching)
         self.stats = {"rounds": 0, "rounds_ahead": 0, "prefills": 0, "verify_tokens": 0, "round_seconds": 0.0,
-                      "attention_calls": {}, "prefix_copies": 0}
+                      "attention_calls": {}, "prefix_copies": 0, "preemptions": 0}
         self._one_behind = config.pipeline and planner.mode in ("plain", "fixed", "device")
         planner.one_behind = self._one_behind
         self._pending: Launched | None = None  # dispatched last step, not read yet
@@ -135,36 +137,8 @@ class Engine:
 
     # ------------------------------------------------------------------ warm-up
     def warm_keys(self) -> list[tuple[str, tuple[Any, ...]]]:
-        """Every (family, bucket) this engine may execute under its policy: round buckets once per
-        configured sampling variant without log-probabilities, and (max_logprobs > 0) once more in
-        the widest variant with them: a round with a row asking for log-probabilities runs that
-        variant, which covers every row (see `_launch`); each at every attention bucket."""
-        attention, plens = self.buckets.attention, self.buckets.prefill
-        # a prefill chunk of bucket p is longer than the bucket below (prev): it needs > prev rows
-        keys: list[tuple[str, tuple[Any, ...]]] = [("prefill", (pb, p, a)) for pb in self.prefill_batches
-                                                    for prev, p in zip((0,) + plens, plens)
-                                                    for a in attention if a > prev]
-        keys.append(("release", (self.cfg.max_slots,)))
-        if self.prefixes is not None and self.cfg.max_slots > 1:  # a busy slot's rows copied into a free one
-            keys.append(("copy", (self.cfg.max_slots,)))
-        if self.cfg.max_logprobs > 0:  # echo's prompt log-likelihoods, one prompt per call
-            keys += [("score", (1, p)) for p in self.buckets.prefill]
-        tokens = self.buckets.tokens
-        combos = [(v, False) for v in self.cfg.sampling_variants]
-        if self.cfg.max_logprobs > 0:
-            combos.append((self.cfg.sampling_variants[-1], True))
-        for variant, lp in combos:
-            for sb in self.buckets.slots:
-                for family, max_ell in self.planner.families.items():
-                    if max_ell is None:
-                        tbs = [1]  # no tokens field
-                    elif family in ("verify", "fused_fill"):  # every tokens bucket: the cost table measures them all
-                        tbs = list(tokens)
-                    else:
-                        tbs = sorted({1, bk.pick(tokens, max_ell + 1)} | {t for t in tokens if t <= max_ell + 1})
-                    keys += [(family, bucket_key(family, rows=sb, tokens=tb, logprobs=lp, attn=a, variant=variant))
-                             for tb in tbs for a in attention]
-        return list(dict.fromkeys(keys))  # draft has no logprobs field: each key once
+        """Every (family, bucket) this engine may execute under its policy (`warm_plan.warm_keys`)."""
+        return warm_keys(self)
 
     def round_variant(self, temperature: Any, top_k: Any, top_p: Any, min_p: Any = 0.0) -> str:
         """The narrowest compiled sampling variant exact for these rows (see `sampling.covering_variant`)."""
@@ -210,16 +184,7 @@ class Engine:
         prompt_logprobs) and their ranks (1: the most likely), under `req`'s sampling as for generated
         tokens; one cache-free target pass, no slot used, safe beside the engine's loop. The prompt
         must fit the largest prefill bucket."""
-        n = len(req.prompt_ids)
-        if self.cfg.max_logprobs == 0 or not 0 <= (req.logprobs or 0) <= self.cfg.max_logprobs:
-            raise ValueError(f"request {req.request_id}: logprobs must be in [0, {self.cfg.max_logprobs}]")
-        plen = bk.pick(self.buckets.prefill, n, what="prompt length to score")
-        toks = np.zeros((1, plen), np.int32)
-        toks[0, :n] = req.prompt_ids
-        ints = np.array([[n], [0], [0], [req.top_k]], np.int32)
-        floats = np.array([[req.temperature], [req.top_p], [req.min_p]], np.float32)
-        outs = jax.device_get(self.runner.run("score", (1, plen), tokens_bt=toks, ints_4b=ints, floats_3b=floats))
-        return token_logprobs(req, outs, 0, n - 1), outs["rank"][0, :n - 1].tolist()
+        return score_prompt(self, req)
 
     @property
     def num_active(self) -> int:
@@ -229,8 +194,10 @@ class Engine:
         return bool(self.queue) or self.num_active > 0 or self._pending is not None or bool(self._unread)
 
     def _seed_key(self, req: EngineRequest) -> np.ndarray:
-        """A request's base key (`seed_key_data`); unseeded: the engine's seed and a counter (never small)."""
-        if req.seed is not None:
+        """A request's base key (`seed_key_data`); unseeded, or back from preemption (its key's counters
+        restart: a fresh key keeps its tokens independent of those before), the engine's seed and a counter
+        (never small)."""
+        if req.seed is not None and not req.resume_at:
             return seed_key_data(req.seed)
         self._seed_counter += 1
         return seed_key_data(((self.cfg.seed & 0xFFFFFF) << 40) | (1 << 39) | self._seed_counter)
@@ -242,33 +209,33 @@ class Engine:
         stay on the device; the host reads them in `_collect`."""
         free = [i for i, r in enumerate(self.slot_req) if r is None]
         while self.queue and free:
-            batch: list[EngineRequest] = []
+            batch: list[list[Any]] = []  # [request, its first row not reused]
             while self.queue and len(batch) < self.prefill_batches[-1] and free:
                 if self.prefixes is not None and self.prefixes.copies_from(  # prompts in the batch or prefilling
-                        self.queue[0].prompt_ids, [r.prompt_ids for r in batch + [e[0] for e in self._prefilling]],
+                        self.queue[0].context_ids(), [e[0].context_ids() for e in batch + self._prefilling],
                         free, self.buckets.prefill[0], self.buckets.slots):
                     break  # it copies that prompt's rows (prefix caching) once they are all prefilled
                 if self.automata is not None and not self.automata.admit(self.queue[0]):
                     break  # its automaton waits for room in the table (so do the requests behind it)
                 req = self.queue.pop(0)
-                req.slot, req.metrics.cached_tokens = self._slot_for(req, free)
-                req.metrics.scheduled_time = time.perf_counter()
+                req.slot, start = self._slot_for(req, free)
+                if req.metrics.scheduled_time is None:  # its first admission (not a return after preemption)
+                    req.metrics.scheduled_time, req.metrics.cached_tokens = time.perf_counter(), start
                 free.remove(req.slot)
                 self.slot_req[req.slot] = req
                 self._key_data[req.slot] = self._seed_key(req)
                 self.planner.admit(req.slot)
-                self.lengths[req.slot] = len(req.prompt_ids)
+                self.lengths[req.slot] = len(req.context_ids())
                 self.stats["prefills"] += 1
-                batch.append(req)
+                batch.append([req, start])
             if not batch:
                 break
             if self.automata is not None and (table := self.automata.changes()) is not None:
                 self.runner.set_automata(*table)
-            entries = [[r, r.metrics.cached_tokens] for r in batch]
-            self._prefilling += entries
-            self._prefill_call(entries)
-            while not self.cfg.chunked_prefill and (entries := [e for e in entries if e[1] < len(e[0].prompt_ids)]):
-                self._prefill_call(entries)
+            self._prefilling += batch
+            self._prefill_call(batch)
+            while not self.cfg.chunked_prefill and (batch := [e for e in batch if e[1] < len(e[0].context_ids())]):
+                self._prefill_call(batch)
 
     def _slot_for(self, req: EngineRequest, free: list[int]) -> tuple[int, int]:
         """(slot, prompt tokens reused): the lowest free slot, or with prefix caching (`prefix_cache`; not
@@ -277,7 +244,7 @@ class Engine:
         now) within the slots bucket the lowest would run in."""
         if self.prefixes is None or (self.cfg.penalties and req.repetition_penalty != 1.0):
             return free[0], 0
-        slot, start, source = self.prefixes.choose(req.prompt_ids, free, copy_margin=self.buckets.prefill[0],
+        slot, start, source = self.prefixes.choose(req.context_ids(), free, copy_margin=self.buckets.prefill[0],
                                                    slots_buckets=self.buckets.slots)
         if source is not None:
             self.stats["prefix_copies"] += 1
@@ -292,7 +259,7 @@ class Engine:
         `_prefilling` and, with prefix caching, is a copy source; the others stay inactive on the device."""
         todo = entries[:self.prefill_batches[-1]]
         pb = bk.pick(self.prefill_batches, len(todo), what="prefill batch")
-        lens = [min(self.buckets.prefill[-1], len(r.prompt_ids) - start) for r, start in todo]
+        lens = [min(self.buckets.prefill[-1], len(r.context_ids()) - start) for r, start in todo]
         plen = bk.pick(self.buckets.prefill, max(lens), what="prompt chunk length")
         chunks = [(r, start, n, self._draft_cap(r), self._key_data[r.slot]) for (r, start), n in zip(todo, lens)]
         attn = self._attention_bucket(max(start + n for (_, start), n in zip(todo, lens)))
@@ -301,11 +268,11 @@ class Engine:
         outs = self.runner.run("prefill", (pb, plen, attn), **inputs)
         for row, (entry, n) in enumerate(zip(todo, lens)):
             entry[1] += n
-            if entry[1] == len(entry[0].prompt_ids):
+            if entry[1] == len(entry[0].context_ids()):
                 self._unread.append((entry[0], outs, row))
                 self._prefilling = [e for e in self._prefilling if e is not entry]
                 if self.prefixes is not None:  # its prompt's rows: a source for later prompts
-                    self.prefixes.hold(entry[0].slot, entry[0].prompt_ids)
+                    self.prefixes.hold(entry[0].slot, entry[0].context_ids())
 
     def _draft_cap(self, r: EngineRequest) -> int:
         return self.gamma if r.max_draft_tokens is None else min(self.gamma, r.max_draft_tokens)
@@ -396,10 +363,11 @@ class Engine:
         release: list[int] = []
         for req, o, row in firsts:
             o = got[id(o)]
-            req.metrics.first_token_time = time.perf_counter()
+            req.metrics.first_token_time = req.metrics.first_token_time or time.perf_counter()
+            n0 = len(req.output_ids)  # > 0 for a request back from preemption
             self._append(req, [int(o["tokens"][row, 0])])
             if req.logprobs is not None:
-                req.output_logprobs = token_logprobs(req, o, row, len(req.output_ids))
+                req.output_logprobs += token_logprobs(req, o, row, len(req.output_ids) - n0)
             if req.finish_reason:
                 finished.append(req)
                 if o["live"][row]:
@@ -457,21 +425,51 @@ class Engine:
             self.on_round(info)
         return finished
 
+    def _preempt_for_waiting(self) -> list[EngineRequest]:
+        """Priority scheduling: free the slots of running requests that waiting ones outrank
+        (`preemption.victims`) and queue them again; the round in flight is read first, so their state
+        is current. Returns the requests that round finished."""
+        def chosen() -> list[int]:
+            busy = {e[0].slot for e in self._prefilling} | {r.slot for r, _, _ in self._unread}
+            running = [(i, r.priority, r.metrics.start_time) for i, r in enumerate(self.slot_req)
+                       if r is not None and i not in busy and preemption.preemptible(r)]
+            return preemption.victims([r.priority for r in self.queue], running, self.slot_req.count(None))
+
+        if not chosen():
+            return []
+        pending, self._pending = self._pending, None
+        finished = [] if pending is None else self._collect(pending.firsts, pending)
+        slots = chosen()  # that round may have ended some
+        for i in slots:
+            req, self.slot_req[i] = self.slot_req[i], None
+            if self.prefixes is not None:
+                self.prefixes.keep(i, [*req.prompt_ids, *req.output_ids], int(self.lengths[i]))
+            req.resume_at, req.preemptions = len(req.output_ids), req.preemptions + 1
+            bisect.insort(self.queue, req, key=lambda r: (r.priority, r.metrics.start_time))  # before later equals
+        if slots:
+            self.stats["preemptions"] += len(slots)
+            free = np.zeros((self.cfg.max_slots,), np.int32)
+            free[slots] = 1
+            self.runner.run("release", bucket_key("release", rows=self.cfg.max_slots), free_s=free)
+        return finished
+
     def step(self) -> list[EngineRequest]:
-        """Prefill the next chunks of prompts admitted earlier (one call), admit waiting requests, dispatch
-        one round; return the requests whose end the host learned now. Plain, fixed and confidence_async (with `EngineConfig.pipeline`) read round t after
-        dispatching t+1: a request that ended in round t runs one more round, whose tokens are dropped."""
+        """Prefill the next chunks of prompts admitted earlier (one call), preempt for waiting requests
+        (priority scheduling), admit waiting requests, dispatch one round; return the requests whose end
+        the host learned now. Plain, fixed and confidence_async (with `EngineConfig.pipeline`) read round t
+        after dispatching t+1: a request that ended in round t runs one more round, whose tokens are dropped."""
         if self._prefilling:  # prompts admitted earlier: their next chunks, one call between rounds
             self._prefill_call(self._prefilling)
+        priority = self.cfg.scheduling_policy == "priority" and self.queue
+        finished: list[EngineRequest] = self._preempt_for_waiting() if priority else []
         self._admit_waiting()
         pending, self._pending = self._pending, None
-        finished: list[EngineRequest] = []
         if pending is not None and pending.may_overflow(self.lengths, self.buckets, self.cfg.max_len):  # read it first
-            finished, pending = self._collect(pending.firsts, pending), None
+            finished, pending = finished + self._collect(pending.firsts, pending), None
         # rows to run: not those still being prefilled, nor those whose unread first token is all they want
         busy = {e[0].slot for e in self._prefilling}
-        rows = [i for i, r in enumerate(self.slot_req)
-                if r is not None and i not in busy and (r.max_tokens > 1 or r.output_ids)]
+        rows = [i for i, r in enumerate(self.slot_req) if r is not None and i not in busy
+                and (r.max_tokens - r.resume_at > 1 or len(r.output_ids) > r.resume_at)]
         launched = self._launch(rows, pending) if rows else None
         self.stats["rounds_ahead"] += pending is not None and launched is not None  # before its predecessor was read
         if pending is not None:

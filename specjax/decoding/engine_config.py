@@ -88,7 +88,8 @@ class EngineConfig:
     # its first, between decoding rounds, so running requests keep decoding; off, all its calls at admission
     chunked_prefill: bool = True
     # vLLM's: "fcfs" admits requests in arrival order (a request's priority must be 0), "priority" by their
-    # priority (lower first), arrival order among equals; a running request keeps its slot (no preemption)
+    # priority (lower first), arrival order among equals, and a waiting request that outranks a running one
+    # takes its slot (decoding/preemption.py: the running one waits and continues from its prompt and output)
     scheduling_policy: str = "fcfs"
     pipeline: bool = True  # plain, fixed, confidence_async: the host reads a round after dispatching the next
     # cache rows the target attends to (each bucket <= max_len; one executable per round and prefill

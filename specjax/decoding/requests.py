@@ -202,6 +202,13 @@ class EngineRequest:
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
     slot: int = -1
     rounds: int = 0
+    # preemption (decoding/preemption.py): output tokens held when last admitted, times preempted
+    resume_at: int = 0
+    preemptions: int = 0
+
+    def context_ids(self) -> list[int]:
+        """What its admission prefills: the prompt, then (preempted before) the output it held then."""
+        return self.prompt_ids + self.output_ids[:self.resume_at] if self.resume_at else self.prompt_ids
 
 
 def token_logprobs(req: EngineRequest, outs: dict[str, Any], row: int, n: int
@@ -423,12 +430,14 @@ def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]]
     starts = np.full((pb,), -1, np.int32)  # automaton initial states in the engine's table
     pred = np.full((pb, pred_cols), -1, np.int32)
     for row, (r, offset, n, draft_cap, key) in enumerate(chunks):
-        toks[row, :n] = r.prompt_ids[offset:offset + n]
+        ctx = r.context_ids()  # a preempted request's output counts as prompt, and against its limits
+        toks[row, :n] = ctx[offset:offset + n]
         ints[:, row] = n, r.slot, offset, r.top_k
         floats[:, row] = r.temperature, r.top_p, r.min_p
         key_data[row] = key
         # a chunk before the prompt's last leaves its row inactive (no tokens wanted) until that one
-        limits[:, row] = r.max_tokens if offset + n == len(r.prompt_ids) else 1, draft_cap, not r.ignore_eos, r.min_tokens
+        limits[:, row] = (r.max_tokens - r.resume_at if offset + n == len(ctx) else 1, draft_cap, not r.ignore_eos,
+                          max(r.min_tokens - r.resume_at, 0))
         stops[row] = held_stop_ids(r)
         pens[:, row] = r.presence_penalty, r.frequency_penalty, r.repetition_penalty
         if bias_cols:

@@ -175,6 +175,7 @@ class AsyncEngine:
         self._n_inbox = self._n_queued = self._n_open = 0
         self.error: str | None = None  # set when the engine loop died
         self.steps = 0
+        self._preemptions0 = engine.stats["preemptions"]  # the metrics count the engine's preemptions from here
         prev = self._prev_on_round = engine.on_round
 
         def on_round(info: dict[str, Any]) -> None:
@@ -393,6 +394,7 @@ class AsyncEngine:
         if self.metrics is not None:
             eng = self.engine
             held = sum(int(eng.lengths[i]) for i, r in enumerate(eng.slot_req) if r is not None)
+            self.metrics.engine_preemptions(eng.stats["preemptions"] - self._preemptions0)
             self.metrics.set_queue(running=eng.num_active, waiting=self.num_waiting,
                                    cache_usage=held / (eng.cfg.max_slots * eng.cfg.max_len))
 

@@ -298,13 +298,14 @@ def run_batch_job(llm: Any, input_path: str, output_path: str, *, errors_path: s
         metrics.observe_round(info)
 
     kind = BatchRows(llm, defaults or SamplingParams(), metrics, tool_parser, prompt_tokens_details, reasoning_parser)
-    engine.on_round = hook
+    engine.on_round, preemptions0 = hook, engine.stats["preemptions"]
     try:
         summary = run_jsonl_job(kind, engine, input_path, output_path, errors_path=errors_path,
                                 window=window or 2 * engine.cfg.max_slots, shard=shard,
                                 progress=progress, desc=f"batch {shard}")
     finally:
         engine.on_round = prev_hook
+    metrics.engine_preemptions(engine.stats["preemptions"] - preemptions0)
     summary.metrics = metrics.snapshot()
     return summary
 

@@ -66,7 +66,8 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                         "prefill call per engine step after its first, so running requests keep decoding")
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="vLLM's: fcfs starts waiting requests in arrival order; priority by each request's "
-                        "`priority` (lower first, arrival order among equals; no preemption)")
+                        "`priority` (lower first, arrival order among equals), preempting running requests "
+                        "they outrank (those continue when readmitted)")
     add_logit_rule_flags(g, "serve ")
 
 

@@ -18,6 +18,9 @@ vLLM-compatible (every series carries a `model_name` label, as in vLLM):
     vllm:spec_decode_num_accepted_tokens_per_pos_total{position=k}
                                                        counter: drafts whose position k was accepted
                                                        (unconditional, vLLM's definition)
+    vllm:num_preemptions_total                         counter: running requests that gave their slot to
+                                                       a waiting one they were outranked by (priority
+                                                       scheduling; they continue once readmitted)
     vllm:kv_cache_usage_perc                           gauge: fraction of the cache rows running requests
                                                        hold (rows kept for prefix caching are free)
     vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds   histograms
@@ -118,6 +121,8 @@ class ServingMetrics:
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens whose cache rows were reused.")
         self.request_success = counter("vllm:request_success", "Finished requests by finish reason.",
                                        ["finished_reason"])
+        self.preemptions = counter("vllm:num_preemptions", "Running requests preempted for higher-priority ones.")
+        self._engine_preemptions = 0  # the engine's count when last read (`engine_preemptions`)
         self.num_drafts = counter("vllm:spec_decode_num_drafts",
                                   "Request-rounds that verified at least one draft token.")
         self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
@@ -218,6 +223,13 @@ class ServingMetrics:
     def request_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
 
+    def engine_preemptions(self, total: int) -> None:
+        """Count the preemptions an engine made since the last call (`total`: how many it made since these
+        metrics began)."""
+        if total > self._engine_preemptions:
+            self.preemptions.labels(self.model_name).inc(total - self._engine_preemptions)
+        self._engine_preemptions = total
+
     def set_queue(self, *, running: int, waiting: int, cache_usage: float = 0.0) -> None:
         self.running.labels(self.model_name).set(running)
         self.waiting.labels(self.model_name).set(waiting)
@@ -261,6 +273,7 @@ class ServingMetrics:
             "requests": {
                 "running": int(self._value("vllm:num_requests_running")),
                 "waiting": int(self._value("vllm:num_requests_waiting")),
+                "preempted": int(self._value("vllm:num_preemptions_total")),
                 "finished": {k: int(v) for k, v in
                              self._label_values("vllm:request_success_total", "finished_reason").items()},
                 "rejected": {k: int(v) for k, v in
