@@ -77,11 +77,13 @@ def test_victims_are_the_lowest_priority_latest_arrivals_that_waiting_requests_o
 LOW_PROMPT, HIGH_PROMPT = [3, 5, 7, 5, 3], [9, 2, 4]
 
 
-@pytest.mark.parametrize("drafter, caching", [(None, True), (None, False), ("ngram", True), ("ngram", False)])
-def test_a_waiting_request_that_outranks_a_running_one_takes_its_slot(model, drafter, caching):
-    """One slot: a long low-priority request runs, a high-priority one arrives and finishes first; the
-    low one, preempted once, continues to its greedy output (drafts verified with the n-gram drafter;
-    with prefix caching its old rows, without it a whole prefill). Control: equal priorities wait."""
+@pytest.mark.parametrize("drafter, caching, steps", [(None, True, 3), (None, False, 3), ("ngram", True, 3),
+                                                     ("ngram", False, 3), ("ngram", False, 14)])
+def test_a_waiting_request_that_outranks_a_running_one_takes_its_slot(model, drafter, caching, steps):
+    """One slot: a long low-priority request runs, a high-priority one arrives after `steps` steps and
+    finishes first; the low one, preempted once, continues to its greedy output (drafts verified with the
+    n-gram drafter; with prefix caching from its old rows, without it a whole prefill: after 14 steps its
+    prompt and output outgrow one 16-token prefill call, so chunked). Control: equal priorities wait."""
     make = (lambda: None) if drafter is None else (lambda: NGramDrafter(V, gamma=3, max_ngram=2))
     cfg = {"scheduling_policy": "priority", "prefix_caching": caching}
     ref = small_engine(model, make(), slots=1, variants=("greedy",), config=cfg)
@@ -91,11 +93,13 @@ def test_a_waiting_request_that_outranks_a_running_one_takes_its_slot(model, dra
     for high_priority, preempted in ((-1, True), (5, False)):
         low = EngineRequest("low", list(LOW_PROMPT), max_tokens=24, temperature=0.0, priority=5)
         high = EngineRequest("high", list(HIGH_PROMPT), max_tokens=24, temperature=0.0, priority=high_priority)
-        order = _finish_order_after(eng, [low], late=[high], steps=3)
+        order = _finish_order_after(eng, [low], late=[high], steps=steps)
         assert order == (["high", "low"] if preempted else ["low", "high"]), (high_priority, order)
         assert (low.preemptions, high.preemptions) == (int(preempted), 0)
         assert low.output_ids == want[LOW_PROMPT[0]] and high.output_ids == want[HIGH_PROMPT[0]]
-        assert 3 <= low.resume_at < 24 if preempted else low.resume_at == 0
+        assert steps <= low.resume_at < 24 if preempted else low.resume_at == 0
+        if preempted and steps > 3:
+            assert len(low.context_ids()) > 16  # readmitted in two prefill calls
         if drafter is not None:
             assert low.metrics.num_drafts > 0 and low.metrics.num_accepted_tokens > 0
     assert eng.stats["preemptions"] == 1

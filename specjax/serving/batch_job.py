@@ -246,9 +246,10 @@ class BatchRows:
         """The output line of a row whose requests (one per answer) have all finished."""
         chat = row.openai is not None and row.openai.url == "/v1/chat/completions"
         answers = [batch_openai.Answer(
-            None if self.tokenizer is None else request_text(self.tokenizer, r), list(r.output_ids), r.finish_reason,
-            r.stop_reason, None if row.sp.logprobs is None else logprobs_block(self.tokenizer, list(r.output_ids),
-                                                                               r.output_logprobs, chat))
+            None if self.tokenizer is None else request_text(self.tokenizer, r), list(r.output_ids),
+            r.finish_reason or "length", r.stop_reason,
+            None if row.sp.logprobs is None else logprobs_block(self.tokenizer, list(r.output_ids), r.output_logprobs,
+                                                                chat))
             for r in reqs]
         n_prompt, n_out = len(reqs[0].prompt_ids), sum(len(a.token_ids) for a in answers)
         counts = usage(n_prompt, n_out, reqs, prompt_details=self.prompt_details, n=len(reqs))
