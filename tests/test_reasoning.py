@@ -137,6 +137,9 @@ def test_the_server_answers_the_thinking_apart_streamed_or_not(thinking):
             streamed_r = "".join(c.choices[0].delta.model_extra.get("reasoning") or "" for c in chunks if c.choices)
             streamed_c = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             closed = client.chat.completions.create(**{**body, "extra_body": {"ignore_eos": True}}).choices[0].message
+            rbody = dict(model="tiny", input=MESSAGES, max_output_tokens=8, temperature=0, extra_body=body["extra_body"])
+            resp = client.responses.create(**rbody)
+            events = list(client.responses.create(stream=True, **rbody))
         finally:
             server.stop()
             api.engine.drain(60)
@@ -149,6 +152,14 @@ def test_the_server_answers_the_thinking_apart_streamed_or_not(thinking):
         assert (streamed_r, streamed_c) == (reasoning, content)
         # the prompt without <think> (enable_thinking off), an answer not beginning with it: no thinking
         assert closed.model_extra["reasoning"] is None and closed.content and "<think>" not in closed.content
+        # the Responses API: the thinking as a reasoning item before the message, streamed or not
+        assert [o.type for o in resp.output] == ["reasoning", "message"] and resp.output_text == content
+        assert resp.output[0].content[0].text == reasoning and resp.usage.output_tokens_details.reasoning_tokens == k
+        streamed = {kind: "".join(e.delta for e in events if e.type == kind)
+                    for kind in ("response.reasoning_text.delta", "response.output_text.delta")}
+        assert list(streamed.values()) == [reasoning, content]
+        assert [e.type for e in events].index("response.reasoning_text.done") < [e.type for e in events].index(
+            "response.content_part.added")
 
 
 def test_batch_chat_lines_answer_the_thinking_apart(thinking, tmp_path):

@@ -3,6 +3,8 @@
 Endpoints:
     POST /v1/completions        prompt: a string (needs a tokenizer) or a list of token ids
     POST /v1/chat/completions   messages through the tokenizer's chat template
+    POST /v1/responses          OpenAI's Responses API, text in and out, answered by the chat route
+                                (`specjax.serving.responses_api`; streamed as named events, no [DONE])
     GET  /v1/models             the one served model and its max_model_len
     POST /tokenize, /detokenize vLLM's: a prompt or messages as the token ids the completion routes use;
                                 token ids as text
@@ -40,7 +42,7 @@ import secrets
 import signal
 import socket
 import threading
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -53,6 +55,7 @@ from specjax.serving.metrics import CONTENT_TYPE
 from specjax.serving.errors import APIError, rejection_reason, validation_error
 from specjax.serving.limits import ServerLimits
 from specjax.serving.openai_api import OpenAIApp
+from specjax.serving.responses_api import ResponsesRequest, respond
 from specjax.serving.streams import ClientGone
 from specjax.serving.responses import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ErrorResponse,
                                        Health, ModelList, TokenizeResponse, Version)
@@ -297,11 +300,11 @@ def _add_info_routes(app: FastAPI, served: ServedApp, keyed: list[Any]) -> None:
 
 
 def _add_completion_routes(app: FastAPI, served: ServedApp, keyed: list[Any]) -> None:
-    """/v1/completions and /v1/chat/completions (JSON, or SSE when streamed)."""
-    async def completion(req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+    """/v1/completions, /v1/chat/completions and /v1/responses (JSON, or SSE when streamed)."""
+    async def answer(run: Callable[[OpenAIApp], Awaitable[tuple[Any, Any, Callable[[], None]]]],
+                     responses: bool = False) -> Response:
         try:
-            api = served.get()
-            result, chunks, abort = await api.complete(req, is_disconnected=request.is_disconnected)
+            result, chunks, abort = await run(served.get())
         except APIError as e:
             served.count_rejected(e)
             return _error_response(e)
@@ -314,10 +317,15 @@ def _add_completion_routes(app: FastAPI, served: ServedApp, keyed: list[Any]) ->
             return JSONResponse(result)
 
         async def events() -> Any:
-            async for c in chunks:
-                yield b"data: " + json.dumps(c).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
+            async for c in chunks:  # the Responses API names each event; chat and completions end with [DONE]
+                name = f"event: {c['type']}\n".encode() if responses else b""
+                yield name + b"data: " + json.dumps(c).encode() + b"\n\n"
+            if not responses:
+                yield b"data: [DONE]\n\n"
         return _SSEResponse(events(), on_close=abort)
+
+    async def completion(req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+        return await answer(lambda api: api.complete(req, is_disconnected=request.is_disconnected))
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses=_completion_responses(CompletionResponse, keyed), dependencies=keyed)
@@ -330,6 +338,11 @@ def _add_completion_routes(app: FastAPI, served: ServedApp, keyed: list[Any]) ->
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Answer a conversation (the tokenizer's chat template; text content parts)."""
         return await completion(body, request)
+
+    @app.post("/v1/responses", responses=_keyed_errors(keyed, 400, 404, 413, 503, 504), dependencies=keyed)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, text in and out, answered by the chat route (`serving.responses_api`)."""
+        return await answer(lambda api: respond(api, body, is_disconnected=request.is_disconnected), responses=True)
 
 
 def _add_token_routes(app: FastAPI, served: ServedApp, keyed: list[Any]) -> None:
