@@ -12,7 +12,7 @@ thinking comes first as a `reasoning` output item. Refused, naming the field (40
 this server does not keep or calls it does not make here: `previous_response_id`, `conversation`,
 `background`, `prompt`, `tools`, `reasoning`, `top_logprobs`, `truncation` "auto", and other input
 item or content types. An answer cut by `max_output_tokens` is "incomplete" (reason
-max_output_tokens).
+max_output_tokens; streamed, its last event is `response.incomplete`, as OpenAI's).
 """
 from __future__ import annotations
 
