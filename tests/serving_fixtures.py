@@ -49,19 +49,22 @@ def export_tiny_target(out_dir: str | pathlib.Path, seed: int = 0) -> pathlib.Pa
     return pathlib.Path(out_dir)
 
 
-def tiny_chat_tokenizer():
-    """A word-level fast tokenizer over the tiny vocabulary ("<unk>", "<s>", "</s>", "w3".."w63") with a
-    chat template that joins the message contents and adds "w9" as the generation prompt."""
+def tiny_chat_tokenizer(renamed: dict[int, str] | None = None, generation_prompt: str = "w9"):
+    """A word-level fast tokenizer over the tiny vocabulary ("<unk>", "<s>", "</s>", "w3".."w63"; `renamed`:
+    other words for some ids) with a chat template that joins the message contents and adds
+    `generation_prompt` (a Jinja expression's text) as the generation prompt."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, TINY["vocab_size"])]
+    for i, w in (renamed or {}).items():
+        words[i] = w
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                                 eos_token="</s>", pad_token="</s>")
     fast.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}w9{% endif %}")
+                          "{% if add_generation_prompt %}" + generation_prompt + "{% endif %}")
     return fast
 
 

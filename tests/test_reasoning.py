@@ -78,21 +78,8 @@ THINK_ID = 63  # the tokenizer's word "<think>": the template puts it after the 
 def _tokenizer(end_id: int | None = None):
     """The tiny chat tokenizer with word 63 "<think>" (opened by the template when enable_thinking is
     true) and the word of `end_id` "</think>"."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    base = tiny_chat_tokenizer()
-    vocab = {w: i for w, i in base.get_vocab().items()}
-    words = {i: w for w, i in vocab.items()}
-    words[THINK_ID] = "<think>"
-    if end_id is not None:
-        words[end_id] = "</think>"
-    tok = Tokenizer(models.WordLevel({w: i for i, w in words.items()}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                                eos_token="</s>", pad_token="</s>")
-    fast.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}w9{% if enable_thinking %} <think>{% endif %}{% endif %}")
-    return fast
+    renamed = {THINK_ID: "<think>", **({} if end_id is None else {end_id: "</think>"})}
+    return tiny_chat_tokenizer(renamed, generation_prompt="w9{% if enable_thinking %} <think>{% endif %}")
 
 
 MESSAGES = [{"role": "user", "content": "w5 w6 w7"}]
