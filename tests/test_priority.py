@@ -77,8 +77,7 @@ def test_victims_are_the_lowest_priority_latest_arrivals_that_waiting_requests_o
 LOW_PROMPT, HIGH_PROMPT = [3, 5, 7, 5, 3], [9, 2, 4]
 
 
-@pytest.mark.parametrize("drafter, caching, steps", [(None, True, 3), (None, False, 3), ("ngram", True, 3),
-                                                     ("ngram", False, 3), ("ngram", False, 14)])
+@pytest.mark.parametrize("drafter, caching, steps", [(None, True, 3), ("ngram", True, 3), ("ngram", False, 14)])
 def test_a_waiting_request_that_outranks_a_running_one_takes_its_slot(model, drafter, caching, steps):
     """One slot: a long low-priority request runs, a high-priority one arrives after `steps` steps and
     finishes first; the low one, preempted once, continues to its greedy output (drafts verified with the
@@ -139,20 +138,20 @@ def _preempted_samples(eng, n_samples: int, per_run: int) -> list[tuple[int, ...
 
 
 def test_preempted_sampled_requests_keep_the_targets_distribution(model, monkeypatch):
-    """Seeded sampled requests preempted after two tokens: their first and third tokens (one before,
+    """2,560 seeded sampled requests preempted after two tokens: their first and third tokens (one before,
     one after) follow the target's enumerated distribution (chi-square). Negative control: resuming
     with the request's own key (its counters restart, so the tokens after the preemption reuse the
     randomness of those before) is detected."""
     exact: dict[tuple[int, ...], float] = {}
     for (a, _, c), p in exact_continuations(model, LOW_PROMPT, 3, temperature=1.0).items():
         exact[(a, c)] = exact.get((a, c), 0.0) + p
-    eng = small_engine(model, slots=32, max_len=16, prefill=8, variants=("plain",),
+    eng = small_engine(model, slots=64, max_len=16, prefill=8, variants=("plain",),
                        config={"scheduling_policy": "priority", "prefix_caching": False})
-    assert chi_square_pvalue(_preempted_samples(eng, 4096, 32), exact) > 1e-3
+    assert chi_square_pvalue(_preempted_samples(eng, 2560, 64), exact) > 1e-3
     own_key = Engine._seed_key
     monkeypatch.setattr(Engine, "_seed_key", lambda self, r: own_key(self, EngineRequest(
         r.request_id, r.prompt_ids, r.max_tokens, seed=r.seed)))  # resume_at ignored: the seed's own key
-    assert chi_square_pvalue(_preempted_samples(eng, 4096, 32), exact) < 1e-6
+    assert chi_square_pvalue(_preempted_samples(eng, 2560, 64), exact) < 1e-6
 
 
 def test_a_preempted_stream_continues_where_it_was_and_the_server_counts_it(model):
