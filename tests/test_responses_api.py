@@ -95,6 +95,8 @@ def test_streamed_events_join_to_the_same_answer(served):
     ({"input": "w5", "text": {"format": {"type": "grammar"}}}, "text.format"),
     ({"input": "w5", "model": "gpt-9"}, "model"),
     ({"input": [{"role": "user", "content": "w5"}], "instructions": 3}, "instructions"),
+    ({"input": "w5", "temperature": "0.5"}, "temperature"),
+    ({"input": "w5", "top_p": 2}, "top_p"),
 ])
 def test_what_is_not_served_is_refused_naming_the_responses_field(served, body, param):
     url, _ = served

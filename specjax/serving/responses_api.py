@@ -44,8 +44,8 @@ class ResponsesRequest(_Body):
     input: pydantic.StrictStr | list[dict[str, Any]]
     instructions: pydantic.StrictStr | None = None
     max_output_tokens: pydantic.StrictInt | None = pydantic.Field(None, description="at most this many output tokens")
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: pydantic.StrictFloat | pydantic.StrictInt | None = None
+    top_p: pydantic.StrictFloat | pydantic.StrictInt | None = None
     stream: pydantic.StrictBool | None = None
     text: dict[str, Any] | None = pydantic.Field(None, description='{"format": {"type": "text" | "json_schema" '
                                                                    '(with "schema") | "json_object"}}')
