@@ -225,7 +225,7 @@ class Engine:
                 self.slot_req[req.slot] = req
                 self._key_data[req.slot] = self._seed_key(req)
                 self.planner.admit(req.slot)
-                self.lengths[req.slot] = len(req.context_ids())
+                self.lengths[req.slot] = req.context_len
                 self.stats["prefills"] += 1
                 batch.append([req, start])
             if not batch:
@@ -234,7 +234,7 @@ class Engine:
                 self.runner.set_automata(*table)
             self._prefilling += batch
             self._prefill_call(batch)
-            while not self.cfg.chunked_prefill and (batch := [e for e in batch if e[1] < len(e[0].context_ids())]):
+            while not self.cfg.chunked_prefill and (batch := [e for e in batch if e[1] < e[0].context_len]):
                 self._prefill_call(batch)
 
     def _slot_for(self, req: EngineRequest, free: list[int]) -> tuple[int, int]:
@@ -259,7 +259,7 @@ class Engine:
         `_prefilling` and, with prefix caching, is a copy source; the others stay inactive on the device."""
         todo = entries[:self.prefill_batches[-1]]
         pb = bk.pick(self.prefill_batches, len(todo), what="prefill batch")
-        lens = [min(self.buckets.prefill[-1], len(r.context_ids()) - start) for r, start in todo]
+        lens = [min(self.buckets.prefill[-1], r.context_len - start) for r, start in todo]
         plen = bk.pick(self.buckets.prefill, max(lens), what="prompt chunk length")
         chunks = [(r, start, n, self._draft_cap(r), self._key_data[r.slot]) for (r, start), n in zip(todo, lens)]
         attn = self._attention_bucket(max(start + n for (_, start), n in zip(todo, lens)))
@@ -268,7 +268,7 @@ class Engine:
         outs = self.runner.run("prefill", (pb, plen, attn), **inputs)
         for row, (entry, n) in enumerate(zip(todo, lens)):
             entry[1] += n
-            if entry[1] == len(entry[0].context_ids()):
+            if entry[1] == entry[0].context_len:
                 self._unread.append((entry[0], outs, row))
                 self._prefilling = [e for e in self._prefilling if e is not entry]
                 if self.prefixes is not None:  # its prompt's rows: a source for later prompts
@@ -433,7 +433,7 @@ class Engine:
             busy = {e[0].slot for e in self._prefilling} | {r.slot for r, _, _ in self._unread}
             running = [(i, r.priority, r.metrics.start_time) for i, r in enumerate(self.slot_req)
                        if r is not None and i not in busy and preemption.preemptible(r)]
-            return preemption.victims([r.priority for r in self.queue], running, self.slot_req.count(None))
+            return preemption.victims((r.priority for r in self.queue), running, self.slot_req.count(None))
 
         if not chosen():
             return []

@@ -13,7 +13,7 @@ Those keep their slots; so do requests still prefilling or whose first token the
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 
 def preemptible(req: Any) -> bool:
@@ -22,11 +22,11 @@ def preemptible(req: Any) -> bool:
                 or req.automaton is not None or req.prediction_ids)
 
 
-def victims(waiting: Sequence[int], running: Sequence[tuple[int, int, float]], free: int) -> list[int]:
-    """Slots to free for waiting requests (their priorities, in queue order): each takes a free slot
-    while there is one, else the slot of the preemptible running request (slot, priority, arrival) with
-    the highest priority value, the latest arrival among equals, when that value is above its own;
-    the first waiting request that outranks none stops the search."""
+def victims(waiting: Iterable[int], running: Sequence[tuple[int, int, float]], free: int) -> list[int]:
+    """Slots to free for waiting requests (their priorities, in queue order, read only as far as needed):
+    each takes a free slot while there is one, else the slot of the preemptible running request (slot,
+    priority, arrival) with the highest priority value, the latest arrival among equals, when that value
+    is above its own; the first waiting request that outranks none stops the search."""
     order = sorted(running, key=lambda r: (r[1], r[2]))  # the last is the first to go
     out: list[int] = []
     for priority in waiting:

@@ -210,6 +210,11 @@ class EngineRequest:
         """What its admission prefills: the prompt, then (preempted before) the output it held then."""
         return self.prompt_ids + self.output_ids[:self.resume_at] if self.resume_at else self.prompt_ids
 
+    @property
+    def context_len(self) -> int:
+        """len(context_ids()), without building it."""
+        return len(self.prompt_ids) + self.resume_at
+
 
 def token_logprobs(req: EngineRequest, outs: dict[str, Any], row: int, n: int
                     ) -> list[tuple[float, list[int], list[float]]]:
@@ -436,7 +441,7 @@ def prefill_inputs(chunks: list[tuple[EngineRequest, int, int, int, np.ndarray]]
         floats[:, row] = r.temperature, r.top_p, r.min_p
         key_data[row] = key
         # a chunk before the prompt's last leaves its row inactive (no tokens wanted) until that one
-        limits[:, row] = (r.max_tokens - r.resume_at if offset + n == len(ctx) else 1, draft_cap, not r.ignore_eos,
+        limits[:, row] = (r.max_tokens - r.resume_at if offset + n == r.context_len else 1, draft_cap, not r.ignore_eos,
                           max(r.min_tokens - r.resume_at, 0))
         stops[row] = held_stop_ids(r)
         pens[:, row] = r.presence_penalty, r.frequency_penalty, r.repetition_penalty

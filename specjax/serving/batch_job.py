@@ -156,8 +156,7 @@ class BatchRows:
         self.reasoning_parser = reasoning_parser
         self.prompt_details = prompt_details
         self.engine, self.max_len = llm.engine, llm.engine.cfg.max_len
-        self.rows: dict[int, tuple[Row, list[Any]]] = {}  # rows with requests in the engine: (row, its requests)
-        self.running: dict[int, int] = {}  # row index -> its requests not finished yet
+        self.rows: dict[int, list[Any]] = {}  # rows with requests in the engine: [row, its requests, unfinished]
 
     def row_id(self, index: int, row: JsonlLine) -> Any:
         obj = row.value
@@ -208,7 +207,7 @@ class BatchRows:
             return self.error(index, row, str(e), parsed.field(field))
         for _ in reqs:
             self.metrics.request_admitted(len(ids))
-        self.rows[index], self.running[index] = (parsed, reqs), len(reqs)
+        self.rows[index] = [parsed, reqs, len(reqs)]
         return None
 
     def _prompt_ids(self, row: Row) -> list[int]:
@@ -236,11 +235,12 @@ class BatchRows:
                                       (n_prompt, n_out))
         if self.engine.prefixes is not None:
             self.metrics.prefix_cache_lookup(n_prompt, request.metrics.cached_tokens)
-        self.running[index] -= 1
-        if self.running[index]:
+        entry = self.rows[index]
+        entry[2] -= 1
+        if entry[2]:
             return None  # choices still running
-        del self.running[index]
-        return Outcome(index, self._record(*self.rows.pop(index)))
+        del self.rows[index]
+        return Outcome(index, self._record(entry[0], entry[1]))
 
     def _record(self, row: Row, reqs: list[Any]) -> dict[str, Any]:
         """The output line of a row whose requests (one per answer) have all finished."""

@@ -72,7 +72,6 @@ class _Parsed:
     sp: SamplingParams
     stream: bool
     include_usage: bool
-    n: int
     logprobs: int | None  # top alternatives per token (0: the token's own); None: no log-probabilities
     echo: bool = False  # completions: the prompt before the completion (text and logprobs)
     generate: bool = True  # False: max_tokens 0 with echo (nothing is generated)
@@ -81,6 +80,11 @@ class _Parsed:
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' log-probabilities with this many alternatives
     tools: ToolMode | None = None  # chat: the answer is tool calls (`tool_calls.tool_guide`)
     reasoning: bool | None = None  # chat with a reasoning parser: whether the answer starts thinking (None: not split)
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt (`SamplingParams.n`)."""
+        return self.sp.n
 
 
 class OpenAIApp:
@@ -187,7 +191,7 @@ class OpenAIApp:
         if outside:
             raise APIError(400, f"'{outside[0]}' holds {outside[1]}, outside the vocabulary [0, {self.vocab_size})",
                            param=outside[0])
-        return _Parsed([ids for ids, _ in pairs], sp, bool(body.get("stream")), include_usage, n, logprobs, echo,
+        return _Parsed([ids for ids, _ in pairs], sp, bool(body.get("stream")), include_usage, logprobs, echo,
                        body.get("max_tokens") != 0, tuple(text for _, text in pairs),
                        include_usage and bool(options.get("continuous_usage_stats")), prompt_logprobs, tools[0],
                        reasoning_start(self.reasoning_parser if chat else None, self.tokenizer, pairs[0][0], sp))
