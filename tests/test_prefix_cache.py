@@ -100,6 +100,29 @@ def test_a_prompt_waits_for_the_next_batch_only_when_a_batch_prompt_gives_a_long
     assert p.copies_from(prompt, [prompt + [0]], [1, 2, 3], copy_margin=1)  # 7 > 5 + 1
 
 
+def test_a_large_batch_of_prompts_is_not_compared_pair_by_pair():
+    """Admitting n prompts asks `copies_from` about each against the batch so far: it compares only
+    batch prompts that start with the prompt's two tokens and could pass the margin, and stops at a
+    whole-prompt match (control: the same question answered over every pair, as it was, compares
+    them all and agrees)."""
+    from specjax.decoding import prefix_cache
+
+    calls = []
+    counted = lambda a, b: calls.append(1) or shared_prefix(a, b)  # noqa: E731
+    prompt = list(range(1, 13))
+    batch = [[7, 7] + prompt] * 300 + [prompt[:3]] * 300 + [prompt] * 300  # other start, too short, whole
+    free = [0, 1, 2, 3]
+    prefix_cache.shared_prefix = counted
+    try:
+        assert SlotPrefixes(4).copies_from(prompt, batch, free, copy_margin=4)
+        assert len(calls) == 1
+        assert not SlotPrefixes(4).copies_from(prompt[:5], batch, free, copy_margin=4) and len(calls) == 1
+        naive = max(counted(np.asarray(b), np.asarray(prompt)) - 1 for b in batch)
+    finally:
+        prefix_cache.shared_prefix = shared_prefix
+    assert len(calls) == 1 + len(batch) and naive == len(prompt) - 1
+
+
 @pytest.mark.parametrize("slots_buckets", [(2,), (1, 2)])
 def test_a_conversation_keeps_its_slot_across_an_unrelated_request(target, slots_buckets):
     # A, then an unrelated request alone, then A's next turn: with one slots bucket the unrelated request

@@ -212,7 +212,7 @@ class Engine:
             batch: list[list[Any]] = []  # [request, its first row not reused]
             while self.queue and len(batch) < self.prefill_batches[-1] and free:
                 if self.prefixes is not None and self.prefixes.copies_from(  # prompts in the batch or prefilling
-                        self.queue[0].context_ids(), [e[0].context_ids() for e in batch + self._prefilling],
+                        self.queue[0].context_ids(), (e[0].context_ids() for e in batch + self._prefilling),
                         free, self.buckets.prefill[0], self.buckets.slots):
                     break  # it copies that prompt's rows (prefix caching) once they are all prefilled
                 if self.automata is not None and not self.automata.admit(self.queue[0]):

@@ -20,7 +20,7 @@ recent conversations last while the rows in use stay packed.
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -78,14 +78,23 @@ class SlotPrefixes:
             limit = next(b for b in slots_buckets if b > max(top, free[0]))
         return min((s for s in free if s < limit), key=lambda s: (self._kept[s] is not None, self._freed_at[s], s))
 
-    def copies_from(self, prompt_ids: Sequence[int], batch: Sequence[Sequence[int]], free: Sequence[int],
+    def copies_from(self, prompt_ids: Sequence[int], batch: Iterable[Sequence[int]], free: Sequence[int],
                     copy_margin: int = 0, slots_buckets: Sequence[int] | None = None) -> bool:
         """Whether a prompt would restart later by more than `copy_margin` from the rows of a prompt in
         `batch` (the prefill batch being built, and prompts still being prefilled in chunks) than from
         what slots hold now (`choose`): it then waits, and copies them once that prompt's prefill is
-        all dispatched."""
-        prompt = np.asarray(prompt_ids, np.int64)
-        most = max((shared_prefix(np.asarray(p, np.int64), prompt) - 1 for p in batch), default=0)
+        all dispatched. Cost: one comparison per batch prompt that starts with the same two tokens, none
+        for a prompt too short to restart past the margin (admitting a batch of n prompts is not n^2
+        array comparisons)."""
+        full = len(prompt_ids) - 1  # the longest restart there is
+        if full <= copy_margin:
+            return False
+        prompt, head, most = np.asarray(prompt_ids, np.int64), (int(prompt_ids[0]), int(prompt_ids[1])), 0
+        for p in batch:
+            if len(p) > copy_margin + 1 and (int(p[0]), int(p[1])) == head:
+                most = max(most, shared_prefix(np.asarray(p, np.int64), prompt) - 1)
+                if most == full:
+                    break
         # `choose` only when a batch prompt could give a copy at all (its restart is never negative)
         return most > copy_margin and most > self.choose(prompt_ids, free, copy_margin, slots_buckets)[1] + copy_margin
 
