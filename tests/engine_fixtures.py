@@ -240,7 +240,7 @@ def small_engine(model, drafter=None, *, slots: int = 4, max_len: int = 64, poli
 
 
 def drafter_pvalue(model, drafter, prompt: list[int], exact: dict[tuple[int, ...], float], *,
-                   temperature: float, n_samples: int = 12000, seed0: int = 0) -> float:
+                   temperature: float, n_samples: int = 6000, seed0: int = 0) -> float:
     """Chi-square p-value of the engine's first three tokens with `drafter` at fixed gamma against
     `exact` (the target's enumerated distribution at `temperature`), after checking that full blocks
     were verified. The engine has one tokens bucket, gamma + 1: every round runs at full width (a
