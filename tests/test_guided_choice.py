@@ -189,7 +189,7 @@ def _sampled(model, n: int, seed0: int, drafter=None) -> tuple[list[tuple[int, .
 def test_sampled_outputs_follow_the_guided_law(small):
     law = _law(small)
     assert sum(law[c] for c in SMALL) == pytest.approx(1.0, abs=1e-5)
-    firsts, outputs = _sampled(small, 6000, 0)
+    firsts, outputs = _sampled(small, 3000, 0)
     assert all(tuple(o[:-1]) in SMALL and o[-1] == 0 for o in outputs)  # a whole choice, then eos
     p = chi_square_pvalue(firsts, law)
     assert p > 1e-3, f"guided output differs from the guided law (chi-square p={p:.2e})"
@@ -199,7 +199,7 @@ def test_forced_drafts_of_a_drafter_with_a_draft_vocabulary_follow_the_law(small
     """The forced drafts' q is one-hot over the drafter's draft vocabulary; forcing stops at a
     token outside it (3 and 7 here)."""
     from test_draft_vocab import make
-    firsts, outputs = _sampled(small, 4000, 7 * 10**5, drafter=make("dspark", small))
+    firsts, outputs = _sampled(small, 3000, 7 * 10**5, drafter=make("dspark", small))
     assert all(tuple(o[:-1]) in SMALL and o[-1] == 0 for o in outputs)
     p = chi_square_pvalue(firsts, _law(small))
     assert p > 1e-3, f"guided output with a draft-vocabulary drafter differs from the law (p={p:.2e})"
@@ -208,7 +208,7 @@ def test_forced_drafts_of_a_drafter_with_a_draft_vocabulary_follow_the_law(small
 def test_negative_control_forgetting_the_drafts_fails_the_law(small, monkeypatch):
     monkeypatch.setattr(logit_rules, "guide_choices", lambda lg, ch, alive, pos, d, stops: _GUIDE(
         lg, ch, alive, pos, d * 0 - 1, stops))
-    assert chi_square_pvalue(_sampled(small, 6000, 10**6)[0], _law(small)) < 1e-3
+    assert chi_square_pvalue(_sampled(small, 1000, 10**6)[0], _law(small)) < 1e-3
 
 
 @pytest.mark.parametrize("kw, field, message", [

@@ -105,7 +105,7 @@ def test_sampled_outputs_follow_the_held_back_law(small):
     eng = _sampling_engine(small)
     ells = []
     eng.on_round = lambda info: ells.extend(info["ell"])
-    samples = _sampled(eng, 8000, 2, seed0=0)
+    samples = _sampled(eng, 4000, 2, seed0=0)
     assert sum(e == GAMMA for e in ells) > 500  # full blocks were verified
     assert all(len(s) == 3 and 3 not in s[:2] for s in samples)
     p = chi_square_pvalue(samples, exact)
@@ -114,7 +114,7 @@ def test_sampled_outputs_follow_the_held_back_law(small):
 
 def test_negative_control_a_device_that_holds_nothing_back(small, monkeypatch):
     monkeypatch.setattr(logit_rules, "hold_stops", lambda logits, stops, min_left: logits)
-    samples = _sampled(_sampling_engine(small), 2000, 2, seed0=10**6)
+    samples = _sampled(_sampling_engine(small), 1000, 2, seed0=10**6)
     exact = exact_continuations(small, [1, 5, 2], 3, rule=hold_logits((3,), 2))
     assert chi_square_pvalue(samples, exact) < 1e-3
 

@@ -134,13 +134,13 @@ def _law(model):
 def test_sampled_outputs_follow_the_penalised_law(small):
     law, free = _law(small), exact_continuations(small, [1, 5, 2], 3)
     assert sum(abs(law[k] - free[k]) for k in law) > 0.2  # the penalties change the law
-    p = chi_square_pvalue(_sampled(small, 8000, 0), law)
+    p = chi_square_pvalue(_sampled(small, 6000, 0), law)
     assert p > 1e-3, f"penalised output differs from the penalised law (chi-square p={p:.2e})"
 
 
 def test_negative_control_forgetting_the_drafts_fails_the_law(small, monkeypatch):
     monkeypatch.setattr(logit_rules, "penalize", _forgetting_drafts)
-    assert chi_square_pvalue(_sampled(small, 8000, 10**6), _law(small)) < 1e-3
+    assert chi_square_pvalue(_sampled(small, 6000, 10**6), _law(small)) < 1e-3
 
 
 def test_penalties_are_checked_and_refused_without_the_engine_option(case):

@@ -253,7 +253,7 @@ def test_negative_control_predicted_drafts_with_the_drafters_q_fail_the_law(smal
     honest = row_state.predict_drafts
     monkeypatch.setattr(row_state, "predict_drafts", lambda rows, block, q_ids, greedy=False: honest(
         rows, block, q_ids, greedy)._replace(q=block.q, q_draft=block.q_draft))
-    firsts, _ = _sampled(small, 4000, 10**6)
+    firsts, _ = _sampled(small, 1000, 10**6)
     assert chi_square_pvalue(firsts, exact_continuations(small, [1, 5, 2], 3)) < 1e-3
 
 
