@@ -49,13 +49,37 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 import pytest  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_traces_around_patches(request):
-    """Engines of equal contexts share traced programs (decoding.runner._jitted): a test that may
-    swap a function the programs call (monkeypatch) traces afresh, and leaves no patched trace."""
-    patching = "monkeypatch" in request.fixturenames
-    if patching:
-        jax.clear_caches()
-    yield
-    if patching:
-        jax.clear_caches()
+TRACED_PACKAGES = ("specjax", "jax", "flax")
+
+
+def _traced(target) -> bool:
+    """Whether a monkeypatch target (an object, or a dotted path) lies in code that programs trace."""
+    if isinstance(target, str):
+        name = target
+    else:
+        name = getattr(target, "__name__", "") if isinstance(target, type(os)) else \
+            getattr(target, "__module__", None) or type(target).__module__
+    return (name or "").split(".")[0] in TRACED_PACKAGES
+
+
+@pytest.fixture
+def monkeypatch(monkeypatch):
+    """pytest's monkeypatch, clearing JAX's caches when a test patches code that programs trace
+    (specjax, jax, flax) or a mapping: engines of equal contexts share traced programs
+    (decoding.runner._jitted), so the patch takes effect, and no patched trace outlives the test.
+    Patches of anything else (the environment, the clock, files) keep the run's traces."""
+    cleared = []
+    setattr_, setitem_ = monkeypatch.setattr, monkeypatch.setitem
+
+    def clearing(patch, traced):
+        def patched(target, *args, **kwargs):
+            if traced(target):
+                jax.clear_caches()
+                cleared.append(True)
+            return patch(target, *args, **kwargs)
+        return patched
+    monkeypatch.setattr = clearing(setattr_, _traced)
+    monkeypatch.setitem = clearing(setitem_, lambda target: True)
+    yield monkeypatch
+    if cleared:
+        jax.clear_caches()  # before the patches are undone: nothing traces in between
