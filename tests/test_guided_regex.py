@@ -392,13 +392,15 @@ def test_tool_choice_is_answered_as_tool_calls(tok, tmp_path):
     """A named tool_choice answers that function's arguments (JSON of its parameters) as one tool call,
     "required" a list of calls; "none" answers text (the control: unguided, no valid arguments);
     "auto" (a server with --tool-call-parser hermes) the model's own text, and its calls where it writes them;
-    a function not listed and tool_choice without tools are refused naming the field. A named call streams:
+    a function not listed and tool_choice without tools are refused naming the field (the Responses API's
+    function tools on the same server: test_responses_api.check_function_calls). A named call streams:
     its first delta names it, the next carry its arguments in pieces; "required" streams each call whole,
     "auto" its text."""
     from specjax.api import LLM
     from specjax.serving.http_server import ServerThread
     from specjax.serving.openai_api import OpenAIApp
     from serving_fixtures import http_json, http_request, sse_events
+    from test_responses_api import check_function_calls
     chat_tok = byte_level_tokenizer()
     chat_tok.chat_template = ("{% for m in messages %}{{ m['content'] or '' }}\n{% endfor %}"
                               "{% if tools %}[{{ tools | length }} tools]{% endif %}")
@@ -481,7 +483,8 @@ def test_tool_choice_is_answered_as_tool_calls(tok, tmp_path):
             assert status == 400 and r["error"]["param"] == param and fragment in r["error"]["message"], (kw, r)
         status, r = http_json(server.url + "/v1/completions", "POST", {"prompt": "x", "tools": [weather],
                                                                         "tool_choice": "required"})
-        assert status == 400 and r["error"]["param"] == "tools", r  # the chat route's only
+        assert status == 400 and r["error"]["param"] == "tools", r  # the chat route's and the Responses API's
+        check_function_calls(server.url, [weather, clock], history, call)
     finally:
         server.stop()
         api.engine.drain(60)
