@@ -69,7 +69,6 @@ def monkeypatch(monkeypatch):
     (decoding.runner._jitted), so the patch takes effect, and no patched trace outlives the test.
     Patches of anything else (the environment, the clock, files) keep the run's traces."""
     cleared = []
-    setattr_, setitem_ = monkeypatch.setattr, monkeypatch.setitem
 
     def clearing(patch, traced):
         def patched(target, *args, **kwargs):
@@ -78,8 +77,10 @@ def monkeypatch(monkeypatch):
                 cleared.append(True)
             return patch(target, *args, **kwargs)
         return patched
-    monkeypatch.setattr = clearing(setattr_, _traced)
-    monkeypatch.setitem = clearing(setitem_, lambda target: True)
+    monkeypatch.setattr = clearing(monkeypatch.setattr, _traced)
+    monkeypatch.delattr = clearing(monkeypatch.delattr, _traced)
+    monkeypatch.setitem = clearing(monkeypatch.setitem, lambda target: True)
+    monkeypatch.delitem = clearing(monkeypatch.delitem, lambda target: True)
     yield monkeypatch
     if cleared:
         jax.clear_caches()  # before the patches are undone: nothing traces in between
