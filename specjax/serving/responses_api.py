@@ -369,7 +369,7 @@ class _StreamState:
 
     def call_piece(self, answer: Answer, piece: dict[str, Any], event: Any) -> list[dict[str, Any]]:
         """The events of one chat `tool_calls` delta: a new call opens its item, arguments are its deltas."""
-        out, k, arguments = [], piece.get("index", len(self.calls) - 1), (piece.get("function") or {}).get("arguments")
+        out, k, arguments = [], piece["index"], (piece.get("function") or {}).get("arguments")  # chat deltas name it
         if k >= len(self.calls):
             out += self.close(answer, event)
             self.calls.append({"id": piece.get("id") or f"call_{uuid.uuid4().hex}", "type": "function",
