@@ -1,8 +1,11 @@
 """Test session setup: 8 emulated CPU devices for the sharding tests (set before jax is imported), and
 per-run caches shared by the xdist workers: a persistent compilation cache, so engines with
-identical shapes compile once per run, and the float32 copies of converted GGUF targets."""
+identical shapes compile once per run, and the float32 copies of converted GGUF targets (removed when
+the run ends)."""
 import os
+import shutil
 import tempfile
+import uuid
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -24,12 +27,17 @@ os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 _run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
+RUN_DIR_PREFIXES = ("specjax-gguf-cache-", "specjax-jit-cache-")
+_made: list[str] = []  # this process's own run directories (no xdist run id)
 
 
 def run_dir(prefix: str) -> str:
-    """A temporary directory for this test run, the same one in every xdist worker."""
+    """A temporary directory for this test run, the same one in every xdist worker (`prefix`: one of
+    RUN_DIR_PREFIXES, so that the run's end removes it)."""
+    assert prefix in RUN_DIR_PREFIXES, prefix
     if not _run_id:
-        return tempfile.mkdtemp(prefix=prefix)
+        _made.append(tempfile.mkdtemp(prefix=prefix))
+        return _made[-1]
     d = os.path.join(tempfile.gettempdir(), f"{prefix}{_run_id}")
     os.makedirs(d, exist_ok=True)
     return d
@@ -84,3 +92,20 @@ def monkeypatch(monkeypatch):
     yield monkeypatch
     if cleared:
         jax.clear_caches()  # before the patches are undone: nothing traces in between
+
+
+def pytest_configure(config):
+    """The xdist controller names the run (its workers' shared directories) unless --testrunuid did."""
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None) \
+            and getattr(config.option, "testrunuid", "given") is None:
+        config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_unconfigure(config):
+    """The run's end (the controller's, or a run without xdist) removes the run's directories."""
+    if hasattr(config, "workerinput"):
+        return
+    uid = getattr(config.option, "testrunuid", None)
+    shared = [os.path.join(tempfile.gettempdir(), p + uid) for p in RUN_DIR_PREFIXES] if uid else []
+    for d in _made + shared:
+        shutil.rmtree(d, ignore_errors=True)
