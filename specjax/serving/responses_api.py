@@ -312,7 +312,7 @@ async def response_events(answer: Answer, chunks: AsyncIterator[dict[str, Any]])
                             content_index=0, delta=delta["reasoning"])
             if delta.get("content"):
                 if s.text is None:
-                    for e in s.close(answer, event) + _open_message(answer, s, event):
+                    for e in s.close(answer, event) + s.open_message(answer, event):
                         yield e
                 s.text.append(delta["content"])
                 yield event("response.output_text.delta", item_id=answer.message_id, output_index=s.index,
@@ -321,7 +321,7 @@ async def response_events(answer: Answer, chunks: AsyncIterator[dict[str, Any]])
                 for e in s.call_piece(answer, piece, event):
                     yield e
     if s.text is None and not s.calls:
-        for e in s.close(answer, event) + _open_message(answer, s, event):
+        for e in s.close(answer, event) + s.open_message(answer, event):
             yield e
     for e in s.close(answer, event, "completed" if finish in ("stop", "tool_calls") else "incomplete"):
         yield e
@@ -367,6 +367,14 @@ class _StreamState:
         self.open = None
         return out
 
+    def open_message(self, answer: Answer, event: Any) -> list[dict[str, Any]]:
+        """The events that open the message item (after `close`)."""
+        self.text, self.open, self.index = [], "message", self.index + 1
+        return [event("response.output_item.added", output_index=self.index,
+                      item=answer.message_item("", "in_progress")),
+                event("response.content_part.added", item_id=answer.message_id, output_index=self.index,
+                      content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
     def call_piece(self, answer: Answer, piece: dict[str, Any], event: Any) -> list[dict[str, Any]]:
         """The events of one chat `tool_calls` delta: a new call opens its item, arguments are its deltas."""
         out, k, arguments = [], piece["index"], (piece.get("function") or {}).get("arguments")  # chat deltas name it
@@ -382,14 +390,6 @@ class _StreamState:
             out.append(event("response.function_call_arguments.delta", item_id=answer.call_ids[k],
                              output_index=self.index, delta=arguments))
         return out
-
-
-def _open_message(answer: Answer, s: _StreamState, event: Any) -> list[dict[str, Any]]:
-    """The events that open the message item (after closing what was open)."""
-    s.text, s.open, s.index = [], "message", s.index + 1
-    return [event("response.output_item.added", output_index=s.index, item=answer.message_item("", "in_progress")),
-            event("response.content_part.added", item_id=answer.message_id, output_index=s.index, content_index=0,
-                  part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
 
 
 __all__ = ["Answer", "REFUSED", "ResponsesRequest", "chat_body", "remapped", "respond", "response_events",
